@@ -1,0 +1,36 @@
+"""mixprec: mixed-precision training for PyTorch, with policies as data.
+
+``mixprec.autocast`` is a drop-in for ``torch.autocast``; its precision policy
+is a value users can read and change (:class:`Policy`).
+"""
+
+from mixprec.autocast import (
+    autocast,
+    get_autocast_dtype,
+    get_autocast_policy,
+    is_autocast_enabled,
+    set_autocast_enabled,
+)
+from mixprec.custom_function import custom_bwd, custom_fwd, op
+from mixprec.policy import NORM_TYPES, ModuleRule, OpCategory, Policy, builtin_policy, default_policy, get_policy
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "NORM_TYPES",
+    "ModuleRule",
+    "OpCategory",
+    "Policy",
+    "__version__",
+    "autocast",
+    "builtin_policy",
+    "custom_bwd",
+    "custom_fwd",
+    "default_policy",
+    "get_autocast_dtype",
+    "get_autocast_policy",
+    "get_policy",
+    "is_autocast_enabled",
+    "op",
+    "set_autocast_enabled",
+]

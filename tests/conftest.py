@@ -1,0 +1,45 @@
+"""Shared fixtures: every test starts and ends with autocast off in this thread."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+autocast_module = importlib.import_module("mixprec.autocast")
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.fixture(autouse=True)
+def _clean_autocast_state() -> Iterator[None]:
+    state = autocast_module._state()
+    assert state.nesting == 0 and state.mode is None, "a previous test left mixprec autocast on"
+    yield
+    for device_type in list(state.switched_on):
+        autocast_module.set_autocast_enabled(False, device_type)
+    assert state.nesting == 0 and state.mode is None and not state.cache, "test left mixprec autocast state behind"
+
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    if t.is_complex():
+        t = torch.view_as_real(t.resolve_conj())
+    return t.resolve_neg().contiguous().view(_BITS[t.element_size()])
+
+
+def bitwise_equal(a: object, b: object) -> bool:
+    """Same structure, dtypes and shapes, and floating values equal bit for bit (NaN payloads too)."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        if a.dtype != b.dtype or a.shape != b.shape:
+            return False
+        if a.is_floating_point() or a.is_complex():
+            return torch.equal(_bits(a), _bits(b))
+        return torch.equal(a, b)
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(bitwise_equal(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
