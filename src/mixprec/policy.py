@@ -36,6 +36,27 @@ _WRAPPERS = tables.wrappers()
 Op = Callable[..., Any]
 
 
+def _expand(op: Op) -> tuple[Op, ...]:
+    """All forms of ``op`` a TorchFunctionMode can receive.
+
+    A ``torch.library.custom_op`` arrives as its OpOverload; ``torch.ops.ns.op(...)``
+    as the OpOverloadPacket, ``torch.ops.ns.op.default(...)`` as the OpOverload.
+    """
+    overload = getattr(op, "_opoverload", None)  # a torch.library.CustomOpDef
+    if isinstance(overload, torch._ops.OpOverload):
+        op = overload
+    if isinstance(op, torch._ops.OpOverload):
+        packet = op.overloadpacket
+        return (op, packet, *(getattr(packet, name) for name in packet.overloads()))  # type: ignore[no-untyped-call]
+    if isinstance(op, torch._ops.OpOverloadPacket):
+        return (op, *(getattr(op, name) for name in op.overloads()))  # type: ignore[no-untyped-call]
+    return (op,)
+
+
+def _expand_all(ops: Iterable[Op]) -> frozenset[Op]:
+    return frozenset(form for op in ops for form in _expand(op))
+
+
 class OpCategory(str, enum.Enum):
     """What autocast does with an op; torch's CastPolicy, by name."""
 
@@ -115,7 +136,7 @@ class Policy:
         compute_dtype: the low precision; ``None`` takes autocast's ``dtype`` argument.
         output_dtype: if set, floating outputs of ``lower`` ops are cast to it.
         module_rules: per-module precision, first match wins.
-        name: a label for reports.
+        name: a label for reports; not compared.
     """
 
     lower: frozenset[Op] = frozenset()
@@ -126,7 +147,7 @@ class Policy:
     compute_dtype: torch.dtype | None = None
     output_dtype: torch.dtype | None = None
     module_rules: tuple[ModuleRule, ...] = ()
-    name: str = "custom"
+    name: str = dataclasses.field(default="custom", compare=False)
 
     def __post_init__(self) -> None:
         for field in ("lower", "fp32", "fp32_set_dtype", "promote"):
@@ -134,8 +155,9 @@ class Policy:
             for op in ops:
                 if not callable(op):
                     raise TypeError(f"Policy.{field} holds callables, got {op!r}")
-            object.__setattr__(self, field, ops)
-        object.__setattr__(self, "banned", MappingProxyType(dict(self.banned)))
+            object.__setattr__(self, field, _expand_all(ops))
+        banned = {form: text for op, text in dict(self.banned).items() for form in _expand(op)}
+        object.__setattr__(self, "banned", MappingProxyType(banned))
         object.__setattr__(self, "module_rules", tuple(self.module_rules))
         if self.compute_dtype is not None:
             object.__setattr__(self, "compute_dtype", parse_dtype(self.compute_dtype, what="compute dtype"))
@@ -166,7 +188,7 @@ class Policy:
 
     def category_of(self, op: Op) -> OpCategory | None:
         """The category ``op`` is in, or ``None`` if autocast leaves it alone."""
-        return self._table.get(op)  # type: ignore[attr-defined,no-any-return]
+        return self._table.get(_expand(op)[0])  # type: ignore[attr-defined,no-any-return]
 
     def add(self, category: OpCategory | str, *ops: Op, hint: str | None = None) -> Policy:
         """A copy with ``ops`` moved into ``category`` (out of any other).
@@ -200,7 +222,7 @@ class Policy:
             for op in ops:
                 if self.category_of(op) is None:
                     raise ValueError(f"{_op_name(op)} is in no category of policy {self.name!r}; nothing to remove")
-        drop = set(ops)
+        drop = _expand_all(ops)
         return dataclasses.replace(
             self,
             lower=self.lower - drop,

@@ -1,0 +1,430 @@
+"""mixprec.autocast semantics: torch.autocast's, plus the policy, module rules and switch."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import weakref
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import mixprec
+from conftest import autocast_module, bitwise_equal, requires_cuda
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+
+
+def mm_dtype() -> torch.dtype:
+    return torch.mm(torch.randn(2, 2), torch.randn(2, 2)).dtype
+
+
+# --- arguments, like torch.autocast --------------------------------------------------
+
+
+def test_default_dtype_follows_torch() -> None:
+    with mixprec.autocast("cpu"):
+        assert mm_dtype() is torch.get_autocast_dtype("cpu")
+        assert mixprec.is_autocast_enabled("cpu")
+        assert mixprec.get_autocast_dtype("cpu") is torch.get_autocast_dtype("cpu")
+    assert not mixprec.is_autocast_enabled("cpu")
+    assert mm_dtype() is FP32
+
+
+@pytest.mark.parametrize(("dtype", "expected"), [(BF16, BF16), (FP16, FP16), ("bf16", BF16), ("float16", FP16)])
+def test_dtype_argument(dtype: torch.dtype | str, expected: torch.dtype) -> None:
+    with mixprec.autocast("cpu", dtype=dtype):
+        assert mm_dtype() is expected
+
+
+def test_decorator() -> None:
+    @mixprec.autocast("cpu", dtype=FP16)
+    def forward() -> torch.dtype:
+        return mm_dtype()
+
+    assert forward() is FP16
+    assert forward() is FP16  # reusable
+    assert mm_dtype() is FP32
+
+
+def test_decorated_function_can_recurse() -> None:
+    @mixprec.autocast("cpu")
+    def depth(n: int) -> int:
+        return 0 if n == 0 else 1 + depth(n - 1)
+
+    assert depth(3) == 3
+    assert not mixprec.is_autocast_enabled("cpu")
+
+
+def test_nesting_disable_and_other_dtype() -> None:
+    with mixprec.autocast("cpu", dtype=BF16):
+        assert mm_dtype() is BF16
+        with mixprec.autocast("cpu", enabled=False):
+            assert mm_dtype() is FP32
+            assert not mixprec.is_autocast_enabled("cpu")
+            with mixprec.autocast("cpu", dtype=FP16):
+                assert mm_dtype() is FP16
+            assert mm_dtype() is FP32
+        assert mm_dtype() is BF16
+        with mixprec.autocast("cpu", dtype=FP16):
+            assert mm_dtype() is FP16
+        assert mm_dtype() is BF16
+
+
+def test_nesting_matches_torch_bitwise() -> None:
+    a, b = torch.randn(8, 8), torch.randn(8, 8)
+    results = {}
+    for name, ac in (("torch", torch.autocast), ("mixprec", mixprec.autocast)):
+        with ac("cpu", dtype=BF16):
+            x = torch.mm(a, b)
+            with ac("cpu", enabled=False):
+                y = torch.mm(x.float(), b)
+                with ac("cpu", dtype=FP16):
+                    z = torch.mm(y, a)
+        results[name] = (x, y, z)
+    assert bitwise_equal(results["torch"], results["mixprec"])
+
+
+def test_other_device_type_region_does_not_disable_cpu() -> None:
+    with mixprec.autocast("cpu"), mixprec.autocast("xpu", enabled=False):
+        assert mm_dtype() is BF16
+
+
+def test_state_restored_when_body_raises() -> None:
+    with pytest.raises(KeyError), mixprec.autocast("cpu", dtype=FP16), mixprec.autocast("cpu", enabled=False):
+        raise KeyError("boom")
+    assert not mixprec.is_autocast_enabled("cpu")
+    assert mm_dtype() is FP32
+    with mixprec.autocast("cpu", dtype=BF16):
+        with pytest.raises(ValueError), mixprec.autocast("cpu", dtype=FP16):
+            raise ValueError
+        assert mm_dtype() is BF16
+
+
+def test_state_is_thread_local() -> None:
+    seen: dict[str, object] = {}
+    inside = threading.Event()
+    release = threading.Event()
+
+    def other_thread() -> None:
+        seen["before"] = mm_dtype()
+        with mixprec.autocast("cpu", dtype=FP16):
+            seen["inside"] = mm_dtype()
+            inside.set()
+            release.wait(10)
+        autocast_module._tls.__dict__.clear()
+
+    with mixprec.autocast("cpu", dtype=BF16):
+        worker = threading.Thread(target=other_thread)
+        worker.start()
+        assert inside.wait(10)
+        assert mm_dtype() is BF16  # the other thread's fp16 region does not leak here
+        release.set()
+        worker.join()
+    assert seen == {"before": FP32, "inside": FP16}
+
+
+def test_same_object_cannot_be_entered_twice() -> None:
+    region = mixprec.autocast("cpu")
+    with region, pytest.raises(RuntimeError, match="already active"), region:
+        pass
+
+
+# --- bad input -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"device_type": "tpu"}, ValueError, "unknown device_type 'tpu'; valid: cpu, cuda"),
+        ({"device_type": 3}, TypeError, "device_type must be a string"),
+        ({"device_type": "cpu", "dtype": torch.int32}, ValueError, "non-floating dtype.*bfloat16"),
+        ({"device_type": "cpu", "dtype": torch.float64}, ValueError, "cannot compute in; use one of"),
+        ({"device_type": "cpu", "dtype": "float8"}, ValueError, "unknown autocast dtype 'float8'; valid names: bf16"),
+        ({"device_type": "cpu", "policy": "tpu"}, ValueError, "unknown policy 'tpu'; built-in policies: cpu, cuda"),
+        ({"device_type": "cpu", "policy": "compute=bf16,speed=max"}, ValueError, "valid keys: base, compute"),
+        ({"device_type": "cpu", "policy": 3}, TypeError, "policy must be a mixprec.Policy"),
+        ({"device_type": "cpu", "enabled": "yes"}, TypeError, "enabled must be a bool"),
+        ({"device_type": "cpu", "dtype": FP16, "policy": "compute=bf16"}, ValueError, "conflicts with policy"),
+    ],
+)
+def test_bad_arguments_name_the_fix(kwargs: dict[str, object], error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        mixprec.autocast(**kwargs)  # type: ignore[arg-type]
+
+
+def test_banned_op_says_what_to_use_instead() -> None:
+    probs, target = torch.rand(4), torch.rand(4)
+    with mixprec.autocast("cpu", policy="cuda"), pytest.raises(RuntimeError, match="binary_cross_entropy_with_logits"):
+        F.binary_cross_entropy(probs, target)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA path")
+def test_cuda_without_gpu_warns_and_disables_like_torch() -> None:
+    with pytest.warns(UserWarning, match="CUDA is not available"):
+        region = mixprec.autocast("cuda")
+    with region:
+        assert not mixprec.is_autocast_enabled("cuda")
+
+
+# --- policy effects --------------------------------------------------------------------
+
+
+def test_any_policy_on_any_device() -> None:
+    x = torch.randn(8)
+    with mixprec.autocast("cpu", policy="cuda"):  # CUDA lists on CPU tensors: exp runs in fp32
+        assert torch.exp(x.to(BF16)).dtype is FP32
+        assert torch.softmax(x.to(BF16), 0).dtype is FP32
+    with mixprec.autocast("cpu"):  # CPU lists: exp is not listed
+        assert torch.exp(x.to(BF16)).dtype is BF16
+
+
+def test_output_dtype() -> None:
+    layer = nn.Linear(8, 8)
+    with mixprec.autocast("cpu", policy="compute=bf16,output=fp32"):
+        y = layer(torch.randn(2, 8))
+    assert y.dtype is FP32
+    # values were computed in bf16: they are bf16-representable
+    assert torch.equal(y, y.to(BF16).to(FP32))
+
+
+def test_user_ops_and_custom_ops_can_be_listed() -> None:
+    @mixprec.op
+    def scaled_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return (a * b).sum(-1)
+
+    @torch.library.custom_op("mixprec_test::double", mutates_args=())
+    def double(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    x = torch.randn(4)
+    policy = mixprec.get_policy("cpu").add("lower", scaled_dot).add("fp32", double)
+    with mixprec.autocast("cpu", policy=policy):
+        assert scaled_dot(x, x).dtype is BF16
+        assert double(x.to(BF16)).dtype is FP32
+    with mixprec.autocast("cpu"):
+        assert scaled_dot(x, x).dtype is FP32
+        assert double(x.to(BF16)).dtype is BF16
+
+
+def test_removed_op_is_left_alone() -> None:
+    policy = mixprec.get_policy("cpu").remove(torch.mm, torch.Tensor.mm)
+    with mixprec.autocast("cpu", policy=policy):
+        assert mm_dtype() is FP32
+        assert torch.matmul(torch.randn(2, 2), torch.randn(2, 2)).dtype is BF16
+
+
+def test_python_composites_are_seen_inside() -> None:
+    mha = nn.MultiheadAttention(16, 2, batch_first=True)
+    x = torch.randn(2, 5, 16)
+    with torch.autocast("cpu"):
+        expected = mha(x, x, x)
+    with mixprec.autocast("cpu"):
+        got = mha(x, x, x)
+    assert bitwise_equal(expected, got)
+
+
+# --- weight-cast cache ---------------------------------------------------------------
+
+
+def test_weight_is_cast_once_per_region_and_released() -> None:
+    layer = nn.Linear(8, 8)
+    with mixprec.autocast("cpu"):
+        first = layer(torch.randn(2, 8))
+        cache = autocast_module._state().cache
+        cache = autocast_module._state().cache
+        assert set(cache) == {id(layer.weight), id(layer.bias)}  # leaves that require grad, as torch
+        cached_weight = cache[id(layer.weight)][1]
+        layer(torch.randn(2, 8))
+        assert cache[id(layer.weight)][1] is cached_weight
+        weak = weakref.ref(cached_weight)
+        del cached_weight
+    assert not autocast_module._state().cache
+    gc.collect()
+    assert weak() is None
+    assert first.dtype is BF16
+
+
+def test_cache_does_not_grow_over_iterations() -> None:
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sizes = []
+    for _ in range(50):
+        with mixprec.autocast("cpu"):
+            loss = model(torch.randn(4, 8)).float().pow(2).mean()
+            sizes.append(len(autocast_module._state().cache))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        assert not autocast_module._state().cache
+    assert set(sizes) == {4}  # two weights and two biases, every iteration
+
+
+def test_cache_disabled() -> None:
+    layer = nn.Linear(8, 8)
+    with mixprec.autocast("cpu", cache_enabled=False):
+        layer(torch.randn(2, 8))
+        assert not autocast_module._state().cache
+
+
+def test_cache_drops_copy_of_weight_changed_in_place() -> None:
+    layer = nn.Linear(4, 4, bias=False)
+    x = torch.randn(1, 4)
+    with mixprec.autocast("cpu"):
+        before = layer(x)
+        with torch.no_grad():
+            layer.weight.mul_(2)
+        after = layer(x)
+    assert not torch.equal(after, before)
+    with mixprec.autocast("cpu", cache_enabled=False):
+        fresh = layer(x)
+    assert torch.equal(after, fresh)  # the doubled weight was used, not the stale cached copy
+
+
+# --- the global switch -----------------------------------------------------------------
+
+
+def test_global_switch() -> None:
+    mixprec.set_autocast_enabled(True, "cpu", dtype=FP16)
+    try:
+        assert mixprec.is_autocast_enabled("cpu")
+        assert mm_dtype() is FP16
+        with mixprec.autocast("cpu", enabled=False):
+            assert mm_dtype() is FP32
+            with pytest.raises(RuntimeError, match="leave that region first"):
+                mixprec.set_autocast_enabled(False, "cpu")
+        mixprec.set_autocast_enabled(True, "cpu", dtype=BF16)  # replaces the settings
+        assert mm_dtype() is BF16
+    finally:
+        mixprec.set_autocast_enabled(False, "cpu")
+    assert not mixprec.is_autocast_enabled("cpu")
+    assert mm_dtype() is FP32
+    mixprec.set_autocast_enabled(False, "cpu")  # off when off: nothing to do
+
+
+def test_global_switch_cache_follows_optimizer_steps() -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(8, 1)
+    reference = nn.Linear(8, 1)
+    reference.load_state_dict(model.state_dict())
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, reference)]
+    x = torch.randn(16, 8)
+    mixprec.set_autocast_enabled(True, "cpu")
+    try:
+        losses = []
+        for _ in range(3):
+            loss = model(x).float().pow(2).mean()
+            loss.backward()
+            opts[0].step()
+            opts[0].zero_grad()
+            losses.append(loss.item())
+    finally:
+        mixprec.set_autocast_enabled(False, "cpu")
+    expected = []
+    for _ in range(3):
+        with mixprec.autocast("cpu"):
+            loss = reference(x).float().pow(2).mean()
+        loss.backward()
+        opts[1].step()
+        opts[1].zero_grad()
+        expected.append(loss.item())
+    assert losses == expected  # no stale bf16 weights after an in-place update
+
+
+# --- per-module rules ----------------------------------------------------------------
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8)
+        self.head = nn.Linear(8, 8)
+        self.seen: dict[str, torch.dtype] = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        self.seen["proj"] = h.dtype
+        h = self.norm(h)
+        self.seen["norm"] = h.dtype
+        out = self.head(h)
+        self.seen["head"] = out.dtype
+        return out
+
+
+def test_module_rule_by_type() -> None:
+    block = _Block()
+    policy = mixprec.get_policy("cpu").keep_modules(types=mixprec.NORM_TYPES)
+    with mixprec.autocast("cpu", policy=policy):
+        block(torch.randn(2, 8))
+    assert block.seen == {"proj": BF16, "norm": FP32, "head": BF16}
+
+
+def test_module_rule_by_name_and_nested_model() -> None:
+    model = nn.Sequential(_Block(), _Block())
+    policy = mixprec.get_policy("cpu").keep_modules(names=["1.head"])
+    with mixprec.autocast("cpu", policy=policy):
+        model(torch.randn(2, 8))
+    assert model[0].seen["head"] is BF16
+    assert model[1].seen["head"] is FP32
+    assert model[1].seen["proj"] is BF16
+
+
+def test_module_rule_with_low_dtype_and_string_form() -> None:
+    block = _Block()
+    policy = mixprec.get_policy("cpu").keep_modules(names=["head"], dtype="fp16")
+    with mixprec.autocast("cpu", policy=policy):
+        block(torch.randn(2, 8))
+    assert block.seen["head"] is FP16 and block.seen["proj"] is BF16
+    with mixprec.autocast("cpu", policy="keep=norm"):
+        block(torch.randn(2, 8))
+    assert block.seen["norm"] is FP32
+
+
+def test_module_rule_restored_after_exception_and_hooks_removed() -> None:
+    class Exploding(nn.LayerNorm):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise RuntimeError("inside")
+
+    model = nn.Sequential(nn.Linear(4, 4), Exploding(4))
+    policy = mixprec.get_policy("cpu").keep_modules(types=[nn.LayerNorm])
+    with mixprec.autocast("cpu", policy=policy):
+        with pytest.raises(RuntimeError, match="inside"):
+            model(torch.randn(2, 4))
+        assert mm_dtype() is BF16  # the fp32 rule of the failed module is gone
+    assert not nn.modules.module._global_forward_pre_hooks
+
+
+def test_module_rules_match_torch_when_done_by_hand() -> None:
+    torch.manual_seed(0)
+    block = _Block()
+    x = torch.randn(2, 8)
+    policy = mixprec.get_policy("cpu").keep_modules(types=[nn.LayerNorm])
+    with mixprec.autocast("cpu", policy=policy):
+        got = block(x)
+    with torch.autocast("cpu"):
+        h = block.proj(x)
+        with torch.autocast("cpu", enabled=False):
+            h = block.norm(h.float())
+        expected = block.head(h)
+    assert bitwise_equal(expected, got)
+
+
+# --- CUDA, when there is one -----------------------------------------------------------
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [FP16, BF16])
+def test_cuda_training_step_matches_torch(dtype: torch.dtype) -> None:
+    results = []
+    for ac in (torch.autocast, mixprec.autocast):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(32, 64), nn.LayerNorm(64), nn.GELU(), nn.Linear(64, 8)).cuda()
+        x, y = torch.randn(16, 32, device="cuda"), torch.randint(0, 8, (16,), device="cuda")
+        with ac("cuda", dtype=dtype):
+            loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        results.append((loss, [p.grad for p in model.parameters()]))
+    assert bitwise_equal(results[0], results[1])

@@ -1,0 +1,154 @@
+"""Policy: frozen data, torch's lists, editing, string form, module rules."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+
+import mixprec
+from mixprec import OpCategory, Policy
+
+
+def test_builtin_cpu_policy_has_torch_cpu_lists() -> None:
+    cpu = mixprec.get_policy("cpu")
+    for op in (torch.mm, torch.Tensor.mm, torch.matmul, torch.Tensor.__matmul__, F.linear, torch.conv2d,
+               torch.bmm, torch.baddbmm, F.scaled_dot_product_attention):  # fmt: skip
+        assert cpu.category_of(op) is OpCategory.LOWER, op
+    for op in (torch._C._nn.mse_loss, torch._C._nn.cross_entropy_loss, torch.prod, torch.linalg.solve):
+        assert cpu.category_of(op) is OpCategory.FP32, op
+    for op in (torch.cat, torch.stack):
+        assert cpu.category_of(op) is OpCategory.PROMOTE, op
+    assert cpu.category_of(torch.exp) is None  # exp is on CUDA's fp32 list, not CPU's
+    assert not cpu.banned and not cpu.fp32_set_dtype
+
+
+def test_builtin_cuda_policy_has_torch_cuda_lists() -> None:
+    cuda = mixprec.get_policy("cuda")
+    assert cuda.category_of(torch.mm) is OpCategory.LOWER
+    assert cuda.category_of(torch.addmv) is OpCategory.LOWER
+    assert cuda.category_of(torch.exp) is OpCategory.FP32
+    assert cuda.category_of(torch.layer_norm) is OpCategory.FP32
+    assert cuda.category_of(torch.softmax) is OpCategory.FP32_SET_DTYPE
+    assert cuda.category_of(torch.sum) is OpCategory.FP32_SET_DTYPE
+    assert cuda.category_of(torch.addcmul) is OpCategory.PROMOTE
+    assert cuda.category_of(torch._C._nn.binary_cross_entropy) is OpCategory.BANNED
+
+
+def test_default_policy_per_device() -> None:
+    assert mixprec.default_policy("cpu") is mixprec.builtin_policy("cpu")
+    assert mixprec.default_policy("cuda") is mixprec.builtin_policy("cuda")
+
+
+def test_policy_is_frozen_and_hashable() -> None:
+    policy = mixprec.get_policy("cpu")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        policy.compute_dtype = torch.float16  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        policy.banned[torch.mm] = "no"  # type: ignore[index]
+    assert hash(policy) == hash(dataclasses.replace(policy))
+    assert policy == dataclasses.replace(policy)
+
+
+def test_add_moves_and_remove_drops() -> None:
+    base = mixprec.get_policy("cpu")
+    moved = base.add("fp32", torch.mm)
+    assert moved.category_of(torch.mm) is OpCategory.FP32
+    assert torch.mm not in moved.lower
+    assert base.category_of(torch.mm) is OpCategory.LOWER  # the original is unchanged
+    dropped = moved.remove(torch.mm)
+    assert dropped.category_of(torch.mm) is None
+    with pytest.raises(ValueError, match="in no category"):
+        dropped.remove(torch.mm)
+    banned = base.add(OpCategory.BANNED, torch.exp, hint="use torch.special.expit")
+    assert banned.banned[torch.exp] == "use torch.special.expit"
+
+
+def test_one_category_per_op() -> None:
+    with pytest.raises(ValueError, match="in both 'lower' and 'fp32'"):
+        Policy(lower=frozenset({torch.mm}), fp32=frozenset({torch.mm}))
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "match"),
+    [
+        (lambda p: p.add("fast", torch.mm), ValueError, "unknown op category 'fast'; valid categories: lower, fp32"),
+        (lambda p: p.add("lower"), ValueError, "at least one op"),
+        (lambda p: p.add("lower", "mm"), TypeError, "takes callables"),
+        (lambda p: p.keep_modules(), ValueError, "needs types="),
+        (lambda p: p.keep_modules(types=[int]), TypeError, "nn.Module subclasses"),
+        (lambda p: p.keep_modules(types=[nn.LayerNorm], dtype=torch.int8), ValueError, "non-floating"),
+    ],
+)
+def test_bad_edits_name_the_fix(call: object, error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        call(mixprec.get_policy("cpu"))  # type: ignore[operator]
+
+
+@pytest.mark.parametrize(
+    ("spec", "compute", "output", "base", "rules"),
+    [
+        ("cpu", None, None, "cpu", 0),
+        ("compute=bf16", torch.bfloat16, None, "cpu", 0),
+        ("compute=fp16, output=fp32", torch.float16, torch.float32, "cpu", 0),
+        ("base=cuda,compute=bf16,keep=norm", torch.bfloat16, None, "cuda", 1),
+    ],
+)
+def test_string_form(spec: str, compute: torch.dtype | None, output: torch.dtype | None, base: str, rules: int) -> None:
+    policy = mixprec.get_policy(spec)
+    assert policy.compute_dtype is compute
+    assert policy.output_dtype is output
+    assert policy.lower == mixprec.builtin_policy(base).lower
+    assert len(policy.module_rules) == rules
+
+
+@pytest.mark.parametrize(
+    ("spec", "match"),
+    [
+        ("compute=int8", "unknown compute dtype 'int8'; valid names: bf16"),
+        ("compute=fp32", "compute dtype torch.float32 .* use one of"),
+        ("output=fp8", "unknown output dtype 'fp8'"),
+        ("base=tpu", "unknown policy 'tpu'"),
+        ("keep=all", "unknown keep='all'; valid: keep=norm"),
+        ("fast", "unknown policy 'fast'; built-in policies: cpu, cuda"),
+        ("compute", "unknown policy 'compute'"),
+        ("speed=max", "bad policy field 'speed=max'"),
+    ],
+)
+def test_string_form_errors_list_valid_names(spec: str, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        mixprec.get_policy(spec)
+
+
+@given(
+    compute=st.sampled_from(["bf16", "bfloat16", "fp16", "half", "float16"]),
+    output=st.sampled_from([None, "fp32", "bf16", "fp16"]),
+    base=st.sampled_from([None, "cpu", "cuda"]),
+)
+def test_string_form_round_trip(compute: str, output: str | None, base: str | None) -> None:
+    parts = [f"compute={compute}"] + ([f"output={output}"] if output else []) + ([f"base={base}"] if base else [])
+    policy = mixprec.get_policy(",".join(parts))
+    assert policy.compute_dtype is mixprec.get_policy(f"compute={compute}").compute_dtype
+    assert policy == mixprec.get_policy(",".join(reversed(parts)))
+
+
+def test_module_rule_matching() -> None:
+    rule = mixprec.ModuleRule(types=(nn.LayerNorm,), names=("head", "blocks.*.attn"))
+    assert rule.matches(nn.LayerNorm(4), "anything")
+    assert rule.matches(nn.Linear(2, 2), "head")
+    assert rule.matches(nn.Linear(2, 2), "blocks.3.attn")
+    assert not rule.matches(nn.Linear(2, 2), "blocks.3.mlp")
+    assert all(issubclass(t, nn.Module) for t in mixprec.NORM_TYPES)
+    assert isinstance(nn.BatchNorm2d(3), mixprec.NORM_TYPES)
+
+
+def test_describe_lists_every_category() -> None:
+    text = mixprec.get_policy("cuda").keep_modules(types=[nn.LayerNorm]).describe()
+    for category in OpCategory:
+        assert f"  {category.value} (" in text
+    assert "module rule: types=[LayerNorm]" in text
