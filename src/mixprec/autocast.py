@@ -135,6 +135,11 @@ class _AutocastMode(TorchFunctionMode):
         if code is PASS_THROUGH or (kwargs and ("out" in kwargs or kwargs.get("dtype") is not None)):
             # torch.autocast registers no out= overloads, and leaves an explicit dtype alone.
             return func(*args, **kwargs)
+        if code is _LOWER and func not in _CONDITIONS:  # the hot path (matmuls), inlined
+            dtype, state = settings.dtype, self.state
+            out = func(*_cast_args(args, dtype, settings, state), **_cast_kwargs(kwargs, dtype, settings, state))
+            output_dtype = settings.policy.output_dtype
+            return out if output_dtype is None else _cast_output(out, output_dtype)
         return _apply(settings, code, func, args, kwargs, self.state)  # type: ignore[arg-type]
 
     def _settings_for(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Settings:
@@ -172,16 +177,20 @@ def _apply(
         return func(*args, **kwargs)
     # PROMOTE: fp32 if any eligible input is fp32, else the compute dtype.
     target = settings.dtype
+    dtypes = set()
     for value in (*args, *kwargs.values()) if kwargs else args:
         for t in value if isinstance(value, (list, tuple)) else (value,):
-            if isinstance(t, _Tensor) and t.dtype is not target and _eligible(t, device):
-                if t.dtype is _float32:
-                    target = _float32
-                elif target is not _float32:
-                    raise RuntimeError(
-                        f"{getattr(func, '__name__', func)} got {t.dtype} and {target} inputs under autocast; "
-                        f"cast them to one dtype first"
-                    )
+            if isinstance(t, _Tensor) and _eligible(t, device):
+                dtypes.add(t.dtype)
+    if _float32 in dtypes:
+        target = _float32
+    elif len(dtypes - {target}) > 0:
+        raise RuntimeError(
+            f"{getattr(func, '__name__', func)} got {sorted(map(str, dtypes))} inputs under autocast with "
+            f"{target}; cast them to one dtype first"
+        )
+    if not dtypes - {target}:
+        return func(*args, **kwargs)  # every input is already in the target dtype
     return func(*_cast_args(args, target, settings, state), **_cast_kwargs(kwargs, target, settings, state))
 
 
