@@ -42,4 +42,6 @@ def bitwise_equal(a: object, b: object) -> bool:
         return torch.equal(a, b)
     if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
         return len(a) == len(b) and all(bitwise_equal(x, y) for x, y in zip(a, b, strict=True))
-    return a == b
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(bitwise_equal(a[k], b[k]) for k in a)
+    return bool(a == b)

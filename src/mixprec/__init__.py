@@ -13,14 +13,17 @@ from mixprec.autocast import (
 )
 from mixprec.custom_function import custom_bwd, custom_fwd, op
 from mixprec.policy import NORM_TYPES, ModuleRule, OpCategory, Policy, builtin_policy, default_policy, get_policy
+from mixprec.scaler import GradScaler, ScalerStats
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "GradScaler",
     "NORM_TYPES",
     "ModuleRule",
     "OpCategory",
     "Policy",
+    "ScalerStats",
     "__version__",
     "autocast",
     "builtin_policy",

@@ -1,0 +1,736 @@
+"""GradScaler: dynamic loss scaling, a drop-in for ``torch.amp.GradScaler``.
+
+With torch's settings it computes torch's numbers: the same scale after every
+``update()`` and bitwise-identical parameters. It adds a floor and a ceiling
+for the scale, hysteresis, a fail-fast check for runs that only overflow,
+per-optimizer skip reporting, counters, and MegEngine's automatic
+(``scaler.backward``) and manual (``scale_factor``/``unscale``/``update``) styles.
+
+Algorithm (per iteration)::
+
+    loss * scale -> backward                      # scale(loss).backward()
+    for each optimizer:
+        grads *= 1/scale (reciprocal in fp64)     # unscale_, fused per device and dtype
+        found_inf = any(grad is inf or NaN)       # same fused kernel
+        if not found_inf: optimizer.step()        # step
+    if any found_inf:                             # update
+        tolerated -= 1
+        if tolerated <= 0: scale = max(scale * backoff_factor, min_scale)
+        good_steps = 0
+    else:
+        good_steps += 1
+        if good_steps == growth_interval:
+            scale = min(scale * growth_factor, max_scale); good_steps = 0; tolerated = hysteresis
+
+Host syncs: ``step`` syncs once per device to read ``found_inf`` (as torch's does),
+except for optimizers that take ``grad_scale``/``found_inf`` themselves (torch's
+fused Adam, AdamW, SGD), where it does not sync. ``scale``, ``unscale_`` and
+``update`` never sync. ``get_scale``, ``state_dict``, ``stats``, ``unscale``
+(MegEngine style) and ``skipped`` on a fused optimizer do.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import itertools
+import logging
+import warnings
+from collections import abc, defaultdict
+from collections.abc import Iterable
+from typing import Any, overload
+
+import torch
+
+logger = logging.getLogger("mixprec.scaler")
+
+# With no min_scale, a scale at or below this counts as "at the floor" for fail-fast.
+_DEFAULT_FLOOR = 1.0
+# Fused optimizers report found_inf only on the device: the fail-fast check reads it this often.
+_FUSED_CHECK_INTERVAL = 100
+
+
+class _Stage(enum.Enum):
+    """Where one optimizer is in the iteration; misuse becomes a clear error."""
+
+    READY = 0
+    UNSCALED = 1
+    STEPPED = 2
+
+
+@dataclasses.dataclass
+class _OptimizerState:
+    stage: _Stage = _Stage.READY
+    found_inf_per_device: dict[torch.device, torch.Tensor] = dataclasses.field(default_factory=dict)
+    skipped: bool | None = None  # known on the host after a syncing step()
+
+
+@dataclasses.dataclass(frozen=True)
+class ScalerStats:
+    """Counters for logging; reading them syncs with the device.
+
+    Attributes:
+        scale: the current scale.
+        updates: ``update()`` calls so far.
+        skipped_iterations: updates whose iteration had inf/NaN gradients.
+        consecutive_skipped: how many of the latest updates in a row had them.
+        history: the latest scale changes as ``(update index, old scale, new scale)``.
+    """
+
+    scale: float
+    updates: int
+    skipped_iterations: int
+    consecutive_skipped: int
+    history: tuple[tuple[int, float, float], ...]
+
+
+class GradScaler:
+    """Dynamic loss scaling; torch.amp.GradScaler's arguments and methods, plus more.
+
+    Args:
+        device: ``"cuda"`` or ``"cpu"``; with ``"cuda"`` and no CUDA it warns and disables
+            itself, as torch's does.
+        init_scale: the first scale.
+        growth_factor: multiplies the scale after ``growth_interval`` good iterations (> 1).
+        backoff_factor: multiplies the scale after an overflowing iteration (< 1).
+        growth_interval: good iterations in a row before the scale grows.
+        enabled: ``False`` makes every method a pass-through.
+        min_scale: the scale never backs off below this (default: no floor, as torch).
+        max_scale: the scale never grows above this (default: no ceiling, as torch).
+        hysteresis: overflowing iterations tolerated before backing off (DeepSpeed's and
+            Megatron-LM's; 1 = back off at once, as torch).
+        fail_after: raise when this many iterations in a row overflowed while the scale is at
+            its floor (``min_scale``, or 1.0), instead of skipping every step; ``None`` never
+            raises.
+        history: how many scale changes :meth:`stats` remembers.
+
+    Raises:
+        ValueError: a factor, interval, bound or count that cannot work; the message says why.
+    """
+
+    def __init__(
+        self,
+        device: str = "cuda",
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+        *,
+        min_scale: float | None = None,
+        max_scale: float | None = None,
+        hysteresis: int = 1,
+        fail_after: int | None = 50,
+        history: int = 64,
+    ) -> None:
+        self._device = device
+        self._enabled = enabled
+        if enabled and device == "cuda" and not torch.cuda.is_available():
+            warnings.warn("mixprec.GradScaler: device 'cuda' but CUDA is not available; disabling", stacklevel=2)
+            self._enabled = False
+        _check_settings(growth_factor, backoff_factor, growth_interval, init_scale, min_scale, max_scale,
+                        hysteresis, fail_after)  # fmt: skip
+        self._init_scale = float(init_scale)
+        self._growth_factor = float(growth_factor)
+        self._backoff_factor = float(backoff_factor)
+        self._growth_interval = int(growth_interval)
+        self._min_scale = min_scale
+        self._max_scale = max_scale
+        self._hysteresis = int(hysteresis)
+        self._fail_after = fail_after
+        self._init_growth_tracker = 0
+        self._init_hysteresis_tracker = self._hysteresis
+        self._scale: torch.Tensor | None = None
+        self._growth_tracker: torch.Tensor | None = None
+        self._hysteresis_tracker: torch.Tensor | None = None
+        self._skip_count: torch.Tensor | None = None  # (skipped iterations, consecutive skipped)
+        self._init_skip_count = (0, 0)
+        self._per_optimizer: dict[int, _OptimizerState] = defaultdict(_OptimizerState)
+        self._manual_found: list[torch.Tensor] = []  # from unscale(), MegEngine style
+        self._manual_flags: list[bool | None] = []
+        self._last_skipped: dict[int, bool | torch.Tensor] = {}
+        self._updates = 0
+        self._history: collections.deque[tuple[int, torch.Tensor]] = collections.deque(maxlen=max(2, history + 1))
+
+    # ----- torch.amp.GradScaler's API ----------------------------------------------------
+
+    @overload
+    def scale(self, outputs: torch.Tensor) -> torch.Tensor: ...
+
+    @overload
+    def scale(self, outputs: list[torch.Tensor]) -> list[torch.Tensor]: ...
+
+    @overload
+    def scale(self, outputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]: ...
+
+    @overload
+    def scale(self, outputs: Iterable[torch.Tensor]) -> Iterable[torch.Tensor]: ...
+
+    def scale(self, outputs: torch.Tensor | Iterable[Any]) -> Any:
+        """Multiply a tensor, or nested iterables of tensors, by the scale. Does not sync.
+
+        Raises:
+            TypeError: something that is neither a tensor nor an iterable of them.
+        """
+        if not self._enabled:
+            return outputs
+        if isinstance(outputs, torch.Tensor):
+            scale = self._lazy_init(outputs.device)
+            return outputs * scale.to(device=outputs.device, non_blocking=True)
+        copies: dict[torch.device, torch.Tensor] = {}
+
+        def apply(value: Any) -> Any:
+            if isinstance(value, torch.Tensor):
+                scale = self._lazy_init(value.device)
+                if value.device not in copies:
+                    copies[value.device] = scale.to(device=value.device, non_blocking=True, copy=True)
+                return value * copies[value.device]
+            if isinstance(value, abc.Iterable) and not isinstance(value, (str, bytes)):
+                mapped = map(apply, value)
+                return type(value)(mapped) if isinstance(value, (list, tuple)) else mapped
+            raise TypeError(f"scale() takes a tensor or an iterable of tensors, got {type(value).__name__}")
+
+        return apply(outputs)
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide ``optimizer``'s gradients by the scale in place, and check them for inf/NaN.
+
+        Optional: ``step`` unscales if this was not called. Call it once per optimizer per
+        iteration, after all gradients are accumulated (e.g. before clipping). Does not sync.
+
+        Raises:
+            RuntimeError: called twice in an iteration, after ``step``, or before ``scale``.
+        """
+        if not self._enabled:
+            return
+        scale = self._require_scale("unscale_")
+        state = self._per_optimizer[id(optimizer)]
+        if state.stage is _Stage.UNSCALED:
+            raise RuntimeError(
+                "unscale_() has already been called on this optimizer since the last update(); "
+                "call it once per optimizer per iteration, after all gradients are accumulated"
+            )
+        if state.stage is _Stage.STEPPED:
+            raise RuntimeError(
+                "unscale_() is being called after step() for this optimizer; call scaler.unscale_(optimizer) "
+                "before scaler.step(optimizer), then scaler.update()"
+            )
+        state.found_inf_per_device = _unscale_and_check(_grads_of(optimizer), _inverse(scale))
+        state.stage = _Stage.UNSCALED
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        """Unscale (unless done) and run ``optimizer.step(*args, **kwargs)`` unless gradients hold inf/NaN.
+
+        Returns what ``optimizer.step`` returns, or ``None`` when the step is skipped.
+        Syncs once per device to read the inf/NaN flag, except for optimizers that take
+        ``grad_scale``/``found_inf`` themselves (fused Adam, AdamW, SGD): those do not sync.
+
+        Raises:
+            RuntimeError: ``step`` twice in an iteration, a ``closure`` argument, or no ``scale`` first.
+        """
+        if not self._enabled:
+            return optimizer.step(*args, **kwargs)
+        if "closure" in kwargs:
+            raise RuntimeError(
+                "closure use is not supported with an enabled GradScaler; compute the loss before step()"
+            )
+        scale = self._require_scale("step")
+        state = self._per_optimizer[id(optimizer)]
+        if state.stage is _Stage.STEPPED:
+            raise RuntimeError(
+                "step() has already been called for this optimizer since the last update(); "
+                "call scaler.update() once at the end of each iteration"
+            )
+        if getattr(optimizer, "_step_supports_amp_scaling", False):
+            return self._fused_step(optimizer, state, scale, *args, **kwargs)
+        if state.stage is _Stage.READY:
+            self.unscale_(optimizer)
+        if not state.found_inf_per_device:
+            raise RuntimeError("no gradients were found for this optimizer; did backward() reach its parameters?")
+        skipped = bool(sum(v.item() for v in state.found_inf_per_device.values()))  # the sync
+        state.skipped = skipped
+        self._last_skipped[id(optimizer)] = skipped
+        state.stage = _Stage.STEPPED
+        if skipped:
+            logger.info("skipped optimizer.step() for %s: gradients hold inf/NaN", _describe(optimizer))
+            return None
+        return optimizer.step(*args, **kwargs)
+
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        """Back the scale off after an overflowing iteration, grow it after a run of good ones.
+
+        Call once per iteration, after ``step`` for every optimizer used. ``new_scale`` sets
+        the scale instead. Does not sync (except every 100 iterations when a fused optimizer
+        hides overflow counts from the host, for the fail-fast check).
+
+        Raises:
+            RuntimeError: nothing was stepped or unscaled since the last update; or ``fail_after``
+                iterations in a row overflowed with the scale at its floor.
+            ValueError: a ``new_scale`` tensor that is not a 1-element, grad-free tensor.
+        """
+        if not self._enabled:
+            return
+        scale = self._require_scale("update")
+        if new_scale is not None:
+            self._set_scale(scale, new_scale)
+            self._reset_iteration()
+            return
+        found_infs = [
+            found.to(device=scale.device, non_blocking=True)
+            for state in self._per_optimizer.values()
+            for found in state.found_inf_per_device.values()
+        ] + [found.to(device=scale.device, non_blocking=True) for found in self._manual_found]
+        if not found_infs:
+            raise RuntimeError(
+                "update() found no inf/NaN checks: call scaler.step(optimizer) (or unscale_/unscale) "
+                "for at least one optimizer before update()"
+            )
+        found = found_infs[0]
+        for other in found_infs[1:]:
+            found = found + other
+        # Overflow flags the host already read (ordinary step(), unscale()): fused optimizers give None.
+        host_flags = [s.skipped for s in self._per_optimizer.values() if s.found_inf_per_device] + self._manual_flags
+        self._apply_update(scale, found)
+        self._updates += 1
+        self._history.append((self._updates, scale.clone()))
+        if self._fail_after is not None:
+            if all(flag is not None for flag in host_flags):
+                if any(host_flags):  # only overflowing iterations can trip it; no extra sync otherwise
+                    self._check_fail_fast()
+            elif self._updates % _FUSED_CHECK_INTERVAL == 0:
+                self._check_fail_fast()
+        self._reset_iteration()
+
+    def get_scale(self) -> float:
+        """The current scale as a Python float (1.0 when disabled). Syncs."""
+        if not self._enabled:
+            return 1.0
+        return self._init_scale if self._scale is None else float(self._scale.item())
+
+    def get_growth_factor(self) -> float:
+        return self._growth_factor
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        _check_settings(new_factor, self._backoff_factor, self._growth_interval, self._init_scale, None, None, 1, None)
+        self._growth_factor = float(new_factor)
+
+    def get_backoff_factor(self) -> float:
+        return self._backoff_factor
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        _check_settings(self._growth_factor, new_factor, self._growth_interval, self._init_scale, None, None, 1, None)
+        self._backoff_factor = float(new_factor)
+
+    def get_growth_interval(self) -> int:
+        return self._growth_interval
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        _check_settings(self._growth_factor, self._backoff_factor, new_interval, self._init_scale, None, None, 1, None)
+        self._growth_interval = int(new_interval)
+
+    def is_enabled(self) -> bool:
+        return self._enabled
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every field needed to resume; torch's keys first, so torch.amp.GradScaler loads it. Syncs.
+
+        Empty when disabled, as torch's. Call it after ``update()``.
+        """
+        if not self._enabled:
+            return {}
+        skipped, consecutive = self._skip_counts()
+        return {
+            "scale": self.get_scale(),
+            "growth_factor": self._growth_factor,
+            "backoff_factor": self._backoff_factor,
+            "growth_interval": self._growth_interval,
+            "_growth_tracker": _item(self._growth_tracker, self._init_growth_tracker),
+            "min_scale": self._min_scale,
+            "max_scale": self._max_scale,
+            "hysteresis": self._hysteresis,
+            "_hysteresis_tracker": _item(self._hysteresis_tracker, self._init_hysteresis_tracker),
+            "fail_after": self._fail_after,
+            "updates": self._updates,
+            "skipped_iterations": skipped,
+            "consecutive_skipped": consecutive,
+        }
+
+    _TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict from this class or from torch.amp.GradScaler (a no-op when disabled).
+
+        Raises:
+            RuntimeError: an empty dict (saved from a disabled scaler).
+            ValueError: missing torch keys, or keys neither class writes.
+        """
+        if not self._enabled:
+            return
+        if not state_dict:
+            raise RuntimeError(
+                "the state dict is empty, probably saved from a disabled GradScaler; nothing to resume from"
+            )
+        missing = [k for k in self._TORCH_KEYS if k not in state_dict]
+        unknown = sorted(set(state_dict) - set(self._TORCH_KEYS) - set(self._defaults_for_extras()))
+        if missing or unknown:
+            raise ValueError(
+                f"not a GradScaler state dict: missing {missing}, unknown {unknown}; "
+                f"expected {list(self._TORCH_KEYS)} and optionally {list(self._defaults_for_extras())}"
+            )
+        values = {**self._defaults_for_extras(), **state_dict}
+        _check_settings(values["growth_factor"], values["backoff_factor"], values["growth_interval"],
+                        values["scale"], values["min_scale"], values["max_scale"], values["hysteresis"],
+                        values["fail_after"])  # fmt: skip
+        self._init_scale = float(values["scale"])
+        self._growth_factor = float(values["growth_factor"])
+        self._backoff_factor = float(values["backoff_factor"])
+        self._growth_interval = int(values["growth_interval"])
+        self._init_growth_tracker = int(values["_growth_tracker"])
+        self._min_scale, self._max_scale = values["min_scale"], values["max_scale"]
+        self._hysteresis = int(values["hysteresis"])
+        self._init_hysteresis_tracker = int(values["_hysteresis_tracker"])
+        self._fail_after = values["fail_after"]
+        self._updates = int(values["updates"])
+        self._init_skip_count = (int(values["skipped_iterations"]), int(values["consecutive_skipped"]))
+        if self._scale is not None:
+            self._scale.fill_(self._init_scale)
+            self._growth_tracker.fill_(self._init_growth_tracker)  # type: ignore[union-attr]
+            self._hysteresis_tracker.fill_(self._init_hysteresis_tracker)  # type: ignore[union-attr]
+            self._skip_count.copy_(torch.tensor(self._init_skip_count))  # type: ignore[union-attr]
+
+    def _defaults_for_extras(self) -> dict[str, Any]:
+        # What a torch.amp.GradScaler state dict lacks: keep this scaler's own settings.
+        return {
+            "min_scale": self._min_scale,
+            "max_scale": self._max_scale,
+            "hysteresis": self._hysteresis,
+            "_hysteresis_tracker": self._hysteresis,
+            "fail_after": self._fail_after,
+            "updates": 0,
+            "skipped_iterations": 0,
+            "consecutive_skipped": 0,
+        }
+
+    def __getstate__(self) -> dict[str, Any]:
+        if self._enabled and (any(s.found_inf_per_device for s in self._per_optimizer.values()) or self._manual_found):
+            raise RuntimeError("pickle a GradScaler at the start of an iteration or after update(), not in between")
+        state = self.__dict__.copy()
+        if self._enabled:
+            state["_init_scale"] = self.get_scale()
+            state["_init_growth_tracker"] = _item(self._growth_tracker, self._init_growth_tracker)
+            state["_init_hysteresis_tracker"] = _item(self._hysteresis_tracker, self._init_hysteresis_tracker)
+            state["_init_skip_count"] = self._skip_counts()
+            for name in ("_scale", "_growth_tracker", "_hysteresis_tracker", "_skip_count"):
+                state[name] = None
+        state["_per_optimizer"] = {}
+        state["_last_skipped"] = {}
+        state["_history"] = collections.deque(maxlen=self._history.maxlen)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._per_optimizer = defaultdict(_OptimizerState)
+
+    # ----- beyond torch --------------------------------------------------------------------
+
+    def skipped(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether the last ``step(optimizer)`` was skipped for inf/NaN gradients.
+
+        Free after an ordinary step (it synced already); syncs after a fused optimizer's.
+
+        Raises:
+            RuntimeError: ``step`` was never called for this optimizer.
+        """
+        if not self._enabled:
+            return False
+        if id(optimizer) not in self._last_skipped:
+            raise RuntimeError("skipped(): scaler.step() was never called for this optimizer")
+        flag = self._last_skipped[id(optimizer)]
+        return bool(flag.item()) if isinstance(flag, torch.Tensor) else flag
+
+    def step_scheduler(self, scheduler: Any, optimizer: torch.optim.Optimizer | None = None) -> bool:
+        """Step an LR scheduler unless its optimizer's last step was skipped.
+
+        Keeps the schedule in line with the updates actually applied, and avoids torch's
+        "lr_scheduler.step() before optimizer.step()" warning when the first step is skipped.
+        Returns whether the scheduler stepped.
+        """
+        optimizer = optimizer if optimizer is not None else scheduler.optimizer
+        if self.skipped(optimizer):  # type: ignore[arg-type]
+            return False
+        scheduler.step()
+        return True
+
+    def stats(self) -> ScalerStats:
+        """Counters for logging: scale, updates, skipped iterations, recent scale changes. Syncs."""
+        skipped, consecutive = self._skip_counts() if self._enabled else (0, 0)
+        points = [(i, float(s.item())) for i, s in self._history]
+        changes = tuple((i, a, b) for (_, a), (i, b) in itertools.pairwise(points) if a != b)
+        return ScalerStats(self.get_scale(), self._updates, skipped, consecutive, changes)
+
+    @property
+    def scale_factor(self) -> float:
+        """The current scale (MegEngine's name); multiply the loss's gradient by it. Syncs."""
+        return self.get_scale()
+
+    def unscale(self, params: torch.optim.Optimizer | Iterable[torch.Tensor]) -> bool:
+        """MegEngine's manual style: unscale gradients in place and record the inf/NaN check.
+
+        ``params`` is an optimizer, parameters (their ``.grad`` is unscaled) or gradient
+        tensors. When a gradient holds inf/NaN, every parameter's ``.grad`` is set to
+        ``None``, so a following ``optimizer.step()`` changes nothing; ``update()`` then backs
+        the scale off. Returns whether inf/NaN was found. Syncs once.
+        """
+        if not self._enabled:
+            return False
+        sources = _grads_source(params)
+        # The manual style may multiply the loss's gradient by scale_factor without scale():
+        # start the scale on the gradients' device then.
+        scale = self._scale if self._scale is not None else self._lazy_init(_first_device(sources))
+        owners: list[torch.Tensor] = []
+        grads: list[torch.Tensor] = []
+        for tensor in sources:
+            if tensor.requires_grad and tensor.is_leaf:
+                if tensor.grad is not None:
+                    owners.append(tensor)
+                    grads.append(tensor.grad)
+            else:
+                grads.append(tensor)
+        found_per_device = _unscale_and_check(grads, _inverse(scale))
+        found = sum(found_per_device.values(), torch.zeros((), device=scale.device))
+        self._manual_found.append(found)
+        overflow = bool(found.item())
+        self._manual_flags.append(overflow)
+        if overflow:
+            for owner in owners:
+                owner.grad = None
+            logger.info("unscale(): gradients hold inf/NaN; dropped %d gradients", len(owners))
+        return overflow
+
+    def backward(
+        self,
+        loss: torch.Tensor,
+        params: torch.optim.Optimizer | Iterable[torch.Tensor] | None = None,
+        *,
+        update: bool = True,
+        retain_graph: bool | None = None,
+    ) -> bool:
+        """MegEngine's automatic style: scale, backward, then unscale and update.
+
+        With ``params`` (an optimizer or parameters) the gradients are unscaled and checked
+        (dropped on overflow, see :meth:`unscale`) and, with ``update``, the scale is
+        updated; then call ``optimizer.step()`` as usual. Returns whether inf/NaN was found.
+        Syncs once when ``params`` is given.
+        """
+        if not self._enabled:
+            loss.backward(retain_graph=retain_graph)  # type: ignore[no-untyped-call]
+            return False
+        self.scale(loss).backward(retain_graph=retain_graph)  # type: ignore[no-untyped-call]
+        if params is None:
+            return False
+        overflow = self.unscale(params)
+        if update:
+            self.update()
+        return overflow
+
+    # ----- internals -------------------------------------------------------------------
+
+    def _lazy_init(self, device: torch.device) -> torch.Tensor:
+        if self._scale is None:
+            self._scale = torch.full((), self._init_scale, dtype=torch.float32, device=device)
+            self._growth_tracker = torch.full((), self._init_growth_tracker, dtype=torch.int32, device=device)
+            self._hysteresis_tracker = torch.full((), self._init_hysteresis_tracker, dtype=torch.int32, device=device)
+            self._skip_count = torch.tensor(self._init_skip_count, dtype=torch.int64, device=device)
+            self._history.append((self._updates, self._scale.clone()))
+        return self._scale
+
+    def _require_scale(self, caller: str) -> torch.Tensor:
+        if self._scale is None:
+            raise RuntimeError(
+                f"{caller}() was called before scale(): use scaler.scale(loss).backward() earlier in the iteration"
+            )
+        return self._scale
+
+    def _set_scale(self, scale: torch.Tensor, new_scale: float | torch.Tensor) -> None:
+        if isinstance(new_scale, (int, float)):
+            scale.fill_(float(new_scale))
+            return
+        if not isinstance(new_scale, torch.Tensor) or new_scale.numel() != 1 or new_scale.requires_grad:
+            raise ValueError("new_scale must be a float or a 1-element tensor that does not require grad")
+        scale.copy_(new_scale.reshape(()))
+
+    def _apply_update(self, scale: torch.Tensor, found: torch.Tensor) -> None:
+        growth, hysteresis, skips = self._growth_tracker, self._hysteresis_tracker, self._skip_count
+        assert growth is not None and hysteresis is not None and skips is not None  # set with the scale
+        overflow = found > 0
+        counted = overflow.to(skips.dtype)
+        skips[0] += counted  # skipped iterations
+        skips[1] = (skips[1] + 1) * counted  # consecutive skipped iterations
+        if self._hysteresis == 1:
+            # torch's own kernel: the same scale as torch.amp.GradScaler, bit for bit.
+            torch._amp_update_scale_(scale, growth, found, self._growth_factor, self._backoff_factor,
+                                     self._growth_interval)  # fmt: skip
+        else:
+            # Megatron-LM's hysteresis, in tensor ops (no sync).
+            hysteresis.sub_(overflow.to(hysteresis.dtype))
+            back_off = overflow & (hysteresis <= 0)
+            counted = torch.where(overflow, torch.zeros_like(growth), growth + 1)
+            grow = counted >= self._growth_interval
+            grown = scale * self._growth_factor
+            new_scale = torch.where(
+                back_off, scale * self._backoff_factor, torch.where(grow & grown.isfinite(), grown, scale)
+            )
+            growth.copy_(torch.where(grow, torch.zeros_like(counted), counted))
+            hysteresis.copy_(torch.where(grow, torch.full_like(hysteresis, self._hysteresis), hysteresis))
+            scale.copy_(new_scale)
+        if self._min_scale is not None or self._max_scale is not None:
+            scale.clamp_(min=self._min_scale, max=self._max_scale)
+
+    def _skip_counts(self) -> tuple[int, int]:
+        if self._skip_count is None:
+            return self._init_skip_count
+        skipped, consecutive = self._skip_count.tolist()
+        return int(skipped), int(consecutive)
+
+    def _check_fail_fast(self) -> None:
+        assert self._fail_after is not None
+        _, consecutive = self._skip_counts()
+        if consecutive < self._fail_after:
+            return
+        floor = self._min_scale if self._min_scale is not None else _DEFAULT_FLOOR
+        scale = self.get_scale()
+        if scale > floor:
+            return
+        raise RuntimeError(
+            f"mixprec.GradScaler: the last {consecutive} iterations all had inf/NaN gradients with the loss "
+            f"scale at its floor ({scale:g} <= {floor:g}), so every optimizer step was skipped. Scaling cannot "
+            "fix this. Likely causes: the model overflows fp16 in the forward pass (a model trained in bf16, or "
+            "activations past 65504: run it in bf16, or keep the overflowing modules in fp32 with a module rule); "
+            "the loss or learning rate diverged (check the loss before the first skip; lower the learning rate); "
+            "or NaN inputs. Pass fail_after=None to keep skipping instead."
+        )
+
+    def _fused_step(self, optimizer: torch.optim.Optimizer, state: _OptimizerState, scale: torch.Tensor,
+                    *args: Any, **kwargs: Any) -> Any:  # fmt: skip
+        # The optimizer unscales and skips by itself, reading grad_scale and found_inf: no sync.
+        if state.stage is _Stage.READY:
+            state.found_inf_per_device = _unscale_and_check(_grads_of(optimizer), torch.ones_like(scale))
+        found = sum(f.to(scale.device, non_blocking=True) for f in state.found_inf_per_device.values())
+        found_tensor = found if isinstance(found, torch.Tensor) else torch.zeros_like(scale)
+        previous = getattr(optimizer, "grad_scale", None)
+        # After unscale_ the gradients are already unscaled: pass only a user's own grad_scale.
+        if state.stage is _Stage.UNSCALED:
+            optimizer.grad_scale = previous  # type: ignore[attr-defined]
+        else:
+            optimizer.grad_scale = scale * previous if previous is not None else scale * 1  # type: ignore[attr-defined]
+        optimizer.found_inf = found_tensor  # type: ignore[attr-defined]
+        try:
+            result = optimizer.step(*args, **kwargs)
+        finally:
+            del optimizer.grad_scale  # type: ignore[attr-defined]
+            del optimizer.found_inf  # type: ignore[attr-defined]
+        state.stage = _Stage.STEPPED
+        self._last_skipped[id(optimizer)] = found_tensor > 0
+        return result
+
+    def _reset_iteration(self) -> None:
+        self._per_optimizer = defaultdict(_OptimizerState)
+        self._manual_found = []
+        self._manual_flags = []
+
+
+def _check_settings(
+    growth_factor: float,
+    backoff_factor: float,
+    growth_interval: int,
+    init_scale: float,
+    min_scale: float | None,
+    max_scale: float | None,
+    hysteresis: int,
+    fail_after: int | None,
+) -> None:
+    if not growth_factor > 1.0:
+        raise ValueError(f"growth_factor must be > 1.0 (the scale grows by it), got {growth_factor}")
+    if not 0.0 < backoff_factor < 1.0:
+        raise ValueError(f"backoff_factor must be in (0, 1) (the scale shrinks by it), got {backoff_factor}")
+    if int(growth_interval) < 1:
+        raise ValueError(f"growth_interval must be a positive number of iterations, got {growth_interval}")
+    if not init_scale > 0:
+        raise ValueError(f"init_scale must be positive, got {init_scale}")
+    if min_scale is not None and not min_scale > 0:
+        raise ValueError(f"min_scale must be positive, got {min_scale}")
+    if min_scale is not None and max_scale is not None and min_scale > max_scale:
+        raise ValueError(f"min_scale ({min_scale}) must not exceed max_scale ({max_scale})")
+    if int(hysteresis) < 1:
+        raise ValueError(f"hysteresis must be >= 1 (1 backs off at the first overflow), got {hysteresis}")
+    if fail_after is not None and int(fail_after) < 1:
+        raise ValueError(f"fail_after must be a positive count or None, got {fail_after}")
+
+
+def _inverse(scale: torch.Tensor) -> torch.Tensor:
+    # fp32 division can be inexact under some compile options: take the reciprocal in fp64.
+    return scale.double().reciprocal().float()
+
+
+def _item(tensor: torch.Tensor | None, default: int) -> int:
+    return default if tensor is None else int(tensor.item())
+
+
+def _describe(optimizer: torch.optim.Optimizer) -> str:
+    return f"{type(optimizer).__name__} at {id(optimizer):#x}"
+
+
+def _grads_source(params: torch.optim.Optimizer | Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    if isinstance(params, torch.optim.Optimizer):
+        return [p for group in params.param_groups for p in group["params"]]
+    if isinstance(params, torch.Tensor):
+        return [params]
+    items = list(params)
+    for item in items:
+        if not isinstance(item, torch.Tensor):
+            raise TypeError(f"unscale() takes an optimizer, parameters or gradient tensors, got {type(item).__name__}")
+    return items
+
+
+def _first_device(tensors: list[torch.Tensor]) -> torch.device:
+    for tensor in tensors:
+        grad = tensor.grad if tensor.requires_grad and tensor.is_leaf else tensor
+        if grad is not None:
+            return grad.device
+    return torch.device("cpu")
+
+
+def _grads_of(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    grads = []
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            grad = param.grad
+            if grad is None:
+                continue
+            if grad.is_sparse:
+                # Coalescing sums duplicate indices; in fp16 that can overflow, so check the result.
+                if grad.dtype is torch.float16:
+                    param.grad = grad = grad.coalesce()
+                grads.append(grad._values())
+            else:
+                grads.append(grad)
+    return grads
+
+
+def _unscale_and_check(grads: list[torch.Tensor], inv_scale: torch.Tensor) -> dict[torch.device, torch.Tensor]:
+    """Unscale in place and flag inf/NaN with torch's fused kernel, one call per device and dtype.
+
+    fp16 and bf16 gradients are unscaled too: the kernel computes in fp32 and rounds once.
+    """
+    groups: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(lambda: defaultdict(list))
+    for grad in grads:
+        groups[grad.device][grad.dtype].append(grad)
+    found_per_device: dict[torch.device, torch.Tensor] = {}
+    with torch.no_grad():
+        for device, by_dtype in groups.items():
+            found = found_per_device[device] = torch.zeros((), dtype=torch.float32, device=device)
+            device_inv = inv_scale.to(device=device, non_blocking=True, copy=True)
+            for same_dtype in by_dtype.values():
+                torch._amp_foreach_non_finite_check_and_unscale_(same_dtype, found, device_inv)
+    return found_per_device
