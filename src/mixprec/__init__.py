@@ -12,6 +12,7 @@ from mixprec.autocast import (
     set_autocast_enabled,
 )
 from mixprec.custom_function import custom_bwd, custom_fwd, op
+from mixprec.layout import to_channels_last
 from mixprec.policy import NORM_TYPES, ModuleRule, OpCategory, Policy, builtin_policy, default_policy, get_policy
 from mixprec.scaler import GradScaler, ScalerStats
 
@@ -36,4 +37,5 @@ __all__ = [
     "is_autocast_enabled",
     "op",
     "set_autocast_enabled",
+    "to_channels_last",
 ]

@@ -1,0 +1,371 @@
+"""Run every workload in every mode and measure speed, memory and loss.
+
+Measures, per workload and mode:
+
+* ``steps_per_s``: after ``warmup`` steps, the median over timed windows of ``window``
+  steps each (CUDA is synchronised around every step). The modes of a workload train in
+  lockstep, each step running every mode in alternating order, so that the load of a
+  shared machine falls on all of them alike;
+* ``peak_mem_bytes``: measured in a separate run of two steps per mode, alone, from
+  building the model on: on CUDA, ``torch.cuda.max_memory_allocated`` above the level
+  before that run; on Linux CPUs, the peak resident set size above the level before
+  the run, sampled every 2 ms from ``/proc/self/statm`` (it includes allocator caching,
+  so read it as indicative); elsewhere ``None``;
+* ``final_loss``: the mean loss of the last steps (a fifth of them, 1 to 5), and its
+  relative difference from fp32's after the same steps.
+
+Every mode of a workload starts from the same seeded model and sees the same batches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import platform
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import mixprec
+from mixprec.bench.modes import MODES, Mode
+from mixprec.bench.workloads import SIZES, WORKLOADS, Task
+
+# Default steps per size; each mode of a workload runs the same number.
+DEFAULT_STEPS = {"tiny": 3, "quick": 10, "default": 24}
+
+Progress = Callable[[str, str, int, int], None]  # (workload, mode, steps done, steps total)
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+    """What to run. ``device``/``dtype`` ``"auto"`` pick the fastest supported setting."""
+
+    workloads: tuple[str, ...] = tuple(WORKLOADS)
+    modes: tuple[str, ...] = ("fp32", "torch-amp", "mixprec", "mixprec-cl")
+    steps: int | None = None
+    warmup: int = 2
+    window: int = 1
+    device: str = "auto"
+    dtype: str = "auto"
+    size: str = "default"
+
+    def __post_init__(self) -> None:
+        for name in self.workloads:
+            if name not in WORKLOADS:
+                raise ValueError(f"unknown workload {name!r}; valid: {', '.join(WORKLOADS)}")
+        for name in self.modes:
+            if name not in MODES:
+                raise ValueError(f"unknown mode {name!r}; valid: {', '.join(MODES)}")
+        if self.size not in SIZES:
+            raise ValueError(f"unknown size {self.size!r}; valid: {', '.join(SIZES)}")
+        if self.steps is not None and self.steps < self.warmup + 1:
+            raise ValueError(f"steps must exceed warmup ({self.warmup}) so that some steps are timed")
+        if self.window < 1 or self.warmup < 0:
+            raise ValueError("window must be >= 1 and warmup >= 0")
+
+    @property
+    def total_steps(self) -> int:
+        return self.steps if self.steps is not None else max(DEFAULT_STEPS[self.size], self.warmup + 1)
+
+
+@dataclasses.dataclass
+class ModeResult:
+    """What one mode measured on one workload."""
+
+    steps_per_s: float
+    final_loss: float
+    peak_mem_bytes: int | None
+    losses: list[float]
+    seconds: float
+    speedup_vs_fp32: float | None = None
+    vs_torch_amp: float | None = None
+    loss_rel_diff_vs_fp32: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class BenchReport:
+    """All results, plus what they were measured on."""
+
+    device: str
+    device_name: str
+    dtype: str
+    torch_version: str
+    mixprec_version: str
+    config: BenchConfig
+    results: dict[str, dict[str, ModeResult]]
+    images: dict[str, dict[str, torch.Tensor]]  # workload -> {"target": ..., mode: prediction}
+    seconds: float
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON report: ``{"device", "dtype", "torch", "workloads": {name: {mode: {...}}}, ...}``."""
+        return {
+            "device": self.device,
+            "device_name": self.device_name,
+            "dtype": self.dtype,
+            "torch": self.torch_version,
+            "mixprec": self.mixprec_version,
+            "config": dataclasses.asdict(self.config),
+            "seconds": self.seconds,
+            "workloads": {w: {m: r.to_dict() for m, r in modes.items()} for w, modes in self.results.items()},
+        }
+
+
+def resolve_device(device: str) -> torch.device:
+    """``"auto"``: CUDA if present, else CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError as exc:
+        raise ValueError(f"unknown device {device!r}; use auto, cpu or cuda") from exc
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for but CUDA is not available; use --device cpu or auto")
+    if resolved.type not in ("cpu", "cuda"):
+        raise ValueError(f"the bench runs on cpu or cuda, not {resolved.type!r}")
+    return resolved
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """``"auto"``: bf16 where it is fast (CPUs with AVX512-BF16/AMX, GPUs since Ampere), else fp16 on CUDA."""
+    if dtype == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16  # emulated (and slow) on CPUs without bf16 instructions; fp16 is slower still
+    names = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+    if dtype not in names:
+        raise ValueError(f"unknown dtype {dtype!r}; valid: auto, bf16, fp16")
+    return names[dtype]
+
+
+def _glibc() -> Any:
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt  # noqa: B018 - glibc only
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+_LIBC = _glibc()
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+
+
+def _allocator_tracks_live_memory(on: bool) -> None:
+    """Switch glibc between memory measurement and timing.
+
+    On: large buffers are mmapped and returned to the OS when freed, so the resident set
+    follows live tensor memory. Off (for timed runs): buffers up to 32 MiB are reused from the
+    heap, as in a long training run; mmapping every activation would time page faults instead.
+    """
+    if _LIBC is None:
+        return
+    _LIBC.mallopt(_M_MMAP_THRESHOLD, 128 * 1024 if on else 32 * 1024 * 1024)
+    _LIBC.mallopt(_M_TRIM_THRESHOLD, 128 * 1024 if on else 256 * 1024 * 1024)
+    if on:
+        _LIBC.malloc_trim(0)
+
+
+class _PeakMemory:
+    """Peak memory above the level at start; see the module docstring for what is measured."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._stop = threading.Event()
+        self._peak = 0
+        self._base = 0
+        self._thread: threading.Thread | None = None
+        self._statm = "/proc/self/statm" if os.path.exists("/proc/self/statm") else None
+
+    def _rss(self) -> int:
+        assert self._statm is not None
+        with open(self._statm) as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.002):
+            self._peak = max(self._peak, self._rss())
+
+    def __enter__(self) -> _PeakMemory:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self._base = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        elif self._statm is not None:
+            _allocator_tracks_live_memory(True)
+            self._base = self._peak = self._rss()
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        _allocator_tracks_live_memory(False)
+
+    @property
+    def peak_bytes(self) -> int | None:
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device) - self._base)
+        if self._statm is None:
+            return None
+        return max(0, self._peak - self._base)
+
+
+def _optimizer(task: Task, params: Any) -> torch.optim.Optimizer:
+    # Fused kernels: the same choice in every mode, and the fixed fp32 cost of a step stays small.
+    if task.optimizer == "adam":
+        return torch.optim.Adam(params, lr=task.lr, fused=True)
+    return torch.optim.AdamW(params, lr=task.lr, fused=True)
+
+
+class _Run:
+    """One mode's model, optimizer and scaler on one workload, stepped by the runner."""
+
+    def __init__(self, workload: str, mode: Mode, config: BenchConfig, device: torch.device, dtype: torch.dtype):
+        self.mode, self.device, self.dtype = mode, device, dtype
+        self.task = WORKLOADS[workload].build(config.size, device)
+        self.model = mode.prepare_model(self.task.model.to(device))
+        self.optimizer = _optimizer(self.task, self.model.parameters())
+        use_scaler = mode.scaler is not None and dtype is torch.float16
+        self.scaler = mode.scaler(device.type) if use_scaler else None  # type: ignore[misc]
+        self.losses: list[torch.Tensor] = []
+        self.times: list[float] = []
+        self.output: torch.Tensor | None = None
+
+    def step(self, step: int) -> float:
+        """One training step; returns its wall time (CUDA synchronised)."""
+        inputs, targets = self.task.batch(step)
+        inputs = self.mode.prepare_input(inputs)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        start = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        with self.mode.context(self.device.type, self.dtype):
+            output = self.model(inputs)
+            loss = self.task.loss_fn(output, targets)
+        if self.scaler is not None:
+            self.scaler.scale(loss).backward()
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            loss.backward()  # type: ignore[no-untyped-call]
+            self.optimizer.step()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        elapsed = time.perf_counter() - start
+        self.losses.append(loss.detach())
+        self.output = output
+        return elapsed
+
+
+def measure_memory(workload: str, mode: Mode, config: BenchConfig, device: torch.device, dtype: torch.dtype,
+                   steps: int = 2) -> int | None:  # fmt: skip
+    """Peak memory of building the workload and training it ``steps`` steps, alone."""
+    memory = _PeakMemory(device)
+    with memory:
+        run = _Run(workload, mode, config, device, dtype)
+        for step in range(steps):
+            run.step(step)
+        del run
+    return memory.peak_bytes
+
+
+def run_workload(workload: str, modes: list[Mode], config: BenchConfig, device: torch.device,
+                 dtype: torch.dtype, progress: Progress | None = None,
+                 on_result: Callable[[str, str, ModeResult], None] | None = None,
+                 ) -> tuple[dict[str, ModeResult], dict[str, torch.Tensor]]:  # fmt: skip
+    """Train ``workload`` in every mode in lockstep: each step runs every mode, in alternating order,
+    so that the machine's load drifts over all modes alike."""
+    steps = config.total_steps
+    peaks = {mode.name: measure_memory(workload, mode, config, device, dtype) for mode in modes}
+    runs = {mode.name: _Run(workload, mode, config, device, dtype) for mode in modes}
+    order = list(runs)
+    for step in range(steps):
+        for name in order if step % 2 == 0 else reversed(order):
+            runs[name].times.append(runs[name].step(step))
+            if progress is not None:
+                progress(workload, name, step + 1, steps)
+    results: dict[str, ModeResult] = {}
+    images: dict[str, torch.Tensor] = {}
+    tail = max(1, min(5, steps // 5))
+    for name, run in runs.items():
+        values = [float(v) for v in torch.stack(run.losses).float().tolist()]
+        if not all(math.isfinite(v) for v in values[-3:]):
+            raise RuntimeError(f"{workload}/{name}: the loss is not finite at the end of the run ({values[-3:]})")
+        timed = run.times[config.warmup :]
+        windows = [statistics.fmean(timed[i : i + config.window]) for i in range(0, len(timed), config.window)]
+        results[name] = ModeResult(
+            steps_per_s=1.0 / statistics.median(windows),
+            final_loss=statistics.fmean(values[-tail:]),
+            peak_mem_bytes=peaks[name],
+            losses=values,
+            seconds=sum(run.times),
+        )
+        if run.task.image and run.output is not None:
+            images[name] = run.output.detach().float().cpu()[0, 0]
+            images["target"] = run.task.batch(0)[1].float().cpu()[0, 0]
+    _compare(results)
+    if on_result is not None:
+        for name, result in results.items():
+            on_result(workload, name, result)
+    return results, images
+
+
+def run(config: BenchConfig, progress: Progress | None = None,
+        on_result: Callable[[str, str, ModeResult], None] | None = None) -> BenchReport:  # fmt: skip
+    """Run ``config``; ``progress`` hears every step of every mode, ``on_result`` every finished mode."""
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    start = time.perf_counter()
+    # One tiny untimed pass of every mode first: one-time costs (thread pools, kernel caches,
+    # first allocations) would otherwise land in the speed and memory of whichever mode runs first.
+    warm = dataclasses.replace(config, size="tiny", steps=None, warmup=1, window=1)
+    for workload in config.workloads:
+        run_workload(workload, _modes_for(workload, config), warm, device, dtype)
+    results: dict[str, dict[str, ModeResult]] = {}
+    images: dict[str, dict[str, torch.Tensor]] = {}
+    for workload in config.workloads:
+        results[workload], found = run_workload(workload, _modes_for(workload, config), config, device, dtype,
+                                                progress, on_result)  # fmt: skip
+        if found:
+            images[workload] = found
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
+    return BenchReport(device.type, name, {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype], torch.__version__,
+                       mixprec.__version__, config, results, images, time.perf_counter() - start)  # fmt: skip
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return f"{line.split(':', 1)[1].strip()}, {os.cpu_count()} cores"
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
+
+
+def _modes_for(workload: str, config: BenchConfig) -> list[Mode]:
+    return [MODES[m] for m in config.modes if not (MODES[m].conv_only and not WORKLOADS[workload].conv)]
+
+
+def _compare(by_mode: dict[str, ModeResult]) -> None:
+    fp32 = by_mode.get("fp32")
+    amp = by_mode.get("torch-amp")
+    for result in by_mode.values():
+        if fp32 is not None:
+            result.speedup_vs_fp32 = result.steps_per_s / fp32.steps_per_s
+            result.loss_rel_diff_vs_fp32 = (result.final_loss - fp32.final_loss) / abs(fp32.final_loss)
+        if amp is not None:
+            result.vs_torch_amp = result.steps_per_s / amp.steps_per_s

@@ -1,0 +1,149 @@
+"""mixprec bench: every workload in every mode, the report's schema, the PNG, the CLI."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any
+
+import matplotlib.image
+import pytest
+import torch
+from torch import nn
+
+import mixprec
+from mixprec import cli
+from mixprec.bench import MODES, WORKLOADS, BenchConfig, Mode, register_mode, resolve_device, resolve_dtype
+from mixprec.bench.runner import run
+from mixprec.bench.workloads import checker, grid, markov_text
+
+
+@pytest.fixture(scope="module")
+def tiny_report(tmp_path_factory: pytest.TempPathFactory) -> tuple[pathlib.Path, dict[str, Any]]:
+    out = tmp_path_factory.mktemp("bench")
+    assert cli.main(["bench", "--size", "tiny", "--steps", "3", "--quiet", "--out", str(out),
+                     "--json", str(out / "copy.json")]) == 0  # fmt: skip
+    return out, json.loads((out / "report.json").read_text())
+
+
+def test_report_schema(tiny_report: tuple[pathlib.Path, dict[str, Any]]) -> None:
+    out, report = tiny_report
+    assert report["device"] == "cpu" and report["dtype"] == "bf16" and report["torch"] == torch.__version__
+    assert set(report["workloads"]) == set(WORKLOADS)
+    for name, modes in report["workloads"].items():
+        expected = {"fp32", "torch-amp", "mixprec"} | ({"mixprec-cl"} if WORKLOADS[name].conv else set())
+        assert set(modes) == expected, name
+        for mode, r in modes.items():
+            assert isinstance(r["steps_per_s"], float) and r["steps_per_s"] > 0
+            assert isinstance(r["final_loss"], float)
+            assert r["peak_mem_bytes"] is None or isinstance(r["peak_mem_bytes"], int)
+            assert isinstance(r["speedup_vs_fp32"], float)
+            assert len(r["losses"]) == 3
+            if mode == "fp32":
+                assert r["speedup_vs_fp32"] == 1.0 and r["loss_rel_diff_vs_fp32"] == 0.0
+    assert json.loads((out / "copy.json").read_text()) == report
+
+
+def test_report_markdown_and_png(tiny_report: tuple[pathlib.Path, dict[str, Any]]) -> None:
+    out, _ = tiny_report
+    text = (out / "report.md").read_text()
+    assert "| workload | mode | steps/s |" in text
+    assert text.count("| checkerboard |") == 4
+    png = out / "bench.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    pixels = matplotlib.image.imread(png)
+    assert pixels.shape[0] > 400 and pixels.shape[1] > 800
+    assert pixels.std() > 0.05  # not a blank canvas
+
+
+def test_same_numbers_in_torch_amp_and_mixprec_modes(tiny_report: tuple[pathlib.Path, dict[str, Any]]) -> None:
+    _, report = tiny_report
+    for modes in report["workloads"].values():
+        assert modes["mixprec"]["losses"] == modes["torch-amp"]["losses"]  # drop-in: bit for bit
+
+
+def test_fp16_modes_use_a_scaler() -> None:
+    report = run(BenchConfig(workloads=("mlp",), modes=("torch-amp", "mixprec"), steps=3, size="tiny", dtype="fp16"))
+    assert report.dtype == "fp16"
+    assert report.results["mlp"]["mixprec"].losses == report.results["mlp"]["torch-amp"].losses
+
+
+def test_modes_registry_is_open() -> None:
+    seen = []
+
+    def prepare(model: nn.Module) -> nn.Module:
+        seen.append(type(model).__name__)
+        return model
+
+    register_mode(Mode("test-mode", "a mode registered by a test", prepare_model=prepare, low_precision=False))
+    try:
+        report = run(BenchConfig(workloads=("mlp",), modes=("fp32", "test-mode"), steps=2, warmup=1, size="tiny"))
+        assert report.results["mlp"]["test-mode"].losses == report.results["mlp"]["fp32"].losses
+        assert seen
+    finally:
+        del MODES["test-mode"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"workloads": ("resnet",)}, "unknown workload 'resnet'; valid: checkerboard, mlp"),
+        ({"modes": ("O3",)}, "unknown mode 'O3'; valid: fp32"),
+        ({"size": "huge"}, "unknown size 'huge'"),
+        ({"steps": 2, "warmup": 2}, "steps must exceed warmup"),
+    ],
+)
+def test_bad_config(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        BenchConfig(**kwargs)
+
+
+def test_device_and_dtype_resolution() -> None:
+    assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert resolve_dtype("auto", torch.device("cpu")) is torch.bfloat16
+    assert resolve_dtype("fp16", torch.device("cpu")) is torch.float16
+    with pytest.raises(ValueError, match="valid: auto, bf16, fp16"):
+        resolve_dtype("fp8", torch.device("cpu"))
+    with pytest.raises(ValueError, match="use auto, cpu or cuda"):
+        resolve_device("gpu0")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            resolve_device("cuda")
+
+
+def test_cli_rejects_bad_names(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", "--workloads", "mlp,resnet"])
+    assert exc.value.code == 2
+    assert "unknown workload 'resnet'; valid: checkerboard, mlp, transformer, cnn" in capsys.readouterr().err
+    assert cli.main(["bench", "--device", "tpu"]) == 2
+    assert "use auto, cpu or cuda" in capsys.readouterr().err
+
+
+def test_cli_policy(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["policy", "cuda"]) == 0
+    assert "fp32_set_dtype (" in capsys.readouterr().out
+    assert cli.main(["policy", "compute=int4"]) == 2
+    assert "valid names" in capsys.readouterr().err
+
+
+def test_workload_data() -> None:
+    assert grid(6, 4).shape == (2, 4, 6)
+    board = checker(16, 16, 8)
+    assert board.shape == (16, 16) and set(board.unique().tolist()) == {0.0, 1.0}
+    assert torch.equal(markov_text(500), markov_text(500))
+    text = markov_text(5000)
+    assert text.min() >= 0 and text.max() < 256
+
+
+def test_to_channels_last() -> None:
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Linear(2, 2))
+    mixprec.to_channels_last(model)
+    assert model[0].weight.is_contiguous(memory_format=torch.channels_last)
+    x = torch.randn(2, 3, 5, 5)
+    assert torch.equal(mixprec.to_channels_last(x), x)
+    assert mixprec.to_channels_last(torch.randn(1, 2, 3, 4, 5)).is_contiguous(memory_format=torch.channels_last_3d)
+    with pytest.raises(ValueError, match="4-D"):
+        mixprec.to_channels_last(torch.randn(3, 3))
+    with pytest.raises(TypeError, match=r"nn\.Module or a tensor"):
+        mixprec.to_channels_last([1, 2])  # type: ignore[type-var]
