@@ -13,6 +13,7 @@ from mixprec.autocast import (
 )
 from mixprec.custom_function import custom_bwd, custom_fwd, op
 from mixprec.layout import to_channels_last
+from mixprec.master_weights import Level, export_fp32, master_params, prepare, state_bytes, stochastic_round
 from mixprec.policy import NORM_TYPES, ModuleRule, OpCategory, Policy, builtin_policy, default_policy, get_policy
 from mixprec.scaler import GradScaler, ScalerStats
 
@@ -20,6 +21,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "GradScaler",
+    "Level",
     "NORM_TYPES",
     "ModuleRule",
     "OpCategory",
@@ -31,11 +33,16 @@ __all__ = [
     "custom_bwd",
     "custom_fwd",
     "default_policy",
+    "export_fp32",
     "get_autocast_dtype",
     "get_autocast_policy",
     "get_policy",
     "is_autocast_enabled",
+    "master_params",
     "op",
+    "prepare",
     "set_autocast_enabled",
+    "state_bytes",
+    "stochastic_round",
     "to_channels_last",
 ]

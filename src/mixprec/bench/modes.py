@@ -60,6 +60,10 @@ class Mode:
     prepare_input: Callable[[torch.Tensor], torch.Tensor] = _identity
     conv_only: bool = False
     low_precision: bool = True
+    setup: Callable[[nn.Module, torch.optim.Optimizer, torch.dtype], tuple[nn.Module, torch.optim.Optimizer]] | None = (
+        None
+    )
+    dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
 
 
 def _channels_last_input(x: torch.Tensor) -> torch.Tensor:
@@ -80,6 +84,21 @@ register_mode(Mode("torch-amp", "torch.autocast, with torch.amp.GradScaler for f
                    scaler=lambda device: torch.amp.GradScaler(device)))  # fmt: skip
 register_mode(Mode("mixprec", "mixprec.autocast, with mixprec.GradScaler for fp16", _mixprec_autocast,
                    scaler=lambda device: mixprec.GradScaler(device)))  # fmt: skip
+
+
+def _level(level: str) -> Callable[[nn.Module, torch.optim.Optimizer, torch.dtype], tuple[nn.Module, Any]]:
+    def setup(model: nn.Module, optimizer: torch.optim.Optimizer, dtype: torch.dtype) -> tuple[nn.Module, Any]:
+        return mixprec.prepare(model, optimizer, level=level, dtype=dtype)
+
+    return setup
+
+
+register_mode(Mode("O2", "mixprec.prepare level O2: low-precision weights, fp32 masters", setup=_level("O2"),
+                   scaler=lambda device: mixprec.GradScaler(device)))  # fmt: skip
+register_mode(Mode("bf16-sr", "mixprec.prepare level bf16-sr: bf16 weights and state, stochastic rounding",
+                   setup=_level("bf16-sr"), dtypes=(torch.bfloat16,)))  # fmt: skip
+register_mode(Mode("bf16-pure", "bf16 weights and state, round-to-nearest updates (baseline)",
+                   setup=_level("bf16-pure"), dtypes=(torch.bfloat16,)))  # fmt: skip
 register_mode(Mode("mixprec-cl", "mixprec with the model and inputs in channels_last", _mixprec_autocast,
                    scaler=lambda device: mixprec.GradScaler(device), prepare_model=to_channels_last,
                    prepare_input=_channels_last_input, conv_only=True))  # fmt: skip

@@ -34,6 +34,7 @@ import torch
 import mixprec
 from mixprec.bench.modes import MODES, Mode
 from mixprec.bench.workloads import SIZES, WORKLOADS, Task
+from mixprec.master_weights import state_bytes
 
 # Default steps per size; each mode of a workload runs the same number.
 DEFAULT_STEPS = {"tiny": 3, "quick": 10, "default": 24}
@@ -82,6 +83,7 @@ class ModeResult:
     peak_mem_bytes: int | None
     losses: list[float]
     seconds: float
+    state_bytes: int = 0  # parameters + gradients + fp32 masters + optimizer state, exactly
     speedup_vs_fp32: float | None = None
     vs_torch_amp: float | None = None
     loss_rel_diff_vs_fp32: float | None = None
@@ -237,6 +239,8 @@ class _Run:
         self.task = WORKLOADS[workload].build(config.size, device)
         self.model = mode.prepare_model(self.task.model.to(device))
         self.optimizer = _optimizer(self.task, self.model.parameters())
+        if mode.setup is not None:
+            self.model, self.optimizer = mode.setup(self.model, self.optimizer, dtype)
         use_scaler = mode.scaler is not None and dtype is torch.float16
         self.scaler = mode.scaler(device.type) if use_scaler else None  # type: ignore[misc]
         self.losses: list[torch.Tensor] = []
@@ -311,6 +315,7 @@ def run_workload(workload: str, modes: list[Mode], config: BenchConfig, device: 
             peak_mem_bytes=peaks[name],
             losses=values,
             seconds=sum(run.times),
+            state_bytes=state_bytes(run.model, run.optimizer),
         )
         if run.task.image and run.output is not None:
             images[name] = run.output.detach().float().cpu()[0, 0]
@@ -332,11 +337,11 @@ def run(config: BenchConfig, progress: Progress | None = None,
     # first allocations) would otherwise land in the speed and memory of whichever mode runs first.
     warm = dataclasses.replace(config, size="tiny", steps=None, warmup=1, window=1)
     for workload in config.workloads:
-        run_workload(workload, _modes_for(workload, config), warm, device, dtype)
+        run_workload(workload, _modes_for(workload, config, dtype), warm, device, dtype)
     results: dict[str, dict[str, ModeResult]] = {}
     images: dict[str, dict[str, torch.Tensor]] = {}
     for workload in config.workloads:
-        results[workload], found = run_workload(workload, _modes_for(workload, config), config, device, dtype,
+        results[workload], found = run_workload(workload, _modes_for(workload, config, dtype), config, device, dtype,
                                                 progress, on_result)  # fmt: skip
         if found:
             images[workload] = found
@@ -356,8 +361,9 @@ def _cpu_name() -> str:
     return platform.processor() or "cpu"
 
 
-def _modes_for(workload: str, config: BenchConfig) -> list[Mode]:
-    return [MODES[m] for m in config.modes if not (MODES[m].conv_only and not WORKLOADS[workload].conv)]
+def _modes_for(workload: str, config: BenchConfig, dtype: torch.dtype) -> list[Mode]:
+    return [MODES[m] for m in config.modes
+            if not (MODES[m].conv_only and not WORKLOADS[workload].conv) and dtype in MODES[m].dtypes]  # fmt: skip
 
 
 def _compare(by_mode: dict[str, ModeResult]) -> None:

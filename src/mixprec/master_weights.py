@@ -1,0 +1,439 @@
+"""Low-precision weights: fp32 master weights (O2) and pure bf16 with stochastic rounding.
+
+``model, optimizer = mixprec.prepare(model, optimizer, level=..., dtype=...)``:
+
+* ``"O1"``: autocast only; the model's forward runs under :func:`mixprec.autocast`.
+* ``"O2"``: parameters and buffers in ``dtype`` (modules kept in fp32 excepted, norm layers by
+  default); the optimizer holds fp32 master copies. Each low-precision gradient is moved into
+  its master as soon as backward has accumulated it (summed in fp32, the low-precision one
+  freed); after ``optimizer.step()`` the low-precision weights are refreshed from the masters
+  in one fused copy. ``optimizer.state_dict()`` carries the masters, so a checkpoint resumes
+  bit for bit. GradScaler needs nothing extra: ``scaler.step(optimizer)`` sees fp32 gradients.
+* ``"bf16-sr"``: weights and optimizer state in bf16 only, no master copy. The optimizer runs
+  in fp32 on transient copies; the weights are written back with stochastic rounding (round up
+  with probability equal to the discarded fraction), so small updates survive on average
+  instead of being rounded away; the state is written back rounded to nearest.
+* ``"bf16-pure"``: bf16 weights and state with round-to-nearest updates; the baseline that
+  shows what stochastic rounding fixes.
+
+At every level but O1 the model's forward runs under :func:`mixprec.autocast` (so ops on the
+lists still run in fp32 where they should) and floating outputs are returned as fp32.
+
+Gradients at O2 live on the masters: clip ``mixprec.master_params(optimizer)``, not
+``model.parameters()`` (their ``.grad`` is ``None``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from mixprec._dtypes import LOW_PRECISION, parse_dtype
+from mixprec.autocast import autocast
+from mixprec.policy import NORM_TYPES, ModuleRule, default_policy
+
+
+class Level(str, enum.Enum):
+    """Precision levels of :func:`prepare`."""
+
+    O1 = "O1"
+    O2 = "O2"
+    BF16_SR = "bf16-sr"
+    BF16_PURE = "bf16-pure"
+
+    @classmethod
+    def from_name(cls, name: str | Level) -> Level:
+        if isinstance(name, Level):
+            return name
+        try:
+            return cls(name)
+        except ValueError:
+            raise ValueError(f"unknown level {name!r}; valid levels: {', '.join(v.value for v in cls)}") from None
+
+
+def stochastic_round(x: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tensor:
+    """Round fp32 ``x`` to bf16, up with probability equal to the discarded fraction (unbiased).
+
+    ``noise`` holds uniform random integers in [0, 2**16) (int32, ``x``'s shape or broadcastable);
+    drawn with torch's generator when not given.
+
+    Example:
+        >>> import torch, mixprec
+        >>> x = torch.full((100_000,), 1.0 + 2**-10)          # between two bf16 values
+        >>> y = mixprec.stochastic_round(x).float()
+        >>> sorted(y.unique().tolist())
+        [1.0, 1.0078125]
+        >>> abs(y.mean().item() - (1.0 + 2**-10)) < 2e-4     # on average, the fp32 value
+        True
+    """
+    if x.dtype is not torch.float32:
+        raise TypeError(f"stochastic_round takes an fp32 tensor, got {x.dtype}")
+    if noise is None:
+        noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device)
+    bits = x.contiguous().view(torch.int32)
+    # Adding the noise below the kept 16 bits carries into them with probability equal to the
+    # discarded fraction; masking then truncates. On the magnitude bits, so negatives round alike.
+    rounded = (bits + noise) & -(1 << 16)
+    finite = torch.isfinite(x)
+    return torch.where(finite, rounded.view(torch.float32), x).to(torch.bfloat16)
+
+
+@dataclasses.dataclass
+class _Prepared:
+    level: Level
+    dtype: torch.dtype
+    device_type: str
+    original_forward: Callable[..., Any]
+    lowp_params: list[nn.Parameter]
+    masters: list[torch.Tensor]  # O2: lowp_params[i] is refreshed from masters[i]
+    handles: list[RemovableHandle]
+    stash: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)  # bf16-sr: bf16 grads during step
+    loaded_masters: dict[int, torch.Tensor] | None = None
+
+
+def master_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The tensors the optimizer updates (fp32 masters at O2): clip and inspect their gradients."""
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def prepare(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    level: Level | str = Level.O2,
+    dtype: torch.dtype | str = torch.bfloat16,
+    *,
+    keep_types: Iterable[type[nn.Module]] = NORM_TYPES,
+    keep_names: Iterable[str] = (),
+    output_dtype: torch.dtype | None = torch.float32,
+) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """Put ``model`` and ``optimizer`` at a precision level; returns them (changed in place).
+
+    Args:
+        model: an fp32 model, already on its device.
+        optimizer: any ``torch.optim`` optimizer over the model's parameters, created after the
+            model was moved.
+        level: ``"O1"``, ``"O2"``, ``"bf16-sr"`` or ``"bf16-pure"``.
+        dtype: the low precision (bf16 or fp16; the bf16 levels need bf16).
+        keep_types, keep_names: modules kept in fp32, by type or qualified-name glob.
+        output_dtype: floating outputs of the model's forward are cast to this (``None``: as computed).
+
+    Raises:
+        ValueError: a model not in fp32, an optimizer holding tensors that are not this model's
+            parameters or holding one twice, a prepared model, a bad level or dtype.
+    """
+    level = Level.from_name(level)
+    dtype = parse_dtype(dtype, what="prepare dtype", allowed=LOW_PRECISION)
+    if level in (Level.BF16_SR, Level.BF16_PURE) and dtype is not torch.bfloat16:
+        raise ValueError(f"level {level.value!r} keeps weights in bf16; pass dtype=torch.bfloat16 (or use level 'O2')")
+    if level in (Level.O2, Level.BF16_SR) and isinstance(optimizer, torch.optim.LBFGS):
+        raise ValueError(
+            f"LBFGS re-evaluates the model inside step(), and level {level.value!r} updates the low-precision "
+            "weights only after step(); use level 'O1' or 'bf16-pure' with LBFGS"
+        )
+    if hasattr(model, "_mixprec"):
+        raise ValueError("this model was already prepared; call mixprec.export_fp32(model) first to prepare it anew")
+    _check(model, optimizer)
+    device_type = next((p.device.type for p in model.parameters()), "cpu")
+    rule = ModuleRule(types=tuple(keep_types), names=tuple(keep_names)) if (keep_types or keep_names) else None
+    policy = default_policy(device_type)
+    if rule is not None:
+        policy = dataclasses.replace(policy, module_rules=(rule,))
+
+    original_forward = model.forward
+
+    @functools.wraps(original_forward)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        with autocast(device_type, dtype=dtype, policy=policy):
+            out = original_forward(*args, **kwargs)
+        return out if output_dtype is None else _cast_floating(out, output_dtype)
+
+    state = _Prepared(level, dtype, device_type, original_forward, [], [], [])
+    if level is not Level.O1:
+        kept = _kept_parameters(model, rule)
+        done: set[int] = set()  # shared parameters are converted once
+        for module in model.modules():
+            if rule is not None and _module_is_kept(model, module, rule):
+                continue
+            for param in module.parameters(recurse=False):
+                if id(param) in kept or id(param) in done:
+                    continue
+                done.add(id(param))
+                if level is Level.O2:
+                    state.masters.append(param.detach().clone().requires_grad_(param.requires_grad))
+                param.data = param.data.to(dtype)
+                state.lowp_params.append(param)
+            for name, buffer in module.named_buffers(recurse=False):
+                if buffer.is_floating_point():
+                    module._buffers[name] = buffer.to(dtype)
+    if level is Level.O2:
+        _install_o2(model, optimizer, state)
+    elif level is Level.BF16_SR:
+        _install_sr(optimizer, state)
+    model.forward = forward  # type: ignore[method-assign]
+    model._mixprec = state  # type: ignore[assignment]
+    optimizer._mixprec = state  # type: ignore[attr-defined]
+    return model, optimizer
+
+
+def export_fp32(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> nn.Module:
+    """Undo :func:`prepare`: fp32 parameters (from the masters at O2) and buffers, the original forward.
+
+    With ``optimizer``, it is pointed back at the model's parameters, its state kept, so
+    training can go on in fp32.
+    """
+    state: _Prepared | None = getattr(model, "_mixprec", None)
+    if state is None:
+        raise ValueError("this model was not prepared by mixprec.prepare")
+    for handle in state.handles:
+        handle.remove()
+    with torch.no_grad():
+        if state.level is Level.O2:
+            for param, master in zip(state.lowp_params, state.masters, strict=True):
+                param.data = master.detach().clone()
+                param.grad = None if master.grad is None else master.grad.clone()
+        else:
+            for param in state.lowp_params:
+                param.data = param.data.float()
+                param.grad = None if param.grad is None else param.grad.float()
+        for module in model.modules():
+            for name, buffer in module.named_buffers(recurse=False):
+                if buffer.dtype is state.dtype:
+                    module._buffers[name] = buffer.float()
+    if optimizer is not None and state.level is Level.O2:
+        swap: dict[int, torch.Tensor] = {id(m): p for m, p in zip(state.masters, state.lowp_params, strict=True)}
+        _replace_in_optimizer(optimizer, swap)
+    if optimizer is not None:
+        for group_state in optimizer.state.values():
+            for key, value in group_state.items():
+                if isinstance(value, torch.Tensor) and value.dtype is torch.bfloat16 and key != "step":
+                    group_state[key] = value.float()
+        optimizer.__dict__.pop("_mixprec", None)
+    model.__dict__.pop("forward", None)
+    del model._mixprec
+    return model
+
+
+def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes held by parameters, their gradients, fp32 masters and optimizer state (each tensor once)."""
+    seen: dict[int, int] = {}
+
+    def count(t: torch.Tensor | None) -> None:
+        if isinstance(t, torch.Tensor):
+            seen.setdefault(id(t), t.numel() * t.element_size())
+
+    for tensor in (*model.parameters(), *master_params(optimizer)):
+        count(tensor)
+        count(tensor.grad)
+    for param_state in optimizer.state.values():
+        for value in param_state.values():
+            count(value if isinstance(value, torch.Tensor) and value.dim() > 0 else None)
+    return sum(seen.values())
+
+
+# ----- internals -------------------------------------------------------------------------
+
+
+def _cast_floating(out: Any, dtype: torch.dtype) -> Any:
+    if isinstance(out, torch.Tensor):
+        return out.to(dtype) if out.is_floating_point() and out.dtype is not torch.float64 else out
+    if isinstance(out, tuple) and not hasattr(out, "_fields"):
+        return tuple(_cast_floating(o, dtype) for o in out)
+    if isinstance(out, list):
+        return [_cast_floating(o, dtype) for o in out]
+    if isinstance(out, dict):
+        return {k: _cast_floating(v, dtype) for k, v in out.items()}
+    return out
+
+
+def _check(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    low = [n for n, p in model.named_parameters() if p.is_floating_point() and p.dtype is not torch.float32]
+    if low:
+        raise ValueError(
+            f"prepare() needs an fp32 model to make exact fp32 masters, but {low[0]!r} is "
+            f"{dict(model.named_parameters())[low[0]].dtype}; call prepare() on the fp32 model instead of "
+            "converting it first"
+        )
+    model_params = {id(p) for p in model.parameters()}
+    seen: set[int] = set()
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in model_params:
+                raise ValueError(
+                    "the optimizer holds a tensor that is not a parameter of this model (was the optimizer created "
+                    "before the model was moved or copied?); create it from model.parameters() after moving the model"
+                )
+            if id(p) in seen:
+                raise ValueError("a parameter appears in two optimizer param groups; give each parameter one group")
+            seen.add(id(p))
+
+
+def _module_is_kept(root: nn.Module, module: nn.Module, rule: ModuleRule) -> bool:
+    names = {id(m): n for n, m in root.named_modules()}
+    return rule.matches(module, names.get(id(module), ""))
+
+
+def _kept_parameters(model: nn.Module, rule: ModuleRule | None) -> set[int]:
+    kept: set[int] = set()
+    if rule is None:
+        return kept
+    for name, module in model.named_modules():
+        if rule.matches(module, name):
+            kept.update(id(p) for p in module.parameters())
+    return kept
+
+
+def _replace_in_optimizer(optimizer: torch.optim.Optimizer, swap: dict[int, torch.Tensor]) -> None:
+    for group in optimizer.param_groups:
+        for i, p in enumerate(group["params"]):
+            new = swap.get(id(p))
+            if new is not None:
+                group["params"][i] = new
+                if p in optimizer.state:
+                    optimizer.state[new] = optimizer.state.pop(p)
+
+
+def _install_o2(model: nn.Module, optimizer: torch.optim.Optimizer, state: _Prepared) -> None:
+    master_of = {id(p): m for p, m in zip(state.lowp_params, state.masters, strict=True)}
+    _replace_in_optimizer(optimizer, master_of)
+
+    def move_grad(param: torch.Tensor) -> None:
+        # Sum into the fp32 master and free the low-precision gradient.
+        master = master_of[id(param)]
+        grad = param.grad
+        if grad is None:
+            return
+        if master.grad is None:
+            master.grad = grad.to(torch.float32)
+        else:
+            master.grad.add_(grad)
+        param.grad = None
+
+    for param in state.lowp_params:
+        state.handles.append(param.register_post_accumulate_grad_hook(move_grad))  # type: ignore[no-untyped-call]
+
+    def refresh(*_: Any) -> None:
+        with torch.no_grad():
+            torch._foreach_copy_([p.data for p in state.lowp_params], state.masters)
+
+    state.handles.append(optimizer.register_step_post_hook(refresh))
+
+    def save_masters(opt: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+        index = {id(p): i for i, p in enumerate(master_params(opt))}
+        state_dict["mixprec_masters"] = {index[id(m)]: m.detach().clone() for m in state.masters}
+        return state_dict
+
+    def take_masters(opt: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+        masters = state_dict.pop("mixprec_masters", None)
+        if masters is None:
+            raise ValueError(
+                "this optimizer state dict has no fp32 master weights: it was not saved from an optimizer "
+                "prepared at O2, so loading it would lose precision; prepare the model the same way before saving"
+            )
+        state.loaded_masters = masters
+
+    def load_masters(opt: torch.optim.Optimizer) -> None:
+        masters, state.loaded_masters = state.loaded_masters, None
+        params = master_params(opt)
+        with torch.no_grad():
+            for i, value in (masters or {}).items():
+                params[int(i)].copy_(value)
+        refresh()
+
+    state.handles.append(optimizer.register_state_dict_post_hook(save_masters))
+    state.handles.append(optimizer.register_load_state_dict_pre_hook(take_masters))  # type: ignore[arg-type]
+    state.handles.append(optimizer.register_load_state_dict_post_hook(load_masters))
+
+    original_zero_grad = model.zero_grad
+
+    def zero_grad(set_to_none: bool = True) -> None:
+        original_zero_grad(set_to_none=set_to_none)
+        optimizer.zero_grad(set_to_none=set_to_none)
+
+    model.zero_grad = zero_grad  # type: ignore[method-assign]
+    state.handles.append(_Restore(model, "zero_grad"))  # type: ignore[arg-type]
+
+
+class _Restore:
+    """A handle whose remove() drops an instance attribute that shadows the class's method."""
+
+    def __init__(self, obj: object, name: str) -> None:
+        self.obj, self.name = obj, name
+
+    def remove(self) -> None:
+        self.obj.__dict__.pop(self.name, None)
+
+
+class _Noise:
+    """Uniform integers in [0, 2**16) for stochastic rounding, cheap enough to use every step.
+
+    torch's CPU generator makes about 200 M integers a second: drawing fresh noise for every
+    weight at every step would cost more than the optimizer step. Instead one buffer is drawn
+    every ``refresh`` steps and each parameter reads it at a fresh random offset; every element
+    still sees uniformly distributed noise across steps, so the rounding stays unbiased.
+    """
+
+    def __init__(self, refresh: int = 32) -> None:
+        self.refresh = refresh
+        self.buffers: dict[torch.device, torch.Tensor] = {}
+        self.calls = 0
+
+    def begin_step(self) -> None:
+        self.calls += 1
+        if self.calls % self.refresh == 0:
+            self.buffers.clear()
+
+    def take(self, shape: torch.Size, device: torch.device) -> torch.Tensor:
+        numel = shape.numel()
+        buffer = self.buffers.get(device)
+        if buffer is None or buffer.numel() < numel + (1 << 16):
+            buffer = torch.randint(0, 1 << 16, (numel + (1 << 16),), dtype=torch.int32, device=device)
+            self.buffers[device] = buffer
+        offset = int(torch.randint(0, 1 << 16, ()).item())
+        return buffer[offset : offset + numel].view(shape)
+
+
+def _install_sr(optimizer: torch.optim.Optimizer, state: _Prepared) -> None:
+    noise = _Noise()
+
+    def widen(opt: torch.optim.Optimizer, *_: Any) -> None:
+        # Run the step in fp32 on transient copies of the bf16 weights, gradients and state.
+        for param in state.lowp_params:
+            if param.grad is None:
+                continue
+            moments = {k: v for k, v in opt.state.get(param, {}).items()
+                       if isinstance(v, torch.Tensor) and v.dtype is torch.bfloat16 and v.dim() > 0}  # fmt: skip
+            state.stash[id(param)] = param.grad
+            param.data = param.data.float()
+            param.grad = param.grad.float()
+            for key, value in moments.items():
+                opt.state[param][key] = value.float()
+
+    def narrow(opt: torch.optim.Optimizer, *_: Any) -> None:
+        noise.begin_step()
+        with torch.no_grad():
+            for param in state.lowp_params:
+                grad = state.stash.pop(id(param), None)
+                if grad is None:
+                    continue
+                # The weight update is rounded stochastically, in place on the transient fp32 copy:
+                # add noise below the 16 kept bits, truncate, and the conversion to bf16 is exact.
+                bits = param.data.view(torch.int32)
+                bits.add_(noise.take(param.shape, param.device)).bitwise_and_(-(1 << 16))
+                param.data = param.data.to(torch.bfloat16)
+                param.grad = grad
+                # Optimizer state goes back to bf16 rounded to nearest: it is not accumulated in
+                # tiny increments the way weights are.
+                param_state = opt.state.get(param, {})
+                for key, value in list(param_state.items()):
+                    if isinstance(value, torch.Tensor) and value.dtype is torch.float32 and value.dim() > 0:
+                        param_state[key] = value.to(torch.bfloat16)
+
+    state.handles.append(optimizer.register_step_pre_hook(widen))
+    state.handles.append(optimizer.register_step_post_hook(narrow))

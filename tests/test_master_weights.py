@@ -1,0 +1,321 @@
+"""prepare(): O2 master weights, bf16 with stochastic rounding, and their bookkeeping."""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import inspect
+import io
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import mixprec
+from conftest import bitwise_equal
+
+master_weights = importlib.import_module("mixprec.master_weights")
+
+
+def _model(seed: int = 0, norm: bool = True) -> nn.Module:
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = [nn.Linear(16, 64)]
+    if norm:
+        layers.append(nn.LayerNorm(64))
+    return nn.Sequential(*layers, nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 1))
+
+
+def _data(steps: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    teacher = torch.randn(16, 1, generator=g) / 4
+    batches = []
+    for _ in range(steps):
+        x = torch.randn(64, 16, generator=g)
+        batches.append((x, torch.sin(x @ teacher)))
+    return batches
+
+
+def _train(level: str | None, steps: int = 150, lr: float = 3e-3, dtype: torch.dtype = torch.bfloat16,
+           scaler: Any = None, model: nn.Module | None = None) -> tuple[float, nn.Module, Any]:  # fmt: skip
+    model = model if model is not None else _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    if level is not None:
+        model, opt = mixprec.prepare(model, opt, level=level, dtype=dtype)
+    losses = []
+    for x, y in _data(steps):
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        else:
+            loss.backward()
+            opt.step()
+        losses.append(loss.item())
+    return sum(losses[-10:]) / 10, model, opt
+
+
+@pytest.fixture(scope="module")
+def fp32_loss() -> float:
+    return _train(None)[0]
+
+
+def test_levels_reach_fp32_loss(fp32_loss: float) -> None:
+    assert fp32_loss < 0.05  # the problem is learnt
+    o2 = _train("O2")[0]
+    sr = _train("bf16-sr")[0]
+    assert abs(o2 - fp32_loss) / fp32_loss < 0.02, (o2, fp32_loss)
+    assert abs(sr - fp32_loss) / fp32_loss < 0.03 or sr < fp32_loss * 1.03, (sr, fp32_loss)
+
+
+def test_o2_layout_and_gradients() -> None:
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = mixprec.prepare(model, opt, level="O2")
+    assert model[0].weight.dtype is torch.bfloat16 and model[1].weight.dtype is torch.float32  # norm kept
+    masters = mixprec.master_params(opt)
+    assert all(m.dtype is torch.float32 for m in masters)
+    x, y = _data(1)[0]
+    out = model(x)
+    assert out.dtype is torch.float32
+    F.mse_loss(out, y).backward()
+    assert model[0].weight.grad is None  # moved into the master
+    assert all(m.grad is not None and m.grad.dtype is torch.float32 for m in masters)
+    opt.step()
+    for p, m in zip(model._mixprec.lowp_params, model._mixprec.masters, strict=True):  # type: ignore[union-attr]
+        assert torch.equal(p, m.to(torch.bfloat16))  # refreshed from the masters
+    model.zero_grad()
+    assert all(m.grad is None for m in masters)
+
+
+def test_o2_matches_o1_bit_for_bit() -> None:
+    # Both round the fp32 weights to nearest before every forward: the same numbers.
+    assert bitwise_equal(_train("O1", steps=20)[0], _train("O2", steps=20)[0])
+
+
+def test_o2_with_grad_scaler_fp16_and_accumulation() -> None:
+    scaler = mixprec.GradScaler("cpu", init_scale=2.0**12)
+    loss, model, opt = _train("O2", steps=60, lr=3e-3, dtype=torch.float16, scaler=scaler)
+    assert model[0].weight.dtype is torch.float16
+    assert loss < 0.1
+    # accumulation: two backward passes sum in fp32 on the master
+    x, y = _data(1)[0]
+    opt.zero_grad()
+    F.mse_loss(model(x), y).backward()
+    once = mixprec.master_params(opt)[0].grad.clone()  # type: ignore[union-attr]
+    F.mse_loss(model(x), y).backward()
+    assert torch.equal(mixprec.master_params(opt)[0].grad, once * 2)
+
+
+def test_param_groups_scheduler_clipping_and_zero_grad_modes() -> None:
+    model = _model()
+    opt = torch.optim.SGD([{"params": model[0].parameters(), "lr": 0.1},
+                           {"params": [p for m in list(model)[1:] for p in m.parameters()]}], lr=0.05)  # fmt: skip
+    model, opt = mixprec.prepare(model, opt, level="O2")
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    scaler = mixprec.GradScaler("cpu")
+    for i, (x, y) in enumerate(_data(4)):
+        opt.zero_grad(set_to_none=i % 2 == 0)
+        scaler.scale(F.mse_loss(model(x), y)).backward()
+        scaler.unscale_(opt)
+        norm = torch.nn.utils.clip_grad_norm_(mixprec.master_params(opt), 1e-3)
+        assert norm > 1e-3
+        assert torch.nn.utils.get_total_norm([m.grad for m in mixprec.master_params(opt)]) <= 1e-3 * 1.01
+        scaler.step(opt)
+        scaler.update()
+        scaler.step_scheduler(sched)
+    assert opt.param_groups[0]["lr"] == 0.1 * 0.5**4
+
+
+def test_o2_checkpoint_resumes_bit_for_bit() -> None:
+    def fresh() -> tuple[nn.Module, torch.optim.Optimizer, mixprec.GradScaler]:
+        model = _model()
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        model, opt = mixprec.prepare(model, opt, level="O2", dtype=torch.float16)
+        return model, opt, mixprec.GradScaler("cpu", init_scale=2.0**10, growth_interval=3)
+
+    def steps(model: nn.Module, opt: torch.optim.Optimizer, scaler: Any, batches: list[Any]) -> None:
+        for x, y in batches:
+            opt.zero_grad()
+            scaler.scale(F.mse_loss(model(x), y)).backward()
+            scaler.step(opt)
+            scaler.update()
+
+    batches = _data(20)
+    straight = fresh()
+    steps(*straight, batches)
+    first = fresh()
+    steps(*first, batches[:10])
+    buffer = io.BytesIO()
+    torch.save({"model": first[0].state_dict(), "opt": first[1].state_dict(), "scaler": first[2].state_dict()}, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer)
+    resumed = fresh()
+    resumed[0].load_state_dict(saved["model"])
+    resumed[1].load_state_dict(saved["opt"])
+    resumed[2].load_state_dict(saved["scaler"])
+    steps(*resumed, batches[10:])
+    assert bitwise_equal(mixprec.master_params(straight[1]), mixprec.master_params(resumed[1]))
+    assert bitwise_equal(list(straight[0].parameters()), list(resumed[0].parameters()))
+    assert all(
+        isinstance(v, torch.Tensor) and v.dtype is torch.float32 for v in saved["opt"]["mixprec_masters"].values()
+    )
+
+
+def test_loading_a_state_dict_without_masters_is_refused() -> None:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    plain = copy.deepcopy(opt.state_dict())
+    model, opt = mixprec.prepare(model, opt, level="O2")
+    with pytest.raises(ValueError, match="no fp32 master weights"):
+        opt.load_state_dict(plain)
+
+
+def _optimizers() -> list[Any]:
+    found = []
+    for name, cls in inspect.getmembers(torch.optim, inspect.isclass):
+        if issubclass(cls, torch.optim.Optimizer) and cls is not torch.optim.Optimizer:
+            found.append(pytest.param(cls, id=name))
+    return found
+
+
+@pytest.mark.parametrize("cls", _optimizers())
+def test_every_torch_optimizer_at_o2(cls: type[torch.optim.Optimizer]) -> None:
+    torch.manual_seed(0)
+    sparse = cls is torch.optim.SparseAdam
+    embed = nn.Embedding(32, 8, sparse=sparse)
+    model = nn.Sequential(embed, nn.Flatten(), nn.Linear(32, 1))
+    params = list(embed.parameters()) if sparse else list(model.parameters())
+    if cls.__name__ == "Muon":  # Muon orthogonalises matrices: 2-D parameters only
+        params = [p for p in params if p.dim() == 2]
+    opt = cls(params, lr=1e-2) if cls is not torch.optim.LBFGS else cls(params, lr=0.1)
+    if cls is torch.optim.LBFGS:
+        with pytest.raises(ValueError, match="LBFGS"):
+            mixprec.prepare(model, opt, level="O2")
+        return
+    model, opt = mixprec.prepare(model, opt, level="O2")
+    tokens = torch.randint(0, 32, (16, 4))
+    target = torch.randn(16, 1)
+    before = [m.detach().clone() for m in mixprec.master_params(opt)]
+    for _ in range(3):
+        opt.zero_grad()
+        F.mse_loss(model(tokens), target).backward()
+        opt.step()
+    after = mixprec.master_params(opt)
+    assert any(not torch.equal(a, b) for a, b in zip(before, after, strict=True)), "nothing was updated"
+    for p, m in zip(model._mixprec.lowp_params, model._mixprec.masters, strict=True):  # type: ignore[union-attr]
+        assert torch.equal(p, m.to(p.dtype))
+
+
+def test_stochastic_rounding_is_unbiased() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(64) * 3
+    draws = torch.stack([mixprec.stochastic_round(x).float() for _ in range(4000)])
+    ulp = (x.abs() * 2**-7).clamp_min(1e-30)
+    assert ((draws.mean(0) - x).abs() / ulp).max() < 0.08  # a few percent of a bf16 step
+    lower = x.to(torch.bfloat16).float()
+    assert set(torch.unique(draws - lower).abs().gt(0).tolist()) <= {False, True}
+    assert mixprec.stochastic_round(torch.tensor([float("inf"), -float("inf")])).isinf().all()
+    with pytest.raises(TypeError, match="fp32"):
+        mixprec.stochastic_round(torch.ones(2, dtype=torch.float16))
+
+
+def test_noise_buffer_rounding_is_unbiased_over_steps() -> None:
+    torch.manual_seed(0)
+    noise = master_weights._Noise(refresh=8)
+    x = torch.full((256,), 1.0 + 3 * 2**-10)  # 3/8 of the way from 1 to the next bf16 value
+    total = torch.zeros(256)
+    steps = 2000
+    for _ in range(steps):
+        noise.begin_step()
+        bits = x.clone().view(torch.int32)
+        bits.add_(noise.take(x.shape, x.device)).bitwise_and_(-(1 << 16))
+        total += bits.view(torch.float32)
+    mean = total / steps
+    assert (mean - x).abs().max() < 0.06 * 2**-7
+
+
+def test_bf16_pure_stalls_where_stochastic_rounding_converges() -> None:
+    # A weight at 1.0 pulled towards 1.01 with a tiny learning rate: every update is far below half
+    # a bf16 step (2**-8 at 1.0), so round-to-nearest throws each one away.
+    results = {}
+    for level in ("bf16-pure", "bf16-sr"):
+        torch.manual_seed(0)
+        model = nn.Linear(1, 256, bias=False)
+        nn.init.ones_(model.weight)
+        opt = torch.optim.SGD(model.parameters(), lr=0.02)  # updates of about 4e-4 < 2**-8 / 2
+        model, opt = mixprec.prepare(model, opt, level=level, output_dtype=torch.float32)
+        x = torch.ones(1, 1)
+        for _ in range(600):
+            opt.zero_grad()
+            F.mse_loss(model(x), torch.full((1, 256), 1.01), reduction="sum").backward()
+            opt.step()
+        results[level] = model.weight.float()
+    assert torch.equal(results["bf16-pure"], torch.ones(256, 1))  # stalled
+    assert (results["bf16-sr"].mean() - 1.0).item() > 0.006  # moved most of the way to 1.01
+
+
+def test_bf16_sr_state_in_bf16_and_bytes() -> None:
+    model = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256))
+    o1 = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters())
+    model, opt = mixprec.prepare(model, opt, level="bf16-sr")
+    o1_opt = torch.optim.AdamW(o1.parameters())
+    x = torch.randn(8, 256)
+    for m, o in ((model, opt), (o1, o1_opt)):
+        o.zero_grad()
+        with mixprec.autocast("cpu"):
+            m(x).float().square().mean().backward()
+        o.step()
+    states = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+    assert states and all(v.dtype is torch.bfloat16 for v in states)
+    assert all(p.dtype is torch.bfloat16 and p.grad.dtype is torch.bfloat16 for p in model.parameters())  # type: ignore[union-attr]
+    ratio = mixprec.state_bytes(model, opt) / mixprec.state_bytes(o1, o1_opt)
+    assert ratio <= 0.55, ratio
+
+
+def test_export_fp32() -> None:
+    _, model, opt = _train("O2", steps=10)
+    masters = [m.detach().clone() for m in model._mixprec.masters]  # type: ignore[union-attr]
+    mixprec.export_fp32(model, opt)
+    assert all(p.dtype is torch.float32 for p in model.parameters())
+    assert bitwise_equal([p.detach() for p in model._modules["0"].parameters()], masters[:2])
+    assert not hasattr(model, "_mixprec")
+    x, y = _data(1)[0]
+    opt.zero_grad()
+    F.mse_loss(model(x), y).backward()  # trains on in fp32
+    opt.step()
+    assert model(x).dtype is torch.float32
+
+
+@pytest.mark.parametrize(
+    ("make", "kwargs", "match"),
+    [
+        (lambda: _model().to(torch.bfloat16), {}, "needs an fp32 model"),
+        (lambda: _model(), {"level": "O3"}, "unknown level 'O3'; valid levels: O1, O2, bf16-sr"),
+        (lambda: _model(), {"level": "bf16-sr", "dtype": torch.float16}, "keeps weights in bf16"),
+        (lambda: _model(), {"dtype": torch.int8}, "non-floating"),
+    ],
+)
+def test_bad_input(make: Any, kwargs: dict[str, Any], match: str) -> None:
+    model = make()
+    with pytest.raises(ValueError, match=match):
+        mixprec.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), **kwargs)
+
+
+def test_optimizer_not_over_this_model_or_shared_params() -> None:
+    model = _model()
+    stale = torch.optim.SGD(copy.deepcopy(model).parameters(), lr=0.1)  # e.g. built before a copy or move
+    with pytest.raises(ValueError, match=r"not a parameter of this model.*after moving the model"):
+        mixprec.prepare(model, stale)
+    shared = torch.optim.SGD([{"params": list(model.parameters())}], lr=0.1)
+    shared.param_groups.append({**shared.param_groups[0], "params": [next(model.parameters())]})
+    with pytest.raises(ValueError, match="two optimizer param groups"):
+        mixprec.prepare(model, shared)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mixprec.prepare(model, opt)
+    with pytest.raises(ValueError, match="already prepared"):
+        mixprec.prepare(model, opt)
