@@ -399,7 +399,108 @@ class _Noise:
         return buffer[offset : offset + numel].view(shape)
 
 
+def _adam_sr_update(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, noise: torch.Tensor,
+                    lr: torch.Tensor, beta1: torch.Tensor, beta2: torch.Tensor, eps: torch.Tensor,
+                    weight_decay: torch.Tensor, step: torch.Tensor, decoupled: bool) -> None:  # fmt: skip
+    """One Adam/AdamW step on bf16 tensors in fp32 math, weights written back with stochastic rounding.
+
+    The same update as torch.optim.Adam/AdamW (amsgrad, maximize off); compiled into one fused loop,
+    so each tensor is read and written once.
+    """
+    p32, g32 = p.float(), g.float()
+    if decoupled:
+        p32 = p32 * (1 - lr * weight_decay)
+    else:
+        g32 = g32 + weight_decay * p32
+    m32 = m.float().lerp(g32, 1 - beta1)
+    v32 = v.float() * beta2 + (1 - beta2) * g32 * g32
+    denom = v32.sqrt() / (1 - beta2**step).sqrt() + eps
+    p32 = p32 - (lr / (1 - beta1**step)) * m32 / denom
+    bits = (p32.view(torch.int32) + noise) & -(1 << 16)
+    p.copy_(bits.view(torch.float32))
+    m.copy_(m32)
+    v.copy_(v32)
+
+
+_compiled_adam_sr: Callable[..., None] | None = None
+
+
+def _fused_adam_sr_supported(optimizer: torch.optim.Optimizer) -> bool:
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+        return False
+    return all(not g.get("amsgrad") and not g.get("maximize") and not g.get("capturable")
+               and not g.get("differentiable") for g in optimizer.param_groups)  # fmt: skip
+
+
+def _install_fused_adam_sr(optimizer: torch.optim.Optimizer, state: _Prepared) -> bool:
+    """Replace ``optimizer.step`` by a compiled fused Adam(W)+stochastic-rounding step, if it compiles."""
+    global _compiled_adam_sr
+    if _compiled_adam_sr is None:
+        try:
+            compiled = torch.compile(_adam_sr_update, fullgraph=True, dynamic=True)
+            probe = [torch.zeros(4, dtype=torch.bfloat16) for _ in range(4)]
+            one = torch.ones(())
+            compiled(*probe, torch.zeros(4, dtype=torch.int32), one, one * 0.9, one * 0.99, one, one * 0, one, True)
+            _compiled_adam_sr = compiled
+        except Exception:  # no C++ toolchain, an unsupported platform: keep the generic path
+            return False
+    noise = _Noise()
+    lowp = {id(p) for p in state.lowp_params}
+    original_step = optimizer.step
+    decoupled = isinstance(optimizer, torch.optim.AdamW)
+
+    @functools.wraps(original_step)
+    def step(closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        noise.begin_step()
+        others: list[tuple[dict[str, Any], list[torch.Tensor]]] = []
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                beta1, beta2 = group["betas"]
+                scalars = [torch.tensor(float(x)) for x in (group["lr"], beta1, beta2, group["eps"],
+                                                            group["weight_decay"])]  # fmt: skip
+                rest = []
+                for p in group["params"]:
+                    if p.grad is None:
+                        continue
+                    if id(p) not in lowp or not (p.is_contiguous() and p.grad.is_contiguous()):
+                        rest.append(p)
+                        continue
+                    st = optimizer.state[p]
+                    if not st:
+                        st["step"] = torch.tensor(0.0)
+                        st["exp_avg"] = torch.zeros_like(p)
+                        st["exp_avg_sq"] = torch.zeros_like(p)
+                    st["step"] += 1
+                    assert _compiled_adam_sr is not None
+                    # 1-D views: one compiled graph serves every parameter, whatever its shape.
+                    flat = [t.view(-1) for t in (p.data, p.grad, st["exp_avg"], st["exp_avg_sq"])]
+                    _compiled_adam_sr(*flat, noise.take(torch.Size([p.numel()]), p.device), *scalars, st["step"],
+                                      decoupled)  # fmt: skip
+                others.append((group, rest))
+        # fp32 parameters (kept modules) take the optimizer's own update.
+        if any(rest for _, rest in others):
+            saved = [g["params"] for g in optimizer.param_groups]
+            try:
+                for group, rest in others:
+                    group["params"] = rest
+                original_step()
+            finally:
+                for group, params in zip(optimizer.param_groups, saved, strict=True):
+                    group["params"] = params
+        return loss
+
+    optimizer.step = step  # type: ignore[method-assign]
+    state.handles.append(_Restore(optimizer, "step"))  # type: ignore[arg-type]
+    return True
+
+
 def _install_sr(optimizer: torch.optim.Optimizer, state: _Prepared) -> None:
+    if _fused_adam_sr_supported(optimizer) and _install_fused_adam_sr(optimizer, state):
+        return
     noise = _Noise()
 
     def widen(opt: torch.optim.Optimizer, *_: Any) -> None:

@@ -28,11 +28,12 @@ def table_rows(report: BenchReport) -> list[list[str]]:
     for workload, modes in report.results.items():
         for mode, r in modes.items():
             rows.append([workload, mode, f"{r.steps_per_s:.2f}", _ratio(r.speedup_vs_fp32), _ratio(r.vs_torch_amp),
-                         _mb(r.peak_mem_bytes), f"{r.final_loss:.4f}", _pct(r.loss_rel_diff_vs_fp32)])  # fmt: skip
+                         _mb(r.peak_mem_bytes), _mb(r.state_bytes), f"{r.final_loss:.4f}",
+                         _pct(r.loss_rel_diff_vs_fp32)])  # fmt: skip
     return rows
 
 
-HEADER = ["workload", "mode", "steps/s", "vs fp32", "vs torch-amp", "peak mem", "final loss", "loss vs fp32"]
+HEADER = ["workload", "mode", "steps/s", "vs fp32", "vs torch-amp", "peak mem", "state", "final loss", "loss vs fp32"]
 
 
 def markdown(report: BenchReport) -> str:
@@ -53,9 +54,10 @@ def markdown(report: BenchReport) -> str:
         "",
         "steps/s: median over timed windows after warm-up. vs fp32, vs torch-amp: ratios of steps/s from "
         "this run. Peak mem: CUDA max allocated, or on CPU the peak resident set above the level before the "
-        "run (indicative). Final loss: mean of the last steps; loss vs fp32: its relative difference after the "
-        "same steps. Image outputs (the checkerboard) are shown after this run's steps; the reference trains "
-        "500 to draw the board.",
+        "run (indicative). State: exact bytes of parameters, gradients, fp32 masters and optimizer state. "
+        "Final loss: mean of the last steps; loss vs fp32: its relative difference after the same steps. "
+        "Image outputs (the checkerboard) are shown after this run's steps; the reference trains 500 to draw "
+        "the board.",
         "",
         "![bench](bench.png)",
         "",
