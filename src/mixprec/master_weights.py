@@ -29,7 +29,7 @@ import dataclasses
 import enum
 import functools
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -437,7 +437,7 @@ def _install_fused_adam_sr(optimizer: torch.optim.Optimizer, state: _Prepared) -
     global _compiled_adam_sr
     if _compiled_adam_sr is None:
         try:
-            compiled = torch.compile(_adam_sr_update, fullgraph=True, dynamic=True)
+            compiled = cast(Callable[..., None], torch.compile(_adam_sr_update, fullgraph=True, dynamic=True))
             probe = [torch.zeros(4, dtype=torch.bfloat16) for _ in range(4)]
             one = torch.ones(())
             compiled(*probe, torch.zeros(4, dtype=torch.int32), one, one * 0.9, one * 0.99, one, one * 0, one, True)
