@@ -30,6 +30,7 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_autocast.py
 	$(BIN)/python benchmarks/bench_scaler.py
+	$(BIN)/python benchmarks/bench_monitor.py
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

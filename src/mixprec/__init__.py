@@ -12,20 +12,26 @@ from mixprec.autocast import (
     set_autocast_enabled,
 )
 from mixprec.custom_function import custom_bwd, custom_fwd, op
+from mixprec.diagnostics import DiagnosticReport, diagnose
 from mixprec.layout import to_channels_last
 from mixprec.master_weights import Level, export_fp32, master_params, prepare, state_bytes, stochastic_round
+from mixprec.monitor import Incident, Monitor
 from mixprec.policy import NORM_TYPES, ModuleRule, OpCategory, Policy, builtin_policy, default_policy, get_policy
-from mixprec.scaler import GradScaler, ScalerStats
+from mixprec.scaler import GradScaler, ScalerEvent, ScalerStats
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "DiagnosticReport",
     "GradScaler",
+    "Incident",
     "Level",
     "NORM_TYPES",
     "ModuleRule",
+    "Monitor",
     "OpCategory",
     "Policy",
+    "ScalerEvent",
     "ScalerStats",
     "__version__",
     "autocast",
@@ -33,6 +39,7 @@ __all__ = [
     "custom_bwd",
     "custom_fwd",
     "default_policy",
+    "diagnose",
     "export_fp32",
     "get_autocast_dtype",
     "get_autocast_policy",

@@ -1,10 +1,11 @@
-"""The ``mixprec`` command: ``mixprec bench`` and ``mixprec policy``."""
+"""The ``mixprec`` command: ``mixprec bench``, ``mixprec diagnose`` and ``mixprec policy``."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from mixprec.bench.modes import MODES
 from mixprec.bench.workloads import SIZES, WORKLOADS
@@ -47,6 +48,21 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", default="mixprec-bench", help="output folder (default ./mixprec-bench/)")
     bench.add_argument("--json", help="also write the JSON report here")
     bench.add_argument("--quiet", action="store_true", help="no progress bars: one log line per result")
+
+    diagnose = sub.add_parser(
+        "diagnose",
+        help="find where low precision breaks a model (overflow, underflow, NaN), and what to do",
+        description="Run a model forward and backward in fp32 and in fp16/bf16, and report per module the "
+        "value ranges against the dtype, NaN/Inf, the first non-finite op, modules to keep in fp32 and a loss scale.",
+    )
+    target = diagnose.add_mutually_exclusive_group(required=True)
+    target.add_argument("--workload", choices=list(WORKLOADS), help="a bench workload (tiny size)")
+    target.add_argument("--model", help="module:factory, a function returning the model (e.g. mypkg.models:build)")
+    diagnose.add_argument("--batch", help="module:function returning the inputs, or (inputs, targets) with --loss")
+    diagnose.add_argument("--loss", help="module:function(output, targets) -> scalar loss")
+    diagnose.add_argument("--dtype", default="fp16", choices=["fp16", "bf16"])
+    diagnose.add_argument("--policy", help="the autocast policy to check, e.g. cpu, cuda, 'compute=fp16,keep=norm'")
+    diagnose.add_argument("--out", default="mixprec-diagnose", help="folder for report.json and diagnose.png")
 
     policy = sub.add_parser("policy", help="print a precision policy's op lists")
     policy.add_argument(
@@ -111,6 +127,61 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _load(spec: str, what: str) -> Any:
+    import importlib
+
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"{what} must be module:function, e.g. mypkg.models:build, got {spec!r}")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"cannot load {what} {spec!r}: {exc}") from exc
+
+
+def _diagnose(args: argparse.Namespace) -> int:
+    import pathlib
+
+    import torch
+    from rich.console import Console
+
+    from mixprec.diagnostics import diagnose
+
+    try:
+        if args.workload:
+            task = WORKLOADS[args.workload].build("tiny", torch.device("cpu"))
+            model, (inputs, targets) = task.model, task.batch(0)
+
+            def loss_fn(out: Any) -> torch.Tensor:
+                return task.loss_fn(out.float(), targets)
+        else:
+            if not args.batch:
+                raise ValueError("--model needs --batch module:function returning the model's inputs")
+            model = _load(args.model, "--model")()
+            batch = _load(args.batch, "--batch")()
+            if args.loss:
+                user_loss = _load(args.loss, "--loss")
+                inputs, targets = batch
+
+                def loss_fn(out: Any) -> torch.Tensor:
+                    return user_loss(out, targets)  # type: ignore[no-any-return]
+            else:
+                inputs, loss_fn = batch, None  # type: ignore[assignment]
+        report = diagnose(model, inputs, loss_fn, dtype=args.dtype, policy=args.policy)
+    except (ValueError, TypeError) as exc:
+        print(f"mixprec diagnose: {exc}", file=sys.stderr)
+        return 2
+    console = Console()
+    console.print(report.table())
+    console.print(report.summary())
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report.to_json(out / "report.json")
+    report.plot(out / "diagnose.png")
+    print(f"wrote {out / 'report.json'}, {out / 'diagnose.png'}")
+    return 0
+
+
 def _policy(args: argparse.Namespace) -> int:
     from mixprec.policy import get_policy
 
@@ -127,6 +198,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "bench":
         return _bench(args)
+    if args.command == "diagnose":
+        return _diagnose(args)
     return _policy(args)
 
 

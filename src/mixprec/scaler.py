@@ -67,6 +67,17 @@ class _OptimizerState:
 
 
 @dataclasses.dataclass(frozen=True)
+class ScalerEvent:
+    """Something the scaler did: ``kind`` is ``"skip"`` (an optimizer step skipped for inf/NaN),
+    ``"backoff"`` (the scale shrank) or ``"growth"`` (it grew); ``update`` counts updates so far."""
+
+    kind: str
+    update: int
+    scale: float | None
+    optimizer: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class ScalerStats:
     """Counters for logging; reading them syncs with the device.
 
@@ -104,6 +115,9 @@ class GradScaler:
             its floor (``min_scale``, or 1.0), instead of skipping every step; ``None`` never
             raises.
         history: how many scale changes :meth:`stats` remembers.
+        on_event: called with a :class:`ScalerEvent` on every skip, backoff and growth that the host
+            sees without an extra sync (every one, unless the optimizer is a fused one); the same events
+            are logged on the ``mixprec.scaler`` logger (skip and backoff at INFO, growth at DEBUG).
 
     Raises:
         ValueError: a factor, interval, bound or count that cannot work; the message says why.
@@ -123,6 +137,7 @@ class GradScaler:
         hysteresis: int = 1,
         fail_after: int | None = 50,
         history: int = 64,
+        on_event: Any = None,
     ) -> None:
         self._device = device
         self._enabled = enabled
@@ -152,6 +167,9 @@ class GradScaler:
         self._last_skipped: dict[int, bool | torch.Tensor] = {}
         self._updates = 0
         self._history: collections.deque[tuple[int, torch.Tensor]] = collections.deque(maxlen=max(2, history + 1))
+        self._listeners: list[Any] = [on_event] if on_event is not None else []
+        self._host_good = 0  # good iterations in a row, as far as the host has seen them
+        self._host_tolerated = self._hysteresis
 
     # ----- torch.amp.GradScaler's API ----------------------------------------------------
 
@@ -254,6 +272,7 @@ class GradScaler:
         state.stage = _Stage.STEPPED
         if skipped:
             logger.info("skipped optimizer.step() for %s: gradients hold inf/NaN", _describe(optimizer))
+            self._emit("skip", None, _describe(optimizer))
             return None
         return optimizer.step(*args, **kwargs)
 
@@ -294,6 +313,8 @@ class GradScaler:
         self._apply_update(scale, found)
         self._updates += 1
         self._history.append((self._updates, scale.clone()))
+        if all(flag is not None for flag in host_flags):
+            self._host_events(any(host_flags))
         if self._fail_after is not None:
             if all(flag is not None for flag in host_flags):
                 if any(host_flags):  # only overflowing iterations can trip it; no extra sync otherwise
@@ -426,6 +447,7 @@ class GradScaler:
         state["_per_optimizer"] = {}
         state["_last_skipped"] = {}
         state["_history"] = collections.deque(maxlen=self._history.maxlen)
+        state["_listeners"] = []
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -534,7 +556,35 @@ class GradScaler:
             self.update()
         return overflow
 
+    def add_listener(self, callback: Any) -> None:
+        """Call ``callback(ScalerEvent)`` on skips, backoffs and growths (see ``on_event``)."""
+        self._listeners.append(callback)
+
     # ----- internals -------------------------------------------------------------------
+
+    def _emit(self, kind: str, scale: float | None, optimizer: str | None = None) -> None:
+        event = ScalerEvent(kind, self._updates, scale, optimizer)
+        for listener in list(self._listeners):
+            listener(event)
+
+    def _host_events(self, overflow: bool) -> None:
+        # Mirrors the update rule on the host, from flags it already read: no extra sync, except
+        # reading the new scale on a backoff or growth (rare) for the log.
+        if overflow:
+            self._host_good = 0
+            self._host_tolerated -= 1
+            if self._host_tolerated <= 0:
+                scale = self.get_scale()
+                logger.info("loss scale backed off to %g after inf/NaN gradients", scale)
+                self._emit("backoff", scale)
+            return
+        self._host_good += 1
+        if self._host_good == self._growth_interval:
+            self._host_good = 0
+            self._host_tolerated = self._hysteresis
+            scale = self.get_scale()
+            logger.debug("loss scale grew to %g after %d good iterations", scale, self._growth_interval)
+            self._emit("growth", scale)
 
     def _lazy_init(self, device: torch.device) -> torch.Tensor:
         if self._scale is None:

@@ -1,0 +1,513 @@
+"""Find where low precision breaks a model: which layer, which pass, why, and what to do.
+
+``report = mixprec.diagnose(model, inputs, loss_fn)`` runs the batch twice, in fp32 and
+under :func:`mixprec.autocast` in the target dtype, forward and backward, and records per
+module (qualified name and type) for its output activations and for the gradients that
+reach them: the largest magnitude, the fraction past the dtype's largest finite value, the
+fraction of non-zeros below its smallest normal (flushed to subnormal or zero), NaN and Inf
+counts, and the relative error of the low-precision output against fp32. A dispatch-level
+tracer names the first op that produced a NaN or Inf from finite inputs, with its module and
+pass. The report lists the modules to keep in fp32 (as rules for autocast, checked by
+running them), suggests an initial loss scale, and says whether bf16 avoids the problem.
+
+Everything here syncs with the device: it is a diagnosis, not a training step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import pathlib
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from mixprec._dtypes import parse_dtype, short_name
+from mixprec.autocast import autocast
+from mixprec.policy import ModuleRule, Policy, default_policy, get_policy
+
+LossFn = Callable[[Any], torch.Tensor]
+
+
+@dataclasses.dataclass
+class TensorStats:
+    """Statistics of the tensors one module produced (or received as gradient) in one pass."""
+
+    numel: int = 0
+    absmax: float = 0.0
+    min_nonzero: float = math.inf
+    overflow: int = 0  # finite values past the dtype's largest, plus infs
+    underflow: int = 0  # non-zeros below the dtype's smallest normal
+    nan: int = 0
+    inf: int = 0
+
+    def add(self, t: torch.Tensor, finfo: torch.finfo) -> None:
+        t = t.detach()
+        if not t.is_floating_point() or t.numel() == 0:
+            return
+        x = t.float()
+        finite = torch.isfinite(x)
+        mag = x.abs()
+        self.numel += t.numel()
+        self.nan += int(torch.isnan(x).sum())
+        self.inf += int(torch.isinf(x).sum())
+        self.overflow += int(((mag > finfo.max) & finite).sum()) + int(torch.isinf(x).sum())
+        self.underflow += int(((mag < finfo.tiny) & (mag > 0)).sum())
+        if finite.any():
+            self.absmax = max(self.absmax, float(mag[finite].max()))
+            nonzero = mag[finite & (mag > 0)]
+            if nonzero.numel():
+                self.min_nonzero = min(self.min_nonzero, float(nonzero.min()))
+
+    @property
+    def overflow_frac(self) -> float:
+        return self.overflow / self.numel if self.numel else 0.0
+
+    @property
+    def underflow_frac(self) -> float:
+        return self.underflow / self.numel if self.numel else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "numel": self.numel,
+            "absmax": self.absmax,
+            "min_nonzero": None if math.isinf(self.min_nonzero) else self.min_nonzero,
+            "overflow_frac": self.overflow_frac,
+            "underflow_frac": self.underflow_frac,
+            "nan": self.nan,
+            "inf": self.inf,
+        }
+
+
+@dataclasses.dataclass
+class ModuleReport:
+    """One module.
+
+    ``activations`` and ``gradients`` are the fp32 run's values measured against the target
+    dtype's range: what would overflow, or flush to subnormal or zero, in that dtype (a flushed
+    gradient is a legal-looking zero in the low-precision run itself). ``nan``/``inf`` count what
+    the low-precision run actually produced, forward and backward; ``rel_error`` compares its
+    forward output with fp32's.
+    """
+
+    name: str
+    type: str
+    activations: TensorStats
+    gradients: TensorStats
+    nan: int
+    inf: int
+    rel_error: float | None  # ||y_low - y_fp32|| / ||y_fp32|| of the forward output
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "type": self.type, "activations": self.activations.to_dict(),
+                "gradients": self.gradients.to_dict(), "nan": self.nan, "inf": self.inf,
+                "rel_error": self.rel_error}  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class NonFinite:
+    """Where the first NaN or Inf came from finite inputs."""
+
+    module: str
+    module_type: str
+    pass_: str  # "forward" or "backward"
+    op: str | None
+    kind: str  # "nan" or "inf"
+
+    def __str__(self) -> str:
+        op = f" in {self.op}" if self.op else ""
+        where = self.module or "<model>"
+        return f"{self.kind} first appears in the {self.pass_} pass of {where} ({self.module_type}){op}"
+
+
+@dataclasses.dataclass
+class DiagnosticReport:
+    """What :func:`diagnose` found; see the module docstring."""
+
+    dtype: torch.dtype
+    modules: list[ModuleReport]
+    first_nonfinite: NonFinite | None
+    keep_fp32: list[str]
+    rules_fix_it: bool | None  # whether the run with the rules applied was free of overflow and NaN
+    suggested_loss_scale: float
+    bf16_avoids_it: bool | None
+    notes: list[str]
+    loss: float | None
+    loss_fp32: float | None
+
+    def rules(self) -> tuple[ModuleRule, ...]:
+        """Per-module rules that keep the flagged modules in fp32, for a Policy or autocast."""
+        return (ModuleRule(names=tuple(self.keep_fp32)),) if self.keep_fp32 else ()
+
+    def policy(self, base: Policy | str = "cpu") -> Policy:
+        """``base`` with :meth:`rules` added: pass it to ``mixprec.autocast(policy=...)``."""
+        policy = get_policy(base)
+        return dataclasses.replace(policy, module_rules=(*policy.module_rules, *self.rules()))
+
+    def overflowing(self) -> list[str]:
+        """Modules whose activations overflow the dtype (or hold Inf), most affected first."""
+        hit = [m for m in self.modules if m.activations.overflow or m.inf]
+        return [m.name for m in sorted(hit, key=lambda m: -m.activations.overflow_frac)]
+
+    def underflowing(self) -> list[str]:
+        """Modules whose incoming gradients underflow the dtype, most affected first."""
+        hit = [m for m in self.modules if m.gradients.underflow_frac > 0]
+        return [m.name for m in sorted(hit, key=lambda m: -m.gradients.underflow_frac)]
+
+    def module(self, name: str) -> ModuleReport:
+        for m in self.modules:
+            if m.name == name:
+                return m
+        raise KeyError(f"no module {name!r} in the report; modules: {[m.name for m in self.modules]}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready."""
+        return {
+            "dtype": short_name(self.dtype),
+            "first_nonfinite": None if self.first_nonfinite is None else dataclasses.asdict(self.first_nonfinite),
+            "keep_fp32": self.keep_fp32,
+            "rules_fix_it": self.rules_fix_it,
+            "suggested_loss_scale": self.suggested_loss_scale,
+            "bf16_avoids_it": self.bf16_avoids_it,
+            "notes": self.notes,
+            "loss": self.loss,
+            "loss_fp32": self.loss_fp32,
+            "modules": [m.to_dict() for m in self.modules],
+        }
+
+    def to_json(self, path: str | pathlib.Path) -> None:
+        pathlib.Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    def table(self) -> Any:
+        """A rich Table of the modules, worst first in each column's colour."""
+        from rich.table import Table
+
+        dt = short_name(self.dtype)
+        table = Table(title=f"mixprec diagnose ({dt}): " + (str(self.first_nonfinite) if self.first_nonfinite
+                                                             else "no NaN or Inf"))  # fmt: skip
+        for column in ("module", "type", "act absmax", "act overflow", "act underflow", "grad absmax",
+                       "grad underflow", f"{dt} nan/inf", "rel err vs fp32"):  # fmt: skip
+            table.add_column(column, justify="left" if column in ("module", "type") else "right")
+        for m in self.modules:
+            bad = m.nan + m.inf
+            style = "red" if (bad or m.activations.overflow) else ("yellow" if m.name in self.keep_fp32 else None)
+            table.add_row(
+                m.name or "<model>", m.type, f"{m.activations.absmax:.3g}", f"{m.activations.overflow_frac:.2%}",
+                f"{m.activations.underflow_frac:.2%}", f"{m.gradients.absmax:.3g}",
+                f"{m.gradients.underflow_frac:.2%}", str(bad),
+                "" if m.rel_error is None else f"{m.rel_error:.2e}", style=style,
+            )  # fmt: skip
+        return table
+
+    def summary(self) -> str:
+        """What to do, in a few lines."""
+        lines = [str(self.first_nonfinite) if self.first_nonfinite else f"no NaN or Inf in {short_name(self.dtype)}"]
+        if self.keep_fp32:
+            fixed = {True: "they fix it", False: "they do not fix it all", None: "not checked"}[self.rules_fix_it]
+            lines.append(f"keep in fp32: {', '.join(self.keep_fp32)} ({fixed}); report.policy() applies them")
+        lines.append(f"suggested initial loss scale: {self.suggested_loss_scale:g}")
+        if self.bf16_avoids_it is not None:
+            lines.append("bf16 would avoid it" if self.bf16_avoids_it else "bf16 would not avoid it")
+        return "\n".join(lines + self.notes)
+
+    def plot(self, path: str | pathlib.Path) -> None:
+        """Per-module value ranges on a log scale against the dtype's representable range (PNG)."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        finfo = torch.finfo(self.dtype)
+        fig, axes = plt.subplots(2, 1, figsize=(max(6.0, 0.45 * len(self.modules) + 2), 7), sharex=True)
+        names = [m.name or "<model>" for m in self.modules]
+        xs = range(len(names))
+        for ax, key, title in ((axes[0], "activations", "activations"), (axes[1], "gradients", "gradients")):
+            lows, highs = [], []
+            for m in self.modules:
+                stats: TensorStats = getattr(m, key)
+                lows.append(stats.min_nonzero if math.isfinite(stats.min_nonzero) else math.nan)
+                highs.append(stats.absmax if stats.absmax > 0 else math.nan)
+            ax.vlines(xs, lows, highs, linewidth=6, color="tab:blue", alpha=0.7, label="|values|, min to max")
+            ax.axhline(finfo.max, color="red", linestyle="--", label=f"{short_name(self.dtype)} max {finfo.max:.3g}")
+            ax.axhline(finfo.tiny, color="orange", linestyle="--", label=f"smallest normal {finfo.tiny:.3g}")
+            ax.axhline(finfo.smallest_normal * finfo.eps, color="gray", linestyle=":", label="smallest subnormal")
+            ax.set_yscale("log")
+            ax.set_title(f"{title} per module (fp32 run, against {short_name(self.dtype)}'s range)")
+            ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+        axes[1].set_xticks(list(xs), names, rotation=60, ha="right", fontsize=7)
+        fig.tight_layout()
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+
+
+class _FirstNonFinite(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Finds the first op that makes a NaN or Inf out of finite inputs (syncs on every op)."""
+
+    def __init__(self, where: Callable[[], tuple[str, str, str]]) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.where = where
+        self.found: NonFinite | None = None
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if self.found is None:
+            outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
+            bad = [t for t in outputs if t.numel() and not bool(torch.isfinite(t).all())]
+            if bad:
+                leaves = tree_flatten((args, kwargs))[0]
+                inputs = [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
+                # Infinities asked for are not a fault: attention masks are torch.full(-inf) or masked_fill(-inf).
+                deliberate = not inputs or any(isinstance(v, float) and not math.isfinite(v) for v in leaves)
+                if not deliberate and all(bool(torch.isfinite(t).all()) for t in inputs):
+                    module, module_type, pass_ = self.where()
+                    kind = "nan" if any(bool(torch.isnan(t).any()) for t in bad) else "inf"
+                    self.found = NonFinite(module, module_type, pass_, str(func.overloadpacket.__name__), kind)
+        return out
+
+
+def _check_inputs(model: nn.Module, inputs: Any, loss_fn: LossFn | None) -> torch.device:
+    params = list(model.parameters())
+    if not params:
+        raise ValueError("diagnose needs a model with parameters: it compares low-precision weights against fp32")
+    device = params[0].device
+    for t in tree_flatten(inputs)[0]:
+        if isinstance(t, torch.Tensor) and t.device != device:
+            raise ValueError(f"an input is on {t.device} but the model is on {device}; move the inputs to {device}")
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError("loss_fn must be a callable taking the model's output and returning a scalar loss")
+    return device
+
+
+def _loss(out: Any, loss_fn: LossFn | None) -> torch.Tensor:
+    if loss_fn is not None:
+        loss = loss_fn(out)
+    else:
+        tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        if not tensors:
+            raise ValueError("the model returned no floating tensor; pass loss_fn to turn its output into a loss")
+        loss = sum(t.float().square().mean() for t in tensors)  # type: ignore[assignment]
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise ValueError(f"loss_fn must return a scalar tensor, got {shape}; reduce it (e.g. .mean()) first")
+    return loss.reshape(())
+
+
+def _call(model: nn.Module, inputs: Any) -> Any:
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    if isinstance(inputs, (tuple, list)):
+        return model(*inputs)
+    return model(inputs)
+
+
+class _Recorder:
+    """Module hooks that record output statistics, gradients and (fp32 run) outputs."""
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype, keep_outputs: bool) -> None:
+        self.finfo = torch.finfo(dtype)
+        self.names = {id(m): n for n, m in model.named_modules()}
+        self.order: list[nn.Module] = []
+        self.activations: dict[int, TensorStats] = {}
+        self.gradients: dict[int, TensorStats] = {}
+        self.outputs: dict[int, list[torch.Tensor]] = {}
+        self.keep_outputs = keep_outputs
+        self.inputs_ok: dict[int, bool] = {}  # inputs finite and within the dtype's range, every call
+        self.stack: list[nn.Module] = []
+        self.backward_module: nn.Module | None = None
+        self.pass_ = "forward"
+        self.handles = []
+        for module in model.modules():
+            self.handles.append(module.register_forward_pre_hook(self._pre))
+            self.handles.append(module.register_forward_hook(self._post, always_call=True))
+            self.handles.append(module.register_full_backward_pre_hook(self._bwd_pre))
+
+    def _pre(self, module: nn.Module, args: Any) -> None:
+        self.stack.append(module)
+        ok = all(bool((torch.isfinite(t) & (t.detach().float().abs() <= self.finfo.max)).all())
+                 for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor) and t.is_floating_point())  # fmt: skip
+        self.inputs_ok[id(module)] = self.inputs_ok.get(id(module), True) and ok
+
+    def _post(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self.stack and self.stack[-1] is module:
+            self.stack.pop()
+        if id(module) not in self.activations:
+            self.order.append(module)
+        stats = self.activations.setdefault(id(module), TensorStats())
+        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
+        for t in tensors:
+            stats.add(t, self.finfo)
+        if self.keep_outputs:
+            self.outputs.setdefault(id(module), []).extend(t.detach().float() for t in tensors if t.is_floating_point())
+
+    def _bwd_pre(self, module: nn.Module, grad_output: Any) -> None:
+        self.backward_module = module
+        stats = self.gradients.setdefault(id(module), TensorStats())
+        for t in grad_output:
+            if isinstance(t, torch.Tensor):
+                stats.add(t, self.finfo)
+
+    def where(self) -> tuple[str, str, str]:
+        module = self.stack[-1] if self.pass_ == "forward" and self.stack else self.backward_module
+        if module is None:
+            return "", "?", self.pass_
+        return self.names.get(id(module), ""), type(module).__name__, self.pass_
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def _run(model: nn.Module, inputs: Any, loss_fn: LossFn | None, dtype: torch.dtype, policy: Policy | None,
+         device_type: str, low_precision: bool, trace: bool, keep_outputs: bool,
+         steps: int) -> tuple[_Recorder, NonFinite | None, float]:  # fmt: skip
+    recorder = _Recorder(model, dtype, keep_outputs)
+    tracer = _FirstNonFinite(recorder.where) if trace else None
+    loss_value = math.nan
+    try:
+        with warnings.catch_warnings():
+            # A module whose inputs need no grad still reports the gradient of its outputs: that is all we read.
+            warnings.filterwarnings("ignore", message="Full backward hook is firing")
+            for _ in range(steps):
+                model.zero_grad(set_to_none=True)
+                recorder.pass_ = "forward"
+                with tracer if tracer is not None else contextlib.nullcontext():
+                    if low_precision:
+                        with autocast(device_type, dtype=dtype, policy=policy):
+                            loss = _loss(_call(model, inputs), loss_fn)
+                    else:
+                        loss = _loss(_call(model, inputs), loss_fn)
+                    recorder.pass_ = "backward"
+                    loss.backward()  # type: ignore[no-untyped-call]
+                loss_value = float(loss.detach())
+    finally:
+        recorder.remove()
+        model.zero_grad(set_to_none=True)
+    return recorder, (tracer.found if tracer is not None else None), loss_value
+
+
+def _rel_error(low: list[torch.Tensor], ref: list[torch.Tensor]) -> float | None:
+    if not low or len(low) != len(ref):
+        return None
+    num = sum(float((a - b).square().sum()) for a, b in zip(low, ref, strict=True) if a.shape == b.shape)
+    den = sum(float(b.square().sum()) for b in ref)
+    if den == 0 or math.isnan(num):
+        return None if math.isnan(num) else 0.0
+    return math.sqrt(num / den)
+
+
+def _origins(recorder: _Recorder, flagged: set[int]) -> list[str]:
+    """Flagged modules none of whose flagged descendants explain them: the innermost culprits."""
+    names = recorder.names
+    out = []
+    modules = {id(m): m for m in recorder.order}
+    for module_id in flagged:
+        module = modules[module_id]
+        children = {id(c) for c in module.modules() if c is not module}
+        if not (children & flagged):
+            out.append(names[module_id])
+    return sorted(out, key=lambda n: [names[id(m)] for m in recorder.order].index(n))
+
+
+def diagnose(
+    model: nn.Module,
+    inputs: Any,
+    loss_fn: LossFn | None = None,
+    *,
+    dtype: torch.dtype | str = torch.float16,
+    policy: Policy | str | None = None,
+    steps: int = 1,
+    rel_error_limit: float | None = None,
+) -> DiagnosticReport:
+    """Run ``model`` on ``inputs`` in fp32 and in ``dtype`` and report where low precision breaks it.
+
+    Args:
+        model: the model (its parameters are not changed; gradients are cleared afterwards).
+        inputs: a tensor, a tuple/list of positional inputs, or a dict of keyword inputs.
+        loss_fn: ``output -> scalar loss``; default: the mean square of the floating outputs.
+        dtype: the low precision to check (fp16 by default, where things break).
+        policy: the autocast policy to check (default: the device's built-in one).
+        steps: forward/backward passes per run (statistics accumulate).
+        rel_error_limit: also keep modules whose output differs from fp32 by more than this
+            (relative L2); default: only overflow and NaN/Inf.
+
+    Raises:
+        ValueError: a model without parameters, inputs on another device, a loss that is not a scalar.
+    """
+    dtype = parse_dtype(dtype, what="diagnose dtype", allowed=(torch.float16, torch.bfloat16))
+    device = _check_inputs(model, inputs, loss_fn)
+    device_type = device.type
+    notes: list[str] = []
+    base = get_policy(policy, device_type) if policy is not None else default_policy(device_type)
+    was_training = model.training
+    try:
+        ref, ref_first, loss_fp32 = _run(model, inputs, loss_fn, dtype, base, device_type, False, True, True, steps)
+        low, first, loss_low = _run(model, inputs, loss_fn, dtype, base, device_type, True, True, True, steps)
+    finally:
+        model.train(was_training)
+    reports = []
+    flagged: set[int] = set()
+    # A module that makes NaN/Inf in fp32 as well needs a fix in the computation, not in the precision.
+    fp32_broken = {low.names[k] for k, st in ref.activations.items() if st.nan or st.inf}
+    if ref_first is not None:
+        fp32_broken.add(ref_first.module)
+    for module in low.order:
+        key = id(module)
+        acts = ref.activations.get(key, TensorStats())
+        grads = ref.gradients.get(key, TensorStats())
+        low_acts = low.activations.get(key, TensorStats())
+        low_grads = low.gradients.get(key, TensorStats())
+        rel = _rel_error(low.outputs.get(key, []), ref.outputs.get(key, []))
+        nan, inf = low_acts.nan + low_grads.nan, low_acts.inf + low_grads.inf
+        reports.append(ModuleReport(low.names[key], type(module).__name__, acts, grads, nan, inf, rel))
+        # Flag where a problem starts, not the modules downstream that receive it.
+        overflow_made = acts.overflow and ref.inputs_ok.get(key, True)
+        precision_made = (low_acts.nan or low_acts.inf) and low.inputs_ok.get(key, True)
+        precision_made = precision_made and low.names[key] not in fp32_broken
+        too_far = rel_error_limit is not None and rel is not None and rel > rel_error_limit
+        if overflow_made or precision_made or too_far:
+            flagged.add(key)
+    if first is not None and first.module in fp32_broken:
+        notes.append(f"{first.module or '<model>'} makes NaN/Inf in fp32 too: fix the computation, not the precision")
+    elif first is not None:
+        flagged.update(id(m) for m in low.order if low.names[id(m)] == first.module)
+    keep = _origins(low, flagged) if flagged else []
+    rules_fix_it: bool | None = None
+    # Keep what the rules' run still flags (consumers of a kept module's large outputs), up to 3 rounds.
+    for _ in range(3):
+        if not keep:
+            break
+        trial = dataclasses.replace(base, module_rules=(*base.module_rules, ModuleRule(names=tuple(keep))))
+        check, found, _ = _run(model, inputs, loss_fn, dtype, trial, device_type, True, True, False, steps)
+        still = {id(m) for m in check.order if check.activations[id(m)].nan or check.activations[id(m)].inf}
+        rules_fix_it = not still and (found is None or found.module in fp32_broken)
+        if rules_fix_it:
+            break
+        extra = [n for n in _origins(check, still) if n not in keep] if still else []
+        if not extra:
+            break
+        keep = sorted(set(keep) | set(extra), key=[low.names[id(m)] for m in low.order].index)
+    finfo = torch.finfo(dtype)
+    grad_max = max((s.absmax for s in ref.gradients.values()), default=0.0)
+    grad_min = min((s.min_nonzero for s in ref.gradients.values()), default=math.inf)
+    scale = 2.0**16
+    if grad_max > 0:
+        # The largest power of two that keeps the largest gradient 8x below the dtype's maximum.
+        scale = 2.0 ** max(0, min(24, math.floor(math.log2(finfo.max / 8 / grad_max))))
+    if dtype is torch.bfloat16:
+        scale = 1.0
+        notes.append("bf16 has fp32's range: no loss scaling needed")
+    if math.isfinite(grad_min) and grad_min * scale < finfo.tiny and dtype is torch.float16:
+        notes.append(f"the smallest gradients ({grad_min:.3g}) stay below fp16's normal range even at scale {scale:g}")
+    big = max((s.absmax for s in ref.activations.values()), default=0.0)
+    fp16_trouble = any(r.activations.overflow or r.gradients.underflow or r.nan or r.inf for r in reports)
+    bf16_avoids: bool | None = None
+    if dtype is torch.float16 and fp16_trouble:
+        bf16_avoids = not fp32_broken and big < torch.finfo(torch.bfloat16).max
+    return DiagnosticReport(dtype, reports, first, keep, rules_fix_it, scale, bf16_avoids, notes, loss_low, loss_fp32)

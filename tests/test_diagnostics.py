@@ -1,0 +1,201 @@
+"""diagnose(): planted overflow, underflow and backward-only NaN are found and named."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import matplotlib.image
+import pytest
+import torch
+from torch import nn
+
+import mixprec
+
+
+def _square_loss(out: torch.Tensor) -> torch.Tensor:
+    return out.float().square().mean()
+
+
+class Overflowing(nn.Module):
+    """``big`` produces activations past 65504; the LayerNorm after it brings them back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.big = nn.Linear(16, 16)
+        self.norm = nn.LayerNorm(16)
+        self.out = nn.Linear(16, 1)
+        with torch.no_grad():
+            self.big.weight.mul_(1e5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.norm(self.big(self.inp(x))))
+
+
+class Underflowing(nn.Module):
+    """The gradients reaching ``side`` are 1e-9 of the others: below fp16's smallest subnormal."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.main = nn.Linear(16, 1)
+        self.side = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.inp(x))
+        return self.main(h) + 1e-9 * self.side(h)
+
+
+class AbsViaSqrt(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sqrt(x * x)  # |x|, whose gradient is 0/0 at exact zeros: NaN in backward only
+
+
+class BackwardNaN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.act = nn.ReLU()
+        self.absval = AbsViaSqrt()
+        self.out = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.absval(self.act(self.inp(x))))
+
+
+def _x() -> torch.Tensor:
+    return torch.randn(32, 8, generator=torch.Generator().manual_seed(0))
+
+
+def test_planted_overflow_is_named_and_its_rules_remove_it() -> None:
+    torch.manual_seed(0)
+    model = Overflowing()
+    report = mixprec.diagnose(model, _x(), _square_loss)
+    assert report.overflowing()[0] == "big"
+    assert report.module("big").activations.overflow_frac > 0.05
+    assert report.first_nonfinite is not None and report.first_nonfinite.pass_ == "forward"
+    assert report.first_nonfinite.module == "big"
+    assert report.keep_fp32 == ["big"] and report.rules_fix_it is True
+    assert report.bf16_avoids_it is True
+    # the rules, applied to autocast, make the overflow disappear
+    with mixprec.autocast("cpu", dtype=torch.float16):
+        assert not torch.isfinite(model(_x())).all()
+    with mixprec.autocast("cpu", dtype=torch.float16, policy=report.policy("cpu")):
+        assert torch.isfinite(model(_x())).all()
+    assert mixprec.diagnose(model, _x(), _square_loss, policy=report.policy()).first_nonfinite is None
+
+
+def test_planted_gradient_underflow_is_named() -> None:
+    torch.manual_seed(0)
+    report = mixprec.diagnose(Underflowing(), _x(), _square_loss)
+    assert report.underflowing()[0] == "side"
+    assert report.module("side").gradients.underflow_frac == 1.0
+    assert report.module("main").gradients.underflow_frac == 0.0
+    assert report.first_nonfinite is None and report.keep_fp32 == []
+    assert report.bf16_avoids_it is True  # bf16's normal range reaches 1e-38
+    assert any("stay below fp16's normal range" in note for note in report.notes)
+
+
+def test_backward_only_nan_is_named_with_its_op() -> None:
+    torch.manual_seed(0)
+    report = mixprec.diagnose(BackwardNaN(), _x(), _square_loss)
+    first = report.first_nonfinite
+    assert first is not None
+    assert (first.module, first.module_type, first.pass_) == ("absval", "AbsViaSqrt", "backward")
+    assert first.op in {"div", "mul", "sqrt"}
+    assert report.module("absval").nan + report.module("absval").inf == 0 or first.pass_ == "backward"
+    assert all(m.activations.nan == 0 for m in report.modules)  # forward is clean
+    # it is broken in fp32 too: no precision rule is offered, and bf16 would not help
+    assert report.keep_fp32 == [] and report.bf16_avoids_it is False
+    assert any("in fp32 too" in note for note in report.notes)
+
+
+def test_loss_scale_suggestion_and_bf16_run() -> None:
+    torch.manual_seed(0)
+    report = mixprec.diagnose(Underflowing(), _x(), _square_loss)
+    grad_max = max(m.gradients.absmax for m in report.modules)
+    scale = report.suggested_loss_scale
+    assert grad_max * scale <= 65504 / 8 < grad_max * scale * 2 or scale == 2.0**24
+    bf16 = mixprec.diagnose(Overflowing(), _x(), _square_loss, dtype="bf16")
+    assert bf16.first_nonfinite is None and bf16.suggested_loss_scale == 1.0 and bf16.overflowing() == []
+
+
+def test_report_outputs(tmp_path: Any) -> None:
+    torch.manual_seed(0)
+    report = mixprec.diagnose(Overflowing(), _x(), _square_loss)
+    data = json.loads(json.dumps(report.to_dict()))
+    assert data["dtype"] == "fp16" and data["keep_fp32"] == ["big"]
+    assert {m["name"] for m in data["modules"]} >= {"inp", "big", "norm", "out", ""}
+    from rich.console import Console
+
+    console = Console(record=True, width=200)
+    console.print(report.table())
+    assert "big" in console.export_text()
+    assert "keep in fp32: big" in report.summary()
+    report.plot(tmp_path / "diag.png")
+    assert matplotlib.image.imread(tmp_path / "diag.png").shape[0] > 300
+
+
+def test_model_state_is_left_as_found() -> None:
+    model = Overflowing()
+    model.eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    mixprec.diagnose(model, _x(), _square_loss)
+    assert not model.training
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+def test_inputs_as_tuple_and_dict_and_default_loss() -> None:
+    class TwoInputs(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+            return self.a(x) * scale
+
+    model = TwoInputs()
+    x, s = torch.randn(3, 4), torch.ones(1)
+    assert mixprec.diagnose(model, (x, s)).loss is not None
+    assert mixprec.diagnose(model, {"x": x, "scale": s}).first_nonfinite is None
+
+
+def test_bad_input() -> None:
+    with pytest.raises(ValueError, match="needs a model with parameters"):
+        mixprec.diagnose(nn.ReLU(), torch.randn(3))
+    with pytest.raises(ValueError, match="scalar tensor, got \\(32, 1\\)"):
+        mixprec.diagnose(Overflowing(), _x(), lambda out: out)
+    with pytest.raises(ValueError, match="is on meta but the model is on cpu"):
+        mixprec.diagnose(Overflowing(), torch.randn(32, 8, device="meta"), _square_loss)
+    with pytest.raises(ValueError, match=r"non-floating|unknown"):
+        mixprec.diagnose(Overflowing(), _x(), dtype="int8")
+
+
+def make_overflowing() -> nn.Module:
+    torch.manual_seed(0)
+    return Overflowing()
+
+
+def overflowing_batch() -> torch.Tensor:
+    return _x()
+
+
+def test_cli_diagnose_user_model_and_workload(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    from mixprec import cli
+
+    out = tmp_path / "diag"
+    assert cli.main(["diagnose", "--model", "test_diagnostics:make_overflowing", "--batch",
+                     "test_diagnostics:overflowing_batch", "--out", str(out)]) == 0  # fmt: skip
+    text = capsys.readouterr().out
+    assert "first appears in the forward pass of big" in text and "keep in fp32: big" in text
+    data = json.loads((out / "report.json").read_text())
+    assert data["keep_fp32"] == ["big"] and (out / "diagnose.png").exists()
+    assert cli.main(["diagnose", "--workload", "transformer", "--out", str(tmp_path / "w")]) == 0
+    assert "no NaN or Inf in fp16" in capsys.readouterr().out  # the causal mask's -inf is deliberate
+    assert cli.main(["diagnose", "--model", "nowhere:thing", "--batch", "x:y"]) == 2
+    assert "cannot load --model" in capsys.readouterr().err
+    assert cli.main(["diagnose", "--model", "test_diagnostics:make_overflowing"]) == 2
+    assert "--model needs --batch" in capsys.readouterr().err
