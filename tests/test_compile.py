@@ -64,3 +64,52 @@ def test_inductor_training_step() -> None:
     assert loss.dtype is torch.float32
     assert all(p.grad is not None for p in model.parameters())
     torch.testing.assert_close(loss, loss_fn(x), atol=7e-2, rtol=7e-2)
+
+
+def _breaks_of_a_scaled_step(scaler_cls: type, autocast: object) -> tuple[int, int]:
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = scaler_cls("cpu")
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad()
+        with autocast("cpu", dtype=torch.float16):  # type: ignore[operator]
+            loss = model(x).float().square().mean()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        return loss
+
+    torch._dynamo.reset()
+    counters.clear()
+    counter = CompileCounter()
+    compiled = torch.compile(step, backend=counter)
+    for _ in range(2):
+        compiled(torch.randn(4, 8))
+    return counter.frame_count, sum(counters["graph_break"].values())
+
+
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning")  # Dynamo's own
+def test_scaled_training_step_breaks_no_more_than_torch_amp() -> None:
+    torch_frames, torch_breaks = _breaks_of_a_scaled_step(torch.amp.GradScaler, torch.autocast)
+    frames, breaks = _breaks_of_a_scaled_step(mixprec.GradScaler, mixprec.autocast)
+    assert frames <= torch_frames and breaks <= torch_breaks, (frames, breaks, torch_frames, torch_breaks)
+
+
+@pytest.mark.parametrize("spec", ["cpu", "cuda", "compute=fp16,output=fp32"])
+def test_policies_compile_to_one_graph(spec: str) -> None:
+    model, x = _model(), torch.randn(4, 8)
+    # Built-in names work as strings; other policies are built outside the compiled function.
+    policy: str | mixprec.Policy = spec if spec in ("cpu", "cuda") else mixprec.get_policy(spec)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        with mixprec.autocast("cpu", policy=policy):
+            return model(x)
+
+    counter = CompileCounter()
+    got = torch.compile(forward, fullgraph=True, backend=counter)(x)
+    assert counter.frame_count == 1
+    assert bitwise_equal(got, forward(x))

@@ -315,8 +315,24 @@ def _install_o2(model: nn.Module, optimizer: torch.optim.Optimizer, state: _Prep
             master.grad.add_(grad)
         param.grad = None
 
+    def move_all() -> None:
+        pending[0] = False
+        for param in state.lowp_params:
+            move_grad(param)
+
+    pending = [False]
+
+    def after_backward(param: torch.Tensor) -> None:
+        # Move at the end of backward, not at once: DDP all-reduces param.grad in a callback queued
+        # during backward. Ours queues itself once more, so that it runs after every callback queued
+        # in the same backward, DDP's included.
+        if not pending[0]:
+            pending[0] = True
+            engine = torch.autograd.Variable._execution_engine
+            engine.queue_callback(lambda: engine.queue_callback(move_all))
+
     for param in state.lowp_params:
-        state.handles.append(param.register_post_accumulate_grad_hook(move_grad))  # type: ignore[no-untyped-call]
+        state.handles.append(param.register_post_accumulate_grad_hook(after_backward))  # type: ignore[no-untyped-call]
 
     def refresh(*_: Any) -> None:
         with torch.no_grad():

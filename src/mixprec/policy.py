@@ -322,6 +322,9 @@ def default_policy(device_type: str) -> Policy:
 _KEYS = ("base", "compute", "output", "keep")
 
 
+_PARSED: dict[tuple[str, str], Policy] = {}
+
+
 def get_policy(spec: str | Policy, device_type: str = "cpu") -> Policy:
     """A policy from a name (``"cpu"``), a short string, or a Policy (returned as is).
 

@@ -115,6 +115,10 @@ class GradScaler:
             its floor (``min_scale``, or 1.0), instead of skipping every step; ``None`` never
             raises.
         history: how many scale changes :meth:`stats` remembers.
+        process_group: a ``torch.distributed`` group whose ranks hold different gradients (FSDP2
+            shards, or any sharding): the inf/NaN flags are summed across it, so every rank skips or
+            steps together, as torch's ShardedGradScaler does. Not needed under DDP, whose gradients
+            are already all-reduced. Adds one all-reduce per optimizer and device to ``unscale_``.
         on_event: called with a :class:`ScalerEvent` on every skip, backoff and growth that the host
             sees without an extra sync (every one, unless the optimizer is a fused one); the same events
             are logged on the ``mixprec.scaler`` logger (skip and backoff at INFO, growth at DEBUG).
@@ -138,6 +142,7 @@ class GradScaler:
         fail_after: int | None = 50,
         history: int = 64,
         on_event: Any = None,
+        process_group: Any = None,
     ) -> None:
         self._device = device
         self._enabled = enabled
@@ -168,6 +173,7 @@ class GradScaler:
         self._updates = 0
         self._history: collections.deque[tuple[int, torch.Tensor]] = collections.deque(maxlen=max(2, history + 1))
         self._listeners: list[Any] = [on_event] if on_event is not None else []
+        self._process_group = process_group
         self._host_good = 0  # good iterations in a row, as far as the host has seen them
         self._host_tolerated = self._hysteresis
 
@@ -211,6 +217,7 @@ class GradScaler:
 
         return apply(outputs)
 
+    @torch.compiler.disable  # type: ignore[untyped-decorator]  # run eagerly, as torch.amp's are
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide ``optimizer``'s gradients by the scale in place, and check them for inf/NaN.
 
@@ -234,9 +241,10 @@ class GradScaler:
                 "unscale_() is being called after step() for this optimizer; call scaler.unscale_(optimizer) "
                 "before scaler.step(optimizer), then scaler.update()"
             )
-        state.found_inf_per_device = _unscale_and_check(_grads_of(optimizer), _inverse(scale))
+        state.found_inf_per_device = self._agree(_unscale_and_check(_grads_of(optimizer), _inverse(scale)))
         state.stage = _Stage.UNSCALED
 
+    @torch.compiler.disable  # type: ignore[untyped-decorator]  # run eagerly, as torch.amp's are
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Unscale (unless done) and run ``optimizer.step(*args, **kwargs)`` unless gradients hold inf/NaN.
 
@@ -276,6 +284,7 @@ class GradScaler:
             return None
         return optimizer.step(*args, **kwargs)
 
+    @torch.compiler.disable  # type: ignore[untyped-decorator]  # run eagerly, as torch.amp's are
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """Back the scale off after an overflowing iteration, grow it after a run of good ones.
 
@@ -448,6 +457,7 @@ class GradScaler:
         state["_last_skipped"] = {}
         state["_history"] = collections.deque(maxlen=self._history.maxlen)
         state["_listeners"] = []
+        state["_process_group"] = None  # groups do not pickle; pass it again after unpickling
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -519,7 +529,7 @@ class GradScaler:
                     grads.append(tensor.grad)
             else:
                 grads.append(tensor)
-        found_per_device = _unscale_and_check(grads, _inverse(scale))
+        found_per_device = self._agree(_unscale_and_check(grads, _inverse(scale)))
         found = sum(found_per_device.values(), torch.zeros((), device=scale.device))
         self._manual_found.append(found)
         overflow = bool(found.item())
@@ -561,6 +571,15 @@ class GradScaler:
         self._listeners.append(callback)
 
     # ----- internals -------------------------------------------------------------------
+
+    def _agree(self, found_per_device: dict[torch.device, torch.Tensor]) -> dict[torch.device, torch.Tensor]:
+        """Sum the inf/NaN flags over the process group (no host sync: the all-reduce is queued)."""
+        if self._process_group is not None:
+            import torch.distributed as dist
+
+            for found in found_per_device.values():
+                dist.all_reduce(found, op=dist.ReduceOp.SUM, group=self._process_group)
+        return found_per_device
 
     def _emit(self, kind: str, scale: float | None, optimizer: str | None = None) -> None:
         event = ScalerEvent(kind, self._updates, scale, optimizer)
@@ -665,7 +684,7 @@ class GradScaler:
                     *args: Any, **kwargs: Any) -> Any:  # fmt: skip
         # The optimizer unscales and skips by itself, reading grad_scale and found_inf: no sync.
         if state.stage is _Stage.READY:
-            state.found_inf_per_device = _unscale_and_check(_grads_of(optimizer), torch.ones_like(scale))
+            state.found_inf_per_device = self._agree(_unscale_and_check(_grads_of(optimizer), torch.ones_like(scale)))
         found = sum(f.to(scale.device, non_blocking=True) for f in state.found_inf_per_device.values())
         found_tensor = found if isinstance(found, torch.Tensor) else torch.zeros_like(scale)
         previous = getattr(optimizer, "grad_scale", None)
