@@ -147,3 +147,15 @@ def test_to_channels_last() -> None:
         mixprec.to_channels_last(torch.randn(3, 3))
     with pytest.raises(TypeError, match=r"nn\.Module or a tensor"):
         mixprec.to_channels_last([1, 2])  # type: ignore[type-var]
+
+
+def test_compile_mode_reports_compiled_and_eager_side_by_side() -> None:
+    report = run(BenchConfig(workloads=("mlp",), modes=("fp32", "mixprec"), steps=3, warmup=1, size="tiny",
+                             compile=True))  # fmt: skip
+    rows = report.results["mlp"]
+    assert set(rows) == {"fp32", "mixprec", "fp32+compile", "mixprec+compile"}
+    for name in ("fp32", "mixprec"):
+        compiled, eager = rows[f"{name}+compile"], rows[name]
+        assert compiled.speedup_vs_fp32 is not None and compiled.steps_per_s > 0
+        # inductor may fuse differently: the same training, not necessarily the same bits
+        assert all(abs(a - b) <= 2e-2 * abs(b) for a, b in zip(compiled.losses, eager.losses, strict=True))

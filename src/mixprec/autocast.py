@@ -447,6 +447,7 @@ def _match_rule(rules: tuple[ModuleRule, ...], module: nn.Module, name: str) -> 
     return None
 
 
+@torch.compiler.disable  # type: ignore[untyped-decorator]  # thread-local bookkeeping: eager under Dynamo
 def _pre_hook(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
     state = _state()
     if state.rule_users == 0 or state.mode is None:
@@ -476,6 +477,7 @@ def _pre_hook(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | Non
     return new_args
 
 
+@torch.compiler.disable  # type: ignore[untyped-decorator]
 def _post_hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
     state = _state()
     if state.rule_users == 0 or not state.module_stack or state.module_stack[-1][0] is not module:

@@ -48,6 +48,12 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", default="mixprec-bench", help="output folder (default ./mixprec-bench/)")
     bench.add_argument("--json", help="also write the JSON report here")
     bench.add_argument("--quiet", action="store_true", help="no progress bars: one log line per result")
+    bench.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="also run every mode with torch.compile(model) (compiling takes minutes on a CPU)",
+    )
 
     diagnose = sub.add_parser(
         "diagnose",
@@ -82,7 +88,7 @@ def _bench(args: argparse.Namespace) -> int:
     size = args.size or ("quick" if args.quick else "default")
     try:
         config = BenchConfig(workloads=args.workloads, modes=args.modes, steps=args.steps, device=args.device,
-                             dtype=args.dtype, size=size)  # fmt: skip
+                             dtype=args.dtype, size=size, compile=args.compile)  # fmt: skip
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
     except ValueError as exc:

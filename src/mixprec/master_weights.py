@@ -142,6 +142,8 @@ def prepare(
     _check(model, optimizer)
     device_type = next((p.device.type for p in model.parameters()), "cpu")
     rule = ModuleRule(types=tuple(keep_types), names=tuple(keep_names)) if (keep_types or keep_names) else None
+    if rule is not None and not any(rule.matches(m, n) for n, m in model.named_modules()):
+        rule = None  # nothing to keep: no module hooks at all
     policy = default_policy(device_type)
     if rule is not None:
         policy = dataclasses.replace(policy, module_rules=(rule,))

@@ -54,6 +54,7 @@ class BenchConfig:
     device: str = "auto"
     dtype: str = "auto"
     size: str = "default"
+    compile: bool = False  # also run every mode with torch.compile(model), as "<mode>+compile"
 
     def __post_init__(self) -> None:
         for name in self.workloads:
@@ -234,13 +235,17 @@ def _optimizer(task: Task, params: Any) -> torch.optim.Optimizer:
 class _Run:
     """One mode's model, optimizer and scaler on one workload, stepped by the runner."""
 
-    def __init__(self, workload: str, mode: Mode, config: BenchConfig, device: torch.device, dtype: torch.dtype):
+    def __init__(self, workload: str, mode: Mode, config: BenchConfig, device: torch.device, dtype: torch.dtype,
+                 compiled: bool = False):  # fmt: skip
         self.mode, self.device, self.dtype = mode, device, dtype
         self.task = WORKLOADS[workload].build(config.size, device)
         self.model = mode.prepare_model(self.task.model.to(device))
         self.optimizer = _optimizer(self.task, self.model.parameters())
         if mode.setup is not None:
             self.model, self.optimizer = mode.setup(self.model, self.optimizer, dtype)
+        self.state_model = self.model
+        if compiled:  # compiled on the first (warm-up, untimed) step
+            self.model = torch.compile(self.model)  # type: ignore[assignment]
         use_scaler = mode.scaler is not None and dtype is torch.float16
         self.scaler = mode.scaler(device.type) if use_scaler else None  # type: ignore[misc]
         self.losses: list[torch.Tensor] = []
@@ -294,6 +299,10 @@ def run_workload(workload: str, modes: list[Mode], config: BenchConfig, device: 
     steps = config.total_steps
     peaks = {mode.name: measure_memory(workload, mode, config, device, dtype) for mode in modes}
     runs = {mode.name: _Run(workload, mode, config, device, dtype) for mode in modes}
+    if config.compile:
+        for mode in modes:
+            runs[f"{mode.name}+compile"] = _Run(workload, mode, config, device, dtype, compiled=True)
+            peaks[f"{mode.name}+compile"] = None  # the compiled run's memory is not measured apart
     order = list(runs)
     for step in range(steps):
         for name in order if step % 2 == 0 else reversed(order):
@@ -315,7 +324,7 @@ def run_workload(workload: str, modes: list[Mode], config: BenchConfig, device: 
             peak_mem_bytes=peaks[name],
             losses=values,
             seconds=sum(run.times),
-            state_bytes=state_bytes(run.model, run.optimizer),
+            state_bytes=state_bytes(run.state_model, run.optimizer),
         )
         if run.task.image and run.output is not None:
             images[name] = run.output.detach().float().cpu()[0, 0]
@@ -335,7 +344,7 @@ def run(config: BenchConfig, progress: Progress | None = None,
     start = time.perf_counter()
     # One tiny untimed pass of every mode first: one-time costs (thread pools, kernel caches,
     # first allocations) would otherwise land in the speed and memory of whichever mode runs first.
-    warm = dataclasses.replace(config, size="tiny", steps=None, warmup=1, window=1)
+    warm = dataclasses.replace(config, size="tiny", steps=None, warmup=1, window=1, compile=False)
     for workload in config.workloads:
         run_workload(workload, _modes_for(workload, config, dtype), warm, device, dtype)
     results: dict[str, dict[str, ModeResult]] = {}
