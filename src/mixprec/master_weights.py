@@ -94,7 +94,6 @@ class _Prepared:
     lowp_params: list[nn.Parameter]
     masters: list[torch.Tensor]  # O2: lowp_params[i] is refreshed from masters[i]
     handles: list[RemovableHandle]
-    stash: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)  # bf16-sr: bf16 grads during step
     loaded_masters: dict[int, torch.Tensor] | None = None
 
 
@@ -520,39 +519,42 @@ def _install_sr(optimizer: torch.optim.Optimizer, state: _Prepared) -> None:
     if _fused_adam_sr_supported(optimizer) and _install_fused_adam_sr(optimizer, state):
         return
     noise = _Noise()
+    shadows: list[tuple[dict[str, Any], int, nn.Parameter, torch.Tensor]] = []
 
     def widen(opt: torch.optim.Optimizer, *_: Any) -> None:
-        # Run the step in fp32 on transient copies of the bf16 weights, gradients and state.
-        for param in state.lowp_params:
-            if param.grad is None:
-                continue
-            moments = {k: v for k, v in opt.state.get(param, {}).items()
-                       if isinstance(v, torch.Tensor) and v.dtype is torch.bfloat16 and v.dim() > 0}  # fmt: skip
-            state.stash[id(param)] = param.grad
-            param.data = param.data.float()
-            param.grad = param.grad.float()
-            for key, value in moments.items():
-                opt.state[param][key] = value.float()
+        # The optimizer steps fp32 shadows swapped into its param groups, state moved over. The
+        # parameters themselves keep their dtype: changing it through .data would reset their
+        # gradient accumulators, and with them the hooks DDP all-reduces through.
+        lowp = {id(p) for p in state.lowp_params}
+        for group in opt.param_groups:
+            for i, param in enumerate(group["params"]):
+                if id(param) not in lowp or param.grad is None:
+                    continue
+                shadow = param.detach().float().requires_grad_(True)
+                shadow.grad = param.grad.float()
+                param_state = opt.state.pop(param, {})
+                opt.state[shadow] = {k: (v.float() if isinstance(v, torch.Tensor) and v.dtype is torch.bfloat16
+                                         and v.dim() > 0 else v) for k, v in param_state.items()}  # fmt: skip
+                group["params"][i] = shadow
+                shadows.append((group, i, param, shadow))
 
     def narrow(opt: torch.optim.Optimizer, *_: Any) -> None:
         noise.begin_step()
         with torch.no_grad():
-            for param in state.lowp_params:
-                grad = state.stash.pop(id(param), None)
-                if grad is None:
-                    continue
-                # The weight update is rounded stochastically, in place on the transient fp32 copy:
-                # add noise below the 16 kept bits, truncate, and the conversion to bf16 is exact.
-                bits = param.data.view(torch.int32)
+            for group, i, param, shadow in shadows:
+                # The weight update is rounded stochastically: add noise below the 16 kept bits and
+                # truncate; the copy into the bf16 parameter is then exact.
+                bits = shadow.data.view(torch.int32)
                 bits.add_(noise.take(param.shape, param.device)).bitwise_and_(-(1 << 16))
-                param.data = param.data.to(torch.bfloat16)
-                param.grad = grad
+                param.copy_(shadow.data)
                 # Optimizer state goes back to bf16 rounded to nearest: it is not accumulated in
                 # tiny increments the way weights are.
-                param_state = opt.state.get(param, {})
-                for key, value in list(param_state.items()):
-                    if isinstance(value, torch.Tensor) and value.dtype is torch.float32 and value.dim() > 0:
-                        param_state[key] = value.to(torch.bfloat16)
+                shadow_state = opt.state.pop(shadow, {})
+                opt.state[param] = {k: (v.to(torch.bfloat16) if isinstance(v, torch.Tensor)
+                                        and v.dtype is torch.float32 and v.dim() > 0 else v)
+                                    for k, v in shadow_state.items()}  # fmt: skip
+                group["params"][i] = param
+        shadows.clear()
 
     state.handles.append(optimizer.register_step_pre_hook(widen))
     state.handles.append(optimizer.register_step_post_hook(narrow))
