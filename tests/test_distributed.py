@@ -151,3 +151,48 @@ def test_ddp_matches_one_process_on_the_concatenated_batch(level: str | None) ->
     tolerance = 2e-2 if level in ("bf16-pure", "bf16-sr") else 1e-3
     for ddp_param, single_param in zip(ranks[0]["params"], single, strict=True):
         torch.testing.assert_close(ddp_param, single_param, rtol=tolerance, atol=tolerance)
+
+
+# --- FSDP2 (fully_shard) ------------------------------------------------------------------
+
+
+def _fsdp2(rank: int, port: int, results: Any, use_group: bool) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    _init(rank, port)
+    model = _model()
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = mixprec.GradScaler("cpu", init_scale=2.0**8, process_group=dist.group.WORLD if use_group else None)
+    skipped = []
+    for step in range(STEPS):
+        x, y = _batch(step, 8 * WORLD)
+        x, y = x.chunk(WORLD)[rank], y.chunk(WORLD)[rank]
+        opt.zero_grad()
+        with mixprec.autocast("cpu", dtype=torch.bfloat16):
+            out = model(x)
+        scaler.scale(F.mse_loss(out.float(), y)).backward()
+        if step == POISONED_STEP and rank == 1:
+            next(model.parameters()).grad.to_local().view(-1)[0] = float("inf")  # type: ignore[union-attr]
+        scaler.step(opt)
+        scaler.update()
+        skipped.append(scaler.skipped(opt))
+    results[rank] = {
+        "skipped": skipped,
+        "params": [p.full_tensor().detach().clone() for p in model.parameters()],  # type: ignore[attr-defined]
+        "sharded": type(next(model.parameters())).__name__,
+    }
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("use_group", [True, False], ids=["process_group", "no_group"])
+def test_fsdp2_overflow_in_one_shard_skips_on_every_rank(use_group: bool) -> None:
+    ranks = _spawn(_fsdp2, use_group)
+    assert ranks[0]["sharded"] == "DTensor"
+    expected = [i == POISONED_STEP for i in range(STEPS)]
+    assert ranks[0]["skipped"] == ranks[1]["skipped"] == expected
+    for a, b in zip(ranks[0]["params"], ranks[1]["params"], strict=True):
+        assert torch.equal(a, b)
