@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mixprec
+from mixprec.bench.workloads import TinyLM
 
 AUTOCASTS: dict[str, Callable[..., Any]] = {"torch": torch.autocast, "mixprec": mixprec.autocast}
 
@@ -88,20 +89,6 @@ def bench_ops(dtype: torch.dtype, calls: int, windows: int) -> list[OpRow]:
     return rows
 
 
-class _TinyLM(nn.Module):
-    def __init__(self, vocab: int = 256, dim: int = 256, layers: int = 2, heads: int = 4) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, dim)
-        layer = nn.TransformerEncoderLayer(dim, heads, 4 * dim, dropout=0.0, batch_first=True, norm_first=True)
-        self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
-        self.norm = nn.LayerNorm(dim)
-        self.head = nn.Linear(dim, vocab)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        mask = nn.Transformer.generate_square_subsequent_mask(tokens.shape[1])
-        return self.head(self.norm(self.blocks(self.embed(tokens), mask=mask, is_causal=True)))
-
-
 def _workloads() -> dict[str, tuple[Callable[[], nn.Module], Callable[[], tuple[torch.Tensor, torch.Tensor]]]]:
     def mlp() -> nn.Module:
         return nn.Sequential(
@@ -115,7 +102,10 @@ def _workloads() -> dict[str, tuple[Callable[[], nn.Module], Callable[[], tuple[
         tokens = torch.randint(0, 256, (16, 65))
         return tokens[:, :-1], tokens[:, 1:]
 
-    return {"mlp": (mlp, mlp_batch), "transformer": (_TinyLM, lm_batch)}
+    def lm() -> nn.Module:
+        return TinyLM(vocab=256, dim=256, layers=2, heads=4)
+
+    return {"mlp": (mlp, mlp_batch), "transformer": (lm, lm_batch)}
 
 
 def bench_steps(dtype: torch.dtype, steps: int, windows: int) -> list[StepRow]:
