@@ -1,8 +1,34 @@
-"""Names for floating dtypes, parsed with errors that list the valid names."""
+"""Names users type (dtypes, enum choices), parsed with errors that list the valid ones."""
 
 from __future__ import annotations
 
+import enum
+from typing import TypeVar
+
 import torch
+
+E = TypeVar("E", bound="NamedEnum")
+
+
+class NamedEnum(str, enum.Enum):
+    """A user-facing choice: ``from_name`` parses its value, the error lists the valid ones."""
+
+    @classmethod
+    def _what(cls) -> tuple[str, str]:
+        """How errors name one choice, and the valid ones."""
+        return cls.__name__, f"{cls.__name__}s"
+
+    @classmethod
+    def from_name(cls: type[E], name: str | E) -> E:
+        if isinstance(name, cls):
+            return name
+        try:
+            return cls(name)
+        except ValueError:
+            valid = ", ".join(member.value for member in cls)
+            one, many = cls._what()
+            raise ValueError(f"unknown {one} {name!r}; valid {many}: {valid}") from None
+
 
 _BY_NAME: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,

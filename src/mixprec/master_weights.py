@@ -26,7 +26,6 @@ Gradients at O2 live on the masters: clip ``mixprec.master_params(optimizer)``, 
 from __future__ import annotations
 
 import dataclasses
-import enum
 import functools
 from collections.abc import Callable, Iterable
 from typing import Any, cast
@@ -35,12 +34,12 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from mixprec._dtypes import LOW_PRECISION, parse_dtype
+from mixprec._dtypes import LOW_PRECISION, NamedEnum, parse_dtype
 from mixprec.autocast import autocast
 from mixprec.policy import NORM_TYPES, ModuleRule, default_policy
 
 
-class Level(str, enum.Enum):
+class Level(NamedEnum):
     """Precision levels of :func:`prepare`."""
 
     O1 = "O1"
@@ -49,13 +48,8 @@ class Level(str, enum.Enum):
     BF16_PURE = "bf16-pure"
 
     @classmethod
-    def from_name(cls, name: str | Level) -> Level:
-        if isinstance(name, Level):
-            return name
-        try:
-            return cls(name)
-        except ValueError:
-            raise ValueError(f"unknown level {name!r}; valid levels: {', '.join(v.value for v in cls)}") from None
+    def _what(cls) -> tuple[str, str]:
+        return "level", "levels"
 
 
 def stochastic_round(x: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tensor:

@@ -19,7 +19,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import enum
 import fnmatch
 from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType
@@ -29,7 +28,7 @@ import torch
 from torch import nn
 
 from mixprec import _op_tables as tables
-from mixprec._dtypes import parse_dtype, short_name
+from mixprec._dtypes import NamedEnum, parse_dtype, short_name
 
 _WRAPPERS = tables.wrappers()
 
@@ -57,7 +56,7 @@ def _expand_all(ops: Iterable[Op]) -> frozenset[Op]:
     return frozenset(form for op in ops for form in _expand(op))
 
 
-class OpCategory(str, enum.Enum):
+class OpCategory(NamedEnum):
     """What autocast does with an op; torch's CastPolicy, by name."""
 
     #: Cast floating inputs to the compute dtype (matmuls, convolutions).
@@ -72,15 +71,8 @@ class OpCategory(str, enum.Enum):
     BANNED = "banned"
 
     @classmethod
-    def from_name(cls, name: str | OpCategory) -> OpCategory:
-        """Parse a category name; the error lists the valid ones."""
-        if isinstance(name, OpCategory):
-            return name
-        try:
-            return cls(name)
-        except ValueError:
-            valid = ", ".join(c.value for c in cls)
-            raise ValueError(f"unknown op category {name!r}; valid categories: {valid}") from None
+    def _what(cls) -> tuple[str, str]:
+        return "op category", "categories"
 
 
 #: Norm layers, the usual modules to keep in fp32.
