@@ -463,9 +463,7 @@ def _pre_hook(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | Non
             continue
         if restore is None:
             restore = state.settings
-        inner = _Settings(
-            device_type, True, rule.dtype, dataclasses.replace(settings.policy, module_rules=()), settings.cache_enabled
-        )
+        inner = _Settings(device_type, True, rule.dtype, settings.policy._without_rules, settings.cache_enabled)  # type: ignore[attr-defined]
         state.settings = {**state.settings, device_type: inner}
         new_args = tuple(
             a.to(rule.dtype) if _eligible(a, device_type) and a.dtype is not rule.dtype else a

@@ -164,6 +164,9 @@ class Policy:
                     )
                 table[op] = category
         object.__setattr__(self, "_table", table)
+        # The policy inside a kept module, made once here rather than on every module call.
+        without_rules = dataclasses.replace(self, module_rules=()) if self.module_rules else self
+        object.__setattr__(self, "_without_rules", without_rules)
         # The lookup autocast does once per torch call; not a field, so not compared or hashed.
         object.__setattr__(self, "_dispatch", _dispatch_table(table))
 
