@@ -339,6 +339,18 @@ def get_policy(spec: str | Policy, device_type: str = "cpu") -> Policy:
         raise TypeError(
             f"policy must be a mixprec.Policy or a string such as 'compute=bf16', got {type(spec).__name__}"
         )
+    builtin = _BUILTINS.get(spec)
+    if builtin is not None:  # the one path torch.compile traces: a lookup it can follow
+        return builtin
+    # Policies are frozen values: parse a string once (about 160 us), then reuse the result.
+    key = (spec, device_type)
+    cached = _PARSED.get(key)
+    if cached is None:
+        cached = _PARSED[key] = _parse(spec, device_type)
+    return cached
+
+
+def _parse(spec: str, device_type: str) -> Policy:
     text = spec.strip()
     if "=" not in text:
         return builtin_policy(text)
