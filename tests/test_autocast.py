@@ -395,6 +395,8 @@ def test_module_rule_restored_after_exception_and_hooks_removed() -> None:
             model(torch.randn(2, 4))
         assert mm_dtype() is BF16  # the fp32 rule of the failed module is gone
     assert not nn.modules.module._global_forward_pre_hooks
+    assert not nn.modules.module._global_forward_hooks
+    assert not nn.modules.module._global_forward_hooks_always_called
 
 
 def test_module_rules_match_torch_when_done_by_hand() -> None:

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch._dynamo.testing import CompileCounter
+from torch._dynamo.testing import CompileCounter, CompileCounterWithBackend
 
 import mixprec
 from conftest import bitwise_equal
@@ -113,3 +113,99 @@ def test_policies_compile_to_one_graph(spec: str) -> None:
     got = torch.compile(forward, fullgraph=True, backend=counter)(x)
     assert counter.frame_count == 1
     assert bitwise_equal(got, forward(x))
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.norm = nn.LayerNorm(16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(torch.relu(self.fc(x)))
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.blocks = nn.ModuleList([_Block(), _Block()])
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _rules() -> mixprec.Policy:
+    # by name (a glob and a leaf), and by type with another low dtype
+    policy = mixprec.get_policy("cpu").keep_modules(names=("head", "blocks.1.fc"))
+    return policy.keep_modules(nn.LayerNorm, dtype="fp16")
+
+
+def _eager_with_rules(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with mixprec.autocast("cpu", policy=_rules()):
+        out: torch.Tensor = model(x)
+    # the rules did something: without them the head would return bf16
+    assert out.dtype is torch.float32
+    return out
+
+
+# The counting backend runs the graph through aot_eager: a plain "eager" backend runs the
+# traced graph as Python under the still-active mode, which would cast a second time.
+def test_module_rules_in_a_compiled_region_are_one_graph() -> None:
+    torch.manual_seed(0)
+    model, x = _Net(), torch.randn(4, 8)
+    policy = _rules()
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        with mixprec.autocast("cpu", policy=policy):
+            return model(x)
+
+    counter = CompileCounterWithBackend("aot_eager")
+    got = torch.compile(forward, fullgraph=True, backend=counter)(x)
+    assert counter.frame_count == 1
+    assert bitwise_equal(got, _eager_with_rules(model, x))
+
+
+@pytest.mark.filterwarnings("ignore:Using `torch.compile\\(module\\)` when there are global hooks:UserWarning")
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning")  # Dynamo's own
+def test_compiled_model_with_module_rules_inside_eager_region() -> None:
+    torch.manual_seed(0)
+    model, x = _Net(), torch.randn(4, 8)
+    expected = _eager_with_rules(model, x)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, fullgraph=True, backend=counter)
+    for _ in range(2):
+        with mixprec.autocast("cpu", policy=_rules()):
+            got = compiled(x)
+        assert bitwise_equal(got, expected)
+    assert counter.frame_count == 1  # the second call reused the graph
+    # A compiled submodule of an eager model keeps its qualified name ("blocks.1.fc").
+    model.blocks[1] = torch.compile(model.blocks[1], fullgraph=True, backend=counter)  # type: ignore[assignment]
+    with mixprec.autocast("cpu", policy=_rules()):
+        got = model(x)
+    assert bitwise_equal(got, expected)
+    assert counter.frame_count == 2  # and one graph for the submodule
+
+
+def test_module_rules_inductor_training_step() -> None:
+    torch.manual_seed(0)
+    model, x = _Net(), torch.randn(4, 8)
+    policy = mixprec.get_policy("cpu").keep_modules(nn.LayerNorm, names="head")
+
+    def loss_fn(x: torch.Tensor) -> torch.Tensor:
+        with mixprec.autocast("cpu", policy=policy):
+            return model(x).square().mean()
+
+    loss = torch.compile(loss_fn, fullgraph=True)(x)
+    loss.backward()
+    grads = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+    model.zero_grad()
+    expected = loss_fn(x)
+    expected.backward()
+    torch.testing.assert_close(loss, expected, atol=1e-2, rtol=1e-2)
+    for got, want in zip(grads, (p.grad for p in model.parameters()), strict=True):
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)

@@ -145,6 +145,19 @@ def test_module_rule_matching() -> None:
     assert not rule.matches(nn.Linear(2, 2), "blocks.3.mlp")
     assert all(issubclass(t, nn.Module) for t in mixprec.NORM_TYPES)
     assert isinstance(nn.BatchNorm2d(3), mixprec.NORM_TYPES)
+    # one type or one pattern may be given bare
+    bare = mixprec.get_policy("cpu").keep_modules(nn.LayerNorm, names="head").module_rules[0]
+    assert bare.types == (nn.LayerNorm,) and bare.names == ("head",)
+
+
+def test_equal_policies_become_one_object_in_autocast() -> None:
+    # torch.compile guards on the policy object; a policy rebuilt each step must not recompile
+    first = mixprec.get_policy("cpu").keep_modules(nn.LayerNorm)
+    again = mixprec.get_policy("cpu").keep_modules(nn.LayerNorm)
+    assert first is not again and first == again and hash(first) == hash(again)
+    assert mixprec.autocast("cpu", policy=again).policy is mixprec.autocast("cpu", policy=first).policy
+    other = mixprec.get_policy("cpu").keep_modules(nn.BatchNorm1d)
+    assert mixprec.autocast("cpu", policy=other).policy is not mixprec.autocast("cpu", policy=first).policy
 
 
 def test_describe_lists_every_category() -> None:

@@ -33,7 +33,7 @@ from torch.overrides import TorchFunctionMode, redispatch_function
 
 from mixprec._dtypes import LOW_PRECISION, parse_dtype
 from mixprec._op_tables import conditions
-from mixprec.policy import PASS_THROUGH, ModuleRule, OpCategory, Policy, default_policy, get_policy
+from mixprec.policy import PASS_THROUGH, ModuleRule, OpCategory, Policy, canonical, default_policy, get_policy
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -74,7 +74,7 @@ class _ThreadState:
         self.mode: _AutocastMode | None = None
         self.switched_on: dict[str, autocast] = {}
         # module-rule bookkeeping: (module, qualified name, settings to restore or None)
-        self.module_stack: list[tuple[nn.Module, str, dict[str, _Settings] | None]] = []
+        self.module_stack: list[tuple[nn.Module | _CompiledWrapper, str, dict[str, _Settings] | None]] = []
         self.module_names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
         self.rule_users = 0
 
@@ -324,6 +324,8 @@ class autocast:  # noqa: N801 - the name torch.autocast users type
         self.device_type = device_type
         self._args = (device_type, dtype, enabled, cache_enabled, policy)
         resolved = default_policy(device_type) if policy is None else get_policy(policy, device_type)
+        if not torch.compiler.is_compiling():
+            resolved = canonical(resolved)
         if dtype is not None:
             dtype = parse_dtype(dtype, what="autocast dtype", allowed=LOW_PRECISION)
             if resolved.compute_dtype is not None and resolved.compute_dtype is not dtype:
@@ -398,45 +400,78 @@ class autocast:  # noqa: N801 - the name torch.autocast users type
 # ----- module rules ---------------------------------------------------------------
 
 _hooks_lock = threading.Lock()
-_hook_handles: list[Any] = []
 _hook_users = 0
+# The hooks sit in torch's global hook dicts under a fixed key rather than behind a
+# RemovableHandle: creating a handle bumps a class counter, which Dynamo cannot trace,
+# while dict stores it can, so a region with rules can open inside a compiled function.
+_HOOK_KEY = -0x6D69787072  # negative: never one of torch's handle ids
+_module = nn.modules.module
+_OptimizedModule = torch._dynamo.eval_frame.OptimizedModule
+
+
+class _CompiledWrapper:
+    """Stands in for a torch.compile wrapper module on the module stack."""
+
+    def __init__(self, ident: int) -> None:
+        self.ident = ident
 
 
 def _install_module_hooks(state: _ThreadState) -> None:
-    global _hook_users
     state.rule_users += 1
+    if torch.compiler.is_compiling():  # Dynamo cannot enter a lock; tracing is single-threaded
+        _add_hooks()
+        return
     with _hooks_lock:
-        _hook_users += 1
-        if _hook_users == 1:
-            _hook_handles.append(nn.modules.module.register_module_forward_pre_hook(_pre_hook))  # type: ignore[arg-type]
-            _hook_handles.append(nn.modules.module.register_module_forward_hook(_post_hook, always_call=True))
+        _add_hooks()
 
 
 def _remove_module_hooks(state: _ThreadState) -> None:
-    global _hook_users
     state.rule_users -= 1
+    if torch.compiler.is_compiling():
+        _drop_hooks()
+        return
     with _hooks_lock:
-        _hook_users -= 1
-        if _hook_users == 0:
-            for handle in _hook_handles:
-                handle.remove()
-            _hook_handles.clear()
+        _drop_hooks()
+
+
+def _add_hooks() -> None:
+    global _hook_users
+    _hook_users += 1
+    if _hook_users == 1:
+        _module._global_forward_pre_hooks[_HOOK_KEY] = _pre_hook
+        _module._global_forward_hooks[_HOOK_KEY] = _post_hook
+        _module._global_forward_hooks_always_called[_HOOK_KEY] = True
+
+
+def _drop_hooks() -> None:
+    global _hook_users
+    _hook_users -= 1
+    if _hook_users == 0:
+        del _module._global_forward_pre_hooks[_HOOK_KEY]
+        del _module._global_forward_hooks[_HOOK_KEY]
+        del _module._global_forward_hooks_always_called[_HOOK_KEY]
 
 
 def _qualified_name(state: _ThreadState, module: nn.Module) -> str:
     if not state.module_stack:
         return ""
     parent, parent_name, _ = state.module_stack[-1]
-    name = state.module_names.get(module)
+    if isinstance(parent, _CompiledWrapper):  # torch.compile's wrapper runs only its _orig_mod: same name
+        return parent_name
+    compiling = torch.compiler.is_compiling()  # then names are worked out once, at trace time
+    name = None if compiling else state.module_names.get(module)
     if name is not None:
         return name
     for child_name, child in parent.named_modules():
         if child is module and child_name:
+            if "_orig_mod" in child_name:  # under a torch.compile wrapper: name it as the plain model does
+                child_name = ".".join(part for part in child_name.split(".") if part != "_orig_mod")
             name = f"{parent_name}.{child_name}" if parent_name else child_name
             break
     else:
         name = f"{parent_name}.<{type(module).__name__}>" if parent_name else f"<{type(module).__name__}>"
-    state.module_names[module] = name
+    if not compiling:
+        state.module_names[module] = name
     return name
 
 
@@ -447,12 +482,17 @@ def _match_rule(rules: tuple[ModuleRule, ...], module: nn.Module, name: str) -> 
     return None
 
 
-@torch.compiler.disable  # type: ignore[untyped-decorator]  # thread-local bookkeeping: eager under Dynamo
 def _pre_hook(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
     state = _state()
     if state.rule_users == 0 or state.mode is None:
         return None
     name = _qualified_name(state, module)
+    if isinstance(module, _OptimizedModule):
+        # torch.compile's wrapper: its _orig_mod runs the hooks again and takes this name,
+        # found here, eagerly. The stack holds a stand-in: Dynamo must not reach the
+        # module it traces through another path.
+        state.module_stack.append((_CompiledWrapper(id(module)), name, None))
+        return None
     restore: dict[str, _Settings] | None = None
     new_args = None
     for device_type, settings in state.settings.items():
@@ -475,10 +515,12 @@ def _pre_hook(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | Non
     return new_args
 
 
-@torch.compiler.disable  # type: ignore[untyped-decorator]
 def _post_hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
     state = _state()
-    if state.rule_users == 0 or not state.module_stack or state.module_stack[-1][0] is not module:
+    if state.rule_users == 0 or not state.module_stack:
+        return
+    top = state.module_stack[-1][0]
+    if top is not module and not (isinstance(top, _CompiledWrapper) and top.ident == id(module)):
         return
     _, _, restore = state.module_stack.pop()
     if restore is not None:

@@ -101,8 +101,10 @@ class ModuleRule:
     dtype: torch.dtype = torch.float32
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "types", tuple(self.types))
-        object.__setattr__(self, "names", tuple(self.names))
+        # One type or one pattern may be given bare: types=nn.LayerNorm, names="head".
+        types, names = self.types, self.names
+        object.__setattr__(self, "types", (types,) if isinstance(types, type) else tuple(types))
+        object.__setattr__(self, "names", (names,) if isinstance(names, str) else tuple(names))
         object.__setattr__(self, "dtype", parse_dtype(self.dtype, what="module rule dtype"))
         for t in self.types:
             if not (isinstance(t, type) and issubclass(t, nn.Module)):
@@ -112,7 +114,12 @@ class ModuleRule:
 
     def matches(self, module: nn.Module, name: str) -> bool:
         """Whether this rule applies to ``module`` called under qualified ``name``."""
-        return isinstance(module, self.types) or any(fnmatch.fnmatchcase(name, p) for p in self.names)
+        return isinstance(module, self.types) or (bool(self.names) and _name_matches(self.names, name))
+
+
+@torch._dynamo.assume_constant_result  # type: ignore[untyped-decorator]  # Dynamo cannot trace fnmatch's re
+def _name_matches(patterns: tuple[str, ...], name: str) -> bool:
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns)  # fnmatch caches compiled patterns
 
 
 @dataclasses.dataclass(frozen=True, eq=True)
@@ -170,9 +177,12 @@ class Policy:
         # The lookup autocast does once per torch call; not a field, so not compared or hashed.
         object.__setattr__(self, "_dispatch", _dispatch_table(table))
 
+        object.__setattr__(self, "_hash", hash((self.lower, self.fp32, self.fp32_set_dtype, self.promote,
+                                                frozenset(self.banned.items()), self.compute_dtype,
+                                                self.output_dtype, self.module_rules)))  # fmt: skip
+
     def __hash__(self) -> int:
-        return hash((self.lower, self.fp32, self.fp32_set_dtype, self.promote, frozenset(self.banned.items()),
-                     self.compute_dtype, self.output_dtype, self.module_rules))  # fmt: skip
+        return self._hash  # type: ignore[attr-defined,no-any-return]
 
     def ops(self, category: OpCategory | str) -> frozenset[Op]:
         """The ops of one category."""
@@ -229,12 +239,16 @@ class Policy:
 
     def keep_modules(
         self,
-        types: Iterable[type[nn.Module]] = (),
-        names: Iterable[str] = (),
+        types: type[nn.Module] | Iterable[type[nn.Module]] = (),
+        names: str | Iterable[str] = (),
         dtype: torch.dtype | str = torch.float32,
     ) -> Policy:
-        """A copy with one more :class:`ModuleRule` (e.g. norm layers and the head in fp32)."""
-        rule = ModuleRule(types=tuple(types), names=tuple(names), dtype=parse_dtype(dtype, what="module rule dtype"))
+        """A copy with one more :class:`ModuleRule` (e.g. norm layers and the head in fp32).
+
+        ``types`` and ``names`` take one item or several: ``keep_modules(nn.LayerNorm)``,
+        ``keep_modules(names=("head", "blocks.*.attn"))``.
+        """
+        rule = ModuleRule(types=types, names=names, dtype=parse_dtype(dtype, what="module rule dtype"))  # type: ignore[arg-type]
         return dataclasses.replace(self, module_rules=(*self.module_rules, rule))
 
     def describe(self) -> str:
@@ -318,6 +332,22 @@ _KEYS = ("base", "compute", "output", "keep")
 
 
 _PARSED: dict[tuple[str, str], Policy] = {}
+_CANONICAL: dict[Policy, Policy] = {}
+
+
+def canonical(policy: Policy) -> Policy:
+    """The first-seen policy equal to ``policy``.
+
+    torch.compile guards on the policy object a graph was traced with; handing it
+    one object per distinct policy lets a policy rebuilt every step
+    (``get_policy("cpu").keep_modules(...)`` inside the loop) reuse the graph.
+    """
+    found = _CANONICAL.get(policy)
+    if found is None:
+        if len(_CANONICAL) >= 1024:  # a program building endless distinct policies: do not grow forever
+            _CANONICAL.clear()
+        found = _CANONICAL[policy] = policy
+    return found
 
 
 def get_policy(spec: str | Policy, device_type: str = "cpu") -> Policy:
