@@ -381,59 +381,59 @@ class _Restore:
         self.obj.__dict__.pop(self.name, None)
 
 
-class _Noise:
-    """Uniform integers in [0, 2**16) for stochastic rounding, cheap enough to use every step.
+# Noise for stochastic rounding: a Weyl sequence, element i of a tensor gets the high 16 bits of
+# (i * 0x9E3779B1 + seed) mod 2**32. With the seed uniform and fresh for every tensor and step, each
+# element's noise is uniform on [0, 2**16) and independent from step to step, so the rounding is
+# unbiased; neighbouring elements get evenly spread, not independent, noise (a dither). Computed
+# in place from the index: no buffer to read and no generator call per element (torch's CPU
+# generator makes about 200 M integers a second, slower than the optimizer step itself).
+_WEYL = -1640531535  # 0x9E3779B1 (2**32 / golden ratio) as an int32
 
-    torch's CPU generator makes about 200 M integers a second: drawing fresh noise for every
-    weight at every step would cost more than the optimizer step. Instead one buffer is drawn
-    every ``refresh`` steps and each parameter reads it at a fresh random offset; every element
-    still sees uniformly distributed noise across steps, so the rounding stays unbiased.
+
+def _new_seed(device: torch.device) -> torch.Tensor:
+    """A uniform int32 seed, drawn on ``device`` (no host sync)."""
+    return torch.randint(-(1 << 31), 1 << 31, (), dtype=torch.int32, device=device)
+
+
+def _sr_bits(x: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
+    """fp32 ``x`` (1-D) stochastically rounded to bf16 precision, as fp32 bits with 16 low zeros."""
+    index = torch.arange(x.numel(), dtype=torch.int32, device=x.device)
+    noise = ((index * _WEYL + seed) >> 16) & 0xFFFF
+    return (x.view(torch.int32) + noise) & -(1 << 16)
+
+
+def _adam_sr_update(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, seed: torch.Tensor,
+                    scalars: torch.Tensor) -> None:  # fmt: skip
+    """One Adam/AdamW step on 1-D bf16 tensors in fp32 math, weights written back with stochastic rounding.
+
+    The same update as torch.optim.Adam/AdamW (amsgrad, maximize off). ``scalars`` holds, per step:
+    decay (AdamW's ``1 - lr * weight_decay``, else 1), l2 (Adam's ``weight_decay``, else 0),
+    ``1 - beta1``, beta2, ``1 - beta2``, ``lr / (1 - beta1**step)``, ``1 / sqrt(1 - beta2**step)``
+    and eps. Compiled into one fused loop, so each tensor is read and written once.
     """
-
-    def __init__(self, refresh: int = 32) -> None:
-        self.refresh = refresh
-        self.buffers: dict[torch.device, torch.Tensor] = {}
-        self.calls = 0
-
-    def begin_step(self) -> None:
-        self.calls += 1
-        if self.calls % self.refresh == 0:
-            self.buffers.clear()
-
-    def take(self, shape: torch.Size, device: torch.device) -> torch.Tensor:
-        numel = shape.numel()
-        buffer = self.buffers.get(device)
-        if buffer is None or buffer.numel() < numel + (1 << 16):
-            buffer = torch.randint(0, 1 << 16, (numel + (1 << 16),), dtype=torch.int32, device=device)
-            self.buffers[device] = buffer
-        offset = int(torch.randint(0, 1 << 16, ()).item())
-        return buffer[offset : offset + numel].view(shape)
-
-
-def _adam_sr_update(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, noise: torch.Tensor,
-                    lr: torch.Tensor, beta1: torch.Tensor, beta2: torch.Tensor, eps: torch.Tensor,
-                    weight_decay: torch.Tensor, step: torch.Tensor, decoupled: bool) -> None:  # fmt: skip
-    """One Adam/AdamW step on bf16 tensors in fp32 math, weights written back with stochastic rounding.
-
-    The same update as torch.optim.Adam/AdamW (amsgrad, maximize off); compiled into one fused loop,
-    so each tensor is read and written once.
-    """
+    decay, l2, one_minus_beta1, beta2, one_minus_beta2, step_size, inv_bc2_sqrt, eps = scalars.unbind()
     p32, g32 = p.float(), g.float()
-    if decoupled:
-        p32 = p32 * (1 - lr * weight_decay)
-    else:
-        g32 = g32 + weight_decay * p32
-    m32 = m.float().lerp(g32, 1 - beta1)
-    v32 = v.float() * beta2 + (1 - beta2) * g32 * g32
-    denom = v32.sqrt() / (1 - beta2**step).sqrt() + eps
-    p32 = p32 - (lr / (1 - beta1**step)) * m32 / denom
-    bits = (p32.view(torch.int32) + noise) & -(1 << 16)
-    p.copy_(bits.view(torch.float32))
+    g32 = g32 + l2 * p32
+    p32 = p32 * decay
+    m32 = m.float().lerp(g32, one_minus_beta1)
+    v32 = v.float() * beta2 + one_minus_beta2 * g32 * g32
+    p32 = p32 - step_size * m32 / (v32.sqrt() * inv_bc2_sqrt + eps)
+    p.copy_(_sr_bits(p32, seed).view(torch.float32))
     m.copy_(m32)
     v.copy_(v32)
 
 
+def _adam_scalars(group: dict[str, Any], step: float, decoupled: bool) -> torch.Tensor:
+    lr, weight_decay, eps = float(group["lr"]), float(group["weight_decay"]), float(group["eps"])
+    beta1, beta2 = (float(b) for b in group["betas"])
+    decay, l2 = (1.0 - lr * weight_decay, 0.0) if decoupled else (1.0, weight_decay)
+    step_size = lr / (1.0 - beta1**step)
+    inv_bc2_sqrt = 1.0 / (1.0 - beta2**step) ** 0.5
+    return torch.tensor([decay, l2, 1.0 - beta1, beta2, 1.0 - beta2, step_size, inv_bc2_sqrt, eps])
+
+
 _compiled_adam_sr: Callable[..., None] | None = None
+_PROBE_GROUP = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
 
 
 def _fused_adam_sr_supported(optimizer: torch.optim.Optimizer) -> bool:
@@ -450,12 +450,10 @@ def _install_fused_adam_sr(optimizer: torch.optim.Optimizer, state: _Prepared) -
         try:
             compiled = cast(Callable[..., None], torch.compile(_adam_sr_update, fullgraph=True, dynamic=True))
             probe = [torch.zeros(4, dtype=torch.bfloat16) for _ in range(4)]
-            one = torch.ones(())
-            compiled(*probe, torch.zeros(4, dtype=torch.int32), one, one * 0.9, one * 0.99, one, one * 0, one, True)
+            compiled(*probe, _new_seed(torch.device("cpu")), _adam_scalars(_PROBE_GROUP, 1.0, True))
             _compiled_adam_sr = compiled
         except Exception:  # no C++ toolchain, an unsupported platform: keep the generic path
             return False
-    noise = _Noise()
     lowp = {id(p) for p in state.lowp_params}
     original_step = optimizer.step
     decoupled = isinstance(optimizer, torch.optim.AdamW)
@@ -466,13 +464,10 @@ def _install_fused_adam_sr(optimizer: torch.optim.Optimizer, state: _Prepared) -
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        noise.begin_step()
         others: list[tuple[dict[str, Any], list[torch.Tensor]]] = []
         with torch.no_grad():
             for group in optimizer.param_groups:
-                beta1, beta2 = group["betas"]
-                scalars = [torch.tensor(float(x)) for x in (group["lr"], beta1, beta2, group["eps"],
-                                                            group["weight_decay"])]  # fmt: skip
+                by_step: dict[tuple[float, torch.device], torch.Tensor] = {}
                 rest = []
                 for p in group["params"]:
                     if p.grad is None:
@@ -486,11 +481,14 @@ def _install_fused_adam_sr(optimizer: torch.optim.Optimizer, state: _Prepared) -
                         st["exp_avg"] = torch.zeros_like(p)
                         st["exp_avg_sq"] = torch.zeros_like(p)
                     st["step"] += 1
+                    key = (float(st["step"]), p.device)  # the step count lives on the CPU: no sync
+                    scalars = by_step.get(key)
+                    if scalars is None:
+                        scalars = by_step[key] = _adam_scalars(group, key[0], decoupled).to(p.device)
                     assert _compiled_adam_sr is not None
                     # 1-D views: one compiled graph serves every parameter, whatever its shape.
                     flat = [t.view(-1) for t in (p.data, p.grad, st["exp_avg"], st["exp_avg_sq"])]
-                    _compiled_adam_sr(*flat, noise.take(torch.Size([p.numel()]), p.device), *scalars, st["step"],
-                                      decoupled)  # fmt: skip
+                    _compiled_adam_sr(*flat, _new_seed(p.device), scalars)
                 others.append((group, rest))
         # fp32 parameters (kept modules) take the optimizer's own update.
         if any(rest for _, rest in others):
@@ -512,7 +510,6 @@ def _install_fused_adam_sr(optimizer: torch.optim.Optimizer, state: _Prepared) -
 def _install_sr(optimizer: torch.optim.Optimizer, state: _Prepared) -> None:
     if _fused_adam_sr_supported(optimizer) and _install_fused_adam_sr(optimizer, state):
         return
-    noise = _Noise()
     shadows: list[tuple[dict[str, Any], int, nn.Parameter, torch.Tensor]] = []
 
     def widen(opt: torch.optim.Optimizer, *_: Any) -> None:
@@ -533,14 +530,12 @@ def _install_sr(optimizer: torch.optim.Optimizer, state: _Prepared) -> None:
                 shadows.append((group, i, param, shadow))
 
     def narrow(opt: torch.optim.Optimizer, *_: Any) -> None:
-        noise.begin_step()
         with torch.no_grad():
             for group, i, param, shadow in shadows:
                 # The weight update is rounded stochastically: add noise below the 16 kept bits and
                 # truncate; the copy into the bf16 parameter is then exact.
-                bits = shadow.data.view(torch.int32)
-                bits.add_(noise.take(param.shape, param.device)).bitwise_and_(-(1 << 16))
-                param.copy_(shadow.data)
+                bits = _sr_bits(shadow.data.reshape(-1), _new_seed(param.device))
+                param.copy_(bits.view(torch.float32).view(param.shape))
                 # Optimizer state goes back to bf16 rounded to nearest: it is not accumulated in
                 # tiny increments the way weights are.
                 shadow_state = opt.state.pop(shadow, {})
