@@ -450,7 +450,8 @@ def _install_fused_adam_sr(optimizer: torch.optim.Optimizer, state: _Prepared) -
         try:
             compiled = cast(Callable[..., None], torch.compile(_adam_sr_update, fullgraph=True, dynamic=True))
             probe = [torch.zeros(4, dtype=torch.bfloat16) for _ in range(4)]
-            compiled(*probe, _new_seed(torch.device("cpu")), _adam_scalars(_PROBE_GROUP, 1.0, True))
+            with torch.no_grad():  # as step() calls it: grad mode is part of the compiled graph's guards
+                compiled(*probe, _new_seed(torch.device("cpu")), _adam_scalars(_PROBE_GROUP, 1.0, True))
             _compiled_adam_sr = compiled
         except Exception:  # no C++ toolchain, an unsupported platform: keep the generic path
             return False
