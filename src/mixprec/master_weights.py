@@ -408,14 +408,15 @@ def _adam_sr_update(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.
 
     The same update as torch.optim.Adam/AdamW (amsgrad, maximize off). ``scalars`` holds, per step:
     decay (AdamW's ``1 - lr * weight_decay``, else 1), l2 (Adam's ``weight_decay``, else 0),
-    ``1 - beta1``, beta2, ``1 - beta2``, ``lr / (1 - beta1**step)``, ``1 / sqrt(1 - beta2**step)``
+    beta1, ``1 - beta1``, beta2, ``1 - beta2``, ``lr / (1 - beta1**step)``, ``1 / sqrt(1 - beta2**step)``
     and eps. Compiled into one fused loop, so each tensor is read and written once.
     """
-    decay, l2, one_minus_beta1, beta2, one_minus_beta2, step_size, inv_bc2_sqrt, eps = scalars.unbind()
+    decay, l2, beta1, one_minus_beta1, beta2, one_minus_beta2, step_size, inv_bc2_sqrt, eps = scalars.unbind()
     p32, g32 = p.float(), g.float()
     g32 = g32 + l2 * p32
     p32 = p32 * decay
-    m32 = m.float().lerp(g32, one_minus_beta1)
+    # torch's lerp(g, 1 - beta1), written out: inductor's lerp with a scalar from a tensor ran 3x slower
+    m32 = m.float() * beta1 + g32 * one_minus_beta1
     v32 = v.float() * beta2 + one_minus_beta2 * g32 * g32
     p32 = p32 - step_size * m32 / (v32.sqrt() * inv_bc2_sqrt + eps)
     p.copy_(_sr_bits(p32, seed).view(torch.float32))
@@ -429,7 +430,7 @@ def _adam_scalars(group: dict[str, Any], step: float, decoupled: bool) -> torch.
     decay, l2 = (1.0 - lr * weight_decay, 0.0) if decoupled else (1.0, weight_decay)
     step_size = lr / (1.0 - beta1**step)
     inv_bc2_sqrt = 1.0 / (1.0 - beta2**step) ** 0.5
-    return torch.tensor([decay, l2, 1.0 - beta1, beta2, 1.0 - beta2, step_size, inv_bc2_sqrt, eps])
+    return torch.tensor([decay, l2, beta1, 1.0 - beta1, beta2, 1.0 - beta2, step_size, inv_bc2_sqrt, eps])
 
 
 _compiled_adam_sr: Callable[..., None] | None = None
@@ -449,8 +450,11 @@ def _install_fused_adam_sr(optimizer: torch.optim.Optimizer, state: _Prepared) -
     if _compiled_adam_sr is None:
         try:
             compiled = cast(Callable[..., None], torch.compile(_adam_sr_update, fullgraph=True, dynamic=True))
-            probe = [torch.zeros(4, dtype=torch.bfloat16) for _ in range(4)]
-            with torch.no_grad():  # as step() calls it: grad mode is part of the compiled graph's guards
+            # The probe compiles the one graph every parameter uses: under no_grad as step() calls it
+            # (grad mode is among the guards), and large, because inductor picks threads and loop
+            # shapes from the first sizes it sees (a tiny probe gave a single-threaded kernel).
+            probe = [torch.zeros(1 << 20, dtype=torch.bfloat16) for _ in range(4)]
+            with torch.no_grad():
                 compiled(*probe, _new_seed(torch.device("cpu")), _adam_scalars(_PROBE_GROUP, 1.0, True))
             _compiled_adam_sr = compiled
         except Exception:  # no C++ toolchain, an unsupported platform: keep the generic path
