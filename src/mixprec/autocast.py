@@ -18,6 +18,7 @@ Nothing here syncs with the device: casts are asynchronous ``Tensor.to`` calls.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import threading
@@ -359,7 +360,7 @@ class autocast:  # noqa: N801 - the name torch.autocast users type
         state.settings = {**state.settings, self.device_type: settings}
         state.nesting += 1
         if self.policy.module_rules and self._enabled:
-            _install_module_hooks(state)
+            _count_rule_user(state, +1)
         if state.mode is None:
             mode = _AutocastMode(state)
             mode.__enter__()  # type: ignore[no-untyped-call]
@@ -374,7 +375,7 @@ class autocast:  # noqa: N801 - the name torch.autocast users type
         state.settings = self._prev
         state.nesting -= 1
         if self.policy.module_rules and self._enabled:
-            _remove_module_hooks(state)
+            _count_rule_user(state, -1)
         if state.nesting == 0:
             state.cache.clear()
             state.module_stack.clear()
@@ -416,40 +417,21 @@ class _CompiledWrapper:
         self.ident = ident
 
 
-def _install_module_hooks(state: _ThreadState) -> None:
-    state.rule_users += 1
-    if torch.compiler.is_compiling():  # Dynamo cannot enter a lock; tracing is single-threaded
-        _add_hooks()
-        return
-    with _hooks_lock:
-        _add_hooks()
-
-
-def _remove_module_hooks(state: _ThreadState) -> None:
-    state.rule_users -= 1
-    if torch.compiler.is_compiling():
-        _drop_hooks()
-        return
-    with _hooks_lock:
-        _drop_hooks()
-
-
-def _add_hooks() -> None:
+def _count_rule_user(state: _ThreadState, delta: int) -> None:
+    """A region with rules opens (+1) or closes (-1); the first installs the hooks, the last removes them."""
     global _hook_users
-    _hook_users += 1
-    if _hook_users == 1:
-        _module._global_forward_pre_hooks[_HOOK_KEY] = _pre_hook
-        _module._global_forward_hooks[_HOOK_KEY] = _post_hook
-        _module._global_forward_hooks_always_called[_HOOK_KEY] = True
-
-
-def _drop_hooks() -> None:
-    global _hook_users
-    _hook_users -= 1
-    if _hook_users == 0:
-        del _module._global_forward_pre_hooks[_HOOK_KEY]
-        del _module._global_forward_hooks[_HOOK_KEY]
-        del _module._global_forward_hooks_always_called[_HOOK_KEY]
+    state.rule_users += delta
+    # Dynamo cannot enter a lock; tracing is single-threaded.
+    with contextlib.nullcontext() if torch.compiler.is_compiling() else _hooks_lock:
+        _hook_users += delta
+        if delta > 0 and _hook_users == 1:
+            _module._global_forward_pre_hooks[_HOOK_KEY] = _pre_hook
+            _module._global_forward_hooks[_HOOK_KEY] = _post_hook
+            _module._global_forward_hooks_always_called[_HOOK_KEY] = True
+        elif delta < 0 and _hook_users == 0:
+            del _module._global_forward_pre_hooks[_HOOK_KEY]
+            del _module._global_forward_hooks[_HOOK_KEY]
+            del _module._global_forward_hooks_always_called[_HOOK_KEY]
 
 
 def _qualified_name(state: _ThreadState, module: nn.Module) -> str:
