@@ -140,7 +140,7 @@ class _Net(nn.Module):
 
 
 def _rules() -> mixprec.Policy:
-    # by name (a glob and a leaf), and by type with another low dtype
+    # by name (matched with fnmatch), and by type with another low dtype
     policy = mixprec.get_policy("cpu").keep_modules(names=("head", "blocks.1.fc"))
     return policy.keep_modules(nn.LayerNorm, dtype="fp16")
 
