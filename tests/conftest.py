@@ -9,18 +9,21 @@ import pytest
 import torch
 
 autocast_module = importlib.import_module("mixprec.autocast")
+dispatch_module = importlib.import_module("mixprec._dispatch")
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 @pytest.fixture(autouse=True)
 def _clean_autocast_state() -> Iterator[None]:
-    state = autocast_module._state()
-    assert state.nesting == 0 and state.mode is None, "a previous test left mixprec autocast on"
+    state = dispatch_module.state()
+    assert not state.regions and not torch.is_autocast_enabled("cpu"), "a previous test left autocast on"
     yield
     for device_type in list(state.switched_on):
-        autocast_module.set_autocast_enabled(False, device_type)
-    assert state.nesting == 0 and state.mode is None and not state.cache, "test left mixprec autocast state behind"
+        autocast_module.set_autocast_enabled(device_type, False)
+    assert not state.regions and not state.policy and not state.cache, "test left mixprec autocast state behind"
+    assert not torch.is_autocast_enabled("cpu"), "test left torch autocast on"
+    assert not dispatch_module.registered(), "test left mixprec kernels registered"
 
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

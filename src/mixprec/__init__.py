@@ -1,11 +1,13 @@
 """mixprec: mixed-precision training for PyTorch, with policies as data.
 
-``mixprec.autocast`` is a drop-in for ``torch.autocast``; its precision policy
-is a value users can read and change (:class:`Policy`).
+``mixprec.autocast`` is a drop-in for ``torch.autocast`` (a region is a torch
+autocast region); its precision policy is a value users can read and change
+(:class:`Policy`), applied at the dispatcher where it differs from torch's.
 """
 
 from mixprec.autocast import (
     autocast,
+    checkpoint_context,
     get_autocast_dtype,
     get_autocast_policy,
     is_autocast_enabled,
@@ -16,7 +18,16 @@ from mixprec.diagnostics import DiagnosticReport, diagnose
 from mixprec.layout import to_channels_last
 from mixprec.master_weights import Level, export_fp32, master_params, prepare, state_bytes, stochastic_round
 from mixprec.monitor import Incident, Monitor
-from mixprec.policy import NORM_TYPES, ModuleRule, OpCategory, Policy, builtin_policy, default_policy, get_policy
+from mixprec.policy import (
+    NORM_TYPES,
+    ModuleRule,
+    OpCategory,
+    Policy,
+    builtin_policy,
+    default_policy,
+    get_policy,
+    op_name,
+)
 from mixprec.scaler import GradScaler, ScalerEvent, ScalerStats
 
 __version__ = "0.1.0"
@@ -36,6 +47,7 @@ __all__ = [
     "__version__",
     "autocast",
     "builtin_policy",
+    "checkpoint_context",
     "custom_bwd",
     "custom_fwd",
     "default_policy",
@@ -47,6 +59,7 @@ __all__ = [
     "is_autocast_enabled",
     "master_params",
     "op",
+    "op_name",
     "prepare",
     "set_autocast_enabled",
     "state_bytes",

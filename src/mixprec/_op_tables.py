@@ -1,27 +1,12 @@
-"""torch's own autocast op lists, by ATen name, and their Python entry points.
+"""torch's own autocast op lists, by ATen op name (overloads are not named).
 
-torch.autocast works at the dispatcher: it sees ATen ops. mixprec works over
-``TorchFunctionMode``: it sees the Python-visible callables (``torch.mm``,
-``torch.Tensor.mm``, ``torch._C._nn.linear`` ...). This module keeps torch's
-lists as ATen names and resolves each name to every builtin that a
-``__torch_function__`` handler can receive for it.
-
-Python wrappers (``torch.nn.functional.mse_loss``, ``torch.stft``) are not
-listed: the mode redispatches into them and sees the builtin they call, so the
-cast happens at the same op where torch casts.
-
-A few builtins are C++ composites whose inner ATen op is on a list although
-the composite is not (``einsum`` reaches ``bmm``, ``concat`` reaches ``cat``,
-``nll_loss_nd`` reaches ``nll_loss``). The inner op is invisible to a
-TorchFunctionMode, so the composite itself is listed (``*_COMPOSITES``).
+torch.autocast registers a kernel for the Autocast dispatch key of each listed op;
+these tables say which category each kernel applies, so a policy can be compared
+with torch's list for a device and only the ops that differ get mixprec kernels.
+A test checks the tables against the kernels registered in the installed torch.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable, Iterable
-from typing import Any
-
-import torch
 
 # aten/src/ATen/autocast_mode.cpp, AutocastCPU.
 CPU_LOWER = (
@@ -54,14 +39,6 @@ CPU_FP32 = (
 )  # fmt: skip
 CPU_PROMOTE = ("stack", "cat", "index_copy")
 
-# Builtins whose C++ body reaches an op of the CPU lists above.
-CPU_LOWER_COMPOSITES = (
-    "einsum", "chain_matmul", "linalg_multi_dot", "tensordot", "cov", "corrcoef", "matrix_power",
-    "linalg_matrix_power",
-)  # fmt: skip
-CPU_FP32_COMPOSITES = ("nll_loss_nd", "pad")
-PROMOTE_COMPOSITES = ("concat", "concatenate", "hstack", "vstack", "dstack", "column_stack", "row_stack")
-
 # aten/src/ATen/autocast_mode.h, AT_FORALL_* (AutocastCUDA, also XPU).
 CUDA_LOWER = (
     "_convolution", "conv1d", "conv2d", "conv3d", "conv_tbc", "conv_transpose1d",
@@ -81,15 +58,18 @@ CUDA_FP32 = (
     "huber_loss", "mse_loss", "margin_ranking_loss", "multilabel_margin_loss",
     "soft_margin_loss", "triplet_margin_loss", "multi_margin_loss",
     "binary_cross_entropy_with_logits", "dist", "pdist", "cdist", "renorm", "logsumexp",
+    "rms_norm", "upsample_nearest1d", "_upsample_nearest_exact1d", "upsample_nearest2d",
+    "_upsample_nearest_exact2d", "upsample_nearest3d", "_upsample_nearest_exact3d",
+    "upsample_linear1d", "upsample_bilinear2d", "_upsample_bilinear2d_aa", "upsample_trilinear3d",
+    "upsample_bicubic2d", "_upsample_bicubic2d_aa",
 )  # fmt: skip
-CUDA_FP32_COMPOSITES = ("nll_loss_nd", "cross_entropy_loss")
 # fp32_set_opt_dtype and fp32_append_dtype: run in fp32 by setting the op's dtype argument.
 CUDA_FP32_SET_DTYPE = (
-    "prod", "softmax", "log_softmax", "_softmax", "cumprod", "cumsum", "linalg_vector_norm",
+    "prod", "softmax", "log_softmax", "cumprod", "cumsum", "linalg_vector_norm",
     "linalg_matrix_norm", "sum", "norm",
 )  # fmt: skip
 CUDA_PROMOTE = (
-    "addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "grid_sampler",
+    "addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "vdot", "grid_sampler",
     "index_put", "tensordot", "scatter_add",
 )  # fmt: skip
 CUDA_BANNED = {
@@ -100,103 +80,3 @@ CUDA_BANNED = {
         "torch.nn.BCEWithLogitsLoss, which are safe to autocast."
     )
 }
-
-
-# Python wrappers and the builtins they can reach, as ATen names. A wrapper whose
-# builtins are all unlisted in a policy is called as is (no redispatch); one that
-# only checks and reshapes before a single listed builtin takes that builtin's
-# category at the wrapper. Both give the numbers of the redispatch path, faster;
-# the OpInfo differential test checks it. Unlisted wrappers are redispatched.
-WRAPPERS: dict[str, tuple[str, ...]] = {
-    "torch.nn.functional.relu": ("relu", "relu_"),
-    "torch.nn.functional.relu6": ("hardtanh", "hardtanh_"),
-    "torch.nn.functional.silu": ("silu", "silu_"),
-    "torch.nn.functional.mish": ("mish", "mish_"),
-    "torch.nn.functional.dropout": ("dropout", "dropout_"),
-    "torch.nn.functional.embedding": ("embedding", "embedding_renorm_"),
-    "torch.nn.functional.layer_norm": ("layer_norm",),
-    "torch.nn.functional.group_norm": ("group_norm",),
-    "torch.nn.functional.softmax": ("softmax",),
-    "torch.nn.functional.log_softmax": ("log_softmax",),
-    "torch.nn.functional.cross_entropy": ("cross_entropy_loss",),
-    "torch.nn.functional.nll_loss": ("nll_loss_nd",),
-    "torch.nn.functional.mse_loss": ("broadcast_tensors", "mse_loss"),
-    "torch.nn.functional.l1_loss": ("broadcast_tensors", "l1_loss"),
-    "torch.nn.functional.binary_cross_entropy_with_logits": ("binary_cross_entropy_with_logits",),
-    "torch.nn.functional.kl_div": ("kl_div",),
-    "torch.functional.broadcast_tensors": ("broadcast_tensors",),
-    "torch.functional.einsum": ("einsum",),
-    "torch.Tensor.__rsub__": ("rsub",),
-    "torch.Tensor.backward": (),
-}
-
-
-def _pad_reaches_fp32_op(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    # F.pad reaches reflection_pad1d/2d and replication_pad1d/2d/3d, all on the CPU fp32 list.
-    pad = args[1] if len(args) > 1 else kwargs.get("pad", ())
-    mode = args[2] if len(args) > 2 else kwargs.get("mode", "constant")
-    dims = len(pad) // 2
-    return (mode == "reflect" and dims in (1, 2)) or (mode == "replicate" and dims in (1, 2, 3))
-
-
-def _matrix_power_multiplies(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    # n in (0, 1, -1) returns identity, a copy or an inverse: no matmul is reached.
-    n = args[1] if len(args) > 1 else kwargs.get("n", 2)
-    return n not in (0, 1, -1)
-
-
-#: Composites whose inner path depends on their arguments: the category applies only
-#: when the predicate says the listed inner op is reached.
-CONDITIONS: dict[str, Callable[[tuple[Any, ...], dict[str, Any]], bool]] = {
-    "pad": _pad_reaches_fp32_op,
-    "matrix_power": _matrix_power_multiplies,
-    "linalg_matrix_power": _matrix_power_multiplies,
-}
-
-
-_NAMESPACES: tuple[Any, ...] = (
-    *(getattr(torch._C, name) for name in ("_VariableFunctions", "_nn", "_linalg", "_fft", "_special")),
-    torch.Tensor,
-)
-
-
-def entry_points(aten_name: str) -> list[Callable[..., Any]]:
-    """Every builtin a ``__torch_function__`` handler can receive for ``aten_name``.
-
-    In-place (``mm_``) and ``out=`` variants are separate callables or calls and
-    are not returned: torch.autocast does not cast them either.
-    """
-    found: list[Callable[..., Any]] = []
-    for namespace in _NAMESPACES:
-        func = getattr(namespace, aten_name, None)
-        if func is not None and callable(func) and func not in found:
-            found.append(func)
-    if aten_name == "matmul":
-        found += [torch.Tensor.__matmul__, torch.Tensor.__rmatmul__]
-    if aten_name == "pow":
-        found += [torch.Tensor.__pow__, torch.Tensor.__rpow__]
-    return found
-
-
-def resolve(names: Iterable[str]) -> frozenset[Callable[..., Any]]:
-    """The union of :func:`entry_points` over ``names``; names absent in this torch are skipped."""
-    return frozenset(func for name in names for func in entry_points(name))
-
-
-def wrappers() -> dict[Callable[..., Any], frozenset[Callable[..., Any]]]:
-    """wrapper function -> the builtins it can reach, for :data:`WRAPPERS`."""
-    found = {}
-    for path, names in WRAPPERS.items():
-        module_path, _, attr = path.rpartition(".")
-        owner: Any = torch
-        for part in module_path.split(".")[1:]:
-            owner = getattr(owner, part, None)
-        func = getattr(owner, attr, None)
-        if func is not None:
-            found[func] = resolve(names)
-    return found
-
-
-def conditions() -> dict[Callable[..., Any], Callable[[tuple[Any, ...], dict[str, Any]], bool]]:
-    """func -> predicate for the ops of :data:`CONDITIONS`."""
-    return {func: pred for name, pred in CONDITIONS.items() for func in entry_points(name)}

@@ -1,308 +1,139 @@
-"""autocast: torch.autocast's semantics over a TorchFunctionMode, driven by a Policy.
+"""autocast: a torch.autocast region, with the policy's differences applied at the dispatcher.
 
-One ``_AutocastMode`` is pushed per thread when the outermost region opens and
-popped when it closes; nested regions only swap the settings it reads, so an
-inner ``enabled=False`` really turns casting off (stacked modes would each cast).
+``mixprec.autocast`` opens a real ``torch.autocast`` region: torch's autocast
+state is set exactly as ``torch.autocast`` sets it, so torch and every library
+that asks ``torch.is_autocast_enabled()`` see it, ``torch.utils.checkpoint``
+replays it, and torch's own kernels cast, inside C++ composites (LSTM, einsum)
+too. With a built-in policy that is all: the region is torch's, bit for bit and
+at its speed.
 
-For every torch call the mode does one dict lookup (``func`` -> category):
+A policy that differs from torch's list for the device (ops moved, added or
+removed, an output dtype) gets kernels for the differing ops at the device's
+Autocast dispatch key while the region is open (see ``mixprec._dispatch``).
+Per-module rules switch torch's autocast dtype/enabled state, and the policy in
+force, at module boundaries through global module hooks.
 
-* listed op: cast eligible inputs (floating, not fp64, on the autocast device)
-  as the category says and call the op with the mode off, as torch's autocast
-  kernels exclude the autocast key while they run;
-* unlisted Python function (``F.mse_loss``, ``F.multi_head_attention_forward``):
-  run its body with the mode on, so the builtins it calls are seen;
-* anything else: call it unchanged.
-
-Nothing here syncs with the device: casts are asynchronous ``Tensor.to`` calls.
+Nothing here syncs with the device.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import threading
-import types
-import warnings
-import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode, redispatch_function
 
-from mixprec._dtypes import LOW_PRECISION, parse_dtype
-from mixprec._op_tables import conditions
-from mixprec.policy import PASS_THROUGH, ModuleRule, OpCategory, Policy, canonical, default_policy, get_policy
+from mixprec import _dispatch
+from mixprec._dispatch import eligible as _eligible
+from mixprec._dispatch import state as _state
+from mixprec._dtypes import parse_dtype
+from mixprec.policy import _BY_TOKEN, ModuleRule, Policy, canonical, default_policy, get_policy
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-_LOWER = OpCategory.LOWER
-_FP32 = OpCategory.FP32
-_FP32_SET_DTYPE = OpCategory.FP32_SET_DTYPE
-_BANNED = OpCategory.BANNED
-_SUPPORTED_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu")
-_CONDITIONS = conditions()
-_Tensor = torch.Tensor
-_float32 = torch.float32
-_float64 = torch.float64
+__all__ = [
+    "autocast",
+    "checkpoint_context",
+    "get_autocast_dtype",
+    "get_autocast_policy",
+    "is_autocast_enabled",
+    "set_autocast_enabled",
+]
+
+_FLOATING = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+def _needs_kernels(policy: Policy, device_type: str) -> bool:
+    builtin = default_policy(device_type)
+    return policy.output_dtype is not None or policy._table != builtin._table  # type: ignore[attr-defined]
 
 
-@dataclasses.dataclass(frozen=True)
-class _Settings:
-    """The effective autocast state of one device type."""
-
-    device_type: str
-    enabled: bool
-    dtype: torch.dtype
-    policy: Policy
-    cache_enabled: bool
-
-    @property
-    def dispatch(self) -> dict[Any, OpCategory | str]:
-        return self.policy._dispatch  # type: ignore[attr-defined,no-any-return]
+# ----- entering and leaving: plain functions, so compiled code can call them as graph nodes ----
 
 
-class _ThreadState:
-    """Per-thread autocast state (torch keeps its autocast state thread-local too)."""
-
-    def __init__(self) -> None:
-        self.settings: dict[str, _Settings] = {}
-        self.nesting = 0
-        # id(fp32 leaf) -> (weakref to it, its low-precision copy, its version, grad mode at cast)
-        self.cache: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor, int, bool]] = {}
-        self.mode: _AutocastMode | None = None
-        self.switched_on: dict[str, autocast] = {}
-        # module-rule bookkeeping: (module, qualified name, settings to restore or None)
-        self.module_stack: list[tuple[nn.Module | _CompiledWrapper, str, dict[str, _Settings] | None]] = []
-        self.module_names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
-        self.rule_users = 0
-
-
-_tls = threading.local()
+def _push(device_type: str, policy: Policy, torch_ctx: Any, traced: bool = False) -> None:
+    st = _state()
+    edited = _needs_kernels(policy, device_type)
+    st.traced.append(traced)
+    plan = _dispatch.acquire(policy, device_type) if edited else ()
+    st.regions.append((device_type, torch_ctx, st.policy.get(device_type), st.edited.get(device_type), plan))
+    st.policy[device_type] = policy
+    if edited:
+        st.edited[device_type] = policy
+    else:
+        st.edited.pop(device_type, None)
+    if policy.module_rules:
+        _count_rule_user(st, +1)
 
 
-def _state() -> _ThreadState:
-    state: _ThreadState | None = getattr(_tls, "state", None)
-    if state is None:
-        state = _tls.state = _ThreadState()
-    return state
-
-
-def _eligible(t: Any, device_type: str) -> bool:
-    """torch's rule: a floating tensor, not fp64, on the autocast device."""
-    return isinstance(t, _Tensor) and t.is_floating_point() and t.dtype is not _float64 and t.device.type == device_type
-
-
-class _AutocastMode(TorchFunctionMode):
-    def __init__(self, state: _ThreadState) -> None:
-        super().__init__()
-        self.state = state
-        self.active: tuple[_Settings, ...] = ()
-        self.single: _Settings | None = None
-        self.dispatch: dict[Any, OpCategory | str] = {}
-        self.redispatching: set[Any] = set()
-
-    def refresh(self) -> None:
-        self.active = tuple(s for s in self.state.settings.values() if s.enabled)
-        self.single = self.active[0] if len(self.active) == 1 else None
-        self.dispatch = self.single.dispatch if self.single is not None else {}
-
-    def __torch_function__(
-        self, func: Any, types_: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
-    ) -> Any:
-        if kwargs is None:
-            kwargs = {}
-        settings = self.single
-        if settings is not None:
-            code = self.dispatch.get(func)
-        elif not self.active:
-            return func(*args, **kwargs)
+def _pop() -> None:
+    st = _state()
+    device_type, torch_ctx, prev_policy, prev_edited, plan = st.regions.pop()
+    st.traced.pop()
+    if st.policy[device_type].module_rules:
+        _count_rule_user(st, -1)
+    for table, prev in ((st.policy, prev_policy), (st.edited, prev_edited)):
+        if prev is None:
+            table.pop(device_type, None)
         else:
-            settings = self._settings_for(args, kwargs)
-            code = settings.dispatch.get(func)
-        if code is None:
-            if type(func) is types.FunctionType and func not in self.redispatching:
-                # A Python composite: run its body under this mode. The guard stops
-                # Tensor methods that call super().method() from coming back here.
-                self.redispatching.add(func)
-                try:
-                    with self:
-                        return redispatch_function(func, types_, args, kwargs)  # type: ignore[no-untyped-call]
-                finally:
-                    self.redispatching.discard(func)
-            return func(*args, **kwargs)
-        if code is PASS_THROUGH or (kwargs and ("out" in kwargs or kwargs.get("dtype") is not None)):
-            # torch.autocast registers no out= overloads, and leaves an explicit dtype alone.
-            return func(*args, **kwargs)
-        if code is _LOWER and func not in _CONDITIONS:  # the hot path (matmuls), inlined
-            dtype, state = settings.dtype, self.state
-            out = func(*_cast_args(args, dtype, settings, state), **_cast_kwargs(kwargs, dtype, settings, state))
-            output_dtype = settings.policy.output_dtype
-            return out if output_dtype is None else _cast_output(out, output_dtype)
-        return _apply(settings, code, func, args, kwargs, self.state)  # type: ignore[arg-type]
-
-    def _settings_for(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Settings:
-        for value in (*args, *kwargs.values()):
-            tensor = value[0] if isinstance(value, (list, tuple)) and value else value
-            if isinstance(tensor, _Tensor):
-                for s in self.active:
-                    if s.device_type == tensor.device.type:
-                        return s
-                break
-        return _Settings("none", False, _float32, self.active[0].policy, False)
+            table[device_type] = prev
+    _dispatch.release(plan)
+    if not st.regions:
+        st.cache.clear()
+        st.module_stack.clear()
+    if torch_ctx is not None:
+        torch_ctx.__exit__(None, None, None)
 
 
-def _apply(
-    settings: _Settings, code: OpCategory, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], state: _ThreadState
-) -> Any:
-    if code is _BANNED:
-        raise RuntimeError(f"{settings.policy.banned[func]} (mixprec policy {settings.policy.name!r}, banned op)")
-    if func in _CONDITIONS and not _CONDITIONS[func](args, kwargs):
-        return func(*args, **kwargs)
-    device = settings.device_type
-    if code is _LOWER:
-        dtype = settings.dtype
-        out = func(*_cast_args(args, dtype, settings, state), **_cast_kwargs(kwargs, dtype, settings, state))
-        output_dtype = settings.policy.output_dtype
-        return out if output_dtype is None else _cast_output(out, output_dtype)
-    if code is _FP32:
-        if torch.dtype in map(type, args):
-            return func(*args, **kwargs)
-        return func(*_cast_args(args, _float32, settings, state), **_cast_kwargs(kwargs, _float32, settings, state))
-    if code is _FP32_SET_DTYPE:
-        first = args[0] if args else next(iter(kwargs.values()), None)
-        if _eligible(first, device) and torch.dtype not in map(type, args):
-            return func(*args, **{**kwargs, "dtype": _float32})
-        return func(*args, **kwargs)
-    # PROMOTE: fp32 if any eligible input is fp32, else the compute dtype.
-    target = settings.dtype
-    dtypes = set()
-    for value in (*args, *kwargs.values()) if kwargs else args:
-        for t in value if isinstance(value, (list, tuple)) else (value,):
-            if isinstance(t, _Tensor) and _eligible(t, device):
-                dtypes.add(t.dtype)
-    if _float32 in dtypes:
-        target = _float32
-    elif len(dtypes - {target}) > 0:
-        raise RuntimeError(
-            f"{getattr(func, '__name__', func)} got {sorted(map(str, dtypes))} inputs under autocast with "
-            f"{target}; cast them to one dtype first"
-        )
-    if not dtypes - {target}:
-        return func(*args, **kwargs)  # every input is already in the target dtype
-    return func(*_cast_args(args, target, settings, state), **_cast_kwargs(kwargs, target, settings, state))
+@torch.fx.node.has_side_effect
+@torch._dynamo.allow_in_graph
+def _enter_traced(device_type: str, dtype: torch.dtype, enabled: bool, cache_enabled: bool, token: int) -> None:
+    # Under torch.compile this is a node of the graph: Dynamo and AOTAutograd run it while
+    # tracing (so the ops traced after it see the region), compiled code no longer needs it.
+    torch_ctx = torch.amp.autocast_mode._UnmanagedAutocast(device_type, dtype, enabled, cache_enabled)
+    torch_ctx.__enter__()
+    _push(device_type, _BY_TOKEN[token], torch_ctx, traced=True)
 
 
-def _cast_tensor(t: torch.Tensor, dtype: torch.dtype, settings: _Settings, state: _ThreadState) -> torch.Tensor:
-    """Cast an eligible tensor; low-precision copies of fp32 weights come from the cache."""
-    # torch.autocast's heuristic (from Apex): cache low-precision copies of fp32 leaves
-    # that require grad (model weights), one per outermost region.
-    if (
-        t.requires_grad
-        and t.is_leaf
-        and dtype is settings.dtype
-        and t.dtype is _float32
-        and dtype is not _float32
-        and settings.cache_enabled
-        and not torch.compiler.is_compiling()  # first: Dynamo cannot trace _is_view()
-        and not t._is_view()
-    ):
-        key = id(t)
-        grad_mode = torch.is_grad_enabled()
-        hit = state.cache.get(key)
-        # The version check drops a copy whose source was updated in place (an optimizer
-        # step inside a long-lived region); the grad-mode check one made under no_grad.
-        if hit is not None and hit[0]() is t and hit[2] == t._version and hit[3] == grad_mode:
-            return hit[1]
-        cast = t.to(dtype=dtype)
-        state.cache[key] = (weakref.ref(t), cast, t._version, grad_mode)
-        return cast
-    # to(dtype=...) parses twice as fast as to(dtype); both are aten::to.dtype.
-    return t.to(dtype=dtype)
-
-
-def _needs_cast(t: torch.Tensor, dtype: torch.dtype, device_type: str) -> bool:
-    if t.dtype is dtype or t.dtype is _float64 or not t.is_floating_point():
-        return False
-    # t.is_cpu is several times cheaper than t.device.type.
-    return t.is_cpu if device_type == "cpu" else t.device.type == device_type
-
-
-def _cast_value(value: Any, dtype: torch.dtype, settings: _Settings, state: _ThreadState) -> Any:
-    if isinstance(value, _Tensor):
-        return _cast_tensor(value, dtype, settings, state) if _needs_cast(value, dtype, settings.device_type) else value
-    if isinstance(value, (list, tuple)) and value and any(isinstance(v, _Tensor) for v in value):
-        return type(value)(_cast_value(v, dtype, settings, state) for v in value)
-    return value
-
-
-def _cast_args(args: tuple[Any, ...], dtype: torch.dtype, settings: _Settings, state: _ThreadState) -> list[Any]:
-    device_type = settings.device_type
-    out = []
-    for a in args:
-        if isinstance(a, _Tensor):
-            if _needs_cast(a, dtype, device_type):
-                a = _cast_tensor(a, dtype, settings, state)
-        elif isinstance(a, (list, tuple)):
-            a = _cast_value(a, dtype, settings, state)
-        out.append(a)
-    return out
-
-
-def _cast_kwargs(
-    kwargs: dict[str, Any], dtype: torch.dtype, settings: _Settings, state: _ThreadState
-) -> dict[str, Any]:
-    for value in kwargs.values():
-        if isinstance(value, (_Tensor, list, tuple)):
-            return {k: _cast_value(v, dtype, settings, state) for k, v in kwargs.items()}
-    return kwargs  # no tensors among them (the common case: reduction=..., weight=None)
-
-
-def _cast_output(out: Any, dtype: torch.dtype) -> Any:
-    if isinstance(out, _Tensor):
-        return out.to(dtype=dtype) if out.is_floating_point() and out.dtype is not _float64 else out
-    if isinstance(out, tuple):
-        items = [_cast_output(o, dtype) for o in out]
-        return type(out)(*items) if hasattr(out, "_fields") else tuple(items)
-    return out
-
-
-def _default_dtype(device_type: str) -> torch.dtype:
-    try:
-        return torch.get_autocast_dtype(device_type)
-    except Exception:  # a device type this torch build has no autocast state for
-        return torch.float16
+@torch.fx.node.has_side_effect
+@torch._dynamo.allow_in_graph
+def _exit_traced(device_type: str) -> None:
+    _pop()
 
 
 class autocast:  # noqa: N801 - the name torch.autocast users type
     """Run chosen ops in low precision: a drop-in for ``torch.autocast``, with a policy.
 
-    Same arguments and semantics as ``torch.autocast``; use it as a context manager
-    or a decorator. Regions nest (an inner ``enabled=False`` or another ``dtype``
-    wins until it exits), state is thread-local, and it is restored when the body
-    raises. Low-precision copies of fp32 weights are cached for the outermost
-    region and released when it exits.
+    A region is a ``torch.autocast`` region: same arguments, same semantics, same
+    state as torch sees it (``torch.is_autocast_enabled()``, checkpointing, nested
+    ``torch.autocast(enabled=False)``). Use it as a context manager or a decorator.
+    A policy that differs from torch's list for ``device_type`` applies its
+    differences through dispatcher kernels while the region is open.
 
     Args:
-        device_type: ``"cpu"`` or ``"cuda"`` (also ``"xpu"``, ``"mps"``, ``"hpu"``).
-        dtype: the compute dtype (``torch.bfloat16``/``torch.float16`` or ``"bf16"``/``"fp16"``);
-            default: the policy's, else ``torch.get_autocast_dtype(device_type)``.
+        device_type: ``"cpu"``, ``"cuda"``, ``"xpu"``, ``"mps"``, ``"hpu"`` (as torch takes).
+        dtype: the compute dtype (a ``torch.dtype`` or ``"bf16"``/``"fp16"``); default:
+            the policy's, else ``torch.get_autocast_dtype(device_type)``.
         enabled: ``False`` turns autocast off for this device inside the region.
         cache_enabled: cache weight casts; default ``True``.
         policy: a :class:`mixprec.Policy`, a built-in name (``"cpu"``, ``"cuda"``) or a
-            short string (``"compute=bf16,output=fp32"``); default: the device's built-in.
+            short string (``"compute=bf16,fp32=scaled_dot_product_attention"``);
+            default: the device's built-in, i.e. torch's list.
 
     Raises:
-        ValueError: unknown device type, non-floating or unsupported dtype, bad policy;
-            the message says what is valid.
+        RuntimeError: an unknown device type (as torch raises).
+        ValueError: a bad dtype name or policy, or a dtype that conflicts with the policy's.
 
     Example:
         >>> import torch, mixprec
         >>> layer = torch.nn.Linear(4, 4)
         >>> with mixprec.autocast("cpu", dtype=torch.bfloat16):
         ...     y = layer(torch.randn(2, 4))
+        ...     torch.is_autocast_enabled("cpu")
+        True
         >>> y.dtype
         torch.bfloat16
     """
@@ -317,75 +148,66 @@ class autocast:  # noqa: N801 - the name torch.autocast users type
         policy: Policy | str | None = None,
     ) -> None:
         if not isinstance(device_type, str):
-            raise TypeError(f"device_type must be a string such as 'cpu' or 'cuda', got {type(device_type).__name__}")
-        if device_type not in _SUPPORTED_DEVICES:
-            raise ValueError(f"unknown device_type {device_type!r}; valid: {', '.join(_SUPPORTED_DEVICES)}")
-        if not isinstance(enabled, bool):
-            raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
-        self.device_type = device_type
-        self._args = (device_type, dtype, enabled, cache_enabled, policy)
+            raise ValueError(f"Expected `device_type` of type `str`, got: `{type(device_type)}`")
         resolved = default_policy(device_type) if policy is None else get_policy(policy, device_type)
-        if not torch.compiler.is_compiling():
+        compiling = torch.compiler.is_compiling()
+        if not compiling:
             resolved = canonical(resolved)
         if dtype is not None:
-            dtype = parse_dtype(dtype, what="autocast dtype", allowed=LOW_PRECISION)
+            # names are parsed here; a torch.dtype goes to torch as is (it warns and disables
+            # autocast for one it cannot compute in, e.g. fp32 in the `dtype=amp_dtype` pattern)
+            if not isinstance(dtype, torch.dtype):
+                dtype = parse_dtype(dtype, what="autocast dtype", allowed=_FLOATING)
             if resolved.compute_dtype is not None and resolved.compute_dtype is not dtype:
                 raise ValueError(
                     f"dtype={dtype} conflicts with policy {resolved.name!r} whose compute dtype is "
                     f"{resolved.compute_dtype}; pass one of them"
                 )
-        else:
-            dtype = resolved.compute_dtype or _default_dtype(device_type)
-        self.fast_dtype = dtype
+        elif resolved.compute_dtype is not None:
+            dtype = resolved.compute_dtype
+        self.device_type = device_type
         self.policy = resolved
-        if enabled and device_type == "cuda" and not torch.cuda.is_available():
-            warnings.warn(
-                "mixprec.autocast: device_type 'cuda' was given but CUDA is not available; autocast is disabled",
-                stacklevel=2,
-            )
-            enabled = False
-        self._enabled = enabled
-        self._cache_enabled = True if cache_enabled is None else bool(cache_enabled)
-        self._prev: dict[str, _Settings] | None = None
-        self._state: _ThreadState | None = None
-        self._switch_depth = -1
+        self._args = (device_type, dtype, enabled, cache_enabled, policy)
+        self._torch: Any = None
+        if not compiling:
+            # torch validates and warns here, as it does for its own regions.
+            self._torch = torch.amp.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
+            self.fast_dtype: torch.dtype = self._torch.fast_dtype
+            self._enabled: bool = self._torch._enabled
+            self._cache_enabled: bool = self._torch._cache_enabled
+        else:
+            self.fast_dtype = dtype if dtype is not None else torch.get_autocast_dtype(device_type)
+            self._enabled = enabled
+            self._cache_enabled = torch.is_autocast_cache_enabled() if cache_enabled is None else cache_enabled
+        self._entered = False
 
     def __enter__(self) -> autocast:
-        if self._state is not None:
+        if self._entered:
             raise RuntimeError("this mixprec.autocast object is already active; create a new one to nest")
-        state = _state()
-        self._state = state
-        self._prev = state.settings
-        settings = _Settings(self.device_type, self._enabled, self.fast_dtype, self.policy, self._cache_enabled)
-        state.settings = {**state.settings, self.device_type: settings}
-        state.nesting += 1
-        if self.policy.module_rules and self._enabled:
-            _count_rule_user(state, +1)
-        if state.mode is None:
-            mode = _AutocastMode(state)
-            mode.__enter__()  # type: ignore[no-untyped-call]
-            state.mode = mode
-        state.mode.refresh()
+        self._entered = True
+        if torch.compiler.is_compiling():
+            _enter_traced(self.device_type, self.fast_dtype, self._enabled, self._cache_enabled, self.policy._token)  # type: ignore[attr-defined]
+            return self
+        self._torch.__enter__()
+        try:
+            _push(self.device_type, self.policy, self._torch)
+        except BaseException:
+            self._torch.__exit__(None, None, None)
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:
-        state = self._state
-        if state is None or self._prev is None:
+        if not self._entered:
             raise RuntimeError("mixprec.autocast.__exit__ called without __enter__")
-        state.settings = self._prev
-        state.nesting -= 1
-        if self.policy.module_rules and self._enabled:
-            _count_rule_user(state, -1)
-        if state.nesting == 0:
-            state.cache.clear()
-            state.module_stack.clear()
-            if state.mode is not None:
-                mode, state.mode = state.mode, None
-                mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
-        elif state.mode is not None:
-            state.mode.refresh()
-        self._state = None
-        self._prev = None
+        self._entered = False
+        if torch.compiler.is_compiling():
+            _exit_traced(self.device_type)
+            return
+        _pop()
+        # torch's region object can be entered again only once it is fresh
+        self._torch = torch.amp.autocast(
+            self.device_type, dtype=self.fast_dtype, enabled=self._enabled, cache_enabled=self._cache_enabled
+        )
 
     def __call__(self, func: F) -> F:
         device_type, dtype, enabled, cache_enabled, policy = self._args
@@ -396,6 +218,65 @@ class autocast:  # noqa: N801 - the name torch.autocast users type
                 return func(*args, **kwargs)
 
         return wrapper  # type: ignore[return-value]
+
+
+# ----- checkpointing -----------------------------------------------------------------
+
+
+def _snapshot() -> dict[str, Policy]:
+    """The policies in force that differ from torch's lists, per device."""
+    st = _state()
+    return {d: p for d, p in st.policy.items() if p.module_rules or _needs_kernels(p, d)}
+
+
+@contextlib.contextmanager
+def _capture() -> Iterator[None]:
+    st = _state()
+    st.captured += 1
+    try:
+        yield
+    finally:
+        st.captured -= 1
+
+
+@contextlib.contextmanager
+def _replay(policies: dict[str, Policy]) -> Iterator[None]:
+    """Put ``policies`` back in force; torch's own autocast state is replayed by the caller."""
+    st = _state()
+    depth = len(st.regions)
+    st.captured += 1
+    try:
+        for device_type, policy in policies.items():
+            _push(device_type, policy, None)
+        yield
+    finally:
+        while len(st.regions) > depth:
+            _pop()
+        st.captured -= 1
+
+
+def checkpoint_context() -> tuple[contextlib.AbstractContextManager[None], contextlib.AbstractContextManager[None]]:
+    """A ``context_fn`` for ``torch.utils.checkpoint`` that replays the mixprec policy in its recompute.
+
+    torch's checkpoint replays torch's autocast state (enabled, dtype) but knows
+    nothing of a mixprec policy's edited ops or module rules. Pass this function
+    as ``checkpoint(fn, *args, use_reentrant=False, context_fn=mixprec.checkpoint_context)``
+    (Hugging Face: ``gradient_checkpointing_kwargs={"use_reentrant": False,
+    "context_fn": mixprec.checkpoint_context}``). Without it, checkpointing a
+    region whose policy differs from torch's raises instead of computing other
+    gradients. With a built-in policy it is not needed (and harmless).
+
+    Example:
+        >>> import torch, mixprec
+        >>> from torch.utils.checkpoint import checkpoint
+        >>> net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+        >>> policy = mixprec.get_policy("cpu").keep_modules(torch.nn.LayerNorm)
+        >>> x = torch.randn(2, 4, requires_grad=True)
+        >>> with mixprec.autocast("cpu", policy=policy):
+        ...     y = checkpoint(net, x, use_reentrant=False, context_fn=mixprec.checkpoint_context)
+        >>> y.float().sum().backward()
+    """
+    return _capture(), _replay(_snapshot())
 
 
 # ----- module rules ---------------------------------------------------------------
@@ -417,31 +298,32 @@ class _CompiledWrapper:
         self.ident = ident
 
 
-def _count_rule_user(state: _ThreadState, delta: int) -> None:
+def _count_rule_user(st: _dispatch.ThreadState, delta: int) -> None:
     """A region with rules opens (+1) or closes (-1); the first installs the hooks, the last removes them."""
     global _hook_users
-    state.rule_users += delta
-    # Dynamo cannot enter a lock; tracing is single-threaded.
-    with contextlib.nullcontext() if torch.compiler.is_compiling() else _hooks_lock:
+    st.rule_users += delta
+    with _hooks_lock:
         _hook_users += delta
-        if delta > 0 and _hook_users == 1:
+        if delta > 0 and _HOOK_KEY not in _module._global_forward_pre_hooks:
             _module._global_forward_pre_hooks[_HOOK_KEY] = _pre_hook
             _module._global_forward_hooks[_HOOK_KEY] = _post_hook
             _module._global_forward_hooks_always_called[_HOOK_KEY] = True
-        elif delta < 0 and _hook_users == 0:
+        # While compiling, the hooks stay (the compiled frame's guards read them after tracing);
+        # they do nothing while no region with rules is open, and the next eager exit removes them.
+        elif delta < 0 and _hook_users == 0 and not torch.compiler.is_compiling():
             del _module._global_forward_pre_hooks[_HOOK_KEY]
             del _module._global_forward_hooks[_HOOK_KEY]
             del _module._global_forward_hooks_always_called[_HOOK_KEY]
 
 
-def _qualified_name(state: _ThreadState, module: nn.Module) -> str:
-    if not state.module_stack:
+def _qualified_name(st: _dispatch.ThreadState, module: nn.Module) -> str:
+    if not st.module_stack:
         return ""
-    parent, parent_name, _ = state.module_stack[-1]
+    parent, parent_name, _ = st.module_stack[-1]
     if isinstance(parent, _CompiledWrapper):  # torch.compile's wrapper runs only its _orig_mod: same name
-        return parent_name
+        return str(parent_name)
     compiling = torch.compiler.is_compiling()  # then names are worked out once, at trace time
-    name = None if compiling else state.module_names.get(module)
+    name = None if compiling else st.module_names.get(module)
     if name is not None:
         return name
     for child_name, child in parent.named_modules():
@@ -453,7 +335,7 @@ def _qualified_name(state: _ThreadState, module: nn.Module) -> str:
     else:
         name = f"{parent_name}.<{type(module).__name__}>" if parent_name else f"<{type(module).__name__}>"
     if not compiling:
-        state.module_names[module] = name
+        st.module_names[module] = name
     return name
 
 
@@ -464,77 +346,95 @@ def _match_rule(rules: tuple[ModuleRule, ...], module: nn.Module, name: str) -> 
     return None
 
 
+@torch.fx.node.has_side_effect
+@torch._dynamo.allow_in_graph
+def _rule_enter(device_type: str, dtype: torch.dtype) -> None:
+    """Enter a kept module: autocast off (fp32) or on in ``dtype``, the policy without rules."""
+    st = _state()
+    policy = st.policy[device_type]
+    _dispatch.check_checkpoint(st)
+    st.rule_prev.append((torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)))
+    if dtype is torch.float32:
+        torch.set_autocast_enabled(device_type, False)
+    else:
+        torch.set_autocast_enabled(device_type, True)
+        torch.set_autocast_dtype(device_type, dtype)
+    _push(device_type, policy._without_rules, None, traced=torch.compiler.is_compiling())  # type: ignore[attr-defined]
+
+
+@torch.fx.node.has_side_effect
+@torch._dynamo.allow_in_graph
+def _rule_exit(device_type: str) -> None:
+    st = _state()
+    _pop()
+    enabled, dtype = st.rule_prev.pop()
+    torch.set_autocast_enabled(device_type, enabled)
+    torch.set_autocast_dtype(device_type, dtype)
+
+
 def _pre_hook(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
-    state = _state()
-    if state.rule_users == 0 or state.mode is None:
+    st = _state()
+    if st.rule_users == 0:
         return None
-    name = _qualified_name(state, module)
+    name = _qualified_name(st, module)
     if isinstance(module, _OptimizedModule):
         # torch.compile's wrapper: its _orig_mod runs the hooks again and takes this name,
         # found here, eagerly. The stack holds a stand-in: Dynamo must not reach the
         # module it traces through another path.
-        state.module_stack.append((_CompiledWrapper(id(module)), name, None))
+        st.module_stack.append((_CompiledWrapper(id(module)), name, None))
         return None
-    restore: dict[str, _Settings] | None = None
+    entered: list[str] = []
     new_args = None
-    for device_type, settings in state.settings.items():
-        if not settings.enabled or not settings.policy.module_rules:
+    for device_type, policy in list(st.policy.items()):
+        if not policy.module_rules or not torch.is_autocast_enabled(device_type):
             continue
-        rule = _match_rule(settings.policy.module_rules, module, name)
+        rule = _match_rule(policy.module_rules, module, name)
         if rule is None:
             continue
-        if restore is None:
-            restore = state.settings
-        inner = _Settings(device_type, True, rule.dtype, settings.policy._without_rules, settings.cache_enabled)  # type: ignore[attr-defined]
-        state.settings = {**state.settings, device_type: inner}
+        _rule_enter(device_type, rule.dtype)
+        entered.append(device_type)
         new_args = tuple(
             a.to(rule.dtype) if _eligible(a, device_type) and a.dtype is not rule.dtype else a
             for a in (args if new_args is None else new_args)
         )
-    state.module_stack.append((module, name, restore))
-    if restore is not None:
-        state.mode.refresh()
+    st.module_stack.append((module, name, tuple(entered)))
     return new_args
 
 
 def _post_hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-    state = _state()
-    if state.rule_users == 0 or not state.module_stack:
+    st = _state()
+    if not st.module_stack:
         return
-    top = state.module_stack[-1][0]
+    top = st.module_stack[-1][0]
     if top is not module and not (isinstance(top, _CompiledWrapper) and top.ident == id(module)):
         return
-    _, _, restore = state.module_stack.pop()
-    if restore is not None:
-        state.settings = restore
-        if state.mode is not None:
-            state.mode.refresh()
+    _, _, entered = st.module_stack.pop()
+    for device_type in reversed(entered or ()):
+        _rule_exit(device_type)
 
 
 # ----- queries and the global switch ----------------------------------------------
 
 
 def is_autocast_enabled(device_type: str = "cpu") -> bool:
-    """Whether mixprec autocast is on for ``device_type`` in this thread."""
-    settings = _state().settings.get(device_type)
-    return settings is not None and settings.enabled
+    """Whether autocast is on for ``device_type`` in this thread (torch's state, which mixprec sets)."""
+    return torch.is_autocast_enabled(device_type)
 
 
 def get_autocast_dtype(device_type: str = "cpu") -> torch.dtype:
-    """The compute dtype in force for ``device_type`` (the default when autocast is off)."""
-    settings = _state().settings.get(device_type)
-    return settings.dtype if settings is not None else _default_dtype(device_type)
+    """The autocast dtype in force for ``device_type`` (torch's state, which mixprec sets)."""
+    return torch.get_autocast_dtype(device_type)
 
 
 def get_autocast_policy(device_type: str = "cpu") -> Policy:
-    """The policy in force for ``device_type`` (its built-in one when autocast is off)."""
-    settings = _state().settings.get(device_type)
-    return settings.policy if settings is not None else default_policy(device_type)
+    """The policy in force for ``device_type`` (its built-in one outside mixprec regions)."""
+    policy = _state().policy.get(device_type)
+    return policy if policy is not None else default_policy(device_type)
 
 
 def set_autocast_enabled(
+    device_type: str,
     enabled: bool,
-    device_type: str = "cpu",
     dtype: torch.dtype | str | None = None,
     *,
     policy: Policy | str | None = None,
@@ -542,26 +442,37 @@ def set_autocast_enabled(
 ) -> None:
     """Switch autocast on or off for this thread without a ``with`` block.
 
-    For code with no single entry point (MegEngine's ``amp.enabled = True``).
-    Switching on while on replaces the settings. Weight casts stay cached while
-    the switch is on; a cached copy is dropped as soon as its weight changes.
+    Takes torch's argument order (``set_autocast_enabled("cpu", True)``); for code
+    with no single entry point (MegEngine's ``amp.enabled = True``). Switching on
+    opens a region (with ``dtype`` and ``policy``) that stays open until switched
+    off; switching on while on replaces it. Weight casts are not cached unless
+    ``cache_enabled=True`` (torch's cache lives until the region closes, so it would
+    keep serving casts of weights that optimizer steps have since changed).
 
     Raises:
-        RuntimeError: switching off while a ``with mixprec.autocast`` region opened
-            after the switch is still active.
+        TypeError: the arguments are in the old order (``enabled`` first).
+        RuntimeError: switching while a ``with mixprec.autocast`` region opened after
+            the switch is still active.
     """
-    state = _state()
-    current = state.switched_on.get(device_type)
+    if not isinstance(device_type, str) or not isinstance(enabled, bool):
+        raise TypeError(
+            "set_autocast_enabled takes torch's argument order: set_autocast_enabled(device_type, enabled), "
+            f"e.g. set_autocast_enabled('cpu', True); got ({device_type!r}, {enabled!r})"
+        )
+    st = _state()
+    current = st.switched_on.get(device_type)
     if current is not None:
-        if state.nesting != current._switch_depth:
+        region, depth = current
+        if len(st.regions) != depth:
             raise RuntimeError(
                 "cannot switch autocast while a `with mixprec.autocast(...)` region opened after the switch "
                 "is still active; leave that region first"
             )
-        del state.switched_on[device_type]
-        current.__exit__(None, None, None)
+        del st.switched_on[device_type]
+        region.__exit__(None, None, None)
     if enabled:
-        region = autocast(device_type, dtype, True, cache_enabled, policy=policy)
+        # torch's weight-cast cache lives until the outermost region exits; a switch left on
+        # across optimizer steps would serve casts of old weights, so it caches only if asked.
+        region = autocast(device_type, dtype, True, bool(cache_enabled), policy=policy)
         region.__enter__()
-        region._switch_depth = state.nesting
-        state.switched_on[device_type] = region
+        st.switched_on[device_type] = (region, len(st.regions))

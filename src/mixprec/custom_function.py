@@ -1,9 +1,8 @@
 """``custom_fwd``/``custom_bwd`` for ``torch.autograd.Function``, and :func:`op`.
 
-Same contract as ``torch.amp.custom_fwd``/``custom_bwd``, reading mixprec's
-autocast state: ``backward`` runs with the autocast settings (dtype and
-policy) that ``forward`` saw, and ``cast_inputs`` runs ``forward`` with autocast
-off and floating inputs cast, when autocast is on.
+Same contract as ``torch.amp.custom_fwd``/``custom_bwd`` (which also work inside
+mixprec regions, since a region is a torch autocast region); these also carry the
+mixprec policy: ``backward`` runs under the dtype and policy ``forward`` saw.
 """
 
 from __future__ import annotations
@@ -13,17 +12,18 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
-from torch.overrides import handle_torch_function, has_torch_function
 
+from mixprec import _dispatch
 from mixprec._dtypes import parse_dtype
-from mixprec.autocast import _eligible, autocast, get_autocast_dtype, get_autocast_policy, is_autocast_enabled
+from mixprec.autocast import autocast, get_autocast_policy
+from mixprec.policy import PYTHON_OPS
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
 def _cast(value: Any, device_type: str, dtype: torch.dtype) -> Any:
     if isinstance(value, torch.Tensor):
-        return value.to(dtype) if _eligible(value, device_type) else value
+        return value.to(dtype) if _dispatch.eligible(value, device_type) else value
     if isinstance(value, (list, tuple)):
         return type(value)(_cast(v, device_type, dtype) for v in value)
     if isinstance(value, dict):
@@ -48,14 +48,15 @@ def custom_fwd(fwd: F | None = None, *, device_type: str, cast_inputs: torch.dty
     @functools.wraps(fwd)
     def decorate_fwd(*args: Any, **kwargs: Any) -> Any:
         ctx = args[0]
-        ctx._mixprec_dtype = get_autocast_dtype(device_type)
+        ctx._mixprec_dtype = torch.get_autocast_dtype(device_type)
         ctx._mixprec_policy = get_autocast_policy(device_type)
+        enabled = torch.is_autocast_enabled(device_type)
         if target is None:
-            ctx._mixprec_enabled = is_autocast_enabled(device_type)
+            ctx._mixprec_enabled = enabled
             return fwd(*args, **kwargs)
         ctx._mixprec_enabled = False
-        if is_autocast_enabled(device_type):
-            with autocast(device_type, enabled=False):
+        if enabled:
+            with torch.autocast(device_type, enabled=False):
                 return fwd(*_cast(args, device_type, target), **_cast(kwargs, device_type, target))
         return fwd(*args, **kwargs)
 
@@ -83,7 +84,11 @@ def custom_bwd(bwd: F | None = None, *, device_type: str) -> Any:
 
 
 def op(func: F) -> F:
-    """Make a plain Python function visible to autocast, so a Policy can list it.
+    """Make a plain Python function an op a Policy can list, by its qualified name.
+
+    Inside a mixprec region whose policy lists the function, its floating inputs
+    are cast as the category says and its body runs with autocast off for that
+    device, as torch's autocast kernels run their op; elsewhere it is called as is.
 
     Example:
         >>> import torch, mixprec
@@ -95,12 +100,26 @@ def op(func: F) -> F:
         ...     scaled_dot(torch.randn(3), torch.randn(3)).dtype
         torch.bfloat16
     """
+    module = getattr(func, "__module__", None) or ""
+    qualname = getattr(func, "__qualname__", getattr(func, "__name__", "op"))
+    name = f"py::{qualname}" if module.startswith("__") or not module else f"py::{module}.{qualname}"
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        relevant = tuple(a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
-        if has_torch_function(relevant):
-            return handle_torch_function(wrapper, relevant, *args, **kwargs)
+        st = _dispatch.state()
+        if st.policy:
+            for t in _dispatch._tensors(args, kwargs):
+                device_type = t.device.type
+                policy = st.policy.get(device_type)
+                if policy is None or not torch.is_autocast_enabled(device_type):
+                    break
+                category = policy._table.get(name)  # type: ignore[attr-defined]
+                if category is None:
+                    break
+                with torch.autocast(device_type, enabled=False):
+                    return _dispatch.apply_category(category, func, args, kwargs, device_type, policy)
         return func(*args, **kwargs)
 
+    wrapper.__mixprec_op__ = name  # type: ignore[attr-defined]
+    PYTHON_OPS[name] = wrapper
     return wrapper  # type: ignore[return-value]

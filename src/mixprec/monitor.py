@@ -177,18 +177,16 @@ class _Forward:
 
 def _precision() -> dict[str, Any]:
     """The autocast settings in force (mixprec's and torch's), to replay a forward in them."""
-    state = importlib.import_module("mixprec.autocast")._state()
-    mixprec_on = {d: (s.dtype, s.policy) for d, s in state.settings.items() if s.enabled}
+    policies = importlib.import_module("mixprec.autocast")._snapshot()
     torch_on = {d: torch.get_autocast_dtype(d) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)}
-    return {"mixprec": mixprec_on, "torch": torch_on}
+    return {"policies": policies, "torch": torch_on}
 
 
 @contextlib.contextmanager
 def _restore_precision(precision: dict[str, Any]) -> Iterator[None]:
+    replay = importlib.import_module("mixprec.autocast")._replay
     with contextlib.ExitStack() as stack:
-        for device_type, (dtype, policy) in precision["mixprec"].items():
-            dtype_arg = None if policy.compute_dtype is not None else dtype
-            stack.enter_context(autocast(device_type, dtype=dtype_arg, policy=policy))
         for device_type, dtype in precision["torch"].items():
             stack.enter_context(torch.autocast(device_type, dtype=dtype))
+        stack.enter_context(replay(precision["policies"]))
         yield

@@ -7,11 +7,14 @@ output dtype for low-precision ops, and per-module rules. Change it with
 :meth:`Policy.add`, :meth:`Policy.remove`, :meth:`Policy.keep_modules` or
 ``dataclasses.replace``; each returns a new policy.
 
+Ops are named as torch's own autocast lists name them (ATen names). A policy
+equal to torch's list for a device costs nothing: autocast is then torch's.
+
 Example:
     >>> import torch, mixprec
-    >>> policy = mixprec.get_policy("cpu").add("fp32", torch.Tensor.exp, torch.exp)
-    >>> policy.category_of(torch.exp)
-    <OpCategory.FP32: 'fp32'>
+    >>> policy = mixprec.get_policy("cpu").add("fp32", "exp").add("fp32", torch.nn.functional.softmax)
+    >>> policy.category_of(torch.exp), sorted(policy.fp32 - mixprec.get_policy("cpu").fp32)
+    (<OpCategory.FP32: 'fp32'>, ['exp', 'softmax'])
     >>> mixprec.get_policy("compute=bf16,output=fp32").output_dtype
     torch.float32
 """
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import textwrap
 from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType
 from typing import Any
@@ -30,30 +34,92 @@ from torch import nn
 from mixprec import _op_tables as tables
 from mixprec._dtypes import NamedEnum, parse_dtype, short_name
 
-_WRAPPERS = tables.wrappers()
+Op = str | Callable[..., Any]
 
-Op = Callable[..., Any]
+# Python functions in torch whose ATen op has another name.
+_ALIASES = {"cross_entropy": "cross_entropy_loss", "__matmul__": "matmul", "__rmatmul__": "matmul", "__pow__": "pow",
+            "__rpow__": "pow", "__rsub__": "rsub"}  # fmt: skip
+#: Names of Python functions made visible to policies by :func:`mixprec.op`.
+PYTHON_OPS: dict[str, Callable[..., Any]] = {}
 
 
-def _expand(op: Op) -> tuple[Op, ...]:
-    """All forms of ``op`` a TorchFunctionMode can receive.
+_TOKENS: dict[Policy, int] = {}
+_BY_TOKEN: dict[int, Policy] = {}
 
-    A ``torch.library.custom_op`` arrives as its OpOverload; ``torch.ops.ns.op(...)``
-    as the OpOverloadPacket, ``torch.ops.ns.op.default(...)`` as the OpOverload.
+
+def op_name(op: Op) -> str:
+    """The name a policy uses for ``op``: ``"mm"`` for ATen ops, ``"ns::name"`` for custom ops.
+
+    Takes a name (``"mm"``, ``"aten::mm"``, ``"mylib::scale"``), a torch callable
+    (``torch.mm``, ``torch.Tensor.mm``, ``F.linear``, ``F.mse_loss``), an OpOverload
+    or OpOverloadPacket (``torch.ops.aten.mm``), a ``torch.library.custom_op``, or a
+    function wrapped with :func:`mixprec.op`.
+
+    Raises:
+        ValueError: no such op; the message names the closest ones.
+        TypeError: a callable that is not an op (wrap plain Python functions with ``mixprec.op``).
     """
+    if isinstance(op, str):
+        return _checked_name(op)
+    name = getattr(op, "__mixprec_op__", None)
+    if isinstance(name, str):
+        return name
     overload = getattr(op, "_opoverload", None)  # a torch.library.CustomOpDef
     if isinstance(overload, torch._ops.OpOverload):
         op = overload
     if isinstance(op, torch._ops.OpOverload):
-        packet = op.overloadpacket
-        return (op, packet, *(getattr(packet, name) for name in packet.overloads()))  # type: ignore[no-untyped-call]
+        op = op.overloadpacket
     if isinstance(op, torch._ops.OpOverloadPacket):
-        return (op, *(getattr(op, name) for name in op.overloads()))  # type: ignore[no-untyped-call]
-    return (op,)
+        return _checked_name(op._qualified_op_name)
+    func_name = getattr(op, "__name__", None)
+    module = getattr(op, "__module__", None) or ""
+    owner = getattr(op, "__objclass__", None) or getattr(op, "__self__", None)
+    from_torch = module.startswith("torch") or owner is torch.Tensor or isinstance(owner, type(torch._C))
+    if isinstance(func_name, str) and from_torch:
+        candidate = _ALIASES.get(func_name, func_name)
+        if _aten_exists(candidate):
+            return candidate
+    raise TypeError(
+        f"{op!r} is not a torch op a policy can list; name the ATen op it runs (e.g. 'mm'), "
+        "or decorate your own function with @mixprec.op"
+    )
 
 
-def _expand_all(ops: Iterable[Op]) -> frozenset[Op]:
-    return frozenset(form for op in ops for form in _expand(op))
+def _aten_exists(name: str) -> bool:
+    try:
+        getattr(torch.ops.aten, name)
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+def _checked_name(text: str) -> str:
+    name = text.strip()
+    namespace, sep, short = name.rpartition("::")
+    if not sep or namespace == "aten":
+        if _aten_exists(short):
+            return short
+        raise ValueError(f"unknown op {text!r}{_suggest(short)}; policies name ATen ops as torch's lists do ('mm')")
+    if name in PYTHON_OPS:
+        return name
+    try:
+        getattr(getattr(torch.ops, namespace), short)
+    except (AttributeError, RuntimeError):
+        raise ValueError(f"unknown op {text!r}: no operator {short!r} is registered in namespace {namespace!r}") from None
+    return name
+
+
+def _suggest(name: str) -> str:
+    import difflib
+
+    known = sorted({*tables.CPU_LOWER, *tables.CPU_FP32, *tables.CPU_PROMOTE, *tables.CUDA_LOWER,
+                    *tables.CUDA_FP32, *tables.CUDA_FP32_SET_DTYPE, *tables.CUDA_PROMOTE, "exp", "log", "softmax"})  # fmt: skip
+    close = difflib.get_close_matches(name, known, n=3)
+    return f" (did you mean {', '.join(map(repr, close))}?)" if close else ""
+
+
+def _names(ops: Iterable[Op]) -> frozenset[str]:
+    return frozenset(op_name(op) for op in ops)
 
 
 class OpCategory(NamedEnum):
@@ -116,6 +182,11 @@ class ModuleRule:
         """Whether this rule applies to ``module`` called under qualified ``name``."""
         return isinstance(module, self.types) or (bool(self.names) and _name_matches(self.names, name))
 
+    def describe(self) -> str:
+        """One line: what matches and the dtype, e.g. ``LayerNorm, 'head' -> fp32``."""
+        what = [t.__name__ for t in self.types] + [repr(n) for n in self.names]
+        return f"{', '.join(what)} -> {short_name(self.dtype)}"
+
 
 @torch._dynamo.assume_constant_result  # type: ignore[untyped-decorator]  # Dynamo cannot trace fnmatch's re
 def _name_matches(patterns: tuple[str, ...], name: str) -> bool:
@@ -125,6 +196,11 @@ def _name_matches(patterns: tuple[str, ...], name: str) -> bool:
 @dataclasses.dataclass(frozen=True, eq=True)
 class Policy:
     """A precision policy; see the module docstring.
+
+    Ops are named as torch's autocast lists name them (ATen names: ``"mm"``,
+    ``"conv2d"``, ``"scaled_dot_product_attention"``); every method also takes
+    torch callables (``torch.mm``, ``F.linear``), custom ops and :func:`mixprec.op`
+    functions and stores their names.
 
     Attributes:
         lower: ops run in ``compute_dtype``.
@@ -138,11 +214,11 @@ class Policy:
         name: a label for reports; not compared.
     """
 
-    lower: frozenset[Op] = frozenset()
-    fp32: frozenset[Op] = frozenset()
-    fp32_set_dtype: frozenset[Op] = frozenset()
-    promote: frozenset[Op] = frozenset()
-    banned: Mapping[Op, str] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
+    lower: frozenset[str] = frozenset()
+    fp32: frozenset[str] = frozenset()
+    fp32_set_dtype: frozenset[str] = frozenset()
+    promote: frozenset[str] = frozenset()
+    banned: Mapping[str, str] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
     compute_dtype: torch.dtype | None = None
     output_dtype: torch.dtype | None = None
     module_rules: tuple[ModuleRule, ...] = ()
@@ -150,42 +226,72 @@ class Policy:
 
     def __post_init__(self) -> None:
         for field in ("lower", "fp32", "fp32_set_dtype", "promote"):
-            ops = frozenset(getattr(self, field))
-            for op in ops:
-                if not callable(op):
-                    raise TypeError(f"Policy.{field} holds callables, got {op!r}")
-            object.__setattr__(self, field, _expand_all(ops))
-        banned = {form: text for op, text in dict(self.banned).items() for form in _expand(op)}
+            ops = getattr(self, field)
+            if isinstance(ops, str) or callable(ops):
+                raise TypeError(f"Policy.{field} takes a collection of ops, got the single op {ops!r}")
+            object.__setattr__(self, field, _names(ops))
+        banned = {op_name(op): text for op, text in dict(self.banned).items()}
         object.__setattr__(self, "banned", MappingProxyType(banned))
         object.__setattr__(self, "module_rules", tuple(self.module_rules))
         if self.compute_dtype is not None:
             object.__setattr__(self, "compute_dtype", parse_dtype(self.compute_dtype, what="compute dtype"))
         if self.output_dtype is not None:
             object.__setattr__(self, "output_dtype", parse_dtype(self.output_dtype, what="output dtype"))
-        table: dict[Op, OpCategory] = {}
+        table: dict[str, OpCategory] = {}
         for category in OpCategory:
-            for op in self.ops(category):
-                if op in table:
+            for name in self.ops(category):
+                if name in table:
                     raise ValueError(
-                        f"{_op_name(op)} is in both {table[op].value!r} and {category.value!r}; an op has one category"
+                        f"{name} is in both {table[name].value!r} and {category.value!r}; an op has one category"
                     )
-                table[op] = category
+                table[name] = category
         object.__setattr__(self, "_table", table)
         # The policy inside a kept module, made once here rather than on every module call.
         without_rules = dataclasses.replace(self, module_rules=()) if self.module_rules else self
         object.__setattr__(self, "_without_rules", without_rules)
-        # The lookup autocast does once per torch call; not a field, so not compared or hashed.
-        object.__setattr__(self, "_dispatch", _dispatch_table(table))
-
         object.__setattr__(self, "_hash", hash((self.lower, self.fp32, self.fp32_set_dtype, self.promote,
                                                 frozenset(self.banned.items()), self.compute_dtype,
                                                 self.output_dtype, self.module_rules)))  # fmt: skip
+        # Equal policies share one small int: compiled code names a policy by it (a graph constant).
+        object.__setattr__(self, "_token", _TOKENS.setdefault(self, len(_TOKENS)))
+        _BY_TOKEN.setdefault(self._token, self)  # type: ignore[attr-defined]
 
     def __hash__(self) -> int:
         return self._hash  # type: ignore[attr-defined,no-any-return]
 
-    def ops(self, category: OpCategory | str) -> frozenset[Op]:
-        """The ops of one category."""
+    def __repr__(self) -> str:
+        """One line: the built-in lists it starts from and what it changes, e.g.
+        ``Policy(cuda +fp32[scaled_dot_product_attention] compute=bf16 rules[LayerNorm -> fp32])``."""
+        parts = [self.edits()]
+        if self.compute_dtype is not None:
+            parts.append(f"compute={short_name(self.compute_dtype)}")
+        if self.output_dtype is not None:
+            parts.append(f"output={short_name(self.output_dtype)}")
+        if self.module_rules:
+            parts.append(f"rules[{'; '.join(rule.describe() for rule in self.module_rules)}]")
+        return f"Policy({' '.join(parts)})"
+
+    def edits(self) -> str:
+        """The op lists as a built-in name plus moves, e.g. ``cpu +fp32[exp] -lower[mm]``."""
+        table: dict[str, OpCategory] = self._table  # type: ignore[attr-defined]
+
+        def moves(base: Policy) -> list[str]:
+            other: dict[str, OpCategory] = base._table  # type: ignore[attr-defined]
+            out = []
+            for category in OpCategory:
+                added = sorted(n for n, c in table.items() if c is category and other.get(n) is not category)
+                if added:
+                    out.append(f"+{category.value}[{', '.join(added)}]")
+            dropped = sorted(n for n in other if n not in table)
+            if dropped:
+                out.append(f"-[{', '.join(dropped)}]")
+            return out
+
+        name, found = min(((n, moves(p)) for n, p in _BUILTINS.items()), key=lambda item: len(" ".join(item[1])))
+        return " ".join([name, *found])
+
+    def ops(self, category: OpCategory | str) -> frozenset[str]:
+        """The names of the ops of one category."""
         category = OpCategory.from_name(category)
         if category is OpCategory.BANNED:
             return frozenset(self.banned)
@@ -193,28 +299,24 @@ class Policy:
 
     def category_of(self, op: Op) -> OpCategory | None:
         """The category ``op`` is in, or ``None`` if autocast leaves it alone."""
-        return self._table.get(_expand(op)[0])  # type: ignore[attr-defined,no-any-return]
+        return self._table.get(op_name(op))  # type: ignore[attr-defined,no-any-return]
 
     def add(self, category: OpCategory | str, *ops: Op, hint: str | None = None) -> Policy:
         """A copy with ``ops`` moved into ``category`` (out of any other).
 
-        ``ops`` may be torch functions, Tensor methods, custom ops
-        (``torch.ops.mylib.op``) or any function of the user's that takes tensors;
-        a user function is seen only if it dispatches ``__torch_function__``,
-        so wrap plain Python functions with :func:`mixprec.op`. ``hint`` is the
-        error text for banned ops.
+        ``ops`` are ATen names (``"exp"``), torch callables (``torch.exp``), custom
+        ops (``torch.ops.mylib.op``) or functions wrapped with :func:`mixprec.op`.
+        ``hint`` is the error text for banned ops.
         """
         category = OpCategory.from_name(category)
         if not ops:
             raise ValueError("Policy.add needs at least one op")
-        for op in ops:
-            if not callable(op):
-                raise TypeError(f"Policy.add takes callables, got {op!r}")
-        base = self.remove(*ops, missing_ok=True)
+        names = _names(ops)
+        base = self.remove(*names, missing_ok=True)
         if category is OpCategory.BANNED:
             text = hint or "this op is banned by the active mixprec policy"
-            return dataclasses.replace(base, banned={**base.banned, **{op: text for op in ops}})
-        changes: dict[str, Any] = {category.value: base.ops(category) | set(ops)}
+            return dataclasses.replace(base, banned={**base.banned, **{name: text for name in names}})
+        changes: dict[str, Any] = {category.value: base.ops(category) | names}
         return dataclasses.replace(base, **changes)
 
     def remove(self, *ops: Op, missing_ok: bool = False) -> Policy:
@@ -223,11 +325,11 @@ class Policy:
         Raises:
             ValueError: an op is in no category (unless ``missing_ok``).
         """
+        drop = _names(ops)
         if not missing_ok:
-            for op in ops:
-                if self.category_of(op) is None:
-                    raise ValueError(f"{_op_name(op)} is in no category of policy {self.name!r}; nothing to remove")
-        drop = _expand_all(ops)
+            for name in sorted(drop):
+                if name not in self._table:  # type: ignore[attr-defined]
+                    raise ValueError(f"{name} is in no category of policy {self.name!r}; nothing to remove")
         return dataclasses.replace(
             self,
             lower=self.lower - drop,
@@ -251,61 +353,30 @@ class Policy:
         rule = ModuleRule(types=types, names=names, dtype=parse_dtype(dtype, what="module rule dtype"))  # type: ignore[arg-type]
         return dataclasses.replace(self, module_rules=(*self.module_rules, rule))
 
-    def describe(self) -> str:
-        """A readable summary: dtypes, then each category's ops by name."""
+    def describe(self, width: int = 100) -> str:
+        """A readable summary: dtypes, each category's ops by name, then the module rules."""
         lines = [
             f"Policy {self.name!r}: compute={short_name(self.compute_dtype)} output={short_name(self.output_dtype)}"
         ]
         for category in OpCategory:
-            names = sorted({_op_name(op) for op in self.ops(category)})
-            lines.append(f"  {category.value} ({len(names)}): {', '.join(names)}")
+            names = sorted(self.ops(category))
+            head = f"  {category.value} ({len(names)}): "
+            text = ", ".join(names) if names else "-"
+            lines += textwrap.wrap(text, width, initial_indent=head, subsequent_indent=" " * 4) or [head]
         for rule in self.module_rules:
-            types = ", ".join(t.__name__ for t in rule.types)
-            lines.append(f"  module rule: types=[{types}] names={list(rule.names)} -> {short_name(rule.dtype)}")
+            lines.append(f"  module rule: {rule.describe()}")
         return "\n".join(lines)
-
-
-#: Dispatch code for a Python wrapper whose builtins are all unlisted: call it as is.
-PASS_THROUGH = "pass"
-
-
-def _dispatch_table(table: dict[Op, OpCategory]) -> dict[Op, OpCategory | str]:
-    dispatch: dict[Op, OpCategory | str] = {}
-    for wrapper, reach in _WRAPPERS.items():
-        if wrapper in table:
-            continue
-        listed = {table[op] for op in reach if op in table}
-        if not listed:
-            dispatch[wrapper] = PASS_THROUGH
-        elif len(listed) == 1 and listed != {OpCategory.PROMOTE}:
-            dispatch[wrapper] = listed.pop()
-    dispatch.update(table)
-    return dispatch
-
-
-def _op_name(op: Op) -> str:
-    owner = getattr(op, "__objclass__", None) or getattr(op, "__self__", None)
-    name = getattr(op, "__qualname__", None) or getattr(op, "__name__", None) or repr(op)
-    if isinstance(owner, type) and not name.startswith(owner.__name__):
-        return f"{owner.__name__}.{name}"
-    return str(name)
 
 
 def _builtin(name: str) -> Policy:
     if name == "cpu":
-        return Policy(
-            lower=tables.resolve(tables.CPU_LOWER + tables.CPU_LOWER_COMPOSITES),
-            fp32=tables.resolve(tables.CPU_FP32 + tables.CPU_FP32_COMPOSITES),
-            promote=tables.resolve(tables.CPU_PROMOTE + tables.PROMOTE_COMPOSITES),
-            name="cpu",
-        )
-    lower = tables.resolve(tables.CUDA_LOWER)
+        return Policy(lower=tables.CPU_LOWER, fp32=tables.CPU_FP32, promote=tables.CPU_PROMOTE, name="cpu")
     return Policy(
-        lower=lower,
-        fp32=tables.resolve(tables.CUDA_FP32 + tables.CUDA_FP32_COMPOSITES) - lower,
-        fp32_set_dtype=tables.resolve(tables.CUDA_FP32_SET_DTYPE),
-        promote=tables.resolve(tables.CUDA_PROMOTE + tables.PROMOTE_COMPOSITES) - lower,
-        banned={op: hint for name, hint in tables.CUDA_BANNED.items() for op in tables.entry_points(name)},
+        lower=tables.CUDA_LOWER,
+        fp32=tables.CUDA_FP32,
+        fp32_set_dtype=tables.CUDA_FP32_SET_DTYPE,
+        promote=tables.CUDA_PROMOTE,
+        banned=tables.CUDA_BANNED,
         name="cuda",
     )
 
@@ -328,7 +399,13 @@ def default_policy(device_type: str) -> Policy:
     return builtin_policy(_DEVICE_POLICY.get(device_type, "cuda"))
 
 
-_KEYS = ("base", "compute", "output", "keep")
+_OP_KEYS = ("lower", "fp32", "fp32_set_dtype", "promote", "none")
+_KEYS = ("base", "compute", "output", "keep", *_OP_KEYS)
+_SYNTAX = (
+    "a policy string is a built-in name (cpu, cuda) or comma-separated key=value pairs: base=cpu|cuda, "
+    "compute=bf16|fp16, output=fp32|bf16|fp16, keep=norm, and op moves such as fp32=exp+softmax or "
+    "none=mm (ATen names joined by '+'); e.g. 'base=cpu,compute=bf16,fp32=scaled_dot_product_attention'"
+)
 
 
 _PARSED: dict[tuple[str, str], Policy] = {}
@@ -353,15 +430,18 @@ def canonical(policy: Policy) -> Policy:
 def get_policy(spec: str | Policy, device_type: str = "cpu") -> Policy:
     """A policy from a name (``"cpu"``), a short string, or a Policy (returned as is).
 
-    The string is comma-separated ``key=value`` pairs:
+    The string is comma-separated ``key=value`` pairs, each key at most once:
 
     * ``base=cpu|cuda``: the op lists (default: ``device_type``'s);
     * ``compute=bf16|fp16``: the compute dtype;
     * ``output=fp32|bf16|fp16``: cast low-precision op outputs to this;
-    * ``keep=norm``: keep norm layers in fp32.
+    * ``keep=norm``: keep norm layers in fp32;
+    * ``lower=``, ``fp32=``, ``fp32_set_dtype=``, ``promote=``: move ops (ATen names
+      joined by ``+``) into that category; ``none=`` takes ops out of every category.
 
     Raises:
-        ValueError: unknown key, policy name or dtype name; the message lists valid ones.
+        ValueError: unknown key, repeated key, policy, op or dtype name; the message
+            gives the syntax and what was wrong.
     """
     if isinstance(spec, Policy):
         return spec
@@ -372,7 +452,7 @@ def get_policy(spec: str | Policy, device_type: str = "cpu") -> Policy:
     builtin = _BUILTINS.get(spec)
     if builtin is not None:  # the one path torch.compile traces: a lookup it can follow
         return builtin
-    # Policies are frozen values: parse a string once (about 160 us), then reuse the result.
+    # Policies are frozen values: parse a string once, then reuse the result.
     key = (spec, device_type)
     cached = _PARSED.get(key)
     if cached is None:
@@ -383,16 +463,23 @@ def get_policy(spec: str | Policy, device_type: str = "cpu") -> Policy:
 def _parse(spec: str, device_type: str) -> Policy:
     text = spec.strip()
     if "=" not in text:
-        return builtin_policy(text)
+        if text not in _BUILTINS:
+            raise ValueError(f"unknown policy {spec!r}; {_SYNTAX}")
+        return _BUILTINS[text]
     fields: dict[str, str] = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         key, sep, value = part.partition("=")
         key, value = key.strip(), value.strip()
         if not sep or key not in _KEYS:
-            raise ValueError(f"bad policy field {part!r} in {spec!r}; valid keys: {', '.join(_KEYS)} (as key=value)")
+            raise ValueError(f"bad policy field {part!r} in {spec!r}: valid keys are {', '.join(_KEYS)}; {_SYNTAX}")
+        if key in fields:
+            raise ValueError(f"policy key {key!r} is given twice in {spec!r}; give each key once")
         fields[key] = value
-    policy = builtin_policy(fields["base"]) if "base" in fields else default_policy(device_type)
-    changes: dict[str, Any] = {"name": text}
+    base = fields.get("base")
+    if base is not None and base not in _BUILTINS:
+        raise ValueError(f"unknown base={base!r} in {spec!r}; built-in policies: {', '.join(_BUILTINS)}")
+    policy = _BUILTINS[base] if base is not None else default_policy(device_type)
+    changes: dict[str, Any] = {}
     if "compute" in fields:
         changes["compute_dtype"] = parse_dtype(
             fields["compute"], what="compute dtype", allowed=(torch.bfloat16, torch.float16)
@@ -400,8 +487,18 @@ def _parse(spec: str, device_type: str) -> Policy:
     if "output" in fields:
         changes["output_dtype"] = parse_dtype(fields["output"], what="output dtype")
     policy = dataclasses.replace(policy, **changes)
+    for key in _OP_KEYS:
+        if key in fields:
+            ops = [op for op in fields[key].split("+") if op.strip()]
+            if not ops:
+                raise ValueError(f"{key}= names no ops in {spec!r}; join ATen op names with '+' (fp32=exp+log)")
+            try:
+                names = [op_name(op) for op in ops]
+            except ValueError as error:
+                raise ValueError(f"{error} (in policy string {spec!r})") from None
+            policy = policy.remove(*names, missing_ok=True) if key == "none" else policy.add(key, *names)
     if "keep" in fields:
         if fields["keep"] != "norm":
             raise ValueError(f"unknown keep={fields['keep']!r}; valid: keep=norm (keeps norm layers in fp32)")
         policy = policy.keep_modules(types=NORM_TYPES)
-    return policy
+    return dataclasses.replace(policy, name=text)
