@@ -1,8 +1,9 @@
-"""Differential tests: every op of torch's own CPU autocast lists, and torch's OpInfo
-database, under torch.autocast and under mixprec.autocast: same dtypes, same bits."""
+"""Op-level tests: mixprec's tables against the kernels torch registered, torch's own CPU
+autocast lists under mixprec, and every category applied by mixprec's dispatcher kernels."""
 
 from __future__ import annotations
 
+import threading
 import warnings
 from typing import Any
 
@@ -11,10 +12,19 @@ import torch
 from torch.testing._internal.autocast_test_lists import AutocastCPUTestLists
 
 import mixprec
-from conftest import bitwise_equal
+from conftest import bitwise_equal, dispatch_module
+from mixprec import OpCategory
 
 DTYPES = [torch.bfloat16, torch.float16]
 _LISTS = AutocastCPUTestLists(torch.device("cpu"))
+
+
+@pytest.mark.parametrize(("device_type", "key"), [("cpu", "AutocastCPU"), ("cuda", "AutocastCUDA")])
+def test_builtin_tables_are_the_ops_torch_registered(device_type: str, key: str) -> None:
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    registered = {n.split("::")[1].split(".")[0] for n in torch._C._dispatch_get_all_op_names() if has(n, key)}
+    policy = mixprec.get_policy(device_type)
+    assert set(policy._table) == registered  # type: ignore[attr-defined]
 
 
 def _cases() -> list[Any]:
@@ -27,171 +37,142 @@ def _cases() -> list[Any]:
     return cases
 
 
-def _run_both(fn: Any, args: Any, kwargs: Any, dtype: torch.dtype) -> tuple[Any, Any]:
+def _call(region: Any, fn: Any, args: Any, kwargs: Any) -> Any:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # some list entries are deprecated ops
-        with torch.autocast("cpu", dtype=dtype):
-            expected = fn(*args, **kwargs)
-        with mixprec.autocast("cpu", dtype=dtype):
-            got = fn(*args, **kwargs)
-    return expected, got
+        with region:
+            return fn(*args, **kwargs)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 @pytest.mark.parametrize(("fn", "args", "kwargs"), _cases())
-def test_torch_cpu_autocast_lists(fn: Any, args: Any, kwargs: Any, dtype: torch.dtype) -> None:
-    expected, got = _run_both(fn, args, kwargs, dtype)
-    assert bitwise_equal(expected, got)
+def test_torch_cpu_lists_under_mixprec_and_under_mixprec_kernels(
+    fn: Any, args: Any, kwargs: Any, dtype: torch.dtype
+) -> None:
+    expected = _call(torch.autocast("cpu", dtype=dtype), fn, args, kwargs)
+    assert bitwise_equal(_call(mixprec.autocast("cpu", dtype=dtype), fn, args, kwargs), expected)
+    # While another thread holds a region whose policy moves every listed op, mixprec's kernels
+    # stand in for torch's: here, with no mixprec policy in force, they must do what torch's do.
+    every = mixprec.get_policy("cpu")
+    moved = every.remove(*every._table).add("lower", "exp")  # type: ignore[attr-defined]
+    with _held_in_other_thread(moved):
+        assert any(k.startswith("aten::mm@") for k in dispatch_module.registered())
+        got = _call(torch.autocast("cpu", dtype=dtype), fn, args, kwargs)
+    assert bitwise_equal(got, expected)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
-@pytest.mark.parametrize("entry", _LISTS.torch_need_autocast_promote, ids=lambda e: e[0])
-def test_promote_list(entry: Any, dtype: torch.dtype) -> None:
-    args = entry[1] if dtype is torch.bfloat16 else entry[2]
-    expected, got = _run_both(getattr(torch, entry[0]), args, {}, dtype)
-    assert got.dtype is torch.float32
-    assert bitwise_equal(expected, got)
+class _held_in_other_thread:  # noqa: N801 - a context manager
+    def __init__(self, policy: mixprec.Policy) -> None:
+        self.policy, self.opened, self.release = policy, threading.Event(), threading.Event()
+        self.thread = threading.Thread(target=self._run)
+
+    def _run(self) -> None:
+        with mixprec.autocast("cpu", policy=self.policy):
+            self.opened.set()
+            self.release.wait(30)
+        dispatch_module._tls.__dict__.clear()
+
+    def __enter__(self) -> None:
+        self.thread.start()
+        assert self.opened.wait(30)
+
+    def __exit__(self, *exc: object) -> None:
+        self.release.set()
+        self.thread.join()
 
 
-@pytest.mark.parametrize("entry", _LISTS.torch_expect_builtin_promote + _LISTS.methods_expect_builtin_promote,
-                         ids=lambda e: e[0])  # fmt: skip
-def test_builtin_promotion_untouched(entry: Any) -> None:
-    name, args, _, out_dtype = entry
-    if name.startswith("__"):
-        fn = getattr(torch.Tensor, "__truediv__" if name == "__div__" else name)
-    else:
-        fn = getattr(torch, name)
-    expected, got = _run_both(fn, args, {}, torch.bfloat16)
-    assert got.dtype is out_dtype
-    assert bitwise_equal(expected, got)
+def test_built_in_policies_register_nothing() -> None:
+    for policy in ("cpu", None, mixprec.get_policy("cpu").keep_modules(torch.nn.LayerNorm)):
+        with mixprec.autocast("cpu", policy=policy):
+            torch.mm(torch.randn(2, 2), torch.randn(2, 2))
+            assert dispatch_module.registered() == []
+
+
+def test_kernels_live_only_while_a_region_needs_them() -> None:
+    policy = mixprec.get_policy("cpu").add("fp32", "mm")
+    with mixprec.autocast("cpu", policy=policy):
+        with mixprec.autocast("cpu", policy=policy):
+            assert "aten::mm@cpu" in dispatch_module.registered()
+        assert "aten::mm@cpu" in dispatch_module.registered()
+    assert dispatch_module.registered() == []
+    with torch.autocast("cpu"):  # torch's own kernel is back
+        assert torch.mm(torch.randn(2, 2), torch.randn(2, 2)).dtype is torch.bfloat16
+
+
+A, B = torch.randn(4, 4), torch.randn(4, 4)
+
+
+@pytest.mark.parametrize(
+    ("edit", "call", "expected"),
+    [
+        (("fp32", "mm"), lambda: torch.mm(A, B), torch.float32),  # a listed op moved out of lower
+        (("fp32", "exp"), lambda: torch.exp(A.bfloat16()), torch.float32),  # an unlisted op added
+        (("lower", "exp"), lambda: torch.exp(A), torch.bfloat16),
+        (("lower", "mse_loss"), lambda: torch.nn.functional.mse_loss(A, B), torch.bfloat16),
+        (("promote", "add"), lambda: torch.add(A.bfloat16(), B), torch.float32),
+        (("promote", "add"), lambda: torch.add(A.bfloat16(), B.bfloat16()), torch.bfloat16),
+        (("fp32_set_dtype", "softmax"), lambda: torch.softmax(A.bfloat16(), 0), torch.float32),
+        (("fp32_set_dtype", "softmax"), lambda: torch.softmax(A.bfloat16(), 0, dtype=torch.bfloat16), torch.bfloat16),
+        (("none", "mm"), lambda: torch.mm(A, B), torch.float32),
+        (("none", "mm"), lambda: A @ B, torch.bfloat16),  # matmul is its own op on torch's list
+    ],
+)
+def test_edited_categories(edit: tuple[str, str], call: Any, expected: torch.dtype) -> None:
+    category, op = edit
+    base = mixprec.get_policy("cpu")
+    policy = base.remove(op) if category == "none" else base.add(category, op)
+    with torch.autocast("cpu"):
+        before = call()
+    with mixprec.autocast("cpu", policy=policy):
+        assert call().dtype is expected
+    with torch.autocast("cpu"):  # the edit is gone with the region
+        assert bitwise_equal(call(), before)
+
+
+def test_edited_op_casts_like_torchs_kernel_bitwise() -> None:
+    # mm moved to lower under a policy that lists it anyway through an output dtype: same bits as torch
+    x, w = torch.randn(8, 16), torch.randn(16, 4, requires_grad=True)
+    with torch.autocast("cpu"):
+        expected = torch.mm(x, w)
+    with mixprec.autocast("cpu", policy="compute=bf16,output=bf16"):
+        assert "aten::mm@cpu" in dispatch_module.registered()
+        got = torch.mm(x, w)
+    assert bitwise_equal(got, expected)
+
+
+def test_output_dtype_casts_lower_outputs() -> None:
+    with mixprec.autocast("cpu", policy="compute=bf16,output=fp32"):
+        assert torch.mm(A, B).dtype is torch.float32
+        assert torch.nn.functional.linear(A, B).dtype is torch.float32
+
+
+def test_banned_op_raises_the_policy_message() -> None:
+    policy = mixprec.get_policy("cpu").add(OpCategory.BANNED, "exp", hint="use exp2 instead")
+    with mixprec.autocast("cpu", policy=policy), pytest.raises(RuntimeError, match="use exp2 instead"):
+        torch.exp(A)
 
 
 def test_out_and_inplace_variants_behave_as_torch() -> None:
     a, b = torch.randn(8, 8), torch.randn(8, 8)
-    for dtype in DTYPES:
-        out_torch, out_mixprec = torch.empty(8, 8), torch.empty(8, 8)
-        with torch.autocast("cpu", dtype=dtype):
-            torch.mm(a, b, out=out_torch)
-            inplace_torch = a.clone().addmm_(a, b)
-        with mixprec.autocast("cpu", dtype=dtype):
-            torch.mm(a, b, out=out_mixprec)
-            inplace_mixprec = a.clone().addmm_(a, b)
-        assert bitwise_equal(out_torch, out_mixprec)
-        assert bitwise_equal(inplace_torch, inplace_mixprec)
-
-
-def test_explicit_dtype_is_left_alone() -> None:
-    x = torch.randn(16, dtype=torch.bfloat16)
-    with mixprec.autocast("cpu"):
-        assert torch.prod(x, 0, dtype=torch.float64).dtype is torch.float64
-        assert torch.sum(x, dtype=torch.bfloat16).dtype is torch.bfloat16
-    with mixprec.autocast("cpu", policy="cuda"):  # softmax is fp32_set_dtype there
-        assert torch.softmax(x, 0, dtype=torch.bfloat16).dtype is torch.bfloat16
-        assert torch.softmax(x, 0).dtype is torch.float32
+    for policy in ("cpu", mixprec.get_policy("cpu").add("fp32", "addmm").add("lower", "exp")):
+        for dtype in DTYPES:
+            out_torch, out_mixprec = torch.empty(8, 8), torch.empty(8, 8)
+            with torch.autocast("cpu", dtype=dtype):
+                torch.mm(a, b, out=out_torch)
+                inplace_torch = a.clone().addmm_(a, b), a.clone().exp_()
+            with mixprec.autocast("cpu", dtype=dtype, policy=policy):
+                torch.mm(a, b, out=out_mixprec)
+                inplace_mixprec = a.clone().addmm_(a, b), a.clone().exp_()
+            assert bitwise_equal(out_torch, out_mixprec)
+            assert bitwise_equal(inplace_torch, inplace_mixprec)
 
 
 def test_only_floating_non_fp64_tensors_are_cast() -> None:
     a64, b64 = torch.randn(4, 4, dtype=torch.float64), torch.randn(4, 4, dtype=torch.float64)
     ints = torch.arange(4)
-    with mixprec.autocast("cpu"):
-        assert torch.mm(a64, b64).dtype is torch.float64
-        assert torch.cat([ints, ints]).dtype is torch.int64
-        assert torch.mm(torch.randn(4, 4), torch.randn(4, 4)).dtype is torch.bfloat16
-
-
-@pytest.mark.parametrize(("mode", "pad", "expect_fp32"), [
-    ("constant", (1, 1), False), ("reflect", (1, 1), True), ("reflect", (1, 1, 1, 1), True),
-    ("replicate", (1, 1, 1, 1, 1, 1), True), ("circular", (1, 1), False),
-])  # fmt: skip
-def test_pad_follows_the_inner_op(mode: str, pad: tuple[int, ...], expect_fp32: bool) -> None:
-    x = torch.randn(2, 3, 4, 5, 6, dtype=torch.bfloat16)[(0,) * (5 - (len(pad) // 2 + 2))]
-    expected, got = _run_both(torch.nn.functional.pad, (x, pad), {"mode": mode}, torch.bfloat16)
-    assert got.dtype is (torch.float32 if expect_fp32 else torch.bfloat16)
-    assert bitwise_equal(expected, got)
-
-
-# --- torch's OpInfo database ---------------------------------------------------------
-
-# Where a TorchFunctionMode cannot see what torch.autocast sees: C++ composites whose
-# inner op is on a list only for some arguments. Each is documented in docs/autocast.md.
-KNOWN_GAPS = {
-    "nn.functional.bilinear": "_trilinear runs an inner bf16 matmul and promotes back to fp32",
-    "linalg.pinv": "an fp32 SVD feeding low-precision matmuls inside one C++ op",
-    "tensordot": "size-1 contractions skip the inner mm, so torch returns fp32",
-    "einsum": "contractions without an inner bmm stay fp32 under torch",
-    "cov": "centres the data in fp32 before its inner low-precision matmul",
-    "corrcoef": "centres the data in fp32 before its inner low-precision matmul",
-    "torch._scaled_mm_v2": "private fp8 kernel, not an autocast op",
-}
-# Results with unspecified contents.
-UNINITIALISED = {"empty", "empty_like", "empty_strided", "empty_permuted", "new_empty", "new_empty_strided"}
-
-
-def _opinfo_params() -> list[Any]:
-    from torch.testing._internal.common_methods_invocations import op_db
-
-    return [pytest.param(info, id=info.name + (f".{info.variant_test_name}" if info.variant_test_name else ""))
-            for info in op_db if info.name not in KNOWN_GAPS and info.name not in UNINITIALISED]  # fmt: skip
-
-
-def _flatten(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _flatten(v)]
-    return []
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
-@pytest.mark.parametrize("info", _opinfo_params())
-def test_opinfo_matches_torch_autocast(info: Any, dtype: torch.dtype) -> None:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
-            samples = list(info.sample_inputs("cpu", torch.float32, requires_grad=False))[:3]
-        except Exception:
-            pytest.skip("no float32 CPU samples")
-    compared = 0
-    for sample in samples:
-
-        def call(ctx: Any, sample: Any = sample) -> Any:
-            torch.manual_seed(0)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                with ctx:
-                    return info.op(sample.input, *sample.args, **sample.kwargs)
-
-        try:
-            expected = call(torch.autocast("cpu", dtype=dtype))
-        except Exception:
-            continue  # torch itself rejects this sample under autocast
-        got = call(mixprec.autocast("cpu", dtype=dtype))
-        for e, g in zip(_flatten(expected), _flatten(got), strict=True):
-            assert e.dtype == g.dtype, f"{info.name}: torch gives {e.dtype}, mixprec {g.dtype}"
-            if e.layout == torch.strided:
-                assert bitwise_equal(e, g), f"{info.name}: values differ"
-        compared += 1
-    if not compared:
-        pytest.skip("torch.autocast rejects every sample")
-
-
-@pytest.mark.parametrize("name", sorted(KNOWN_GAPS))
-def test_known_gaps_still_exist(name: str) -> None:
-    """If torch or mixprec closes a gap, this fails so the list and the docs get updated."""
-    from torch.testing._internal.common_methods_invocations import op_db
-
-    infos = [i for i in op_db if i.name == name]
-    if not infos:
-        pytest.skip(f"{name} is not in this torch's OpInfo database")
-    differs = False
-    for info in infos:
-        for sample in list(info.sample_inputs("cpu", torch.float32, requires_grad=False))[:6]:
-            try:
-                with torch.autocast("cpu"):
-                    expected = info.op(sample.input, *sample.args, **sample.kwargs)
-            except Exception:
-                continue
-            with mixprec.autocast("cpu"):
-                got = info.op(sample.input, *sample.args, **sample.kwargs)
-            differs |= not all(bitwise_equal(e, g) for e, g in zip(_flatten(expected), _flatten(got), strict=True))
-    assert differs, f"{name} now matches torch.autocast: remove it from KNOWN_GAPS and docs/autocast.md"
+    policy = mixprec.get_policy("cpu").add("lower", "add").add("fp32", "mul")
+    with mixprec.autocast("cpu", policy=policy):
+        assert torch.add(a64, b64).dtype is torch.float64
+        assert torch.add(ints, ints).dtype is torch.int64
+        assert torch.mul(ints, ints).dtype is torch.int64
+        assert torch.add(A, B).dtype is torch.bfloat16

@@ -59,14 +59,14 @@ def test_add_moves_and_remove_drops() -> None:
     base = mixprec.get_policy("cpu")
     moved = base.add("fp32", torch.mm)
     assert moved.category_of(torch.mm) is OpCategory.FP32
-    assert torch.mm not in moved.lower
+    assert "mm" not in moved.lower and "mm" in moved.fp32  # ops are stored by ATen name
     assert base.category_of(torch.mm) is OpCategory.LOWER  # the original is unchanged
     dropped = moved.remove(torch.mm)
     assert dropped.category_of(torch.mm) is None
     with pytest.raises(ValueError, match="in no category"):
         dropped.remove(torch.mm)
     banned = base.add(OpCategory.BANNED, torch.exp, hint="use torch.special.expit")
-    assert banned.banned[torch.exp] == "use torch.special.expit"
+    assert banned.banned["exp"] == "use torch.special.expit"
 
 
 def test_one_category_per_op() -> None:
@@ -79,7 +79,9 @@ def test_one_category_per_op() -> None:
     [
         (lambda p: p.add("fast", torch.mm), ValueError, "unknown op category 'fast'; valid categories: lower, fp32"),
         (lambda p: p.add("lower"), ValueError, "at least one op"),
-        (lambda p: p.add("lower", "mm"), TypeError, "takes callables"),
+        (lambda p: p.add("lower", "mmm"), ValueError, "unknown op 'mmm' .did you mean 'mm'"),
+        (lambda p: p.add("lower", print), TypeError, "not a torch op a policy can list.*@mixprec.op"),
+        (lambda p: p.add("lower", "nolib::nothing"), ValueError, "no operator 'nothing' is registered"),
         (lambda p: p.keep_modules(), ValueError, "needs types="),
         (lambda p: p.keep_modules(types=[int]), TypeError, "nn.Module subclasses"),
         (lambda p: p.keep_modules(types=[nn.LayerNorm], dtype=torch.int8), ValueError, "non-floating"),
@@ -113,9 +115,13 @@ def test_string_form(spec: str, compute: torch.dtype | None, output: torch.dtype
         ("compute=int8", "unknown compute dtype 'int8'; valid names: bf16"),
         ("compute=fp32", "compute dtype torch.float32 .* use one of"),
         ("output=fp8", "unknown output dtype 'fp8'"),
-        ("base=tpu", "unknown policy 'tpu'"),
+        ("base=tpu", "unknown base='tpu'.*built-in policies: cpu, cuda"),
         ("keep=all", "unknown keep='all'; valid: keep=norm"),
-        ("fast", "unknown policy 'fast'; built-in policies: cpu, cuda"),
+        ("fast", "unknown policy 'fast'; a policy string is a built-in name .cpu, cuda. or comma-separated"),
+        ("lower:+nonexistent_op", "a policy string is a built-in name"),
+        ("compute=bf16,compute=fp16", "policy key 'compute' is given twice"),
+        ("fp32=nonexistent_op", "unknown op 'nonexistent_op'.*in policy string"),
+        ("fp32=", "names no ops"),
         ("compute", "unknown policy 'compute'"),
         ("speed=max", "bad policy field 'speed=max'"),
     ],
@@ -164,4 +170,31 @@ def test_describe_lists_every_category() -> None:
     text = mixprec.get_policy("cuda").keep_modules(types=[nn.LayerNorm]).describe()
     for category in OpCategory:
         assert f"  {category.value} (" in text
-    assert "module rule: types=[LayerNorm]" in text
+    assert "module rule: LayerNorm -> fp32" in text
+
+
+def test_string_form_moves_ops() -> None:
+    policy = mixprec.get_policy("base=cpu,fp32=scaled_dot_product_attention+exp,none=stack")
+    cpu = mixprec.get_policy("cpu")
+    assert policy == cpu.add("fp32", "scaled_dot_product_attention", "exp").remove("stack")
+    assert repr(policy) == "Policy(cpu +fp32[exp, scaled_dot_product_attention] -[stack])"
+
+
+def test_repr_is_one_readable_line() -> None:
+    policy = mixprec.get_policy("cuda").add("fp32", F.scaled_dot_product_attention).keep_modules(nn.LayerNorm, "head")
+    assert repr(policy) == (
+        "Policy(cuda +fp32[scaled_dot_product_attention] -[scaled_dot_product_attention] "
+        "rules[LayerNorm, 'head' -> fp32])"
+    ) or repr(policy) == "Policy(cuda +fp32[scaled_dot_product_attention] rules[LayerNorm, 'head' -> fp32])"
+    assert "<built-in" not in repr(policy) and "\n" not in repr(policy)
+
+
+@pytest.mark.parametrize(
+    ("op", "name"),
+    [(torch.mm, "mm"), (torch.Tensor.mm, "mm"), (torch.Tensor.__matmul__, "matmul"), (F.linear, "linear"),
+     (F.cross_entropy, "cross_entropy_loss"), (F.mse_loss, "mse_loss"), (torch.ops.aten.mm, "mm"),
+     (torch.ops.aten.mm.default, "mm"), ("aten::mm", "mm"), (F.scaled_dot_product_attention,
+     "scaled_dot_product_attention")],
+)  # fmt: skip
+def test_ops_are_named_as_torchs_lists_name_them(op: object, name: str) -> None:
+    assert mixprec.op_name(op) == name  # type: ignore[arg-type]

@@ -74,7 +74,11 @@ def op_name(op: Op) -> str:
     func_name = getattr(op, "__name__", None)
     module = getattr(op, "__module__", None) or ""
     owner = getattr(op, "__objclass__", None) or getattr(op, "__self__", None)
-    from_torch = module.startswith("torch") or owner is torch.Tensor or isinstance(owner, type(torch._C))
+    from_torch = (
+        module.startswith("torch")
+        or (isinstance(owner, type) and issubclass(owner, torch._C.TensorBase))
+        or isinstance(owner, type(torch._C))
+    )
     if isinstance(func_name, str) and from_torch:
         candidate = _ALIASES.get(func_name, func_name)
         if _aten_exists(candidate):
