@@ -55,6 +55,9 @@ class ThreadState:
     def __init__(self) -> None:
         # device type -> policy in force (absent: torch's built-in list for the device)
         self.policy: dict[str, Policy] = {}
+        # the same for regions opened by compiled code while it is traced: Dynamo guards on what
+        # traced code reads, so the module hooks read these through a constant-folded call
+        self.traced_policy: dict[str, Policy] = {}
         # device type -> the policy the registered kernels apply (absent: torch's list)
         self.edited: dict[str, Policy] = {}
         # open regions, innermost last: (device type, torch's context or None, previous policy,
@@ -67,8 +70,6 @@ class ThreadState:
         self.module_stack: list[tuple[Any, str, Any]] = []
         self.module_names: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
         self.rule_users = 0
-        # torch's autocast (enabled, dtype) outside each kept module entered, innermost last
-        self.rule_prev: list[tuple[bool, torch.dtype]] = []
         # >0 while a checkpointed forward runs under mixprec.checkpoint_context
         self.captured = 0
         # per open region: whether compiled code opened it (it is then part of the graph)

@@ -59,8 +59,9 @@ def _push(device_type: str, policy: Policy, torch_ctx: Any, traced: bool = False
     edited = _needs_kernels(policy, device_type)
     st.traced.append(traced)
     plan = _dispatch.acquire(policy, device_type) if edited else ()
-    st.regions.append((device_type, torch_ctx, st.policy.get(device_type), st.edited.get(device_type), plan))
-    st.policy[device_type] = policy
+    table = st.traced_policy if traced else st.policy
+    st.regions.append((device_type, torch_ctx, table.get(device_type), st.edited.get(device_type), plan))
+    table[device_type] = policy
     if edited:
         st.edited[device_type] = policy
     else:
@@ -72,10 +73,10 @@ def _push(device_type: str, policy: Policy, torch_ctx: Any, traced: bool = False
 def _pop() -> None:
     st = _state()
     device_type, torch_ctx, prev_policy, prev_edited, plan = st.regions.pop()
-    st.traced.pop()
-    if st.policy[device_type].module_rules:
+    policies = st.traced_policy if st.traced.pop() else st.policy
+    if policies[device_type].module_rules:
         _count_rule_user(st, -1)
-    for table, prev in ((st.policy, prev_policy), (st.edited, prev_edited)):
+    for table, prev in ((policies, prev_policy), (st.edited, prev_edited)):
         if prev is None:
             table.pop(device_type, None)
         else:
@@ -84,15 +85,38 @@ def _pop() -> None:
     if not st.regions:
         st.cache.clear()
         st.module_stack.clear()
-    if torch_ctx is not None:
+    if isinstance(torch_ctx, tuple):  # a kept module: torch's state outside it
+        torch.set_autocast_enabled(device_type, torch_ctx[0])
+        torch.set_autocast_dtype(device_type, torch_ctx[1])
+    elif torch_ctx is not None:
         torch_ctx.__exit__(None, None, None)
+
+
+def _unwind_on_failed_trace(depth: int) -> None:
+    """While Dynamo traces, close what a trace that stops early would leave open."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    try:
+        tx = InstructionTranslator.current_tx()
+    except AttributeError:  # no Dynamo trace in this thread
+        tx = None
+    if tx is None:  # AOTAutograd's trace: it runs the whole graph, exits included
+        return
+    st = _state()
+
+    def unwind() -> None:
+        while len(st.regions) > depth:
+            _pop()
+
+    tx.output.add_cleanup_hook(unwind)
 
 
 @torch.fx.node.has_side_effect
 @torch._dynamo.allow_in_graph
-def _enter_traced(device_type: str, dtype: torch.dtype, enabled: bool, cache_enabled: bool, token: int) -> None:
+def _enter_traced(device_type: str, dtype: torch.dtype, enabled: bool, cache_enabled: bool, token: str) -> None:
     # Under torch.compile this is a node of the graph: Dynamo and AOTAutograd run it while
     # tracing (so the ops traced after it see the region), compiled code no longer needs it.
+    _unwind_on_failed_trace(len(_state().regions))
     torch_ctx = torch.amp.autocast_mode._UnmanagedAutocast(device_type, dtype, enabled, cache_enabled)
     torch_ctx.__enter__()
     _push(device_type, _BY_TOKEN[token], torch_ctx, traced=True)
@@ -351,30 +375,44 @@ def _match_rule(rules: tuple[ModuleRule, ...], module: nn.Module, name: str) -> 
 def _rule_enter(device_type: str, dtype: torch.dtype) -> None:
     """Enter a kept module: autocast off (fp32) or on in ``dtype``, the policy without rules."""
     st = _state()
-    policy = st.policy[device_type]
+    policy = st.traced_policy.get(device_type) or st.policy[device_type]
     _dispatch.check_checkpoint(st)
-    st.rule_prev.append((torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)))
+    if torch.compiler.is_compiling():
+        _unwind_on_failed_trace(len(st.regions))
+    outside = (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
     if dtype is torch.float32:
         torch.set_autocast_enabled(device_type, False)
     else:
         torch.set_autocast_enabled(device_type, True)
         torch.set_autocast_dtype(device_type, dtype)
-    _push(device_type, policy._without_rules, None, traced=torch.compiler.is_compiling())  # type: ignore[attr-defined]
+    _push(device_type, policy._without_rules, outside, traced=torch.compiler.is_compiling())  # type: ignore[attr-defined]
 
 
 @torch.fx.node.has_side_effect
 @torch._dynamo.allow_in_graph
 def _rule_exit(device_type: str) -> None:
-    st = _state()
     _pop()
-    enabled, dtype = st.rule_prev.pop()
-    torch.set_autocast_enabled(device_type, enabled)
-    torch.set_autocast_dtype(device_type, dtype)
+
+
+@torch._dynamo.assume_constant_result  # type: ignore[untyped-decorator]
+def _traced_policy_tokens() -> tuple[tuple[str, str], ...]:
+    # Constant-folded while Dynamo traces: the regions it names were opened by the traced
+    # code itself (their policies are arguments of its graph nodes, so already guarded).
+    return tuple((d, p._token) for d, p in _state().traced_policy.items())  # type: ignore[attr-defined]
+
+
+def _policies_in_force(st: _dispatch.ThreadState) -> dict[str, Policy]:
+    if not torch.compiler.is_compiling():
+        return st.policy
+    return {**st.policy, **{d: _BY_TOKEN[token] for d, token in _traced_policy_tokens()}}
 
 
 def _pre_hook(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
     st = _state()
-    if st.rule_users == 0:
+    if not torch.compiler.is_compiling() and st.rule_users == 0:
+        return None
+    in_force = _policies_in_force(st)
+    if not any(p.module_rules for p in in_force.values()):
         return None
     name = _qualified_name(st, module)
     if isinstance(module, _OptimizedModule):
@@ -385,7 +423,7 @@ def _pre_hook(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | Non
         return None
     entered: list[str] = []
     new_args = None
-    for device_type, policy in list(st.policy.items()):
+    for device_type, policy in in_force.items():
         if not policy.module_rules or not torch.is_autocast_enabled(device_type):
             continue
         rule = _match_rule(policy.module_rules, module, name)
@@ -428,7 +466,8 @@ def get_autocast_dtype(device_type: str = "cpu") -> torch.dtype:
 
 def get_autocast_policy(device_type: str = "cpu") -> Policy:
     """The policy in force for ``device_type`` (its built-in one outside mixprec regions)."""
-    policy = _state().policy.get(device_type)
+    st = _state()
+    policy = st.traced_policy.get(device_type) or st.policy.get(device_type)
     return policy if policy is not None else default_policy(device_type)
 
 

@@ -43,8 +43,8 @@ _ALIASES = {"cross_entropy": "cross_entropy_loss", "__matmul__": "matmul", "__rm
 PYTHON_OPS: dict[str, Callable[..., Any]] = {}
 
 
-_TOKENS: dict[Policy, int] = {}
-_BY_TOKEN: dict[int, Policy] = {}
+_TOKENS: dict[Policy, str] = {}
+_BY_TOKEN: dict[str, Policy] = {}
 
 
 def op_name(op: Op) -> str:
@@ -257,7 +257,8 @@ class Policy:
                                                 frozenset(self.banned.items()), self.compute_dtype,
                                                 self.output_dtype, self.module_rules)))  # fmt: skip
         # Equal policies share one small int: compiled code names a policy by it (a graph constant).
-        object.__setattr__(self, "_token", _TOKENS.setdefault(self, len(_TOKENS)))
+        # A string, not an int: Dynamo would make an int that changes between calls a symbolic size.
+        object.__setattr__(self, "_token", _TOKENS.setdefault(self, f"policy{len(_TOKENS)}"))
         _BY_TOKEN.setdefault(self._token, self)  # type: ignore[attr-defined]
 
     def __hash__(self) -> int:
