@@ -548,10 +548,10 @@ def test_bf16_sr_checkpoint_resumes_bit_for_bit(make: Any) -> None:
     assert not bitwise_equal(list(first[0].parameters()), list(resumed[0].parameters()))  # it did train on
 
 
-def _fused_sr() -> tuple[nn.Module, torch.optim.Optimizer]:
+def _sr(cls: type[torch.optim.Optimizer]) -> tuple[nn.Module, torch.optim.Optimizer]:
     model = _model()
-    model, opt = mixprec.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2), level="bf16-sr")
-    assert opt._mixprec.fused  # type: ignore[attr-defined]
+    model, opt = mixprec.prepare(model, cls(model.parameters(), lr=1e-2), level="bf16-sr")  # type: ignore[call-arg]
+    assert opt._mixprec.fused is (cls is torch.optim.AdamW)  # type: ignore[attr-defined]
     return model, opt
 
 
@@ -583,8 +583,13 @@ def test_bf16_sr_adam_with_lr_scheduler(created: str, norm: bool) -> None:
     assert bitwise_equal(_snapshot(model, opt)[0], first)  # lr 0: nothing moves
 
 
-def test_bf16_sr_adam_runs_step_hooks_in_order() -> None:
-    model, opt = _fused_sr()
+# AdamW: the fused kernel; SGD: SGD's own step on fp32 copies.
+SR_PATHS = [pytest.param(torch.optim.AdamW, id="AdamW-fused"), pytest.param(torch.optim.SGD, id="SGD")]
+
+
+@pytest.mark.parametrize("cls", SR_PATHS)
+def test_bf16_sr_runs_step_hooks_in_order(cls: type[torch.optim.Optimizer]) -> None:
+    model, opt = _sr(cls)
     seen: list[tuple[str, torch.Tensor]] = []
 
     def hook(name: str) -> Any:
@@ -603,8 +608,9 @@ def test_bf16_sr_adam_runs_step_hooks_in_order() -> None:
     assert not torch.equal(seen[2][1], before)  # the post hook sees the update
 
 
-def test_bf16_sr_adam_raising_pre_hook_prevents_the_update() -> None:
-    model, opt = _fused_sr()
+@pytest.mark.parametrize("cls", SR_PATHS)
+def test_bf16_sr_raising_pre_hook_prevents_the_update(cls: type[torch.optim.Optimizer]) -> None:
+    model, opt = _sr(cls)
     _one_step(model, opt)
 
     def refuse(*_: Any) -> None:
@@ -618,3 +624,51 @@ def test_bf16_sr_adam_raising_pre_hook_prevents_the_update() -> None:
     handle.remove()
     _one_step(model, opt)
     assert not bitwise_equal(_snapshot(model, opt)[0], before[0])
+
+
+@pytest.mark.parametrize("cls", SR_PATHS)
+def test_bf16_sr_step_aborted_by_a_pre_hook_leaves_the_optimizer_whole(cls: type[torch.optim.Optimizer]) -> None:
+    # The next iteration (zero_grad, backward, step) must go on as if the aborted step never was.
+    def fresh() -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        return _sr(cls)
+
+    def refuse(*_: Any) -> None:
+        raise RuntimeError("refused by a pre-hook")
+
+    model, opt = fresh()
+    _one_step(model, opt)
+    handle = opt.register_step_pre_hook(refuse)
+    with pytest.raises(RuntimeError, match="refused by a pre-hook"):
+        _one_step(model, opt)
+    handle.remove()
+    assert [id(p) for p in opt.param_groups[0]["params"]] == [id(p) for p in model.parameters()]
+    want_model, want_opt = fresh()
+    _one_step(want_model, want_opt)
+    for m, o in ((model, opt), (want_model, want_opt)):
+        x, y = _data(2)[1]
+        o.zero_grad()
+        F.mse_loss(m(x), y).backward()
+        o.step()
+    assert bitwise_equal(_snapshot(model, opt), _snapshot(want_model, want_opt))
+
+
+def test_bf16_sr_pre_hook_clipping_model_parameters_clips_the_update() -> None:
+    # A pre-hook is where some training loops clip; it must see the gradients SGD will step with.
+    def run(clip_in_hook: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model, opt = _sr(torch.optim.SGD)
+
+        def clip(*_: Any) -> None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+
+        if clip_in_hook:
+            opt.register_step_pre_hook(clip)
+        x, y = _data(1)[0]
+        F.mse_loss(model(x), y).backward()
+        if not clip_in_hook:
+            clip()
+        opt.step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    assert bitwise_equal(run(clip_in_hook=True), run(clip_in_hook=False))

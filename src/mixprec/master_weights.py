@@ -651,23 +651,22 @@ def _install_sr(optimizer: torch.optim.Optimizer, state: _Prepared) -> None:
         state.fused = True
         return
     shadows: list[tuple[dict[str, Any], int, nn.Parameter, torch.Tensor]] = []
+    lowp = {id(p) for p in state.lowp_params}
 
-    def widen(opt: torch.optim.Optimizer, *_: Any) -> None:
+    def widen(opt: torch.optim.Optimizer, group: dict[str, Any]) -> None:
         # The optimizer steps fp32 shadows swapped into its param groups, state moved over. The
         # parameters themselves keep their dtype: changing it through .data would reset their
         # gradient accumulators, and with them the hooks DDP all-reduces through.
-        lowp = {id(p) for p in state.lowp_params}
-        for group in opt.param_groups:
-            for i, param in enumerate(group["params"]):
-                if id(param) not in lowp or param.grad is None:
-                    continue
-                shadow = param.detach().float().requires_grad_(True)
-                shadow.grad = param.grad.float()
-                param_state = opt.state.pop(param, {})
-                opt.state[shadow] = {k: (v.float() if isinstance(v, torch.Tensor) and v.dtype is torch.bfloat16
-                                         and v.dim() > 0 else v) for k, v in param_state.items()}  # fmt: skip
-                group["params"][i] = shadow
-                shadows.append((group, i, param, shadow))
+        for i, param in enumerate(group["params"]):
+            if id(param) not in lowp or param.grad is None:
+                continue
+            shadow = param.detach().float().requires_grad_(True)
+            shadow.grad = param.grad.float()
+            param_state = opt.state.pop(param, {})
+            opt.state[shadow] = {k: (v.float() if isinstance(v, torch.Tensor) and v.dtype is torch.bfloat16
+                                     and v.dim() > 0 else v) for k, v in param_state.items()}  # fmt: skip
+            group["params"][i] = shadow
+            shadows.append((group, i, param, shadow))
 
     def narrow(opt: torch.optim.Optimizer, *_: Any) -> None:
         with torch.no_grad():
@@ -685,5 +684,23 @@ def _install_sr(optimizer: torch.optim.Optimizer, state: _Prepared) -> None:
                 group["params"][i] = param
         shadows.clear()
 
-    state.handles.append(optimizer.register_step_pre_hook(widen))
+    own_init_group = getattr(type(optimizer), "_init_group", None)
+    if own_init_group is not None:
+        # Every torch.optim optimizer but LBFGS and SparseAdam collects each group's tensors with
+        # _init_group, once per group, inside step: widening there, rather than in a step pre-hook,
+        # runs after the user's pre-hooks (they see and may change the bf16 gradients, or raise and
+        # leave the optimizer as it was).
+        def _init_group(self: torch.optim.Optimizer, group: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+            widen(self, group)
+            return own_init_group(self, group, *args, **kwargs)
+
+        optimizer._init_group = types.MethodType(_init_group, optimizer)  # type: ignore[attr-defined]
+        state.handles.append(_Restore(optimizer, "_init_group"))  # type: ignore[arg-type]
+    else:
+
+        def widen_all(opt: torch.optim.Optimizer, *_: Any) -> None:
+            for group in opt.param_groups:
+                widen(opt, group)
+
+        state.handles.append(optimizer.register_step_pre_hook(widen_all))
     state.handles.append(optimizer.register_step_post_hook(narrow))
