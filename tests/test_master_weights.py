@@ -258,7 +258,12 @@ def test_fused_adam_sr_kernel_matches_its_eager_form() -> None:
         torch.testing.assert_close(got, want, atol=0, rtol=2**-7)
 
 
-def test_bf16_pure_stalls_where_stochastic_rounding_converges() -> None:
+class _OwnSGD(torch.optim.SGD):
+    """An optimizer class from outside torch.optim: bf16-sr widens it in a step pre-hook."""
+
+
+@pytest.mark.parametrize("cls", [torch.optim.SGD, _OwnSGD])
+def test_bf16_pure_stalls_where_stochastic_rounding_converges(cls: type[torch.optim.SGD]) -> None:
     # A weight at 1.0 pulled towards 1.01 with a tiny learning rate: every update is far below half
     # a bf16 step (2**-8 at 1.0), so round-to-nearest throws each one away.
     results = {}
@@ -266,7 +271,7 @@ def test_bf16_pure_stalls_where_stochastic_rounding_converges() -> None:
         torch.manual_seed(0)
         model = nn.Linear(1, 256, bias=False)
         nn.init.ones_(model.weight)
-        opt = torch.optim.SGD(model.parameters(), lr=0.02)  # updates of about 4e-4 < 2**-8 / 2
+        opt = cls(model.parameters(), lr=0.02)  # updates of about 4e-4 < 2**-8 / 2
         model, opt = mixprec.prepare(model, opt, level=level, output_dtype=torch.float32)
         x = torch.ones(1, 1)
         for _ in range(600):

@@ -685,11 +685,11 @@ def _install_sr(optimizer: torch.optim.Optimizer, state: _Prepared) -> None:
         shadows.clear()
 
     own_init_group = getattr(type(optimizer), "_init_group", None)
-    if own_init_group is not None:
+    if own_init_group is not None and type(optimizer).__module__.startswith("torch.optim."):
         # Every torch.optim optimizer but LBFGS and SparseAdam collects each group's tensors with
         # _init_group, once per group, inside step: widening there, rather than in a step pre-hook,
         # runs after the user's pre-hooks (they see and may change the bf16 gradients, or raise and
-        # leave the optimizer as it was).
+        # leave the optimizer as it was). Other classes may not call it from step: a pre-hook.
         def _init_group(self: torch.optim.Optimizer, group: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
             widen(self, group)
             return own_init_group(self, group, *args, **kwargs)
