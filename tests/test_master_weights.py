@@ -316,10 +316,21 @@ def test_export_fp32() -> None:
     assert model(x).dtype is torch.float32
 
 
+class _TaggedParameter(nn.Parameter):
+    """A parameter subclass: O2 cannot redirect its .grad."""
+
+
+def _tagged_model() -> nn.Module:
+    model = _model()
+    model[0].weight = _TaggedParameter(model[0].weight.detach())
+    return model
+
+
 @pytest.mark.parametrize(
     ("make", "kwargs", "match"),
     [
         (lambda: _model().to(torch.bfloat16), {}, "needs an fp32 model"),
+        (_tagged_model, {}, "needs plain nn.Parameter objects, but one is a _TaggedParameter; keep that module"),
         (lambda: _model(), {"level": "O3"}, "unknown level 'O3'; valid levels: O1, O2, bf16-sr"),
         (lambda: _model(), {"level": "bf16-sr", "dtype": torch.float16}, "keeps weights in bf16"),
         (lambda: _model(), {"dtype": torch.int8}, "non-floating"),
@@ -329,6 +340,8 @@ def test_bad_input(make: Any, kwargs: dict[str, Any], match: str) -> None:
     model = make()
     with pytest.raises(ValueError, match=match):
         mixprec.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), **kwargs)
+    assert not hasattr(model, "_mixprec")
+    assert all(p.dtype is model[0].weight.dtype for p in model.parameters())  # nothing converted
 
 
 def test_optimizer_not_over_this_model_or_shared_params() -> None:
