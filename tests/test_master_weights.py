@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import mixprec
 from conftest import bitwise_equal
@@ -82,8 +83,8 @@ def test_o2_layout_and_gradients() -> None:
     out = model(x)
     assert out.dtype is torch.float32
     F.mse_loss(out, y).backward()
-    assert model[0].weight.grad is None  # moved into the master
     assert all(m.grad is not None and m.grad.dtype is torch.float32 for m in masters)
+    assert model[0].weight.grad is masters[0].grad  # moved into the master, and seen through the model
     opt.step()
     for p, m in zip(model._mixprec.lowp_params, model._mixprec.masters, strict=True):  # type: ignore[union-attr]
         assert torch.equal(p, m.to(torch.bfloat16))  # refreshed from the masters
@@ -130,7 +131,8 @@ def test_param_groups_scheduler_clipping_and_zero_grad_modes() -> None:
     assert opt.param_groups[0]["lr"] == 0.1 * 0.5**4
 
 
-def test_o2_checkpoint_resumes_bit_for_bit() -> None:
+@pytest.mark.parametrize("optimizer_first", [False, True], ids=["model-first", "optimizer-first"])
+def test_o2_checkpoint_resumes_bit_for_bit(optimizer_first: bool) -> None:
     def fresh() -> tuple[nn.Module, torch.optim.Optimizer, mixprec.GradScaler]:
         model = _model()
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -154,8 +156,12 @@ def test_o2_checkpoint_resumes_bit_for_bit() -> None:
     buffer.seek(0)
     saved = torch.load(buffer)
     resumed = fresh()
+    # Either order: the model's low-precision weights leave alone masters that already round to them.
+    if optimizer_first:
+        resumed[1].load_state_dict(saved["opt"])
     resumed[0].load_state_dict(saved["model"])
-    resumed[1].load_state_dict(saved["opt"])
+    if not optimizer_first:
+        resumed[1].load_state_dict(saved["opt"])
     resumed[2].load_state_dict(saved["scaler"])
     steps(*resumed, batches[10:])
     assert bitwise_equal(mixprec.master_params(straight[1]), mixprec.master_params(resumed[1]))
@@ -227,7 +233,8 @@ def test_weyl_noise_rounding_is_unbiased_over_steps() -> None:
     torch.manual_seed(0)
     x = torch.full((256,), 1.0 + 3 * 2**-10)  # 3/8 of the way from 1 to the next bf16 value
     steps = 2000
-    draws = torch.stack([master_weights._sr_bits(x, master_weights._new_seed(x.device)).view(torch.float32)
+    seeds = master_weights._SRSeeds(12345)
+    draws = torch.stack([master_weights._sr_bits(x, seeds.next(x.device)).view(torch.float32)
                          for _ in range(steps)])  # fmt: skip
     assert set(draws.unique().tolist()) == {1.0, 1.0 + 2**-7}
     assert (draws.mean(0) - x).abs().max() < 0.06 * 2**-7  # every element, on average over steps
@@ -240,7 +247,7 @@ def test_fused_adam_sr_kernel_matches_its_eager_form() -> None:
     p, g, m, v = (torch.randn(1000).mul(0.1).to(torch.bfloat16) for _ in range(4))
     v = v.abs()
     group = {"lr": 1e-2, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.1}
-    seed, scalars = master_weights._new_seed(p.device), master_weights._adam_scalars(group, 3.0, True)
+    seed, scalars = master_weights._SRSeeds(7).next(p.device), master_weights._adam_scalars(group, 3.0, True)
     eager = [t.clone() for t in (p, g, m, v)]
     master_weights._adam_sr_update(*eager, seed, scalars)
     compiled = [t.clone() for t in (p, g, m, v)]
@@ -251,7 +258,12 @@ def test_fused_adam_sr_kernel_matches_its_eager_form() -> None:
         torch.testing.assert_close(got, want, atol=0, rtol=2**-7)
 
 
-def test_bf16_pure_stalls_where_stochastic_rounding_converges() -> None:
+class _OwnSGD(torch.optim.SGD):
+    """An optimizer class from outside torch.optim: bf16-sr widens it in a step pre-hook."""
+
+
+@pytest.mark.parametrize("cls", [torch.optim.SGD, _OwnSGD])
+def test_bf16_pure_stalls_where_stochastic_rounding_converges(cls: type[torch.optim.SGD]) -> None:
     # A weight at 1.0 pulled towards 1.01 with a tiny learning rate: every update is far below half
     # a bf16 step (2**-8 at 1.0), so round-to-nearest throws each one away.
     results = {}
@@ -259,7 +271,7 @@ def test_bf16_pure_stalls_where_stochastic_rounding_converges() -> None:
         torch.manual_seed(0)
         model = nn.Linear(1, 256, bias=False)
         nn.init.ones_(model.weight)
-        opt = torch.optim.SGD(model.parameters(), lr=0.02)  # updates of about 4e-4 < 2**-8 / 2
+        opt = cls(model.parameters(), lr=0.02)  # updates of about 4e-4 < 2**-8 / 2
         model, opt = mixprec.prepare(model, opt, level=level, output_dtype=torch.float32)
         x = torch.ones(1, 1)
         for _ in range(600):
@@ -304,10 +316,21 @@ def test_export_fp32() -> None:
     assert model(x).dtype is torch.float32
 
 
+class _TaggedParameter(nn.Parameter):
+    """A parameter subclass: O2 cannot redirect its .grad."""
+
+
+def _tagged_model() -> nn.Module:
+    model = _model()
+    model[0].weight = _TaggedParameter(model[0].weight.detach())
+    return model
+
+
 @pytest.mark.parametrize(
     ("make", "kwargs", "match"),
     [
         (lambda: _model().to(torch.bfloat16), {}, "needs an fp32 model"),
+        (_tagged_model, {}, "needs plain nn.Parameter objects, but one is a _TaggedParameter; keep that module"),
         (lambda: _model(), {"level": "O3"}, "unknown level 'O3'; valid levels: O1, O2, bf16-sr"),
         (lambda: _model(), {"level": "bf16-sr", "dtype": torch.float16}, "keeps weights in bf16"),
         (lambda: _model(), {"dtype": torch.int8}, "non-floating"),
@@ -317,6 +340,8 @@ def test_bad_input(make: Any, kwargs: dict[str, Any], match: str) -> None:
     model = make()
     with pytest.raises(ValueError, match=match):
         mixprec.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), **kwargs)
+    assert not hasattr(model, "_mixprec")
+    assert all(p.dtype is model[0].weight.dtype for p in model.parameters())  # nothing converted
 
 
 def test_optimizer_not_over_this_model_or_shared_params() -> None:
@@ -345,7 +370,7 @@ def test_fused_bf16_sr_adam_matches_torch_update(cls: type[torch.optim.Optimizer
     opt = cls(model.parameters(), lr=1e-2, weight_decay=0.1)
     ref_opt = cls(reference.parameters(), lr=1e-2, weight_decay=0.1)
     model, opt = mixprec.prepare(model, opt, level="bf16-sr", output_dtype=None)
-    assert getattr(opt.step, "__wrapped__", None) is not None  # the compiled fused path is in use
+    assert opt._mixprec.fused  # type: ignore[attr-defined]  # the compiled fused path is in use
     for step in range(1, 4):
         x = torch.randn(16, 64)
         for m, o in ((model, opt), (reference, ref_opt)):
@@ -371,3 +396,297 @@ def test_fused_bf16_sr_adam_matches_torch_update(cls: type[torch.optim.Optimizer
             # bf16 storage: each step's rounding (2**-9 relative) carries into the next.
             scale = theirs[key].abs().max().item()
             torch.testing.assert_close(mine[key].float(), theirs[key], rtol=1e-2, atol=2**-8 * scale)
+
+
+# ----- weights written into a prepared model (O2) ----------------------------------------------
+
+
+def _masters_by_name(model: nn.Module) -> dict[str, torch.Tensor]:
+    state = model._mixprec  # type: ignore[union-attr]
+    master_of = {id(p): m for p, m in zip(state.lowp_params, state.masters, strict=True)}
+    return {n: master_of[id(p)].detach() for n, p in model.named_parameters() if id(p) in master_of}
+
+
+def _one_step(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    x, y = _data(1)[0]
+    opt.zero_grad()
+    F.mse_loss(model(x), y).backward()
+    opt.step()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_o2_weights_loaded_after_prepare_reach_the_masters(dtype: torch.dtype) -> None:
+    pretrained = _model(seed=5).state_dict()  # fp32, unlike the weights prepare() started from
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.0)  # lr 0: the step must keep what was loaded
+    model, opt = mixprec.prepare(model, opt, level="O2", dtype=dtype)
+    model.load_state_dict(pretrained)
+    _one_step(model, opt)
+    for name, param in model.named_parameters():
+        assert torch.equal(param, pretrained[name].to(param.dtype)), name
+    masters = _masters_by_name(model)
+    assert masters.keys() == {"0.weight", "0.bias", "3.weight", "3.bias", "5.weight", "5.bias"}
+    for name, master in masters.items():
+        assert bitwise_equal(master, pretrained[name]), name  # the fp32 values, not a low-precision round trip
+
+
+def test_o2_low_precision_state_dict_loaded_after_prepare_reaches_the_masters() -> None:
+    other = _model(seed=5)
+    other, _ = mixprec.prepare(other, torch.optim.SGD(other.parameters()), level="O2")
+    saved = other.state_dict()  # bf16 weights: the masters get them widened
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    model, opt = mixprec.prepare(model, opt, level="O2")
+    model.load_state_dict(saved)
+    _one_step(model, opt)
+    for name, master in _masters_by_name(model).items():
+        assert bitwise_equal(master, saved[name].float()), name
+        assert bitwise_equal(model.get_parameter(name).detach(), saved[name]), name
+
+
+def test_o2_in_place_writes_reach_the_masters() -> None:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    model, opt = mixprec.prepare(model, opt, level="O2")
+    written = torch.randn(64, 16)
+    with torch.no_grad():
+        model[0].weight.copy_(written)
+        nn.init.zeros_(model[3].bias)
+    _one_step(model, opt)
+    masters = _masters_by_name(model)
+    assert bitwise_equal(model[0].weight.detach(), written.to(torch.bfloat16))
+    assert bitwise_equal(masters["0.weight"], written.to(torch.bfloat16).float())  # what the weight holds
+    assert bitwise_equal(masters["3.bias"], torch.zeros(64))
+    assert not torch.equal(masters["5.weight"], masters["5.weight"].to(torch.bfloat16).float())  # untouched: fp32
+
+
+def test_o2_load_state_dict_with_assign_is_refused() -> None:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = mixprec.prepare(model, opt, level="O2")
+    with pytest.raises(ValueError, match="load with assign=False, or load before prepare"):
+        model.load_state_dict(_model(seed=5).state_dict(), assign=True)
+
+
+# ----- gradients seen through model.parameters() -----------------------------------------------
+
+
+@pytest.mark.parametrize("scaled", [False, True], ids=["unscaled", "GradScaler"])
+@pytest.mark.parametrize(
+    ("level", "dtype"),
+    [
+        ("O1", torch.bfloat16),
+        ("O2", torch.bfloat16),
+        ("O2", torch.float16),
+        ("bf16-sr", torch.bfloat16),
+        ("bf16-pure", torch.bfloat16),
+    ],
+)
+def test_clipping_model_parameters_clips_the_update(level: str, dtype: torch.dtype, scaled: bool) -> None:
+    # The same step twice: clipping model.parameters(), and clipping the tensors the optimizer
+    # updates (the fp32 masters at O2). Both must see every gradient and give the same update.
+    def run(through_model: bool) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+        torch.manual_seed(0)
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        model, opt = mixprec.prepare(model, opt, level=level, dtype=dtype)
+        scaler = mixprec.GradScaler("cpu", init_scale=2.0**10, enabled=scaled)
+        for x, y in _data(2):
+            opt.zero_grad()
+            scaler.scale(F.mse_loss(model(x), y)).backward()
+            scaler.unscale_(opt)  # the AMP recipe: unscale, then clip
+            params = model.parameters() if through_model else mixprec.master_params(opt)
+            norm = torch.nn.utils.clip_grad_norm_(params, max_norm=1e-2)
+            scaler.step(opt)
+            scaler.update()
+        updated = [t.detach().clone() for t in mixprec.master_params(opt)]
+        return norm, updated, [p.detach().clone() for p in model.parameters()]
+
+    norm, masters, weights = run(through_model=True)
+    want_norm, want_masters, want_weights = run(through_model=False)
+    assert want_norm > 1e-2  # the clip does something
+    assert bitwise_equal(norm, want_norm)
+    assert bitwise_equal(masters, want_masters)
+    assert bitwise_equal(weights, want_weights)
+
+
+def test_o2_gradient_seen_through_the_model_is_the_masters() -> None:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = mixprec.prepare(model, opt, level="O2")
+    x, y = _data(1)[0]
+    F.mse_loss(model(x), y).backward()
+    grads = [p.grad for p in model.parameters()]
+    assert all(g is not None and g.dtype is torch.float32 for g in grads)
+    assert [id(g) for g in grads] == [id(m.grad) for m in mixprec.master_params(opt)]
+    model[0].weight.grad = torch.ones(64, 16, dtype=torch.bfloat16)  # a low-precision gradient widens exactly
+    assert bitwise_equal(mixprec.master_params(opt)[0].grad, torch.ones(64, 16))
+    model.zero_grad()
+    assert all(p.grad is None for p in (*model.parameters(), *mixprec.master_params(opt)))
+
+
+# ----- bf16-sr: checkpoints, schedulers and hooks ----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(lambda ps: torch.optim.AdamW(ps, lr=3e-3, weight_decay=0.1), id="AdamW-fused"),
+        pytest.param(lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9), id="SGD"),
+    ],
+)
+def test_bf16_sr_checkpoint_resumes_bit_for_bit(make: Any) -> None:
+    def fresh(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(seed)
+        model = _model(seed)
+        return mixprec.prepare(model, make(model.parameters()), level="bf16-sr")
+
+    def steps(model: nn.Module, opt: torch.optim.Optimizer, batches: list[Any]) -> None:
+        for x, y in batches:
+            opt.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+
+    batches = _data(12)
+    straight = fresh(0)
+    steps(*straight, batches)
+    first = fresh(0)
+    steps(*first, batches[:6])
+    buffer = io.BytesIO()
+    torch.save({"model": first[0].state_dict(), "opt": first[1].state_dict()}, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer)
+    resumed = fresh(7)  # another process: other weights, other seeds, torch's generators elsewhere
+    resumed[0].load_state_dict(saved["model"])
+    resumed[1].load_state_dict(saved["opt"])
+    torch.manual_seed(1234)
+    steps(*resumed, batches[6:])
+    assert bitwise_equal(list(straight[0].parameters()), list(resumed[0].parameters()))
+    assert bitwise_equal(straight[1].state_dict(), resumed[1].state_dict())
+    assert not bitwise_equal(list(first[0].parameters()), list(resumed[0].parameters()))  # it did train on
+
+
+def _sr(cls: type[torch.optim.Optimizer]) -> tuple[nn.Module, torch.optim.Optimizer]:
+    model = _model()
+    model, opt = mixprec.prepare(model, cls(model.parameters(), lr=1e-2), level="bf16-sr")  # type: ignore[call-arg]
+    assert opt._mixprec.fused is (cls is torch.optim.AdamW)  # type: ignore[attr-defined]
+    return model, opt
+
+
+def _snapshot(model: nn.Module, opt: torch.optim.Optimizer) -> list[Any]:
+    return [[p.detach().clone() for p in model.parameters()], copy.deepcopy(opt.state_dict())]
+
+
+@pytest.mark.parametrize("norm", [False, True], ids=["all-bf16", "fp32-norm-kept"])
+@pytest.mark.parametrize("created", ["before-prepare", "after-prepare"])
+def test_bf16_sr_adam_with_lr_scheduler(created: str, norm: bool) -> None:
+    model = _model(norm=norm)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def schedule(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+        return torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 1.0 if epoch == 0 else 0.0)
+
+    sched = schedule(opt) if created == "before-prepare" else None
+    model, opt = mixprec.prepare(model, opt, level="bf16-sr")
+    assert opt._mixprec.fused  # type: ignore[attr-defined]
+    sched = sched or schedule(opt)
+    start = _snapshot(model, opt)[0]
+    _one_step(model, opt)
+    sched.step()  # warnings are errors: none about the order of step() calls
+    first = _snapshot(model, opt)[0]
+    assert all(not torch.equal(a, b) for a, b in zip(start, first, strict=True))  # lr 1e-2 moves every weight
+    assert opt.param_groups[0]["lr"] == 0.0
+    _one_step(model, opt)
+    sched.step()
+    assert bitwise_equal(_snapshot(model, opt)[0], first)  # lr 0: nothing moves
+
+
+# AdamW: the fused kernel; SGD: SGD's own step on fp32 copies.
+SR_PATHS = [pytest.param(torch.optim.AdamW, id="AdamW-fused"), pytest.param(torch.optim.SGD, id="SGD")]
+
+
+@pytest.mark.parametrize("cls", SR_PATHS)
+def test_bf16_sr_runs_step_hooks_in_order(cls: type[torch.optim.Optimizer]) -> None:
+    model, opt = _sr(cls)
+    seen: list[tuple[str, torch.Tensor]] = []
+
+    def hook(name: str) -> Any:
+        return lambda *_: seen.append((name, model[0].weight.detach().clone()))
+
+    handles = [opt.register_step_post_hook(hook("post")), opt.register_step_pre_hook(hook("pre")),
+               register_optimizer_step_pre_hook(hook("global-pre"))]  # fmt: skip
+    try:
+        before = model[0].weight.detach().clone()
+        _one_step(model, opt)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert [name for name, _ in seen] == ["global-pre", "pre", "post"]
+    assert torch.equal(seen[0][1], before) and torch.equal(seen[1][1], before)
+    assert not torch.equal(seen[2][1], before)  # the post hook sees the update
+
+
+@pytest.mark.parametrize("cls", SR_PATHS)
+def test_bf16_sr_raising_pre_hook_prevents_the_update(cls: type[torch.optim.Optimizer]) -> None:
+    model, opt = _sr(cls)
+    _one_step(model, opt)
+
+    def refuse(*_: Any) -> None:
+        raise RuntimeError("refused by a pre-hook")
+
+    handle = opt.register_step_pre_hook(refuse)
+    before = _snapshot(model, opt)
+    with pytest.raises(RuntimeError, match="refused by a pre-hook"):
+        _one_step(model, opt)
+    assert bitwise_equal(_snapshot(model, opt), before)
+    handle.remove()
+    _one_step(model, opt)
+    assert not bitwise_equal(_snapshot(model, opt)[0], before[0])
+
+
+@pytest.mark.parametrize("cls", SR_PATHS)
+def test_bf16_sr_step_aborted_by_a_pre_hook_leaves_the_optimizer_whole(cls: type[torch.optim.Optimizer]) -> None:
+    # The next iteration (zero_grad, backward, step) must go on as if the aborted step never was.
+    def fresh() -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        return _sr(cls)
+
+    def refuse(*_: Any) -> None:
+        raise RuntimeError("refused by a pre-hook")
+
+    model, opt = fresh()
+    _one_step(model, opt)
+    handle = opt.register_step_pre_hook(refuse)
+    with pytest.raises(RuntimeError, match="refused by a pre-hook"):
+        _one_step(model, opt)
+    handle.remove()
+    assert [id(p) for p in opt.param_groups[0]["params"]] == [id(p) for p in model.parameters()]
+    want_model, want_opt = fresh()
+    _one_step(want_model, want_opt)
+    for m, o in ((model, opt), (want_model, want_opt)):
+        x, y = _data(2)[1]
+        o.zero_grad()
+        F.mse_loss(m(x), y).backward()
+        o.step()
+    assert bitwise_equal(_snapshot(model, opt), _snapshot(want_model, want_opt))
+
+
+def test_bf16_sr_pre_hook_clipping_model_parameters_clips_the_update() -> None:
+    # A pre-hook is where some training loops clip; it must see the gradients SGD will step with.
+    def run(clip_in_hook: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model, opt = _sr(torch.optim.SGD)
+
+        def clip(*_: Any) -> None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+
+        if clip_in_hook:
+            opt.register_step_pre_hook(clip)
+        x, y = _data(1)[0]
+        F.mse_loss(model(x), y).backward()
+        if not clip_in_hook:
+            clip()
+        opt.step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    assert bitwise_equal(run(clip_in_hook=True), run(clip_in_hook=False))

@@ -6,33 +6,41 @@
 * ``"O2"``: parameters and buffers in ``dtype`` (modules kept in fp32 excepted, norm layers by
   default); the optimizer holds fp32 master copies. Each low-precision gradient is moved into
   its master as soon as backward has accumulated it (summed in fp32, the low-precision one
-  freed); after ``optimizer.step()`` the low-precision weights are refreshed from the masters
-  in one fused copy. ``optimizer.state_dict()`` carries the masters, so a checkpoint resumes
-  bit for bit. GradScaler needs nothing extra: ``scaler.step(optimizer)`` sees fp32 gradients.
+  freed), and the parameter's ``.grad`` reads and writes its master's gradient, so clipping and
+  inspecting ``model.parameters()`` act on the gradients the optimizer uses. After
+  ``optimizer.step()`` the low-precision weights are refreshed from the masters in one fused
+  copy. Weights written into the model (``load_state_dict``, in-place writes) reach the masters.
+  ``optimizer.state_dict()`` carries the masters, so a checkpoint resumes bit for bit.
+  GradScaler needs nothing extra: ``scaler.step(optimizer)`` sees fp32 gradients.
 * ``"bf16-sr"``: weights and optimizer state in bf16 only, no master copy. The optimizer runs
   in fp32 on transient copies; the weights are written back with stochastic rounding (round up
   with probability equal to the discarded fraction), so small updates survive on average
-  instead of being rounded away; the state is written back rounded to nearest.
+  instead of being rounded away; the state is written back rounded to nearest. The rounding
+  noise comes from a seed and a counter saved in ``optimizer.state_dict()``, so a checkpoint
+  resumes bit for bit.
 * ``"bf16-pure"``: bf16 weights and state with round-to-nearest updates; the baseline that
   shows what stochastic rounding fixes.
 
 At every level but O1 the model's forward runs under :func:`mixprec.autocast` (so ops on the
 lists still run in fp32 where they should) and floating outputs are returned as fp32.
 
-Gradients at O2 live on the masters: clip ``mixprec.master_params(optimizer)``, not
-``model.parameters()`` (their ``.grad`` is ``None``).
+At every level ``p.grad`` for ``p`` in ``model.parameters()`` is the gradient the optimizer
+steps with (at O2, the fp32 master's), so ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)``
+clips the update.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import types
 from collections.abc import Callable, Iterable
 from typing import Any, cast
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
+from torch.utils.weak import WeakIdKeyDictionary
 
 from mixprec._dtypes import LOW_PRECISION, NamedEnum, parse_dtype
 from mixprec.autocast import autocast
@@ -89,10 +97,17 @@ class _Prepared:
     masters: list[torch.Tensor]  # O2: lowp_params[i] is refreshed from masters[i]
     handles: list[RemovableHandle]
     loaded_masters: dict[int, torch.Tensor] | None = None
+    versions: list[int] = dataclasses.field(default_factory=list)  # O2: lowp_params' versions the masters match
+    seeds: _SRSeeds | None = None  # bf16-sr: where the rounding noise comes from
+    fused: bool = False  # bf16-sr: Adam(W) steps the bf16 weights with the compiled fused kernel
 
 
 def master_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """The tensors the optimizer updates (fp32 masters at O2): clip and inspect their gradients."""
+    """The tensors the optimizer updates (fp32 masters at O2).
+
+    Their gradients are the ones ``model.parameters()`` show (at O2, ``p.grad`` of a low-precision
+    parameter is its master's gradient), so either list can be clipped.
+    """
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
@@ -151,19 +166,27 @@ def prepare(
 
     state = _Prepared(level, dtype, device_type, original_forward, [], [], [])
     if level is not Level.O1:
+        converted = [m for m in model.modules() if rule is None or not _module_is_kept(model, m, rule)]
         kept = _kept_parameters(model, rule)
-        done: set[int] = set()  # shared parameters are converted once
-        for module in model.modules():
-            if rule is not None and _module_is_kept(model, module, rule):
-                continue
+        seen: set[int] = set()  # shared parameters are converted once
+        for module in converted:
             for param in module.parameters(recurse=False):
-                if id(param) in kept or id(param) in done:
-                    continue
-                done.add(id(param))
-                if level is Level.O2:
-                    state.masters.append(param.detach().clone().requires_grad_(param.requires_grad))
-                param.data = param.data.to(dtype)
-                state.lowp_params.append(param)
+                if id(param) not in kept and id(param) not in seen:
+                    seen.add(id(param))
+                    state.lowp_params.append(param)
+        if level is Level.O2:
+            odd = [p for p in state.lowp_params if type(p) is not nn.Parameter]
+            if odd:
+                raise ValueError(
+                    f"level 'O2' redirects each low-precision parameter's .grad to its fp32 master and needs plain "
+                    f"nn.Parameter objects, but one is a {type(odd[0]).__name__}; keep that module in fp32 with "
+                    "keep_types=/keep_names=, or use level 'bf16-sr'"
+                )
+        for param in state.lowp_params:
+            if level is Level.O2:
+                state.masters.append(param.detach().clone().requires_grad_(param.requires_grad))
+            param.data = param.data.to(dtype)
+        for module in converted:
             for name, buffer in module.named_buffers(recurse=False):
                 if buffer.is_floating_point():
                     module._buffers[name] = buffer.to(dtype)
@@ -190,7 +213,10 @@ def export_fp32(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
         handle.remove()
     with torch.no_grad():
         if state.level is Level.O2:
+            _adopt_direct_writes(state)
             for param, master in zip(state.lowp_params, state.masters, strict=True):
+                del _MASTER_OF[param]
+                param.__class__ = nn.Parameter
                 param.data = master.detach().clone()
                 param.grad = None if master.grad is None else master.grad.clone()
         else:
@@ -294,21 +320,78 @@ def _replace_in_optimizer(optimizer: torch.optim.Optimizer, swap: dict[int, torc
                     optimizer.state[new] = optimizer.state.pop(p)
 
 
+_TENSOR_GRAD: Any = vars(torch._C.TensorBase)["grad"]  # the gradient autograd accumulates into
+_MASTER_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()  # O2 low-precision parameter -> its fp32 master
+
+
+def _own_grad(param: torch.Tensor) -> torch.Tensor | None:
+    """``param``'s own gradient, under the override of :class:`_MasterGradParameter`."""
+    return cast("torch.Tensor | None", _TENSOR_GRAD.__get__(param))
+
+
+def _master_of(param: torch.Tensor) -> torch.Tensor | None:
+    return cast("torch.Tensor | None", _MASTER_OF.get(param))  # type: ignore[no-untyped-call]
+
+
+class _MasterGradParameter(nn.Parameter):
+    """An O2 low-precision parameter whose ``.grad``, read or written from Python, is its fp32 master's.
+
+    Autograd (C++) still accumulates into the parameter's own low-precision gradient, which is
+    moved into the master at the end of backward. Python code that walks ``model.parameters()``
+    (``clip_grad_norm_``, gradient-norm logging, ``zero_grad``) then reads and changes the
+    gradients the optimizer steps with, not a subset of them.
+    """
+
+    @property  # type: ignore[override]
+    def grad(self) -> torch.Tensor | None:
+        master = _master_of(self)
+        return _own_grad(self) if master is None else master.grad
+
+    @grad.setter
+    def grad(self, value: torch.Tensor | None) -> None:
+        master = _master_of(self)
+        if master is None:
+            _TENSOR_GRAD.__set__(self, value)
+        else:  # a low-precision gradient widens exactly
+            master.grad = None if value is None else value.to(master.dtype)
+
+
+def _adopt_direct_writes(state: _Prepared) -> None:
+    """Make each master match its weight where the weight was written since the masters were last synced.
+
+    Writes into a weight (``load_state_dict``, ``p.copy_`` under ``no_grad``, ``nn.init``) bump its
+    version counter; the refresh from the masters writes through ``.data``, which does not. A master
+    that already rounds to the written weight is kept (it is more precise: a DDP broadcast of the
+    same values, a checkpoint loaded into the model after the optimizer). Syncs only for weights
+    that were written.
+    """
+    with torch.no_grad():
+        for i, (param, master) in enumerate(zip(state.lowp_params, state.masters, strict=True)):
+            if param._version != state.versions[i]:
+                if not torch.equal(master.to(param.dtype), param):
+                    master.copy_(param)
+                state.versions[i] = param._version
+
+
 def _install_o2(model: nn.Module, optimizer: torch.optim.Optimizer, state: _Prepared) -> None:
     master_of = {id(p): m for p, m in zip(state.lowp_params, state.masters, strict=True)}
     _replace_in_optimizer(optimizer, master_of)
+    for param, master in zip(state.lowp_params, state.masters, strict=True):
+        param.__class__ = _MasterGradParameter
+        _MASTER_OF[param] = master
+    state.versions = [p._version for p in state.lowp_params]
 
     def move_grad(param: torch.Tensor) -> None:
         # Sum into the fp32 master and free the low-precision gradient.
-        master = master_of[id(param)]
-        grad = param.grad
+        grad = _own_grad(param)
         if grad is None:
             return
+        master = master_of[id(param)]
         if master.grad is None:
             master.grad = grad.to(torch.float32)
         else:
             master.grad.add_(grad)
-        param.grad = None
+        _TENSOR_GRAD.__set__(param, None)
 
     def move_all() -> None:
         pending[0] = False
@@ -332,10 +415,40 @@ def _install_o2(model: nn.Module, optimizer: torch.optim.Optimizer, state: _Prep
     def refresh(*_: Any) -> None:
         with torch.no_grad():
             torch._foreach_copy_([p.data for p in state.lowp_params], state.masters)
+        state.versions = [p._version for p in state.lowp_params]
 
+    # Registered first, so it runs before any hook the user adds: the step starts from the weights
+    # as written.
+    state.handles.append(optimizer.register_step_pre_hook(lambda *_: _adopt_direct_writes(state)))
     state.handles.append(optimizer.register_step_post_hook(refresh))
 
+    def load_into_masters(module: nn.Module, state_dict: dict[str, Any], prefix: str,
+                          local_metadata: dict[str, Any], *_: Any) -> None:  # fmt: skip
+        # Runs before torch copies the values into the (low-precision) weights: the masters get
+        # them at full precision.
+        for name, param in module._parameters.items():
+            master = master_of.get(id(param))
+            value = state_dict.get(prefix + name)
+            if master is None or param is None or not isinstance(value, torch.Tensor) or value.shape != param.shape:
+                continue  # not ours, or torch reports the mismatch
+            swaps = torch.__future__.get_swap_module_params_on_conversion()
+            if local_metadata.get("assign_to_params_buffers") or swaps:
+                raise ValueError(
+                    "load_state_dict(assign=True) (or swapping tensors on conversion) would replace the "
+                    "low-precision parameters that mixprec.prepare() made and the optimizer's masters "
+                    "follow; load with assign=False, or load before prepare()"
+                )
+            with torch.no_grad():
+                precise = value.is_floating_point() and value.element_size() >= 4
+                if precise or not torch.equal(master.to(param.dtype), value.to(param.dtype)):
+                    master.copy_(value)
+
+    for module in model.modules():
+        if any(id(p) in master_of for p in module._parameters.values() if p is not None):
+            state.handles.append(module.register_load_state_dict_pre_hook(load_into_masters))  # type: ignore[no-untyped-call]
+
     def save_masters(opt: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+        _adopt_direct_writes(state)
         index = {id(p): i for i, p in enumerate(master_params(opt))}
         state_dict["mixprec_masters"] = {index[id(m)]: m.detach().clone() for m in state.masters}
         return state_dict
@@ -361,15 +474,6 @@ def _install_o2(model: nn.Module, optimizer: torch.optim.Optimizer, state: _Prep
     state.handles.append(optimizer.register_load_state_dict_pre_hook(take_masters))  # type: ignore[arg-type]
     state.handles.append(optimizer.register_load_state_dict_post_hook(load_masters))
 
-    original_zero_grad = model.zero_grad
-
-    def zero_grad(set_to_none: bool = True) -> None:
-        original_zero_grad(set_to_none=set_to_none)
-        optimizer.zero_grad(set_to_none=set_to_none)
-
-    model.zero_grad = zero_grad  # type: ignore[method-assign]
-    state.handles.append(_Restore(model, "zero_grad"))  # type: ignore[arg-type]
-
 
 class _Restore:
     """A handle whose remove() drops an instance attribute that shadows the class's method."""
@@ -388,11 +492,37 @@ class _Restore:
 # in place from the index: no buffer to read and no generator call per element (torch's CPU
 # generator makes about 200 M integers a second, slower than the optimizer step itself).
 _WEYL = -1640531535  # 0x9E3779B1 (2**32 / golden ratio) as an int32
+_MASK64 = (1 << 64) - 1
 
 
-def _new_seed(device: torch.device) -> torch.Tensor:
-    """A uniform int32 seed, drawn on ``device`` (no host sync)."""
-    return torch.randint(-(1 << 31), 1 << 31, (), dtype=torch.int32, device=device)
+class _SRSeeds:
+    """The per-tensor, per-step seeds of stochastic rounding: seed ``n`` is a hash of (base, n).
+
+    A pure function of two integers, saved in ``optimizer.state_dict()`` (``"mixprec_sr"``), so a
+    resumed run rounds exactly as an uninterrupted one, whatever torch's generators did meanwhile.
+    The base is drawn from torch's CPU generator at ``prepare`` (``torch.manual_seed`` makes runs
+    repeatable). Computed on the host: no generator call on the device and no sync.
+    """
+
+    def __init__(self, base: int) -> None:
+        self.base, self.counter = base, 0
+
+    def next(self, device: torch.device) -> torch.Tensor:
+        """The next seed, as an int32 scalar tensor on ``device`` (a host-to-device copy, no sync)."""
+        self.counter += 1  # a Python int: never wraps
+        # splitmix64's finaliser: consecutive counters give independent-looking, uniform 64-bit values.
+        z = (self.base + self.counter * 0x9E3779B97F4A7C15) & _MASK64
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+        high = (z ^ (z >> 31)) >> 32
+        seed = torch.tensor(high - (1 << 32) if high >= 1 << 31 else high, dtype=torch.int32)
+        return seed if device.type == "cpu" else seed.to(device, non_blocking=True)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"base": self.base, "counter": self.counter}
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        self.base, self.counter = int(saved["base"]), int(saved["counter"])
 
 
 def _sr_bits(x: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
@@ -441,11 +571,17 @@ def _fused_adam_sr_supported(optimizer: torch.optim.Optimizer) -> bool:
     if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
         return False
     return all(not g.get("amsgrad") and not g.get("maximize") and not g.get("capturable")
-               and not g.get("differentiable") for g in optimizer.param_groups)  # fmt: skip
+               and not g.get("differentiable") and not g.get("fused") for g in optimizer.param_groups)  # fmt: skip
 
 
-def _install_fused_adam_sr(optimizer: torch.optim.Optimizer, state: _Prepared) -> bool:
-    """Replace ``optimizer.step`` by a compiled fused Adam(W)+stochastic-rounding step, if it compiles."""
+def _install_fused_adam_sr(optimizer: torch.optim.Optimizer, state: _Prepared, seeds: _SRSeeds) -> bool:
+    """Have Adam(W)'s own ``step`` update the bf16 weights with the compiled fused kernel, if it compiles.
+
+    ``step`` itself is left alone (its hooks, profiling and LR schedulers' wrappers all stay in
+    place): Adam's ``_init_group``, which ``step`` calls once per param group to collect the
+    tensors to update, is overridden on this optimizer. It updates the bf16 weights of the group
+    with the fused kernel and hands the rest (fp32 weights of kept modules) to Adam's own.
+    """
     global _compiled_adam_sr
     if _compiled_adam_sr is None:
         try:
@@ -455,91 +591,89 @@ def _install_fused_adam_sr(optimizer: torch.optim.Optimizer, state: _Prepared) -
             # shapes from the first sizes it sees (a tiny probe gave a single-threaded kernel).
             probe = [torch.zeros(1 << 20, dtype=torch.bfloat16) for _ in range(4)]
             with torch.no_grad():
-                compiled(*probe, _new_seed(torch.device("cpu")), _adam_scalars(_PROBE_GROUP, 1.0, True))
+                compiled(*probe, torch.zeros((), dtype=torch.int32), _adam_scalars(_PROBE_GROUP, 1.0, True))
             _compiled_adam_sr = compiled
         except Exception:  # no C++ toolchain, an unsupported platform: keep the generic path
             return False
+    kernel = _compiled_adam_sr
     lowp = {id(p) for p in state.lowp_params}
-    original_step = optimizer.step
-    decoupled = isinstance(optimizer, torch.optim.AdamW)
+    adams_own = type(optimizer)._init_group  # type: ignore[attr-defined]
 
-    @functools.wraps(original_step)
-    def step(closure: Callable[[], Any] | None = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        others: list[tuple[dict[str, Any], list[torch.Tensor]]] = []
-        with torch.no_grad():
-            for group in optimizer.param_groups:
-                by_step: dict[tuple[float, torch.device], torch.Tensor] = {}
-                rest = []
-                for p in group["params"]:
-                    if p.grad is None:
-                        continue
-                    if id(p) not in lowp or not (p.is_contiguous() and p.grad.is_contiguous()):
-                        rest.append(p)
-                        continue
-                    st = optimizer.state[p]
-                    if not st:
-                        st["step"] = torch.tensor(0.0)
-                        st["exp_avg"] = torch.zeros_like(p)
-                        st["exp_avg_sq"] = torch.zeros_like(p)
-                    st["step"] += 1
-                    key = (float(st["step"]), p.device)  # the step count lives on the CPU: no sync
-                    scalars = by_step.get(key)
-                    if scalars is None:
-                        scalars = by_step[key] = _adam_scalars(group, key[0], decoupled).to(p.device)
-                    assert _compiled_adam_sr is not None
-                    # 1-D views: one compiled graph serves every parameter, whatever its shape.
-                    flat = [t.view(-1) for t in (p.data, p.grad, st["exp_avg"], st["exp_avg_sq"])]
-                    _compiled_adam_sr(*flat, _new_seed(p.device), scalars)
-                others.append((group, rest))
-        # fp32 parameters (kept modules) take the optimizer's own update.
-        if any(rest for _, rest in others):
-            saved = [g["params"] for g in optimizer.param_groups]
-            try:
-                for group, rest in others:
-                    group["params"] = rest
-                original_step()
-            finally:
-                for group, params in zip(optimizer.param_groups, saved, strict=True):
-                    group["params"] = params
-        return loss
+    def _init_group(self: torch.optim.Optimizer, group: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+        decoupled = bool(group.get("decoupled_weight_decay", isinstance(self, torch.optim.AdamW)))
+        by_step: dict[tuple[float, torch.device], torch.Tensor] = {}
+        rest = []
+        for p in group["params"]:
+            if id(p) not in lowp or p.grad is None or not (p.is_contiguous() and p.grad.is_contiguous()):
+                rest.append(p)
+                continue
+            st = self.state[p]
+            if not st:
+                st["step"] = torch.tensor(0.0)
+                st["exp_avg"] = torch.zeros_like(p)
+                st["exp_avg_sq"] = torch.zeros_like(p)
+            st["step"] += 1
+            key = (float(st["step"]), p.device)  # the step count lives on the CPU: no sync
+            scalars = by_step.get(key)
+            if scalars is None:
+                scalars = by_step[key] = _adam_scalars(group, key[0], decoupled).to(p.device)
+            # 1-D views: one compiled graph serves every parameter, whatever its shape.
+            flat = [t.view(-1) for t in (p.data, p.grad, st["exp_avg"], st["exp_avg_sq"])]
+            kernel(*flat, seeds.next(p.device), scalars)
+        return adams_own(self, {**group, "params": rest}, *args, **kwargs)
 
-    optimizer.step = step  # type: ignore[method-assign]
-    state.handles.append(_Restore(optimizer, "step"))  # type: ignore[arg-type]
+    optimizer._init_group = types.MethodType(_init_group, optimizer)  # type: ignore[attr-defined]
+    state.handles.append(_Restore(optimizer, "_init_group"))  # type: ignore[arg-type]
     return True
 
 
 def _install_sr(optimizer: torch.optim.Optimizer, state: _Prepared) -> None:
-    if _fused_adam_sr_supported(optimizer) and _install_fused_adam_sr(optimizer, state):
+    seeds = state.seeds = _SRSeeds(int(torch.randint(0, 1 << 62, ())))
+    pending: list[dict[str, Any]] = []
+
+    def save_seeds(opt: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+        state_dict["mixprec_sr"] = seeds.state_dict()
+        return state_dict
+
+    def take_seeds(opt: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+        saved = state_dict.pop("mixprec_sr", None)
+        if saved is not None:  # a state dict saved elsewhere: the noise goes on from this run's seeds
+            pending.append(saved)
+
+    def load_seeds(opt: torch.optim.Optimizer) -> None:
+        while pending:
+            seeds.load_state_dict(pending.pop())
+
+    state.handles.append(optimizer.register_state_dict_post_hook(save_seeds))
+    state.handles.append(optimizer.register_load_state_dict_pre_hook(take_seeds))  # type: ignore[arg-type]
+    state.handles.append(optimizer.register_load_state_dict_post_hook(load_seeds))
+    if _fused_adam_sr_supported(optimizer) and _install_fused_adam_sr(optimizer, state, seeds):
+        state.fused = True
         return
     shadows: list[tuple[dict[str, Any], int, nn.Parameter, torch.Tensor]] = []
+    lowp = {id(p) for p in state.lowp_params}
 
-    def widen(opt: torch.optim.Optimizer, *_: Any) -> None:
+    def widen(opt: torch.optim.Optimizer, group: dict[str, Any]) -> None:
         # The optimizer steps fp32 shadows swapped into its param groups, state moved over. The
         # parameters themselves keep their dtype: changing it through .data would reset their
         # gradient accumulators, and with them the hooks DDP all-reduces through.
-        lowp = {id(p) for p in state.lowp_params}
-        for group in opt.param_groups:
-            for i, param in enumerate(group["params"]):
-                if id(param) not in lowp or param.grad is None:
-                    continue
-                shadow = param.detach().float().requires_grad_(True)
-                shadow.grad = param.grad.float()
-                param_state = opt.state.pop(param, {})
-                opt.state[shadow] = {k: (v.float() if isinstance(v, torch.Tensor) and v.dtype is torch.bfloat16
-                                         and v.dim() > 0 else v) for k, v in param_state.items()}  # fmt: skip
-                group["params"][i] = shadow
-                shadows.append((group, i, param, shadow))
+        for i, param in enumerate(group["params"]):
+            if id(param) not in lowp or param.grad is None:
+                continue
+            shadow = param.detach().float().requires_grad_(True)
+            shadow.grad = param.grad.float()
+            param_state = opt.state.pop(param, {})
+            opt.state[shadow] = {k: (v.float() if isinstance(v, torch.Tensor) and v.dtype is torch.bfloat16
+                                     and v.dim() > 0 else v) for k, v in param_state.items()}  # fmt: skip
+            group["params"][i] = shadow
+            shadows.append((group, i, param, shadow))
 
     def narrow(opt: torch.optim.Optimizer, *_: Any) -> None:
         with torch.no_grad():
             for group, i, param, shadow in shadows:
                 # The weight update is rounded stochastically: add noise below the 16 kept bits and
                 # truncate; the copy into the bf16 parameter is then exact.
-                bits = _sr_bits(shadow.data.reshape(-1), _new_seed(param.device))
+                bits = _sr_bits(shadow.data.reshape(-1), seeds.next(param.device))
                 param.copy_(bits.view(torch.float32).view(param.shape))
                 # Optimizer state goes back to bf16 rounded to nearest: it is not accumulated in
                 # tiny increments the way weights are.
@@ -550,5 +684,23 @@ def _install_sr(optimizer: torch.optim.Optimizer, state: _Prepared) -> None:
                 group["params"][i] = param
         shadows.clear()
 
-    state.handles.append(optimizer.register_step_pre_hook(widen))
+    own_init_group = getattr(type(optimizer), "_init_group", None)
+    if own_init_group is not None and type(optimizer).__module__.startswith("torch.optim."):
+        # Every torch.optim optimizer but LBFGS and SparseAdam collects each group's tensors with
+        # _init_group, once per group, inside step: widening there, rather than in a step pre-hook,
+        # runs after the user's pre-hooks (they see and may change the bf16 gradients, or raise and
+        # leave the optimizer as it was). Other classes may not call it from step: a pre-hook.
+        def _init_group(self: torch.optim.Optimizer, group: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+            widen(self, group)
+            return own_init_group(self, group, *args, **kwargs)
+
+        optimizer._init_group = types.MethodType(_init_group, optimizer)  # type: ignore[attr-defined]
+        state.handles.append(_Restore(optimizer, "_init_group"))  # type: ignore[arg-type]
+    else:
+
+        def widen_all(opt: torch.optim.Optimizer, *_: Any) -> None:
+            for group in opt.param_groups:
+                widen(opt, group)
+
+        state.handles.append(optimizer.register_step_pre_hook(widen_all))
     state.handles.append(optimizer.register_step_post_hook(narrow))
