@@ -671,3 +671,51 @@ def test_failed_step_with_two_optimizers() -> None:
         scaler.step(opt1)
         scaler.update()
     assert scaler.stats().updates == 1
+
+
+# --- torch's private members, for code written against torch.amp.GradScaler ----------------
+
+
+def test_private_members_behave_as_torch() -> None:
+    # tests/test_peer.py runs PyTorch's own tests for these; this keeps a check when that folder is absent.
+    results = []
+    for kind in ("torch", "mixprec"):
+        scaler = _scaler(kind)
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        assert scaler._per_optimizer_states["any"] == torch.amp.grad_scaler._refresh_per_optimizer_state()
+        scaler.scale(_loss(model, *_batches(1)[0])).backward()
+        _plant(list(model.parameters()), 1)
+        found = scaler._unscale_grads_(opt, torch.full((1,), 0.25), torch.zeros(1), False)
+        assert scaler._get_scale_async() is scaler._scale and scaler._growth_tracker is not None
+        results.append((found, [p.grad for p in model.parameters()]))
+        half = nn.Parameter(torch.ones(2, dtype=torch.float16))
+        half.grad = torch.ones(2, dtype=torch.float16)
+        with pytest.raises(ValueError, match="Attempting to unscale FP16 gradients"):
+            scaler._unscale_grads_(torch.optim.SGD([half], lr=0.1), torch.ones(1), torch.zeros(1), False)
+    assert bitwise_equal(results[0], results[1])
+
+
+def test_optimizer_taking_grad_scaler_gets_the_scaler() -> None:
+    seen = []
+
+    class Custom(torch.optim.SGD):
+        def __init__(self, params: Any) -> None:
+            super().__init__(params, lr=0.1)
+            self._step_supports_amp_scaling = True
+
+        def step(self, closure: Any = None, *, grad_scaler: Any = None) -> None:  # type: ignore[override]
+            assert not hasattr(self, "grad_scale") and not hasattr(self, "found_inf")
+            seen.append(grad_scaler)
+            grad_scaler.unscale_(self)  # as torch's contract lets it: unscale and check by itself
+            super().step(closure)
+
+    model = _model()
+    opt = Custom(model.parameters())
+    scaler = _scaler("mixprec")
+    scaler.scale(_loss(model, *_batches(1)[0])).backward()
+    with pytest.warns(FutureWarning, match="stop passing itself"):
+        scaler.step(opt)
+    scaler.update()
+    assert seen == [scaler]
+    assert scaler.skipped(opt) is False and scaler.stats().updates == 1

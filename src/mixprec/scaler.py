@@ -753,7 +753,7 @@ class GradScaler:
                 FutureWarning,
                 stacklevel=3,
             )
-            result = self._run_optimizer_step(optimizer, *args, **kwargs, grad_scaler=self)
+            result = self._run_optimizer_step(optimizer, *args, **{**kwargs, "grad_scaler": self})
             state["stage"] = OptState.STEPPED
             if state["found_inf_per_device"]:
                 found = sum(f.to(scale.device, non_blocking=True) for f in state["found_inf_per_device"].values())
