@@ -398,7 +398,7 @@ class GradScaler:
             "growth_factor": self._growth_factor,
             "backoff_factor": self._backoff_factor,
             "growth_interval": self._growth_interval,
-            "_growth_tracker": _item(self._growth_tracker, self._init_growth_tracker),
+            "_growth_tracker": self._get_growth_tracker(),
             "min_scale": self._min_scale,
             "max_scale": self._max_scale,
             "hysteresis": self._hysteresis,
@@ -481,7 +481,7 @@ class GradScaler:
         state = self.__dict__.copy()
         if self._enabled:
             state["_init_scale"] = self.get_scale()
-            state["_init_growth_tracker"] = _item(self._growth_tracker, self._init_growth_tracker)
+            state["_init_growth_tracker"] = self._get_growth_tracker()
             state["_init_hysteresis_tracker"] = _item(self._hysteresis_tracker, self._init_hysteresis_tracker)
             state["_init_skip_count"] = self._skip_counts()
             for name in ("_scale", "_growth_tracker", "_hysteresis_tracker", "_skip_count"):
