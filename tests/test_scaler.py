@@ -476,3 +476,246 @@ def test_update_with_new_scale() -> None:
     assert scaler.get_scale() == 64.0
     with pytest.raises(ValueError, match="1-element tensor"):
         scaler.update(torch.ones(2))
+
+
+# --- arguments and state dicts are checked, naming what is wrong ---------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"init_scale": float("inf")}, ValueError, r"init_scale must be positive and finite .*got inf"),
+        ({"init_scale": float("nan")}, ValueError, r"init_scale must be positive and finite .*got nan"),
+        ({"init_scale": -2.0}, ValueError, r"init_scale must be positive and finite .*got -2.0"),
+        ({"init_scale": "banana"}, TypeError, r"init_scale must be positive and finite .*got 'banana' \(str\)"),
+        ({"init_scale": None}, TypeError, r"init_scale must be positive and finite .*got None \(NoneType\)"),
+        ({"growth_factor": float("inf")}, ValueError, r"growth_factor must be > 1.0 and finite .*got inf"),
+        ({"backoff_factor": float("nan")}, ValueError, r"backoff_factor must be in \(0, 1\) .*got nan"),
+        ({"growth_interval": 2.5}, ValueError, r"growth_interval must be a positive number .*got 2.5 \(not an integer"),
+        ({"growth_interval": "10"}, TypeError, r"growth_interval must be a positive number .*got '10' \(str\)"),
+        ({"min_scale": float("inf")}, ValueError, r"min_scale must be positive and finite, or None .*got inf"),
+        ({"max_scale": -1.0}, ValueError, r"max_scale must be positive, or None .*got -1.0"),
+        ({"hysteresis": True}, TypeError, r"hysteresis must be >= 1 .*got True \(bool\)"),
+        ({"fail_after": 1.5}, ValueError, r"fail_after must be a positive count or None, got 1.5"),
+        ({"history": -1}, ValueError, r"history must be a count of scale changes, >= 0, got -1"),
+        ({"on_event": "print"}, TypeError, r"on_event must be a callable"),
+    ],
+)
+def test_bad_arguments_say_what_was_given_and_what_is_valid(
+    kwargs: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        mixprec.GradScaler("cpu", **kwargs)
+
+
+def test_setters_check_their_values() -> None:
+    scaler = mixprec.GradScaler("cpu")
+    with pytest.raises(ValueError, match=r"new_factor must be > 1.0 and finite .*got inf"):
+        scaler.set_growth_factor(float("inf"))
+    with pytest.raises(TypeError, match=r"new_interval must be a positive number of iterations.*\(str\)"):
+        scaler.set_growth_interval("100")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"new_scale must be positive and finite .*got inf"):
+        _scaled_backward(scaler)
+        scaler.update(float("inf"))
+    assert (scaler.get_growth_factor(), scaler.get_growth_interval(), scaler.get_scale()) == (2.0, 2000, 2.0**16)
+
+
+def test_fail_fast_fires_when_the_scale_is_not_finite() -> None:
+    # A tensor new_scale is not checked (that would sync): an infinite one skips every step, and
+    # backing off cannot make it finite, so fail_after must fire although the scale is above the floor.
+    scaler = mixprec.GradScaler("cpu", init_scale=4.0, fail_after=3)
+    _scaled_backward(scaler)
+    scaler.update(torch.tensor(float("inf")))
+    with pytest.raises(RuntimeError, match=r"the last 3 iterations all had inf/NaN.*scale is inf \(not finite\)"):
+        _constant_run(scaler, lambda i: False, 10)
+
+
+def test_fail_fast_fires_with_a_scale_set_by_hand() -> None:
+    # Static scaling through update(new_scale): the skipped steps still count toward fail_after.
+    scaler = mixprec.GradScaler("cpu", init_scale=1.0, fail_after=4)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = _batches(1)[0]
+    with pytest.raises(RuntimeError, match=r"the last 4 iterations all had inf/NaN.*at its floor"):
+        for _ in range(10):
+            opt.zero_grad()
+            scaler.scale(_loss(model, x, y) * float("inf")).backward()
+            scaler.step(opt)
+            scaler.update(1.0)
+    assert scaler.stats().consecutive_skipped == 4
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "error", "match"),
+    [
+        ("scale", "banana", TypeError, r"state_dict\['scale'\] must be positive and finite .*got 'banana' \(str\)"),
+        ("scale", None, TypeError, r"state_dict\['scale'\] must be positive and finite .*got None"),
+        ("scale", float("inf"), ValueError, r"state_dict\['scale'\] must be positive and finite .*got inf"),
+        ("growth_interval", -5, ValueError, r"state_dict\['growth_interval'\] must be a positive number .*got -5"),
+        ("growth_interval", "10", TypeError, r"state_dict\['growth_interval'\] must be a positive number"),
+        ("growth_factor", 0.5, ValueError, r"state_dict\['growth_factor'\] must be > 1.0"),
+        ("backoff_factor", [0.5], TypeError, r"state_dict\['backoff_factor'\] must be in \(0, 1\)"),
+        ("_growth_tracker", None, TypeError, r"state_dict\['_growth_tracker'\] must be a count"),
+        ("_growth_tracker", -1, ValueError, r"state_dict\['_growth_tracker'\] must be a count"),
+        ("min_scale", "x", TypeError, r"state_dict\['min_scale'\] must be positive and finite, or None"),
+        ("max_scale", 0.0, ValueError, r"state_dict\['max_scale'\] must be positive, or None"),
+        ("hysteresis", None, TypeError, r"state_dict\['hysteresis'\] must be >= 1"),
+        ("_hysteresis_tracker", 0.5, ValueError, r"state_dict\['_hysteresis_tracker'\] must be an integer"),
+        ("fail_after", 0, ValueError, r"state_dict\['fail_after'\] must be a positive count or None"),
+        ("updates", -1, ValueError, r"state_dict\['updates'\] must be a count, >= 0"),
+        ("consecutive_skipped", 2.5, ValueError, r"state_dict\['consecutive_skipped'\] must be a count"),
+    ],
+)
+def test_load_state_dict_names_the_bad_key(key: str, value: Any, error: type[Exception], match: str) -> None:
+    scaler = mixprec.GradScaler("cpu", init_scale=8.0)
+    before = scaler.state_dict()
+    good = mixprec.GradScaler("cpu", min_scale=1.0, max_scale=2.0**20).state_dict()
+    with pytest.raises(error, match=match):
+        scaler.load_state_dict({**good, key: value})
+    assert scaler.state_dict() == before  # checked before anything is loaded
+
+
+def test_load_state_dict_checks_bounds_and_missing_keys() -> None:
+    scaler = mixprec.GradScaler("cpu")
+    good = scaler.state_dict()
+    with pytest.raises(
+        ValueError, match=r"state_dict\['min_scale'\] \(4.0\) must not exceed state_dict\['max_scale'\]"
+    ):
+        scaler.load_state_dict({**good, "min_scale": 4.0, "max_scale": 2.0})
+    with pytest.raises(ValueError, match=r"missing \['scale'\]"):
+        scaler.load_state_dict({k: v for k, v in good.items() if k != "scale"})
+    with pytest.raises(TypeError, match="takes the dict from state_dict"):
+        scaler.load_state_dict([("scale", 1.0)])  # type: ignore[arg-type]
+
+
+# --- an exception inside optimizer.step() ----------------------------------------------
+
+
+class _FailingSGD(torch.optim.SGD):
+    """SGD whose step raises while ``fail`` is set, as an out-of-memory error would."""
+
+    fail = False
+
+    def step(self, closure: Any = None) -> Any:
+        if self.fail:
+            raise RuntimeError("simulated failure inside optimizer.step()")
+        return super().step(closure)
+
+
+class _FailingAdamW(torch.optim.AdamW):
+    """Fused AdamW (it unscales by itself) whose step raises while ``fail`` is set."""
+
+    fail = False
+
+    def step(self, closure: Any = None) -> Any:
+        if self.fail:
+            raise RuntimeError("simulated failure inside optimizer.step()")
+        return super().step(closure)
+
+
+@pytest.mark.parametrize("update_after_failure", [False, True], ids=["no-update", "update"])
+@pytest.mark.parametrize("fused", [False, True], ids=["sgd", "fused-adamw"])
+def test_exception_in_optimizer_step_abandons_only_that_iteration(fused: bool, update_after_failure: bool) -> None:
+    def optimizer(model: nn.Module, failing: bool) -> torch.optim.Optimizer:
+        if fused:
+            return (_FailingAdamW if failing else torch.optim.AdamW)(model.parameters(), lr=1e-2, fused=True)
+        return (_FailingSGD if failing else torch.optim.SGD)(model.parameters(), lr=0.1, momentum=0.9)
+
+    model, reference = _model(), _model()
+    opt, ref_opt = optimizer(model, True), optimizer(reference, False)
+    scaler, ref_scaler = _scaler("mixprec"), _scaler("torch")
+    batches = _batches(9)
+    x, y = batches[0]
+    opt.zero_grad()
+    scaler.scale(_loss(model, x, y)).backward()
+    opt.fail = True  # type: ignore[attr-defined]
+    with pytest.raises(RuntimeError, match="simulated failure"):
+        scaler.step(opt)
+    opt.fail = False  # type: ignore[attr-defined]
+    with pytest.raises(RuntimeError, match=r"raised an exception earlier in this iteration.*update\(\) after the"):
+        scaler.step(opt)  # a retry: its gradients may be unscaled already
+    if update_after_failure:
+        scaler.update()  # optional: clears the iteration, the scale stays
+    assert scaler.get_scale() == 2.0**10
+    # The next iterations run as usual, and as torch's scaler runs the same batches.
+    for i, (x, y) in enumerate(batches[1:], start=1):
+        for s, m, o in ((scaler, model, opt), (ref_scaler, reference, ref_opt)):
+            o.zero_grad()
+            s.scale(_loss(m, x, y)).backward()
+            _plant(list(m.parameters()), i)
+            s.step(o)
+            s.update()
+        assert scaler.get_scale() == ref_scaler.get_scale()
+    assert len({scaler.get_scale(), 2.0**10}) == 2, "the scale should have moved since"
+    assert bitwise_equal(list(model.parameters()), list(reference.parameters()))
+    assert scaler.stats().updates == 8
+    pickle.dumps(scaler)
+
+
+def test_failed_step_with_two_optimizers() -> None:
+    # The other optimizer may still step in the abandoned iteration; the next scale() starts afresh.
+    model0, model1 = _model(0), _model(1)
+    opt0, opt1 = _FailingSGD(model0.parameters(), lr=0.1), torch.optim.SGD(model1.parameters(), lr=0.1)
+    scaler = _scaler("mixprec")
+    x, y = _batches(1)[0]
+    for fail in (True, False):
+        opt0.zero_grad()
+        opt1.zero_grad()
+        scaler.scale(_loss(model0, x, y) + _loss(model1, x, y)).backward()
+        opt0.fail = fail
+        if fail:
+            with pytest.raises(RuntimeError, match="simulated failure"):
+                scaler.step(opt0)
+        else:
+            scaler.step(opt0)
+        scaler.step(opt1)
+        scaler.update()
+    assert scaler.stats().updates == 1
+
+
+# --- torch's private members, for code written against torch.amp.GradScaler ----------------
+
+
+def test_private_members_behave_as_torch() -> None:
+    # tests/test_peer.py runs PyTorch's own tests for these; this keeps a check when that folder is absent.
+    results = []
+    for kind in ("torch", "mixprec"):
+        scaler = _scaler(kind)
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        assert scaler._per_optimizer_states["any"] == torch.amp.grad_scaler._refresh_per_optimizer_state()
+        scaler.scale(_loss(model, *_batches(1)[0])).backward()
+        _plant(list(model.parameters()), 1)
+        found = scaler._unscale_grads_(opt, torch.full((1,), 0.25), torch.zeros(1), False)
+        assert scaler._get_scale_async() is scaler._scale and scaler._growth_tracker is not None
+        results.append((found, [p.grad for p in model.parameters()]))
+        half = nn.Parameter(torch.ones(2, dtype=torch.float16))
+        half.grad = torch.ones(2, dtype=torch.float16)
+        with pytest.raises(ValueError, match="Attempting to unscale FP16 gradients"):
+            scaler._unscale_grads_(torch.optim.SGD([half], lr=0.1), torch.ones(1), torch.zeros(1), False)
+    assert bitwise_equal(results[0], results[1])
+
+
+def test_optimizer_taking_grad_scaler_gets_the_scaler() -> None:
+    seen = []
+
+    class Custom(torch.optim.SGD):
+        def __init__(self, params: Any) -> None:
+            super().__init__(params, lr=0.1)
+            self._step_supports_amp_scaling = True
+
+        def step(self, closure: Any = None, *, grad_scaler: Any = None) -> None:  # type: ignore[override]
+            assert not hasattr(self, "grad_scale") and not hasattr(self, "found_inf")
+            seen.append(grad_scaler)
+            grad_scaler.unscale_(self)  # as torch's contract lets it: unscale and check by itself
+            super().step(closure)
+
+    model = _model()
+    opt = Custom(model.parameters())
+    scaler = _scaler("mixprec")
+    scaler.scale(_loss(model, *_batches(1)[0])).backward()
+    with pytest.warns(FutureWarning, match="stop passing itself"):
+        scaler.step(opt)
+    scaler.update()
+    assert seen == [scaler]
+    assert scaler.skipped(opt) is False and scaler.stats().updates == 1
