@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import gc
 import threading
-import weakref
 
 import pytest
 import torch
@@ -260,7 +258,6 @@ def test_edited_op_shares_one_cast_per_weight_like_torch() -> None:
         weight.grad = None
         with mixprec.autocast("cpu", policy=policy):
             y = torch.mm(x, weight) + torch.mm(x * 2, weight)
-            assert not policy == "cpu" or not dispatch_module.state().cache
         y.float().sum().backward()
         grads[name] = weight.grad.clone()
     assert bitwise_equal(grads["torch"], grads["edited"])

@@ -84,11 +84,17 @@ def _composites() -> dict[str, tuple[Callable[[], nn.Module], Callable[[], tuple
         "gru": (lambda: nn.GRU(8, 16, bidirectional=True), lambda: (torch.randn(5, 3, 8),)),
         "rnn": (lambda: nn.RNN(8, 16), lambda: (torch.randn(5, 3, 8),)),
         "bilinear": (lambda: nn.Bilinear(6, 7, 5), lambda: (torch.randn(4, 6), torch.randn(4, 7))),
-        "einsum_bmm": (fn_module(lambda p, x: torch.einsum("bij,jk->bik", x, p), (6, 5)), lambda: (torch.randn(3, 4, 6),)),
+        "einsum_bmm": (
+            fn_module(lambda p, x: torch.einsum("bij,jk->bik", x, p), (6, 5)),
+            lambda: (torch.randn(3, 4, 6),),
+        ),
         "einsum_outer": (fn_module(lambda p, x: torch.einsum("i,j->ij", x, p), (5,)), lambda: (torch.randn(4),)),
         "einsum_trace": (fn_module(lambda p, x: torch.einsum("ii,i->i", x, p), (4,)), lambda: (torch.randn(4, 4),)),
         "einsum_sum": (fn_module(lambda p, x: torch.einsum("ij->", x * p), (4, 4)), lambda: (torch.randn(4, 4),)),
-        "tensordot": (fn_module(lambda p, x: torch.tensordot(x, p, dims=2), (4, 5, 3)), lambda: (torch.randn(2, 4, 5),)),
+        "tensordot": (
+            fn_module(lambda p, x: torch.tensordot(x, p, dims=2), (4, 5, 3)),
+            lambda: (torch.randn(2, 4, 5),),
+        ),
         "tensordot_0": (fn_module(lambda p, x: torch.tensordot(x, p, dims=0), (3,)), lambda: (torch.randn(2),)),
         "pinv": (fn_module(lambda p, x: torch.linalg.pinv(p + x), (5, 4)), lambda: (torch.randn(5, 4),)),
         "cov": (fn_module(lambda p, x: torch.cov(p * x), (3, 8)), lambda: (torch.randn(3, 8),)),
@@ -246,7 +252,7 @@ def test_checkpoint_with_edited_policy_equals_no_checkpoint(name: str) -> None:
 def test_checkpoint_that_would_lose_the_policy_raises(name: str, reentrant: bool) -> None:
     model, policy = _mlp(), POLICIES[name]
     ckpt = functools.partial(checkpoint, use_reentrant=reentrant)
-    with pytest.raises(RuntimeError, match="context_fn=mixprec.checkpoint_context"):
+    with pytest.raises(RuntimeError, match=r"context_fn=mixprec\.checkpoint_context"):
         _train_grads(model, lambda: mixprec.autocast("cpu", policy=policy), ckpt)
 
 

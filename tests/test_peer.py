@@ -68,7 +68,7 @@ def _run(name: str, tmp_path: Path, *, swap: bool) -> tuple[dict[str, str], dict
     "name",
     [
         "test_torch_grad_scaling.py",
-        pytest.param("test_autocast.py", marks=pytest.mark.xfail(strict=False, reason="autocast redesign in progress")),
+        "test_autocast.py",
     ],
 )
 def test_torch_own_tests_pass_with_mixprec_swapped_in(name: str, tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import types
 import warnings
 import weakref
 from collections.abc import Callable
@@ -92,9 +93,7 @@ def state() -> ThreadState:
 
 def eligible(t: Any, device_type: str) -> bool:
     """torch's rule: a floating tensor, not fp64, on the autocast device."""
-    return (
-        isinstance(t, _Tensor) and t.is_floating_point() and t.dtype is not _float64 and t.device.type == device_type
-    )
+    return isinstance(t, _Tensor) and t.is_floating_point() and t.dtype is not _float64 and t.device.type == device_type
 
 
 def _cast_tensor(t: torch.Tensor, dtype: torch.dtype, st: ThreadState) -> torch.Tensor:
@@ -232,7 +231,7 @@ def check_checkpoint(st: ThreadState) -> None:
             "{'use_reentrant': False, 'context_fn': mixprec.checkpoint_context}))"
         )
     if not torch.is_grad_enabled():  # reentrant checkpoint runs its forward under no_grad
-        frame = sys._getframe(1)
+        frame: types.FrameType | None = sys._getframe(1)
         for _ in range(200):
             if frame is None:
                 break
@@ -338,11 +337,11 @@ def acquire(policy: Policy, device_type: str) -> tuple[Any, ...]:
                 entry[1] += 1
                 continue
             namespace = overload.namespace
-            library = torch.library.Library(namespace, "IMPL")
+            library = torch.library.Library(namespace, "IMPL")  # type: ignore[no-untyped-call]
             with warnings.catch_warnings():
                 # torch warns once that a kernel overrides its own; that is the point here.
                 warnings.simplefilter("ignore", UserWarning)
-                library.impl(
+                library.impl(  # type: ignore[no-untyped-call]
                     qualified.split("::", 1)[1],
                     _make_kernel(overload, name, device_type, builtin, dtype_index),
                     AUTOCAST_KEYS[device_type],

@@ -45,6 +45,9 @@ __all__ = [
 ]
 
 _FLOATING = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+# torch's class, held here: code that swaps torch.autocast for mixprec's must not make it recurse.
+TorchAutocast = torch.amp.autocast_mode.autocast
+
 
 def _needs_kernels(policy: Policy, device_type: str) -> bool:
     builtin = default_policy(device_type)
@@ -112,18 +115,18 @@ def _unwind_on_failed_trace(depth: int) -> None:
 
 
 @torch.fx.node.has_side_effect
-@torch._dynamo.allow_in_graph
+@torch._dynamo.allow_in_graph  # type: ignore[untyped-decorator]
 def _enter_traced(device_type: str, dtype: torch.dtype, enabled: bool, cache_enabled: bool, token: str) -> None:
     # Under torch.compile this is a node of the graph: Dynamo and AOTAutograd run it while
     # tracing (so the ops traced after it see the region), compiled code no longer needs it.
     _unwind_on_failed_trace(len(_state().regions))
     torch_ctx = torch.amp.autocast_mode._UnmanagedAutocast(device_type, dtype, enabled, cache_enabled)
-    torch_ctx.__enter__()
+    torch_ctx.__enter__()  # type: ignore[no-untyped-call]
     _push(device_type, _BY_TOKEN[token], torch_ctx, traced=True)
 
 
 @torch.fx.node.has_side_effect
-@torch._dynamo.allow_in_graph
+@torch._dynamo.allow_in_graph  # type: ignore[untyped-decorator]
 def _exit_traced(device_type: str) -> None:
     _pop()
 
@@ -195,7 +198,7 @@ class autocast:  # noqa: N801 - the name torch.autocast users type
         self._torch: Any = None
         if not compiling:
             # torch validates and warns here, as it does for its own regions.
-            self._torch = torch.amp.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
+            self._torch = TorchAutocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
             self.fast_dtype: torch.dtype = self._torch.fast_dtype
             self._enabled: bool = self._torch._enabled
             self._cache_enabled: bool = self._torch._cache_enabled
@@ -229,11 +232,17 @@ class autocast:  # noqa: N801 - the name torch.autocast users type
             return
         _pop()
         # torch's region object can be entered again only once it is fresh
-        self._torch = torch.amp.autocast(
+        self._torch = TorchAutocast(
             self.device_type, dtype=self.fast_dtype, enabled=self._enabled, cache_enabled=self._cache_enabled
         )
 
     def __call__(self, func: F) -> F:
+        if not callable(func):
+            raise TypeError(
+                f"autocast()(func) requires a callable, but got {type(func).__name__}. Did you mean to use "
+                "autocast as a context manager? For example:\n    with mixprec.autocast(device_type=...):\n"
+                "        output = model(input)"
+            )
         device_type, dtype, enabled, cache_enabled, policy = self._args
 
         @functools.wraps(func)
@@ -371,7 +380,7 @@ def _match_rule(rules: tuple[ModuleRule, ...], module: nn.Module, name: str) -> 
 
 
 @torch.fx.node.has_side_effect
-@torch._dynamo.allow_in_graph
+@torch._dynamo.allow_in_graph  # type: ignore[untyped-decorator]
 def _rule_enter(device_type: str, dtype: torch.dtype) -> None:
     """Enter a kept module: autocast off (fp32) or on in ``dtype``, the policy without rules."""
     st = _state()
@@ -389,7 +398,7 @@ def _rule_enter(device_type: str, dtype: torch.dtype) -> None:
 
 
 @torch.fx.node.has_side_effect
-@torch._dynamo.allow_in_graph
+@torch._dynamo.allow_in_graph  # type: ignore[untyped-decorator]
 def _rule_exit(device_type: str) -> None:
     _pop()
 

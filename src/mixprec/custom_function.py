@@ -15,7 +15,7 @@ import torch
 
 from mixprec import _dispatch
 from mixprec._dtypes import parse_dtype
-from mixprec.autocast import autocast, get_autocast_policy
+from mixprec.autocast import TorchAutocast, autocast, get_autocast_policy
 from mixprec.policy import PYTHON_OPS
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -56,7 +56,7 @@ def custom_fwd(fwd: F | None = None, *, device_type: str, cast_inputs: torch.dty
             return fwd(*args, **kwargs)
         ctx._mixprec_enabled = False
         if enabled:
-            with torch.autocast(device_type, enabled=False):
+            with TorchAutocast(device_type, enabled=False):
                 return fwd(*_cast(args, device_type, target), **_cast(kwargs, device_type, target))
         return fwd(*args, **kwargs)
 
@@ -116,7 +116,7 @@ def op(func: F) -> F:
                 category = policy._table.get(name)  # type: ignore[attr-defined]
                 if category is None:
                     break
-                with torch.autocast(device_type, enabled=False):
+                with TorchAutocast(device_type, enabled=False):
                     return _dispatch.apply_category(category, func, args, kwargs, device_type, policy)
         return func(*args, **kwargs)
 

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from mixprec.autocast import autocast
+from mixprec.autocast import TorchAutocast
 from mixprec.scaler import GradScaler, ScalerEvent
 
 logger = logging.getLogger("mixprec.monitor")
@@ -187,6 +187,6 @@ def _restore_precision(precision: dict[str, Any]) -> Iterator[None]:
     replay = importlib.import_module("mixprec.autocast")._replay
     with contextlib.ExitStack() as stack:
         for device_type, dtype in precision["torch"].items():
-            stack.enter_context(torch.autocast(device_type, dtype=dtype))
+            stack.enter_context(TorchAutocast(device_type, dtype=dtype))
         stack.enter_context(replay(precision["policies"]))
         yield

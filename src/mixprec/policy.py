@@ -109,15 +109,18 @@ def _checked_name(text: str) -> str:
     try:
         getattr(getattr(torch.ops, namespace), short)
     except (AttributeError, RuntimeError):
-        raise ValueError(f"unknown op {text!r}: no operator {short!r} is registered in namespace {namespace!r}") from None
+        raise ValueError(
+            f"unknown op {text!r}: no operator {short!r} is registered in namespace {namespace!r}"
+        ) from None
     return name
 
 
 def _suggest(name: str) -> str:
     import difflib
 
-    known = sorted({*tables.CPU_LOWER, *tables.CPU_FP32, *tables.CPU_PROMOTE, *tables.CUDA_LOWER,
-                    *tables.CUDA_FP32, *tables.CUDA_FP32_SET_DTYPE, *tables.CUDA_PROMOTE, "exp", "log", "softmax"})  # fmt: skip
+    known = sorted(
+        {n[len("aten::") :].split(".")[0] for n in torch._C._dispatch_get_all_op_names() if n.startswith("aten::")}
+    )
     close = difflib.get_close_matches(name, known, n=3)
     return f" (did you mean {', '.join(map(repr, close))}?)" if close else ""
 
@@ -375,12 +378,17 @@ class Policy:
 
 def _builtin(name: str) -> Policy:
     if name == "cpu":
-        return Policy(lower=tables.CPU_LOWER, fp32=tables.CPU_FP32, promote=tables.CPU_PROMOTE, name="cpu")
+        return Policy(
+            lower=frozenset(tables.CPU_LOWER),
+            fp32=frozenset(tables.CPU_FP32),
+            promote=frozenset(tables.CPU_PROMOTE),
+            name="cpu",
+        )
     return Policy(
-        lower=tables.CUDA_LOWER,
-        fp32=tables.CUDA_FP32,
-        fp32_set_dtype=tables.CUDA_FP32_SET_DTYPE,
-        promote=tables.CUDA_PROMOTE,
+        lower=frozenset(tables.CUDA_LOWER),
+        fp32=frozenset(tables.CUDA_FP32),
+        fp32_set_dtype=frozenset(tables.CUDA_FP32_SET_DTYPE),
+        promote=frozenset(tables.CUDA_PROMOTE),
         banned=tables.CUDA_BANNED,
         name="cuda",
     )
