@@ -159,3 +159,54 @@ def test_compile_mode_reports_compiled_and_eager_side_by_side() -> None:
         assert compiled.speedup_vs_fp32 is not None and compiled.steps_per_s > 0
         # inductor may fuse differently: the same training, not necessarily the same bits
         assert all(abs(a - b) <= 2e-2 * abs(b) for a, b in zip(compiled.losses, eager.losses, strict=True))
+
+
+@pytest.mark.parametrize("flag", ["--out", "--json"])
+def test_cli_checks_outputs_before_running(
+    flag: str, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def never(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the bench ran although its output cannot be written")
+
+    monkeypatch.setattr("mixprec.bench.runner.run", never)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    bad = blocker / "sub" / ("report.json" if flag == "--json" else "out")  # a path under a regular file
+    args = ["bench", "--size", "tiny", "--workloads", "mlp", "--quiet", "--out", str(tmp_path / "ok")]
+    assert cli.main([*args, flag, str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert f"mixprec bench: cannot write {flag}" in err and str(bad) in err
+    assert cli.main([*args, "--json", str(tmp_path)]) == 2  # a folder, not a file
+    assert "is a folder" in capsys.readouterr().err
+
+
+def test_ctrl_c_writes_what_finished(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from mixprec.bench import runner
+
+    step, run_workload = runner._Run.step, runner.run_workload
+    calls: list[str] = []
+
+    def counted(workload: str, *args: Any, **kwargs: Any) -> Any:
+        calls.append(workload)
+        return run_workload(workload, *args, **kwargs)
+
+    def interrupted(self: Any, i: int) -> float:
+        if len(calls) == 4:  # warm-up of mlp and transformer, then mlp, then the transformer's main pass
+            raise KeyboardInterrupt
+        return step(self, i)
+
+    monkeypatch.setattr(runner, "run_workload", counted)
+    monkeypatch.setattr(runner._Run, "step", interrupted)
+    out = tmp_path / "out"
+    code = cli.main(["bench", "--size", "tiny", "--steps", "3", "--workloads", "mlp,transformer", "--modes",
+                     "fp32,mixprec", "--quiet", "--out", str(out), "--json", str(tmp_path / "copy.json")])  # fmt: skip
+    assert code == 130
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err
+    assert "interrupted: 1 of 2 workloads finished (mlp)" in captured.err
+    report = json.loads((out / "report.json").read_text())
+    assert report["interrupted"] is True and set(report["workloads"]) == {"mlp"}
+    assert json.loads((tmp_path / "copy.json").read_text()) == report
+    assert "Interrupted" in (out / "report.md").read_text()

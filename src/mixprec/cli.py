@@ -83,7 +83,7 @@ def _bench(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from mixprec.bench import report as report_module
-    from mixprec.bench.runner import BenchConfig, ModeResult, resolve_device, resolve_dtype, run
+    from mixprec.bench.runner import BenchConfig, BenchInterrupted, ModeResult, resolve_device, resolve_dtype, run
 
     size = args.size or ("quick" if args.quick else "default")
     try:
@@ -93,6 +93,10 @@ def _bench(args: argparse.Namespace) -> int:
         dtype = resolve_dtype(config.dtype, device)
     except ValueError as exc:
         print(f"mixprec bench: {exc}", file=sys.stderr)
+        return 2
+    problem = _check_outputs(args.out, args.json)
+    if problem:
+        print(f"mixprec bench: {problem}", file=sys.stderr)
         return 2
     console = Console(stderr=False, quiet=False)
     runs = [
@@ -106,22 +110,31 @@ def _bench(args: argparse.Namespace) -> int:
         extra += f", {r.vs_torch_amp:.2f}x torch-amp" if r.vs_torch_amp is not None else ""
         return f"{workload:13} {mode:11} {r.steps_per_s:8.2f} steps/s{extra}, final loss {r.final_loss:.4f}"
 
-    if args.quiet:
-        report = run(config, on_result=lambda w, m, r: print(line(w, m, r), flush=True))
-    else:
-        columns = (TextColumn("{task.description:28}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-        with Progress(*columns, console=console, transient=True) as progress:
-            overall = progress.add_task("all runs", total=len(runs))
-            current = progress.add_task("", total=config.total_steps)
+    try:
+        if args.quiet:
+            report = run(config, on_result=lambda w, m, r: print(line(w, m, r), flush=True))
+        else:
+            columns = (TextColumn("{task.description:28}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+            with Progress(*columns, console=console, transient=True) as progress:
+                overall = progress.add_task("all runs", total=len(runs))
+                current = progress.add_task("", total=config.total_steps)
 
-            def on_step(workload: str, mode: str, done: int, total: int) -> None:
-                progress.update(current, description=f"{workload}: step, all modes", completed=done, total=total)
+                def on_step(workload: str, mode: str, done: int, total: int) -> None:
+                    progress.update(current, description=f"{workload}: step, all modes", completed=done, total=total)
 
-            def on_result(workload: str, mode: str, r: ModeResult) -> None:
-                progress.console.print(line(workload, mode, r))
-                progress.advance(overall)
+                def on_result(workload: str, mode: str, r: ModeResult) -> None:
+                    progress.console.print(line(workload, mode, r))
+                    progress.advance(overall)
 
-            report = run(config, progress=on_step, on_result=on_result)
+                report = run(config, progress=on_step, on_result=on_result)
+    except BenchInterrupted as exc:
+        report = exc.report
+        finished = ", ".join(report.results)
+        print(f"mixprec bench: interrupted: {len(report.results)} of {len(config.workloads)} workloads finished "
+              f"({finished}); writing a partial report", file=sys.stderr, flush=True)  # fmt: skip
+    except KeyboardInterrupt:
+        print("mixprec bench: interrupted before any workload finished; nothing written", file=sys.stderr)
+        return 130
     table = Table(title=f"{report.dtype} on {report.device} ({report.device_name}), torch {report.torch_version}")
     for name in report_module.HEADER:
         table.add_column(name, justify="left" if name in ("workload", "mode") else "right")
@@ -130,7 +143,35 @@ def _bench(args: argparse.Namespace) -> int:
     console.print(table)
     paths = report_module.write(report, args.out, args.json)
     print("wrote " + ", ".join(str(p) for p in paths.values()) + f" in {report.seconds:.0f} s")
-    return 0
+    return 130 if report.interrupted else 0  # 128 + SIGINT, as a shell reports a Ctrl-C
+
+
+def _check_outputs(out: str, json_path: str | None) -> str | None:
+    """Why the report could not be written to ``out`` (a folder) and ``json_path``, or None: checked
+    before the run, so that a bad path costs no training."""
+    import pathlib
+    import tempfile
+
+    def writable(folder: pathlib.Path) -> str | None:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryFile(dir=folder):
+                pass
+        except OSError as exc:
+            return exc.strerror or str(exc)
+        return None
+
+    reason = writable(pathlib.Path(out))
+    if reason:
+        return f"cannot write --out {out}: {reason}; choose a folder you can write to"
+    if json_path is not None:
+        path = pathlib.Path(json_path)
+        if path.is_dir():
+            return f"--json {json_path} is a folder; give a file path, e.g. {path / 'report.json'}"
+        reason = writable(path.parent)
+        if reason:
+            return f"cannot write --json {json_path}: {reason}; choose a file in a folder you can write to"
+    return None
 
 
 def _load(spec: str, what: str) -> Any:

@@ -46,6 +46,12 @@ def markdown(report: BenchReport) -> str:
         f"mixprec {report.mixprec_version}. Size: {cfg.size}; {cfg.total_steps} steps per run "
         f"({cfg.warmup} warm-up); took {report.seconds:.0f} s.",
         "",
+    ]
+    if report.interrupted:
+        done = len(report.results)
+        lines += [f"**Interrupted** (Ctrl-C): {done} of {len(cfg.workloads)} workloads finished; only they are shown.",
+                  ""]  # fmt: skip
+    lines += [
         "| " + " | ".join(HEADER) + " |",
         "|" + "---|" * len(HEADER),
     ]
@@ -131,9 +137,12 @@ def write(
     data = json.dumps(report.to_dict(), indent=2)
     paths = {"json": out / "report.json", "markdown": out / "report.md", "png": out / "bench.png"}
     paths["json"].write_text(data + "\n")
+    if json_path is not None:
+        extra = pathlib.Path(json_path)
+        extra.parent.mkdir(parents=True, exist_ok=True)
+        extra.write_text(data + "\n")
     paths["markdown"].write_text(markdown(report))
     plot(report, paths["png"])
     if json_path is not None:
-        pathlib.Path(json_path).write_text(data + "\n")
-        paths["extra_json"] = pathlib.Path(json_path)
+        paths["extra_json"] = extra
     return paths
