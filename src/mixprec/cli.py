@@ -142,6 +142,8 @@ def _bench(args: argparse.Namespace) -> int:
         table.add_row(*row)
     console.print(table)
     paths = report_module.write(report, args.out, args.json)
+    if "png" not in paths:
+        print(report_module.PLOT_SKIPPED.format(name="bench.png"), file=sys.stderr)
     print("wrote " + ", ".join(str(p) for p in paths.values()) + f" in {report.seconds:.0f} s")
     return 130 if report.interrupted else 0  # 128 + SIGINT, as a shell reports a Ctrl-C
 
@@ -224,8 +226,17 @@ def _diagnose(args: argparse.Namespace) -> int:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report.to_json(out / "report.json")
-    report.plot(out / "diagnose.png")
-    print(f"wrote {out / 'report.json'}, {out / 'diagnose.png'}")
+    written = [out / "report.json"]
+    try:
+        report.plot(out / "diagnose.png")
+        written.append(out / "diagnose.png")
+    except ModuleNotFoundError as exc:  # matplotlib is optional (the [bench] extra)
+        if exc.name != "matplotlib":
+            raise
+        from mixprec.bench.report import PLOT_SKIPPED
+
+        print(PLOT_SKIPPED.format(name="diagnose.png"), file=sys.stderr)
+    print("wrote " + ", ".join(str(p) for p in written))
     return 0
 
 

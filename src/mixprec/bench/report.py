@@ -71,6 +71,9 @@ def markdown(report: BenchReport) -> str:
     return "\n".join(lines)
 
 
+PLOT_SKIPPED = "{name} skipped: matplotlib is not installed (pip install matplotlib, or 'mixprec[bench]')"
+
+
 def plot(report: BenchReport, path: pathlib.Path) -> None:
     """Loss curves per workload, throughput bars, and image outputs beside their targets."""
     import matplotlib
@@ -131,7 +134,10 @@ def plot(report: BenchReport, path: pathlib.Path) -> None:
 def write(
     report: BenchReport, out_dir: str | pathlib.Path, json_path: str | pathlib.Path | None = None
 ) -> dict[str, Any]:
-    """Write report.json, report.md and bench.png into ``out_dir`` (and JSON to ``json_path``); returns the paths."""
+    """Write report.json, report.md and bench.png into ``out_dir`` (and JSON to ``json_path``); returns the paths.
+
+    Without matplotlib there is no bench.png, and no ``"png"`` among the paths returned.
+    """
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     data = json.dumps(report.to_dict(), indent=2)
@@ -142,7 +148,13 @@ def write(
         extra.parent.mkdir(parents=True, exist_ok=True)
         extra.write_text(data + "\n")
     paths["markdown"].write_text(markdown(report))
-    plot(report, paths["png"])
+    try:
+        plot(report, paths["png"])
+    except ModuleNotFoundError as exc:  # matplotlib is optional (the [bench] extra)
+        if exc.name != "matplotlib":
+            raise
+        del paths["png"]
+        paths["markdown"].write_text(markdown(report).replace("![bench](bench.png)\n", ""))
     if json_path is not None:
         paths["extra_json"] = extra
     return paths
