@@ -30,7 +30,12 @@ def _parser() -> argparse.ArgumentParser:
         description="Train each workload in each mode on this machine and report steps/s, speed-ups, peak "
         "memory and final loss; writes report.json, report.md and bench.png.",
     )
-    bench.add_argument("--quick", action="store_true", help="smaller workloads and fewer steps (about a minute)")
+    bench.add_argument(
+        "--quick",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="smaller workloads and fewer steps (about a minute)",
+    )
     bench.add_argument("--steps", type=int, help="training steps per run (default: by size)")
     bench.add_argument(
         "--workloads",
@@ -47,7 +52,12 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--size", choices=SIZES, help="workload size (overrides --quick)")
     bench.add_argument("--out", default="mixprec-bench", help="output folder (default ./mixprec-bench/)")
     bench.add_argument("--json", help="also write the JSON report here")
-    bench.add_argument("--quiet", action="store_true", help="no progress bars: one log line per result")
+    bench.add_argument(
+        "--quiet",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="no progress bars: one log line per result (so too when stdout is not a terminal)",
+    )
     bench.add_argument(
         "--compile",
         action=argparse.BooleanOptionalAction,
@@ -78,6 +88,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    import torch
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
@@ -102,6 +113,9 @@ def _bench(args: argparse.Namespace) -> int:
     runs = [
         (w, m) for w in config.workloads for m in config.modes if not (MODES[m].conv_only and not WORKLOADS[w].conv)
     ]
+    if dtype is torch.float16 and device.type == "cpu":
+        print("mixprec bench: warning: fp16 has no fast path on most CPUs (it is emulated, often 10-100x slower "
+              "than fp32); use --dtype bf16 (or auto) on a CPU", file=sys.stderr, flush=True)  # fmt: skip
     header = f"mixprec bench: {len(runs)} runs of {config.total_steps} steps, size {size}, {device.type}, {dtype}"
     print(header, flush=True)
 
@@ -111,7 +125,7 @@ def _bench(args: argparse.Namespace) -> int:
         return f"{workload:13} {mode:11} {r.steps_per_s:8.2f} steps/s{extra}, final loss {r.final_loss:.4f}"
 
     try:
-        if args.quiet:
+        if args.quiet or not sys.stdout.isatty():  # progress bars are for a terminal, not a log
             report = run(config, on_result=lambda w, m, r: print(line(w, m, r), flush=True))
         else:
             columns = (TextColumn("{task.description:28}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
@@ -123,7 +137,7 @@ def _bench(args: argparse.Namespace) -> int:
                     progress.update(current, description=f"{workload}: step, all modes", completed=done, total=total)
 
                 def on_result(workload: str, mode: str, r: ModeResult) -> None:
-                    progress.console.print(line(workload, mode, r))
+                    progress.console.print(line(workload, mode, r), soft_wrap=True)
                     progress.advance(overall)
 
                 report = run(config, progress=on_step, on_result=on_result)
@@ -135,12 +149,20 @@ def _bench(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("mixprec bench: interrupted before any workload finished; nothing written", file=sys.stderr)
         return 130
-    table = Table(title=f"{report.dtype} on {report.device} ({report.device_name}), torch {report.torch_version}")
-    for name in report_module.HEADER:
-        table.add_column(name, justify="left" if name in ("workload", "mode") else "right")
-    for row in report_module.table_rows(report):
-        table.add_row(*row)
-    console.print(table)
+    text = report_module.text_table(report)
+    # A rich table squeezes cells to fit ("mixpr…", "0.24…"): plain text in logs and narrow terminals.
+    n_columns = len(report_module.HEADER)
+    cells = max(len(line) for line in text.splitlines()[1:]) - 2 * (n_columns - 1)
+    table_width = cells + 3 * n_columns + 1  # rich: a border and a space of padding either side of each cell
+    if sys.stdout.isatty() and console.width >= table_width:
+        table = Table(title=report_module.title(report))
+        for name in report_module.HEADER:
+            table.add_column(name, justify="left" if name in ("workload", "mode") else "right")
+        for row in report_module.table_rows(report):
+            table.add_row(*row)
+        console.print(table)
+    else:
+        print(text, flush=True)
     paths = report_module.write(report, args.out, args.json)
     if "png" not in paths:
         print(report_module.PLOT_SKIPPED.format(name="bench.png"), file=sys.stderr)
