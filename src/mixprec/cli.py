@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
+
+import torch
 
 from mixprec.bench.modes import MODES
 from mixprec.bench.workloads import SIZES, WORKLOADS
@@ -75,7 +78,7 @@ def _parser() -> argparse.ArgumentParser:
     target.add_argument("--workload", choices=list(WORKLOADS), help="a bench workload (tiny size)")
     target.add_argument("--model", help="module:factory, a function returning the model (e.g. mypkg.models:build)")
     diagnose.add_argument("--batch", help="module:function returning the inputs, or (inputs, targets) with --loss")
-    diagnose.add_argument("--loss", help="module:function(output, targets) -> scalar loss")
+    diagnose.add_argument("--loss", help="module:function(output, targets) -> scalar loss, as diagnose(targets=)")
     diagnose.add_argument("--dtype", default="fp16", choices=["fp16", "bf16"])
     diagnose.add_argument("--policy", help="the autocast policy to check, e.g. cpu, cuda, 'compute=fp16,keep=norm'")
     diagnose.add_argument("--out", default="mixprec-diagnose", help="folder for report.json and diagnose.png")
@@ -88,7 +91,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    import torch
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
@@ -116,7 +118,8 @@ def _bench(args: argparse.Namespace) -> int:
     if dtype is torch.float16 and device.type == "cpu":
         print("mixprec bench: warning: fp16 has no fast path on most CPUs (it is emulated, often 10-100x slower "
               "than fp32); use --dtype bf16 (or auto) on a CPU", file=sys.stderr, flush=True)  # fmt: skip
-    header = f"mixprec bench: {len(runs)} runs of {config.total_steps} steps, size {size}, {device.type}, {dtype}"
+    short = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+    header = f"mixprec bench: {len(runs)} runs of {config.total_steps} steps, size {size}, {device.type}, {short}"
     print(header, flush=True)
 
     def line(workload: str, mode: str, r: ModeResult) -> str:
@@ -204,41 +207,59 @@ def _load(spec: str, what: str) -> Any:
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"{what} must be module:function, e.g. mypkg.models:build, got {spec!r}")
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # modules in the current folder import, as under `python -m`
     try:
         return getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
         raise ValueError(f"cannot load {what} {spec!r}: {exc}") from exc
 
 
+def _what(value: Any) -> str:
+    if value is None:
+        return "None"
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {len(value)}"
+    return f"a {type(value).__name__}"
+
+
 def _diagnose(args: argparse.Namespace) -> int:
     import pathlib
 
-    import torch
     from rich.console import Console
 
     from mixprec.diagnostics import diagnose
 
     try:
+        targets: Any = None
+        loss_fn: Any = None
         if args.workload:
             task = WORKLOADS[args.workload].build("tiny", torch.device("cpu"))
             model, (inputs, targets) = task.model, task.batch(0)
 
-            def loss_fn(out: Any) -> torch.Tensor:
+            def loss_fn(out: Any, targets: Any) -> torch.Tensor:
                 return task.loss_fn(out.float(), targets)
         else:
             if not args.batch:
                 raise ValueError("--model needs --batch module:function returning the model's inputs")
             model = _load(args.model, "--model")()
+            if not isinstance(model, torch.nn.Module):
+                raise ValueError(f"--model {args.model} returned {_what(model)}; it must return the torch.nn.Module "
+                                 "to diagnose (does the function end with `return model`?)")  # fmt: skip
             batch = _load(args.batch, "--batch")()
+            if batch is None:
+                raise ValueError(f"--batch {args.batch} returned None; it must return the model's inputs, "
+                                 "or (inputs, targets) with --loss")  # fmt: skip
+            inputs = batch
             if args.loss:
-                user_loss = _load(args.loss, "--loss")
+                loss_fn = _load(args.loss, "--loss")
+                if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+                    raise ValueError(f"--batch must return (inputs, targets) when --loss is given: --loss is called "
+                                     f"as loss(output, targets); {args.batch} returned {_what(batch)}")  # fmt: skip
                 inputs, targets = batch
-
-                def loss_fn(out: Any) -> torch.Tensor:
-                    return user_loss(out, targets)  # type: ignore[no-any-return]
-            else:
-                inputs, loss_fn = batch, None  # type: ignore[assignment]
-        report = diagnose(model, inputs, loss_fn, dtype=args.dtype, policy=args.policy)
+        report = diagnose(model, inputs, loss_fn, targets=targets, dtype=args.dtype, policy=args.policy)
     except (ValueError, TypeError) as exc:
         print(f"mixprec diagnose: {exc}", file=sys.stderr)
         return 2
