@@ -123,3 +123,16 @@ def test_accelerate_matches_accelerate_amp() -> None:
     assert bitwise_equal(expected, got)
     assert got[1][-1] == "torch.float32"  # outputs come back in fp32, as Accelerate does
     assert not bitwise_equal(expected, _accelerate_run(Accelerator, "no"))
+
+
+def test_accelerate_fp16_on_cpu_trains_fp32_as_accelerate_does() -> None:
+    pytest.importorskip("accelerate")
+    from accelerate import Accelerator
+
+    from mixprec.integrations.accelerate import MixprecAccelerator
+
+    expected = _accelerate_run(Accelerator, "fp16")
+    assert bitwise_equal(expected, _accelerate_run(Accelerator, "no"))  # Accelerate: fp32 on a CPU, silently
+    with pytest.warns(UserWarning, match=r"mixed_precision='fp16'\) on CPU trains in fp32"):
+        got = _accelerate_run(MixprecAccelerator, "fp16")
+    assert bitwise_equal(expected, got)
