@@ -266,3 +266,18 @@ def test_png_shows_what_differs(tmp_path: pathlib.Path, monkeypatch: pytest.Monk
     assert "checkerboard: loss vs fp32" in titles and "mlp: loss vs fp32" in titles
     relative = next(ax for ax in figure.axes if ax.get_title() == "mlp: loss vs fp32")
     assert {line.get_label() for line in relative.lines} >= {"torch-amp", "mixprec"}
+
+
+def test_ctrl_c_before_any_workload_finished(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from mixprec.bench import runner
+
+    def interrupted(self: Any, i: int) -> float:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner._Run, "step", interrupted)
+    out = tmp_path / "out"
+    assert cli.main(["bench", "--size", "tiny", "--workloads", "mlp", "--quiet", "--out", str(out)]) == 130
+    assert "interrupted before any workload finished; nothing written" in capsys.readouterr().err
+    assert not (out / "report.json").exists()

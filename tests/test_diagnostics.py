@@ -194,7 +194,9 @@ def test_cli_diagnose_user_model_and_workload(tmp_path: Any, capsys: pytest.Capt
     data = json.loads((out / "report.json").read_text())
     assert data["keep_fp32"] == ["big"] and (out / "diagnose.png").exists()
     assert cli.main(["diagnose", "--workload", "transformer", "--out", str(tmp_path / "w")]) == 0
-    assert "no NaN or Inf in fp16" in capsys.readouterr().out  # the causal mask's -inf is deliberate
+    text = capsys.readouterr().out
+    assert "no NaN or Inf in fp16" in text  # the causal mask's -inf is deliberate
+    assert "…" not in text and "blocks.layers.0.self_attn" in text  # a log gets the whole table
     assert cli.main(["diagnose", "--model", "nowhere:thing", "--batch", "x:y"]) == 2
     assert "cannot load --model" in capsys.readouterr().err
     assert cli.main(["diagnose", "--model", "test_diagnostics:make_overflowing"]) == 2

@@ -263,8 +263,11 @@ def _diagnose(args: argparse.Namespace) -> int:
     except (ValueError, TypeError) as exc:
         print(f"mixprec diagnose: {exc}", file=sys.stderr)
         return 2
+    table = report.table()
     console = Console()
-    console.print(report.table())
+    if not sys.stdout.isatty():  # a log: the table at its natural width, not squeezed into 80 columns
+        console = Console(width=max(console.width, Console(width=1000).measure(table).maximum))
+    console.print(table)
     console.print(report.summary())
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
