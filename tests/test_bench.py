@@ -159,3 +159,125 @@ def test_compile_mode_reports_compiled_and_eager_side_by_side() -> None:
         assert compiled.speedup_vs_fp32 is not None and compiled.steps_per_s > 0
         # inductor may fuse differently: the same training, not necessarily the same bits
         assert all(abs(a - b) <= 2e-2 * abs(b) for a, b in zip(compiled.losses, eager.losses, strict=True))
+
+
+@pytest.mark.parametrize("flag", ["--out", "--json"])
+def test_cli_checks_outputs_before_running(
+    flag: str, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def never(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the bench ran although its output cannot be written")
+
+    monkeypatch.setattr("mixprec.bench.runner.run", never)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    bad = blocker / "sub" / ("report.json" if flag == "--json" else "out")  # a path under a regular file
+    args = ["bench", "--size", "tiny", "--workloads", "mlp", "--quiet", "--out", str(tmp_path / "ok")]
+    assert cli.main([*args, flag, str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert f"mixprec bench: cannot write {flag}" in err and str(bad) in err
+    assert cli.main([*args, "--json", str(tmp_path)]) == 2  # a folder, not a file
+    assert "is a folder" in capsys.readouterr().err
+
+
+def test_ctrl_c_writes_what_finished(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from mixprec.bench import runner
+
+    step, run_workload = runner._Run.step, runner.run_workload
+    calls: list[str] = []
+
+    def counted(workload: str, *args: Any, **kwargs: Any) -> Any:
+        calls.append(workload)
+        return run_workload(workload, *args, **kwargs)
+
+    def interrupted(self: Any, i: int) -> float:
+        if len(calls) == 4:  # warm-up of mlp and transformer, then mlp, then the transformer's main pass
+            raise KeyboardInterrupt
+        return step(self, i)
+
+    monkeypatch.setattr(runner, "run_workload", counted)
+    monkeypatch.setattr(runner._Run, "step", interrupted)
+    out = tmp_path / "out"
+    code = cli.main(["bench", "--size", "tiny", "--steps", "3", "--workloads", "mlp,transformer", "--modes",
+                     "fp32,mixprec", "--quiet", "--out", str(out), "--json", str(tmp_path / "copy.json")])  # fmt: skip
+    assert code == 130
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err
+    assert "interrupted: 1 of 2 workloads finished (mlp)" in captured.err
+    report = json.loads((out / "report.json").read_text())
+    assert report["interrupted"] is True and set(report["workloads"]) == {"mlp"}
+    assert json.loads((tmp_path / "copy.json").read_text()) == report
+    assert "Interrupted" in (out / "report.md").read_text()
+
+
+def _bench_table(capsys: pytest.CaptureFixture[str], tmp_path: pathlib.Path, *flags: str) -> list[str]:
+    """The checkerboard lines of a tiny bench: its 4 progress lines, then its 4 table rows."""
+    assert cli.main(["bench", "--size", "tiny", "--steps", "3", "--workloads", "checkerboard", *flags,
+                     "--out", str(tmp_path)]) == 0  # fmt: skip
+    out = capsys.readouterr().out.splitlines()
+    return [line.strip("│ ") for line in out if "checkerboard" in line and ("MiB" in line or "final loss" in line)]
+
+
+def test_cli_table_is_plain_text_in_a_log(capsys: pytest.CaptureFixture[str], tmp_path: pathlib.Path) -> None:
+    lines = _bench_table(capsys, tmp_path)  # captured: stdout is not a TTY; no --quiet
+    progress, rows = lines[:4], lines[4:]
+    assert all("steps/s" in line and "final loss" in line for line in progress)  # one line each, not wrapped
+    assert [row.split()[1] for row in rows] == ["fp32", "torch-amp", "mixprec", "mixprec-cl"]
+    report = json.loads((tmp_path / "report.json").read_text())
+    for row in rows:
+        assert "…" not in row and "│" not in row
+        assert f"{report['workloads']['checkerboard'][row.split()[1]]['final_loss']:.4f}" in row
+
+
+def test_cli_table_is_plain_text_in_a_narrow_terminal(
+    capsys: pytest.CaptureFixture[str], tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(cli.sys.stdout, "isatty", lambda: True)
+    monkeypatch.setenv("COLUMNS", "80")
+    rows = _bench_table(capsys, tmp_path, "--quiet")[4:]
+    assert len(rows) == 4 and not any("…" in row for row in rows)
+    monkeypatch.setenv("COLUMNS", "200")  # wide enough: the rich table, nothing cut
+    rows = _bench_table(capsys, tmp_path, "--quiet")[4:]
+    assert len(rows) == 4 and all("│" in row and "…" not in row for row in rows)
+
+
+def test_cli_warns_that_fp16_is_slow_on_cpu(capsys: pytest.CaptureFixture[str], tmp_path: pathlib.Path) -> None:
+    assert cli.main(["bench", "--size", "tiny", "--steps", "3", "--workloads", "mlp", "--modes", "fp32,mixprec",
+                     "--dtype", "fp16", "--device", "cpu", "--quiet", "--out", str(tmp_path)]) == 0  # fmt: skip
+    err = capsys.readouterr().err
+    assert "fp16 has no fast path on most CPUs" in err and "use --dtype bf16" in err
+
+
+def test_png_shows_what_differs(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from matplotlib.figure import Figure
+
+    from mixprec.bench import report as report_module
+
+    figures: list[Figure] = []
+    monkeypatch.setattr(Figure, "savefig", lambda self, *a, **k: figures.append(self))
+    report = run(BenchConfig(workloads=("checkerboard", "mlp"), modes=("fp32", "torch-amp", "mixprec"), steps=3,
+                             warmup=1, size="tiny"))  # fmt: skip
+    report_module.plot(report, tmp_path / "bench.png")
+    (figure,) = figures
+    titles = [ax.get_title() for ax in figure.axes]
+    assert not any(ax.images for ax in figure.axes)  # no half-trained checkerboard beside its target
+    assert "checkerboard: loss vs fp32" in titles and "mlp: loss vs fp32" in titles
+    relative = next(ax for ax in figure.axes if ax.get_title() == "mlp: loss vs fp32")
+    assert {line.get_label() for line in relative.lines} >= {"torch-amp", "mixprec"}
+
+
+def test_ctrl_c_before_any_workload_finished(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from mixprec.bench import runner
+
+    def interrupted(self: Any, i: int) -> float:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner._Run, "step", interrupted)
+    out = tmp_path / "out"
+    assert cli.main(["bench", "--size", "tiny", "--workloads", "mlp", "--quiet", "--out", str(out)]) == 130
+    assert "interrupted before any workload finished; nothing written" in capsys.readouterr().err
+    assert not (out / "report.json").exists()

@@ -194,8 +194,78 @@ def test_cli_diagnose_user_model_and_workload(tmp_path: Any, capsys: pytest.Capt
     data = json.loads((out / "report.json").read_text())
     assert data["keep_fp32"] == ["big"] and (out / "diagnose.png").exists()
     assert cli.main(["diagnose", "--workload", "transformer", "--out", str(tmp_path / "w")]) == 0
-    assert "no NaN or Inf in fp16" in capsys.readouterr().out  # the causal mask's -inf is deliberate
+    text = capsys.readouterr().out
+    assert "no NaN or Inf in fp16" in text  # the causal mask's -inf is deliberate
+    assert "…" not in text and "blocks.layers.0.self_attn" in text  # a log gets the whole table
     assert cli.main(["diagnose", "--model", "nowhere:thing", "--batch", "x:y"]) == 2
     assert "cannot load --model" in capsys.readouterr().err
     assert cli.main(["diagnose", "--model", "test_diagnostics:make_overflowing"]) == 2
     assert "--model needs --batch" in capsys.readouterr().err
+
+
+def test_inputs_and_targets() -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(8, 1)
+    x, y = _x(), torch.randn(32, 1, generator=torch.Generator().manual_seed(1))
+
+    def mse(out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(out.float(), targets)
+
+    report = mixprec.diagnose(model, x, mse, targets=y)
+    with torch.no_grad():
+        assert report.loss_fp32 == pytest.approx(float(mse(model(x), y)), rel=1e-6)
+    with pytest.raises(ValueError, match=r"targets= needs loss_fn\(output, targets\)"):
+        mixprec.diagnose(model, x, targets=y)
+    # an (inputs, targets) batch passed as the inputs: the error says what to write instead
+    with pytest.raises(TypeError, match=r"diagnose\(model, inputs, loss_fn, targets=targets\)"):
+        mixprec.diagnose(model, (x, y), mse)
+
+
+def overflowing_pair() -> tuple[torch.Tensor, torch.Tensor]:
+    return _x(), torch.zeros(32, 1)
+
+
+def mse_loss(out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(out.float(), targets)
+
+
+def returns_none() -> None:
+    return None
+
+
+def test_cli_diagnose_loss_takes_output_and_targets(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    from mixprec import cli
+
+    assert cli.main(["diagnose", "--model", "test_diagnostics:make_overflowing", "--batch",
+                     "test_diagnostics:overflowing_pair", "--loss", "test_diagnostics:mse_loss",
+                     "--out", str(tmp_path)]) == 0  # fmt: skip
+    assert "keep in fp32: big" in capsys.readouterr().out
+    assert cli.main(["diagnose", "--model", "test_diagnostics:make_overflowing", "--batch",
+                     "test_diagnostics:overflowing_batch", "--loss", "test_diagnostics:mse_loss"]) == 2  # fmt: skip
+    assert "--batch must return (inputs, targets) when --loss is given" in capsys.readouterr().err
+
+
+def test_cli_diagnose_finds_modules_in_the_current_folder(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import sys
+
+    from mixprec import cli
+
+    (tmp_path / "cwd_models_for_test.py").write_text(
+        "import torch\n"
+        "def build():\n    return torch.nn.Linear(4, 2)\n"
+        "def batch():\n    return torch.randn(3, 4)\n"
+        "def forgot():\n    torch.nn.Linear(4, 2)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "cwd_models_for_test", raising=False)
+    args = ["--batch", "cwd_models_for_test:batch", "--out", str(tmp_path / "out")]
+    assert cli.main(["diagnose", "--model", "cwd_models_for_test:build", *args]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    assert cli.main(["diagnose", "--model", "cwd_models_for_test:forgot", *args]) == 2
+    err = capsys.readouterr().err
+    assert "--model cwd_models_for_test:forgot returned None; it must return the torch.nn.Module" in err
+    assert cli.main(["diagnose", "--model", "test_diagnostics:returns_none", *args]) == 2
+    monkeypatch.delitem(sys.modules, "cwd_models_for_test", raising=False)

@@ -123,3 +123,114 @@ def test_accelerate_matches_accelerate_amp() -> None:
     assert bitwise_equal(expected, got)
     assert got[1][-1] == "torch.float32"  # outputs come back in fp32, as Accelerate does
     assert not bitwise_equal(expected, _accelerate_run(Accelerator, "no"))
+
+
+def test_accelerate_fp16_on_cpu_trains_fp32_as_accelerate_does() -> None:
+    pytest.importorskip("accelerate")
+    from accelerate import Accelerator
+
+    from mixprec.integrations.accelerate import MixprecAccelerator
+
+    expected = _accelerate_run(Accelerator, "fp16")
+    assert bitwise_equal(expected, _accelerate_run(Accelerator, "no"))  # Accelerate: fp32 on a CPU, silently
+    with pytest.warns(UserWarning, match=r"mixed_precision='fp16'\) on CPU trains in fp32"):
+        got = _accelerate_run(MixprecAccelerator, "fp16")
+    assert bitwise_equal(expected, got)
+
+
+# --- Hugging Face Trainer -------------------------------------------------------------------
+
+
+class _Tokens(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """Synthetic sequences with a learnable rule (each token is the previous plus 3, mod 64)."""
+
+    def __init__(self, n: int = 64, length: int = 16) -> None:
+        starts = torch.randint(0, 64, (n, 1), generator=torch.Generator().manual_seed(0))
+        self.ids = (starts + 3 * torch.arange(length)) % 64
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def _trainer_run(tmp_path: Any, cls: Any, args: dict[str, Any], **kwargs: Any) -> tuple[Any, list[float]]:
+    transformers = pytest.importorskip("transformers")
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+    model = transformers.GPT2LMHeadModel(config)  # built from the config: no download
+    training = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=8, per_device_train_batch_size=16, learning_rate=3e-3,
+        logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True, seed=0,
+        dataloader_num_workers=0, **args,
+    )  # fmt: skip
+    trainer = cls(model=model, args=training, train_dataset=_Tokens(), **kwargs)
+    trainer.train()
+    AcceleratorState._reset_state(reset_partial_state=True)
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    return trainer, losses
+
+
+def test_trainer_bf16_matches_trainer_amp(tmp_path: Any) -> None:
+    transformers = pytest.importorskip("transformers")
+    from mixprec.integrations.transformers import MixprecTrainer
+
+    expected, expected_losses = _trainer_run(tmp_path, transformers.Trainer, {"bf16": True})
+    got, losses = _trainer_run(tmp_path, MixprecTrainer, {"bf16": True})
+    assert losses == expected_losses and losses[-1] < losses[0]
+    assert bitwise_equal(list(expected.model.parameters()), list(got.model.parameters()))
+    _, fp32_losses = _trainer_run(tmp_path, transformers.Trainer, {})
+    assert fp32_losses != losses  # the comparison can fail
+
+
+def test_trainer_fp16_policy_and_scaler_are_used(tmp_path: Any) -> None:
+    pytest.importorskip("transformers")
+    import mixprec
+    from mixprec.integrations.transformers import MixprecTrainer
+
+    seen: dict[str, set[Any]] = {"autocast": set(), "norm": set(), "attn.c_attn": set()}
+
+    class Recording(MixprecTrainer):  # type: ignore[misc]
+        def compute_loss(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+            seen["autocast"].add((mixprec.is_autocast_enabled("cpu"), mixprec.get_autocast_dtype("cpu")))
+            return super().compute_loss(model, inputs, *args, **kwargs)
+
+    def hooks(trainer: Any) -> None:
+        block = trainer.model.transformer.h[0]
+        block.ln_1.register_forward_hook(lambda m, a, out: seen["norm"].add(out.dtype))
+        block.attn.c_attn.register_forward_hook(lambda m, a, out: seen["attn.c_attn"].add(out.dtype))
+
+    class Hooked(Recording):  # type: ignore[misc]
+        def train(self, *args: Any, **kwargs: Any) -> Any:
+            hooks(self)
+            return super().train(*args, **kwargs)
+
+    trainer, losses = _trainer_run(tmp_path, Hooked, {"fp16": True}, policy="keep=norm")
+    assert seen == {"autocast": {(True, torch.float16)}, "norm": {torch.float32}, "attn.c_attn": {torch.float16}}
+    assert (
+        isinstance(trainer.mixprec_scaler, mixprec.GradScaler) and trainer.accelerator.scaler is trainer.mixprec_scaler
+    )
+    assert trainer.mixprec_scaler.get_scale() > 1.0  # a loss scale, not fp32's 1
+    norms = [entry["grad_norm"] for entry in trainer.state.log_history if "grad_norm" in entry]
+    assert norms and all(0 < n < 100 for n in norms)  # clipped and logged after unscaling (x65536 otherwise)
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
+    assert all(p.dtype is torch.float32 for p in trainer.model.parameters())
+
+
+def test_trainer_level(tmp_path: Any) -> None:
+    pytest.importorskip("transformers")
+    from mixprec.integrations.transformers import MixprecTrainer
+
+    trainer, losses = _trainer_run(tmp_path, MixprecTrainer, {"bf16": True}, level="O2")
+    assert trainer.model.transformer.h[0].attn.c_attn.weight.dtype is torch.bfloat16
+    assert trainer.model.transformer.h[0].ln_1.weight.dtype is torch.float32  # norms kept in fp32
+    masters = trainer.optimizer.optimizer.param_groups[0]["params"]
+    assert all(p.dtype is torch.float32 for p in masters)
+    assert losses[-1] < losses[0]
+    with pytest.raises(ValueError, match="valid: O2, bf16-sr, bf16-pure"):
+        MixprecTrainer(level="O3")

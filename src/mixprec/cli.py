@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
+
+import torch
 
 from mixprec.bench.modes import MODES
 from mixprec.bench.workloads import SIZES, WORKLOADS
@@ -30,7 +33,12 @@ def _parser() -> argparse.ArgumentParser:
         description="Train each workload in each mode on this machine and report steps/s, speed-ups, peak "
         "memory and final loss; writes report.json, report.md and bench.png.",
     )
-    bench.add_argument("--quick", action="store_true", help="smaller workloads and fewer steps (about a minute)")
+    bench.add_argument(
+        "--quick",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="smaller workloads and fewer steps (about a minute)",
+    )
     bench.add_argument("--steps", type=int, help="training steps per run (default: by size)")
     bench.add_argument(
         "--workloads",
@@ -47,7 +55,12 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--size", choices=SIZES, help="workload size (overrides --quick)")
     bench.add_argument("--out", default="mixprec-bench", help="output folder (default ./mixprec-bench/)")
     bench.add_argument("--json", help="also write the JSON report here")
-    bench.add_argument("--quiet", action="store_true", help="no progress bars: one log line per result")
+    bench.add_argument(
+        "--quiet",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="no progress bars: one log line per result (so too when stdout is not a terminal)",
+    )
     bench.add_argument(
         "--compile",
         action=argparse.BooleanOptionalAction,
@@ -65,7 +78,7 @@ def _parser() -> argparse.ArgumentParser:
     target.add_argument("--workload", choices=list(WORKLOADS), help="a bench workload (tiny size)")
     target.add_argument("--model", help="module:factory, a function returning the model (e.g. mypkg.models:build)")
     diagnose.add_argument("--batch", help="module:function returning the inputs, or (inputs, targets) with --loss")
-    diagnose.add_argument("--loss", help="module:function(output, targets) -> scalar loss")
+    diagnose.add_argument("--loss", help="module:function(output, targets) -> scalar loss, as diagnose(targets=)")
     diagnose.add_argument("--dtype", default="fp16", choices=["fp16", "bf16"])
     diagnose.add_argument("--policy", help="the autocast policy to check, e.g. cpu, cuda, 'compute=fp16,keep=norm'")
     diagnose.add_argument("--out", default="mixprec-diagnose", help="folder for report.json and diagnose.png")
@@ -83,7 +96,7 @@ def _bench(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from mixprec.bench import report as report_module
-    from mixprec.bench.runner import BenchConfig, ModeResult, resolve_device, resolve_dtype, run
+    from mixprec.bench.runner import BenchConfig, BenchInterrupted, ModeResult, resolve_device, resolve_dtype, run
 
     size = args.size or ("quick" if args.quick else "default")
     try:
@@ -94,11 +107,19 @@ def _bench(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"mixprec bench: {exc}", file=sys.stderr)
         return 2
+    problem = _check_outputs(args.out, args.json)
+    if problem:
+        print(f"mixprec bench: {problem}", file=sys.stderr)
+        return 2
     console = Console(stderr=False, quiet=False)
     runs = [
         (w, m) for w in config.workloads for m in config.modes if not (MODES[m].conv_only and not WORKLOADS[w].conv)
     ]
-    header = f"mixprec bench: {len(runs)} runs of {config.total_steps} steps, size {size}, {device.type}, {dtype}"
+    if dtype is torch.float16 and device.type == "cpu":
+        print("mixprec bench: warning: fp16 has no fast path on most CPUs (it is emulated, often 10-100x slower "
+              "than fp32); use --dtype bf16 (or auto) on a CPU", file=sys.stderr, flush=True)  # fmt: skip
+    short = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+    header = f"mixprec bench: {len(runs)} runs of {config.total_steps} steps, size {size}, {device.type}, {short}"
     print(header, flush=True)
 
     def line(workload: str, mode: str, r: ModeResult) -> str:
@@ -106,31 +127,78 @@ def _bench(args: argparse.Namespace) -> int:
         extra += f", {r.vs_torch_amp:.2f}x torch-amp" if r.vs_torch_amp is not None else ""
         return f"{workload:13} {mode:11} {r.steps_per_s:8.2f} steps/s{extra}, final loss {r.final_loss:.4f}"
 
-    if args.quiet:
-        report = run(config, on_result=lambda w, m, r: print(line(w, m, r), flush=True))
+    try:
+        if args.quiet or not sys.stdout.isatty():  # progress bars are for a terminal, not a log
+            report = run(config, on_result=lambda w, m, r: print(line(w, m, r), flush=True))
+        else:
+            columns = (TextColumn("{task.description:28}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+            with Progress(*columns, console=console, transient=True) as progress:
+                overall = progress.add_task("all runs", total=len(runs))
+                current = progress.add_task("", total=config.total_steps)
+
+                def on_step(workload: str, mode: str, done: int, total: int) -> None:
+                    progress.update(current, description=f"{workload}: step, all modes", completed=done, total=total)
+
+                def on_result(workload: str, mode: str, r: ModeResult) -> None:
+                    progress.console.print(line(workload, mode, r), soft_wrap=True)
+                    progress.advance(overall)
+
+                report = run(config, progress=on_step, on_result=on_result)
+    except BenchInterrupted as exc:
+        report = exc.report
+        finished = ", ".join(report.results)
+        print(f"mixprec bench: interrupted: {len(report.results)} of {len(config.workloads)} workloads finished "
+              f"({finished}); writing a partial report", file=sys.stderr, flush=True)  # fmt: skip
+    except KeyboardInterrupt:
+        print("mixprec bench: interrupted before any workload finished; nothing written", file=sys.stderr)
+        return 130
+    text = report_module.text_table(report)
+    # A rich table squeezes cells to fit ("mixpr…", "0.24…"): plain text in logs and narrow terminals.
+    n_columns = len(report_module.HEADER)
+    cells = max(len(line) for line in text.splitlines()[1:]) - 2 * (n_columns - 1)
+    table_width = cells + 3 * n_columns + 1  # rich: a border and a space of padding either side of each cell
+    if sys.stdout.isatty() and console.width >= table_width:
+        table = Table(title=report_module.title(report))
+        for name in report_module.HEADER:
+            table.add_column(name, justify="left" if name in ("workload", "mode") else "right")
+        for row in report_module.table_rows(report):
+            table.add_row(*row)
+        console.print(table)
     else:
-        columns = (TextColumn("{task.description:28}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-        with Progress(*columns, console=console, transient=True) as progress:
-            overall = progress.add_task("all runs", total=len(runs))
-            current = progress.add_task("", total=config.total_steps)
-
-            def on_step(workload: str, mode: str, done: int, total: int) -> None:
-                progress.update(current, description=f"{workload}: step, all modes", completed=done, total=total)
-
-            def on_result(workload: str, mode: str, r: ModeResult) -> None:
-                progress.console.print(line(workload, mode, r))
-                progress.advance(overall)
-
-            report = run(config, progress=on_step, on_result=on_result)
-    table = Table(title=f"{report.dtype} on {report.device} ({report.device_name}), torch {report.torch_version}")
-    for name in report_module.HEADER:
-        table.add_column(name, justify="left" if name in ("workload", "mode") else "right")
-    for row in report_module.table_rows(report):
-        table.add_row(*row)
-    console.print(table)
+        print(text, flush=True)
     paths = report_module.write(report, args.out, args.json)
+    if "png" not in paths:
+        print(report_module.PLOT_SKIPPED.format(name="bench.png"), file=sys.stderr)
     print("wrote " + ", ".join(str(p) for p in paths.values()) + f" in {report.seconds:.0f} s")
-    return 0
+    return 130 if report.interrupted else 0  # 128 + SIGINT, as a shell reports a Ctrl-C
+
+
+def _check_outputs(out: str, json_path: str | None) -> str | None:
+    """Why the report could not be written to ``out`` (a folder) and ``json_path``, or None: checked
+    before the run, so that a bad path costs no training."""
+    import pathlib
+    import tempfile
+
+    def writable(folder: pathlib.Path) -> str | None:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryFile(dir=folder):
+                pass
+        except OSError as exc:
+            return exc.strerror or str(exc)
+        return None
+
+    reason = writable(pathlib.Path(out))
+    if reason:
+        return f"cannot write --out {out}: {reason}; choose a folder you can write to"
+    if json_path is not None:
+        path = pathlib.Path(json_path)
+        if path.is_dir():
+            return f"--json {json_path} is a folder; give a file path, e.g. {path / 'report.json'}"
+        reason = writable(path.parent)
+        if reason:
+            return f"cannot write --json {json_path}: {reason}; choose a file in a folder you can write to"
+    return None
 
 
 def _load(spec: str, what: str) -> Any:
@@ -139,52 +207,82 @@ def _load(spec: str, what: str) -> Any:
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"{what} must be module:function, e.g. mypkg.models:build, got {spec!r}")
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # modules in the current folder import, as under `python -m`
     try:
         return getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
         raise ValueError(f"cannot load {what} {spec!r}: {exc}") from exc
 
 
+def _what(value: Any) -> str:
+    if value is None:
+        return "None"
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {len(value)}"
+    return f"a {type(value).__name__}"
+
+
 def _diagnose(args: argparse.Namespace) -> int:
     import pathlib
 
-    import torch
     from rich.console import Console
 
     from mixprec.diagnostics import diagnose
 
     try:
+        targets: Any = None
+        loss_fn: Any = None
         if args.workload:
             task = WORKLOADS[args.workload].build("tiny", torch.device("cpu"))
             model, (inputs, targets) = task.model, task.batch(0)
 
-            def loss_fn(out: Any) -> torch.Tensor:
+            def loss_fn(out: Any, targets: Any) -> torch.Tensor:
                 return task.loss_fn(out.float(), targets)
         else:
             if not args.batch:
                 raise ValueError("--model needs --batch module:function returning the model's inputs")
             model = _load(args.model, "--model")()
+            if not isinstance(model, torch.nn.Module):
+                raise ValueError(f"--model {args.model} returned {_what(model)}; it must return the torch.nn.Module "
+                                 "to diagnose (does the function end with `return model`?)")  # fmt: skip
             batch = _load(args.batch, "--batch")()
+            if batch is None:
+                raise ValueError(f"--batch {args.batch} returned None; it must return the model's inputs, "
+                                 "or (inputs, targets) with --loss")  # fmt: skip
+            inputs = batch
             if args.loss:
-                user_loss = _load(args.loss, "--loss")
+                loss_fn = _load(args.loss, "--loss")
+                if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+                    raise ValueError(f"--batch must return (inputs, targets) when --loss is given: --loss is called "
+                                     f"as loss(output, targets); {args.batch} returned {_what(batch)}")  # fmt: skip
                 inputs, targets = batch
-
-                def loss_fn(out: Any) -> torch.Tensor:
-                    return user_loss(out, targets)  # type: ignore[no-any-return]
-            else:
-                inputs, loss_fn = batch, None  # type: ignore[assignment]
-        report = diagnose(model, inputs, loss_fn, dtype=args.dtype, policy=args.policy)
+        report = diagnose(model, inputs, loss_fn, targets=targets, dtype=args.dtype, policy=args.policy)
     except (ValueError, TypeError) as exc:
         print(f"mixprec diagnose: {exc}", file=sys.stderr)
         return 2
+    table = report.table()
     console = Console()
-    console.print(report.table())
+    if not sys.stdout.isatty():  # a log: the table at its natural width, not squeezed into 80 columns
+        console = Console(width=max(console.width, Console(width=1000).measure(table).maximum))
+    console.print(table)
     console.print(report.summary())
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report.to_json(out / "report.json")
-    report.plot(out / "diagnose.png")
-    print(f"wrote {out / 'report.json'}, {out / 'diagnose.png'}")
+    written = [out / "report.json"]
+    try:
+        report.plot(out / "diagnose.png")
+        written.append(out / "diagnose.png")
+    except ModuleNotFoundError as exc:  # matplotlib is optional (the [bench] extra)
+        if exc.name != "matplotlib":
+            raise
+        from mixprec.bench.report import PLOT_SKIPPED
+
+        print(PLOT_SKIPPED.format(name="diagnose.png"), file=sys.stderr)
+    print("wrote " + ", ".join(str(p) for p in written))
     return 0
 
 

@@ -1,6 +1,6 @@
 """Find where low precision breaks a model: which layer, which pass, why, and what to do.
 
-``report = mixprec.diagnose(model, inputs, loss_fn)`` runs the batch twice, in fp32 and
+``report = mixprec.diagnose(model, inputs, loss_fn, targets=targets)`` runs the batch twice, in fp32 and
 under :func:`mixprec.autocast` in the target dtype, forward and backward, and records per
 module (qualified name and type) for its output activations and for the gradients that
 reach them: the largest magnitude, the fraction past the dtype's largest finite value, the
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import pathlib
@@ -279,7 +280,8 @@ def _check_inputs(model: nn.Module, inputs: Any, loss_fn: LossFn | None) -> torc
     device = params[0].device
     for t in tree_flatten(inputs)[0]:
         if isinstance(t, torch.Tensor) and t.device != device:
-            raise ValueError(f"an input is on {t.device} but the model is on {device}; move the inputs to {device}")
+            raise ValueError(f"an input or target is on {t.device} but the model is on {device}; "
+                             f"move them to {device}")  # fmt: skip
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError("loss_fn must be a callable taking the model's output and returning a scalar loss")
     return device
@@ -299,11 +301,22 @@ def _loss(out: Any, loss_fn: LossFn | None) -> torch.Tensor:
     return loss.reshape(())
 
 
+def _with_targets(loss_fn: Callable[..., torch.Tensor], targets: Any, output: Any) -> torch.Tensor:
+    return loss_fn(output, targets)
+
+
 def _call(model: nn.Module, inputs: Any) -> Any:
     if isinstance(inputs, dict):
         return model(**inputs)
     if isinstance(inputs, (tuple, list)):
-        return model(*inputs)
+        try:
+            return model(*inputs)
+        except TypeError as exc:
+            if len(inputs) == 2 and "positional argument" in str(exc):
+                raise TypeError(f"{exc}: diagnose passes a tuple of inputs to the model as positional arguments; "
+                                "for an (inputs, targets) batch call diagnose(model, inputs, loss_fn, "
+                                "targets=targets), with loss_fn(output, targets)") from exc  # fmt: skip
+            raise
     return model(inputs)
 
 
@@ -418,8 +431,9 @@ def _origins(recorder: _Recorder, flagged: set[int]) -> list[str]:
 def diagnose(
     model: nn.Module,
     inputs: Any,
-    loss_fn: LossFn | None = None,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
     *,
+    targets: Any = None,
     dtype: torch.dtype | str = torch.float16,
     policy: Policy | str | None = None,
     steps: int = 1,
@@ -427,10 +441,25 @@ def diagnose(
 ) -> DiagnosticReport:
     """Run ``model`` on ``inputs`` in fp32 and in ``dtype`` and report where low precision breaks it.
 
+    The loss is ``loss_fn(model(inputs), targets)`` when ``targets`` is given, else
+    ``loss_fn(model(inputs))``: for a batch ``(x, y)`` call ``diagnose(model, x, loss_fn, targets=y)``
+    with the ``loss_fn(output, targets)`` you train with (``mixprec diagnose --loss`` takes the same).
+
+    Example:
+        >>> import torch, mixprec
+        >>> model = torch.nn.Linear(4, 2)
+        >>> x, y = torch.randn(8, 4), torch.randint(0, 2, (8,))
+        >>> report = mixprec.diagnose(model, x, torch.nn.functional.cross_entropy, targets=y)
+        >>> report.first_nonfinite is None
+        True
+
     Args:
         model: the model (its parameters are not changed; gradients are cleared afterwards).
         inputs: a tensor, a tuple/list of positional inputs, or a dict of keyword inputs.
-        loss_fn: ``output -> scalar loss``; default: the mean square of the floating outputs.
+        loss_fn: ``(output, targets) -> scalar loss`` with ``targets``, else ``output -> scalar loss``;
+            default: the mean square of the floating outputs.
+        targets: passed to ``loss_fn`` after the output (any value: a tensor, a tuple, a dict);
+            needs ``loss_fn``.
         dtype: the low precision to check (fp16 by default, where things break).
         policy: the autocast policy to check (default: the device's built-in one).
         steps: forward/backward passes per run (statistics accumulate).
@@ -438,17 +467,26 @@ def diagnose(
             (relative L2); default: only overflow and NaN/Inf.
 
     Raises:
-        ValueError: a model without parameters, inputs on another device, a loss that is not a scalar.
+        ValueError: a model without parameters, inputs or targets on another device, a loss that is not
+            a scalar, ``targets`` without ``loss_fn``.
+        TypeError: ``loss_fn`` is not callable; an ``(inputs, targets)`` pair passed as ``inputs`` (the
+            message says to pass ``targets=``).
     """
     dtype = parse_dtype(dtype, what="diagnose dtype", allowed=(torch.float16, torch.bfloat16))
-    device = _check_inputs(model, inputs, loss_fn)
+    device = _check_inputs(model, (inputs, targets), loss_fn)
+    loss_of: LossFn | None = loss_fn
+    if targets is not None:
+        if loss_fn is None:
+            raise ValueError("targets= needs loss_fn(output, targets) to compute the loss with them")
+        loss_of = functools.partial(_with_targets, loss_fn, targets)
+
     device_type = device.type
     notes: list[str] = []
     base = get_policy(policy, device_type) if policy is not None else default_policy(device_type)
     was_training = model.training
     try:
-        ref, ref_first, loss_fp32 = _run(model, inputs, loss_fn, dtype, base, device_type, False, True, True, steps)
-        low, first, loss_low = _run(model, inputs, loss_fn, dtype, base, device_type, True, True, True, steps)
+        ref, ref_first, loss_fp32 = _run(model, inputs, loss_of, dtype, base, device_type, False, True, True, steps)
+        low, first, loss_low = _run(model, inputs, loss_of, dtype, base, device_type, True, True, True, steps)
     finally:
         model.train(was_training)
     reports = []
@@ -484,7 +522,7 @@ def diagnose(
         if not keep:
             break
         trial = dataclasses.replace(base, module_rules=(*base.module_rules, ModuleRule(names=tuple(keep))))
-        check, found, _ = _run(model, inputs, loss_fn, dtype, trial, device_type, True, True, False, steps)
+        check, found, _ = _run(model, inputs, loss_of, dtype, trial, device_type, True, True, False, steps)
         still = {id(m) for m in check.order if check.activations[id(m)].nan or check.activations[id(m)].inf}
         rules_fix_it = not still and (found is None or found.module in fp32_broken)
         if rules_fix_it:

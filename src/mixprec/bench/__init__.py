@@ -6,13 +6,22 @@ a PNG. The CLI (``mixprec bench``) wraps it with progress bars.
 """
 
 from mixprec.bench.modes import MODES, Mode, register_mode
-from mixprec.bench.runner import BenchConfig, BenchReport, ModeResult, resolve_device, resolve_dtype, run
+from mixprec.bench.runner import (
+    BenchConfig,
+    BenchInterrupted,
+    BenchReport,
+    ModeResult,
+    resolve_device,
+    resolve_dtype,
+    run,
+)
 from mixprec.bench.workloads import WORKLOADS, Workload
 
 __all__ = [
     "MODES",
     "WORKLOADS",
     "BenchConfig",
+    "BenchInterrupted",
     "BenchReport",
     "Mode",
     "ModeResult",

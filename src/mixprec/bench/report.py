@@ -34,6 +34,25 @@ def table_rows(report: BenchReport) -> list[list[str]]:
 
 
 HEADER = ["workload", "mode", "steps/s", "vs fp32", "vs torch-amp", "peak mem", "state", "final loss", "loss vs fp32"]
+_LEFT = ("workload", "mode")
+
+
+def title(report: BenchReport) -> str:
+    """The results table's title: dtype, device and torch version."""
+    return f"{report.dtype} on {report.device} ({report.device_name}), torch {report.torch_version}"
+
+
+def text_table(report: BenchReport) -> str:
+    """The results table as aligned plain text, for logs and narrow terminals (nothing is cut)."""
+    rows = [HEADER, *table_rows(report)]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(HEADER))]
+
+    def line(row: list[str]) -> str:
+        cells = [c.ljust(w) if h in _LEFT else c.rjust(w) for c, w, h in zip(row, widths, HEADER, strict=True)]
+        return "  ".join(cells).rstrip()
+
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([title(report), line(HEADER), rule, *(line(row) for row in rows[1:])])
 
 
 def markdown(report: BenchReport) -> str:
@@ -46,6 +65,12 @@ def markdown(report: BenchReport) -> str:
         f"mixprec {report.mixprec_version}. Size: {cfg.size}; {cfg.total_steps} steps per run "
         f"({cfg.warmup} warm-up); took {report.seconds:.0f} s.",
         "",
+    ]
+    if report.interrupted:
+        done = len(report.results)
+        lines += [f"**Interrupted** (Ctrl-C): {done} of {len(cfg.workloads)} workloads finished; only they are shown.",
+                  ""]  # fmt: skip
+    lines += [
         "| " + " | ".join(HEADER) + " |",
         "|" + "---|" * len(HEADER),
     ]
@@ -55,9 +80,8 @@ def markdown(report: BenchReport) -> str:
         "steps/s: median over timed windows after warm-up. vs fp32, vs torch-amp: ratios of steps/s from "
         "this run. Peak mem: CUDA max allocated, or on CPU the peak resident set above the level before the "
         "run (indicative). State: exact bytes of parameters, gradients, fp32 masters and optimizer state. "
-        "Final loss: mean of the last steps; loss vs fp32: its relative difference after the same steps. "
-        "Image outputs (the checkerboard) are shown after this run's steps; the reference trains 500 to draw "
-        "the board.",
+        "Final loss: mean of the last steps; loss vs fp32: its relative difference after the same steps "
+        "(bench.png plots it at every step).",
         "",
         "![bench](bench.png)",
         "",
@@ -65,58 +89,74 @@ def markdown(report: BenchReport) -> str:
     return "\n".join(lines)
 
 
+PLOT_SKIPPED = "{name} skipped: matplotlib is not installed (pip install matplotlib, or 'mixprec[bench]')"
+
+
 def plot(report: BenchReport, path: pathlib.Path) -> None:
-    """Loss curves per workload, throughput bars, and image outputs beside their targets."""
+    """Per workload, the loss curves and each mode's loss relative to fp32's; below, throughput bars.
+
+    The modes' curves mostly lie on top of each other (that is the point of mixed precision), so
+    the second row shows what differs: ``100 * (loss - fp32 loss) / |fp32 loss|`` at every step.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     workloads = list(report.results)
-    image_workloads = [w for w in workloads if w in report.images]
     columns = max(2, len(workloads))
-    rows = 2 + (1 if image_workloads else 0)
-    fig, axes = plt.subplots(rows, columns, figsize=(4.2 * columns, 3.4 * rows), squeeze=False)
-    for ax, workload in zip(axes[0], workloads, strict=False):
-        for mode, r in report.results[workload].items():
-            ax.plot(range(1, len(r.losses) + 1), r.losses, label=mode, linewidth=1.4)
-        ax.set_title(f"{workload}: training loss")
-        ax.set_xlabel("step")
-        values = [v for r in report.results[workload].values() for v in r.losses]
-        if min(values) > 0 and max(values) > 10 * min(values):
-            ax.set_yscale("log")
-        ax.legend(fontsize=8)
-    for ax in axes[0][len(workloads) :]:
-        ax.axis("off")
-    bars = plt.subplot2grid((rows, columns), (1, 0), colspan=columns, fig=fig)
-    for ax in axes[1]:
-        ax.remove()
+    rows = 3
+    fig, axes = plt.subplots(rows, columns, figsize=(4.2 * columns, 3.2 * rows), squeeze=False)
     modes: list[str] = []
     for by_mode in report.results.values():
         modes += [m for m in by_mode if m not in modes]
+    # One colour and dash per mode in every panel; dashes keep coinciding curves visible.
+    colours = {m: f"C{i}" for i, m in enumerate(modes)}
+    dashes = {m: ("-", "--", ":", "-.")[i % 4] for i, m in enumerate(modes)}
+    for column, workload in enumerate(workloads):
+        by_mode = report.results[workload]
+        ax = axes[0][column]
+        for mode, r in by_mode.items():
+            ax.plot(range(1, len(r.losses) + 1), r.losses, dashes[mode], color=colours[mode], label=mode,
+                    linewidth=1.4)  # fmt: skip
+        ax.set_title(f"{workload}: training loss")
+        ax.set_xlabel("step")
+        values = [v for r in by_mode.values() for v in r.losses]
+        if min(values) > 0 and max(values) > 10 * min(values):
+            ax.set_yscale("log")
+        ax.legend(fontsize=8)
+        ax = axes[1][column]
+        ax.set_title(f"{workload}: loss vs fp32")
+        reference = by_mode.get("fp32")
+        if reference is None:
+            ax.text(0.5, 0.5, "no fp32 run to compare with", ha="center", va="center", transform=ax.transAxes)
+            ax.axis("off")
+            continue
+        for mode, r in by_mode.items():
+            if mode == "fp32":
+                continue
+            rel = [100 * (a - b) / abs(b) if b else math.nan for a, b in zip(r.losses, reference.losses, strict=False)]
+            ax.plot(range(1, len(rel) + 1), rel, dashes[mode], color=colours[mode], label=mode, linewidth=1.4)
+        ax.axhline(0.0, color="black", linewidth=0.8)
+        ax.set_xlabel("step")
+        ax.set_ylabel("% vs fp32's loss")
+        ax.legend(fontsize=8)
+    for row in axes[:2]:
+        for ax in row[len(workloads) :]:
+            ax.axis("off")
+    bars = plt.subplot2grid((rows, columns), (2, 0), colspan=columns, fig=fig)
+    for ax in axes[2]:
+        ax.remove()
     width = 0.8 / max(1, len(modes))
     for i, mode in enumerate(modes):
         xs = [j + i * width for j, w in enumerate(workloads) if mode in report.results[w]]
         ys = [report.results[w][mode].speedup_vs_fp32 or math.nan for w in workloads if mode in report.results[w]]
-        bars.bar(xs, ys, width, label=mode)
+        bars.bar(xs, ys, width, label=mode, color=colours[mode])
     bars.axhline(1.0, color="black", linewidth=0.8)
     bars.set_xticks([j + width * (len(modes) - 1) / 2 for j in range(len(workloads))], workloads)
     bars.set_ylabel("speed-up over fp32 (steps/s)")
     bars.set_title(f"throughput, {report.dtype} on {report.device}")
     bars.legend(fontsize=8)
-    if image_workloads:
-        panels = []
-        for workload in image_workloads:
-            images = report.images[workload]
-            shown = [m for m in images if m.startswith("mixprec")] or [m for m in images if m != "target"]
-            best = max(shown, key=lambda m: report.results[workload][m].steps_per_s)
-            panels += [(f"{workload}: {best} output", images[best]), (f"{workload}: target", images["target"])]
-        for ax, (title, image) in zip(axes[2], panels, strict=False):
-            ax.imshow(image.numpy(), cmap="gray", vmin=0, vmax=1)
-            ax.set_title(title)
-            ax.axis("off")
-        for ax in axes[2][len(panels) :]:
-            ax.axis("off")
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)
@@ -125,15 +165,27 @@ def plot(report: BenchReport, path: pathlib.Path) -> None:
 def write(
     report: BenchReport, out_dir: str | pathlib.Path, json_path: str | pathlib.Path | None = None
 ) -> dict[str, Any]:
-    """Write report.json, report.md and bench.png into ``out_dir`` (and JSON to ``json_path``); returns the paths."""
+    """Write report.json, report.md and bench.png into ``out_dir`` (and JSON to ``json_path``); returns the paths.
+
+    Without matplotlib there is no bench.png, and no ``"png"`` among the paths returned.
+    """
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     data = json.dumps(report.to_dict(), indent=2)
     paths = {"json": out / "report.json", "markdown": out / "report.md", "png": out / "bench.png"}
     paths["json"].write_text(data + "\n")
-    paths["markdown"].write_text(markdown(report))
-    plot(report, paths["png"])
     if json_path is not None:
-        pathlib.Path(json_path).write_text(data + "\n")
-        paths["extra_json"] = pathlib.Path(json_path)
+        extra = pathlib.Path(json_path)
+        extra.parent.mkdir(parents=True, exist_ok=True)
+        extra.write_text(data + "\n")
+    paths["markdown"].write_text(markdown(report))
+    try:
+        plot(report, paths["png"])
+    except ModuleNotFoundError as exc:  # matplotlib is optional (the [bench] extra)
+        if exc.name != "matplotlib":
+            raise
+        del paths["png"]
+        paths["markdown"].write_text(markdown(report).replace("![bench](bench.png)\n", ""))
+    if json_path is not None:
+        paths["extra_json"] = extra
     return paths

@@ -106,6 +106,7 @@ class BenchReport:
     results: dict[str, dict[str, ModeResult]]
     images: dict[str, dict[str, torch.Tensor]]  # workload -> {"target": ..., mode: prediction}
     seconds: float
+    interrupted: bool = False  # stopped early (Ctrl-C): ``results`` holds the workloads that finished
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON report: ``{"device", "dtype", "torch", "workloads": {name: {mode: {...}}}, ...}``."""
@@ -117,8 +118,17 @@ class BenchReport:
             "mixprec": self.mixprec_version,
             "config": dataclasses.asdict(self.config),
             "seconds": self.seconds,
+            "interrupted": self.interrupted,
             "workloads": {w: {m: r.to_dict() for m, r in modes.items()} for w, modes in self.results.items()},
         }
+
+
+class BenchInterrupted(KeyboardInterrupt):
+    """Ctrl-C during :func:`run` after at least one workload finished; ``report`` holds those workloads."""
+
+    def __init__(self, report: BenchReport) -> None:
+        super().__init__("interrupted")
+        self.report = report
 
 
 def resolve_device(device: str) -> torch.device:
@@ -237,7 +247,7 @@ class _Run:
 
     def __init__(self, workload: str, mode: Mode, config: BenchConfig, device: torch.device, dtype: torch.dtype,
                  compiled: bool = False):  # fmt: skip
-        self.mode, self.device, self.dtype = mode, device, dtype
+        self.workload, self.mode, self.config, self.device, self.dtype = workload, mode, config, device, dtype
         self.task = WORKLOADS[workload].build(config.size, device)
         self.model = mode.prepare_model(self.task.model.to(device))
         self.optimizer = _optimizer(self.task, self.model.parameters())
@@ -347,7 +357,13 @@ def run_workload(workload: str, modes: list[Mode], config: BenchConfig, device: 
 
 def run(config: BenchConfig, progress: Progress | None = None,
         on_result: Callable[[str, str, ModeResult], None] | None = None) -> BenchReport:  # fmt: skip
-    """Run ``config``; ``progress`` hears every step of every mode, ``on_result`` every finished mode."""
+    """Run ``config``; ``progress`` hears every step of every mode, ``on_result`` every finished mode.
+
+    Raises:
+        BenchInterrupted: Ctrl-C (a ``KeyboardInterrupt``) after at least one workload finished; its
+            ``report`` holds the finished workloads, marked ``interrupted``. Before that, the
+            ``KeyboardInterrupt`` itself.
+    """
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     start = time.perf_counter()
@@ -358,14 +374,24 @@ def run(config: BenchConfig, progress: Progress | None = None,
         run_workload(workload, _modes_for(workload, config, dtype), warm, device, dtype)
     results: dict[str, dict[str, ModeResult]] = {}
     images: dict[str, dict[str, torch.Tensor]] = {}
-    for workload in config.workloads:
-        results[workload], found = run_workload(workload, _modes_for(workload, config, dtype), config, device, dtype,
-                                                progress, on_result)  # fmt: skip
-        if found:
-            images[workload] = found
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
-    return BenchReport(device.type, name, {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype], torch.__version__,
-                       mixprec.__version__, config, results, images, time.perf_counter() - start)  # fmt: skip
+
+    def report(interrupted: bool) -> BenchReport:
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
+        return BenchReport(device.type, name, {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype],
+                           torch.__version__, mixprec.__version__, config, results, images,
+                           time.perf_counter() - start, interrupted)  # fmt: skip
+
+    try:
+        for workload in config.workloads:
+            results[workload], found = run_workload(workload, _modes_for(workload, config, dtype), config, device,
+                                                    dtype, progress, on_result)  # fmt: skip
+            if found:
+                images[workload] = found
+    except KeyboardInterrupt as exc:
+        if not results:
+            raise
+        raise BenchInterrupted(report(True)) from exc
+    return report(False)
 
 
 def _cpu_name() -> str:

@@ -2,4 +2,5 @@
 
 * :mod:`mixprec.integrations.lightning`: ``MixprecPrecision``, a PyTorch Lightning precision plugin.
 * :mod:`mixprec.integrations.accelerate`: ``MixprecAccelerator``, a Hugging Face Accelerate ``Accelerator``.
+* :mod:`mixprec.integrations.transformers`: ``MixprecTrainer``, a Hugging Face ``transformers.Trainer``.
 """

@@ -4,12 +4,19 @@
 it prepares run their forward under :func:`mixprec.autocast` (outputs in fp32, as Accelerate
 does), ``accelerator.autocast()`` opens a mixprec region, and with ``mixed_precision="fp16"``
 backward and the prepared optimizers use :class:`mixprec.GradScaler`.
+
+What matches ``Accelerator`` bit for bit with the default policy (tested on CPU): ``"bf16"``,
+and ``"fp16"`` on a CPU, where Accelerate trains in fp32 (no autocast, no scaler) and so does
+this class, with a warning saying so. ``"fp16"`` on a GPU runs mixprec's autocast and GradScaler
+where Accelerate runs torch's: the same numbers by construction (mixprec is a drop-in for both),
+not checked here without a GPU.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from collections.abc import Generator
 from typing import Any
 
@@ -29,6 +36,12 @@ class MixprecAccelerator(Accelerator):  # type: ignore[misc]
         super().__init__(*args, **kwargs)
         self.mixprec_policy = policy
         self.mixprec_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(str(self.mixed_precision))
+        if self.mixprec_dtype is torch.float16 and self.device.type == "cpu":
+            # Accelerator skips autocast and the scaler for fp16 on a CPU; a drop-in does the same, aloud.
+            warnings.warn("MixprecAccelerator(mixed_precision='fp16') on CPU trains in fp32, as Accelerate's "
+                          "Accelerator does there (no autocast, no GradScaler); for low precision on a CPU use "
+                          "mixed_precision='bf16'", UserWarning, stacklevel=2)  # fmt: skip
+            self.mixprec_dtype = None
         if self.mixprec_dtype is torch.float16:
             self.scaler = GradScaler(self.device.type)
 
