@@ -1,13 +1,16 @@
-"""What mixprec.autocast costs over torch.autocast.
+"""What mixprec.autocast costs over torch.autocast, per training step and per edited-op call.
 
-1. Per-op overhead on tiny tensors (where dispatch dominates): microseconds per call
-   under each autocast, and the difference. Target: at most 5 us.
-2. Training-step throughput of an MLP and a small transformer, mixprec / torch.autocast.
-   Target: at least 0.97.
+1. Training steps (forward, backward, SGD step) of four models under torch.autocast, under
+   mixprec.autocast with the built-in policy (a torch region: target >= 0.99x torch), and
+   with a policy that moves one op (target >= 0.95x). The moved op is ``add`` into
+   ``promote``: a hot op (residual and bias adds) whose result is the same as torch's, so
+   the figure is the cost of mixprec's dispatcher kernel alone.
+2. Per call, on tiny tensors where dispatch dominates: an op torch lists (``mm``) and an
+   unlisted one (``add``), plain under torch.autocast and with mixprec's kernel.
 
-Runs alternate between the two autocasts (op timings window by window, training steps
-step by step) because this machine is shared and noisy; an op's figure is its fastest
-window, a workload's the median step. Run: python benchmarks/bench_autocast.py
+Modes alternate step by step (calls window by window) in one process, because this machine is
+shared and noisy; a mode's figure is its median step (fastest window). Bitwise equality of the
+losses is checked on the way. Run: python benchmarks/bench_autocast.py [--steps N] [--json F]
 """
 
 from __future__ import annotations
@@ -25,163 +28,173 @@ import torch.nn.functional as F
 from torch import nn
 
 import mixprec
-from mixprec.bench.workloads import TinyLM
 
-AUTOCASTS: dict[str, Callable[..., Any]] = {"torch": torch.autocast, "mixprec": mixprec.autocast}
+MOVED = mixprec.get_policy("cpu").add("promote", "add")
 
 
-@dataclasses.dataclass
-class OpRow:
-    op: str
-    category: str
-    torch_us: float
-    mixprec_us: float
+class LSTMLanguageModel(nn.Module):
+    def __init__(self, vocab: int = 2000, dim: int = 256) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.lstm = nn.LSTM(dim, dim, num_layers=2, batch_first=True)
+        self.head = nn.Linear(dim, vocab)
 
-    @property
-    def overhead_us(self) -> float:
-        return self.mixprec_us - self.torch_us
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.lstm(self.embed(tokens))[0])
+
+
+class TransformerLM(nn.Module):
+    def __init__(self, vocab: int = 2000, dim: int = 256, layers: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        layer = nn.TransformerEncoderLayer(dim, 4, 4 * dim, dropout=0.0, batch_first=True, norm_first=True)
+        self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        mask = nn.Transformer.generate_square_subsequent_mask(tokens.shape[1])
+        return self.head(self.blocks(self.embed(tokens), mask=mask, is_causal=True))
+
+
+class ResidualCNN(nn.Module):
+    def __init__(self, width: int = 64, classes: int = 10) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, width, 3, padding=1)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(
+                nn.Conv2d(width, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU(),
+                nn.Conv2d(width, width, 3, padding=1), nn.BatchNorm2d(width),
+            )
+            for _ in range(3)
+        )  # fmt: skip
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.stem(images))
+        for block in self.blocks:
+            x = F.relu(x + block(x))
+        return self.head(x.mean((2, 3)))
+
+
+class EmbeddingSoftmax(nn.Module):
+    """A bag-of-words classifier over a large vocabulary: embedding lookups and a wide softmax."""
+
+    def __init__(self, vocab: int = 20000, dim: int = 256) -> None:
+        super().__init__()
+        self.embed = nn.EmbeddingBag(vocab, dim, mode="mean")
+        self.hidden = nn.Linear(dim, dim)
+        self.out = nn.Linear(dim, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.out(F.gelu(self.hidden(self.embed(tokens))) + self.embed(tokens))
+
+
+def _workloads() -> dict[str, tuple[Callable[[], nn.Module], Callable[[], tuple[torch.Tensor, torch.Tensor]]]]:
+    def tokens(batch: int, seq: int, vocab: int) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+        return lambda: (torch.randint(0, vocab, (batch, seq)), torch.randint(0, vocab, (batch, seq)))
+
+    return {
+        "lstm": (LSTMLanguageModel, tokens(16, 64, 2000)),
+        "transformer": (TransformerLM, tokens(16, 128, 2000)),
+        "cnn": (ResidualCNN, lambda: (torch.randn(32, 3, 32, 32), torch.randint(0, 10, (32,)))),
+        "embedding-softmax": (
+            EmbeddingSoftmax, lambda: (torch.randint(0, 20000, (64, 32)), torch.randint(0, 20000, (64,)))
+        ),
+    }  # fmt: skip
+
+
+REGIONS: dict[str, Callable[[], Any]] = {
+    "torch": lambda: torch.autocast("cpu", dtype=torch.bfloat16),
+    "mixprec": lambda: mixprec.autocast("cpu", dtype=torch.bfloat16),
+    "mixprec+1 op": lambda: mixprec.autocast("cpu", dtype=torch.bfloat16, policy=MOVED),
+}
 
 
 @dataclasses.dataclass
 class StepRow:
     workload: str
-    torch_steps_per_s: float
-    mixprec_steps_per_s: float
-    round_ratios: list[float]
+    ms: dict[str, float]  # median step time per mode
+    same_losses: bool  # every mode's losses bitwise equal to torch's
 
-    @property
-    def ratio(self) -> float:
-        """Median over rounds of mixprec/torch steps per second."""
-        return statistics.median(self.round_ratios)
+    def ratio(self, mode: str) -> float:
+        """Speed of ``mode`` relative to torch.autocast (steps/s ratio)."""
+        return self.ms["torch"] / self.ms[mode]
 
 
-def _per_call_us(fn: Callable[[], Any], calls: int) -> float:
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - start) / calls * 1e6
-
-
-def bench_ops(dtype: torch.dtype, calls: int, windows: int) -> list[OpRow]:
-    a = torch.randn(4, 4)
-    w = torch.randn(4, 4, requires_grad=True)
-    target = torch.randn(4, 4)
-    cases: list[tuple[str, str, Callable[[], Any]]] = [
-        ("torch.mm (weight, cached cast)", "lower", lambda: torch.mm(a, w)),
-        ("F.linear", "lower", lambda: F.linear(a, w)),
-        ("torch.add", "none, builtin", lambda: torch.add(a, a)),
-        ("Tensor.__mul__", "none, builtin", lambda: a * a),
-        ("F.relu", "none, Python wrapper", lambda: F.relu(a)),
-        ("F.mse_loss", "fp32 via Python wrapper", lambda: F.mse_loss(a, target)),
-        ("torch.cat", "promote", lambda: torch.cat([a, a])),
-        ("Tensor.shape", "attribute", lambda: a.shape),
-    ]
-    rows = []
-    for name, category, fn in cases:
-        samples: dict[str, list[float]] = {k: [] for k in AUTOCASTS}
-        for _ in range(windows):
-            for key, ctx in AUTOCASTS.items():
-                with ctx("cpu", dtype=dtype):
-                    fn()
-                    samples[key].append(_per_call_us(fn, calls))
-        # The fastest window is the least disturbed by other load on a shared machine.
-        rows.append(OpRow(name, category, min(samples["torch"]), min(samples["mixprec"])))
-    return rows
-
-
-def _workloads() -> dict[str, tuple[Callable[[], nn.Module], Callable[[], tuple[torch.Tensor, torch.Tensor]]]]:
-    def mlp() -> nn.Module:
-        return nn.Sequential(
-            nn.Linear(512, 1024), nn.GELU(), nn.Linear(1024, 1024), nn.GELU(), nn.Linear(1024, 10)
-        )  # fmt: skip
-
-    def mlp_batch() -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.randn(256, 512), torch.randint(0, 10, (256,))
-
-    def lm_batch() -> tuple[torch.Tensor, torch.Tensor]:
-        tokens = torch.randint(0, 256, (16, 65))
-        return tokens[:, :-1], tokens[:, 1:]
-
-    def lm() -> nn.Module:
-        return TinyLM(vocab=256, dim=256, layers=2, heads=4)
-
-    return {"mlp": (mlp, mlp_batch), "transformer": (lm, lm_batch)}
-
-
-def bench_steps(dtype: torch.dtype, steps: int, windows: int) -> list[StepRow]:
-    rows = []
-    for name, (make_model, make_batch) in _workloads().items():
-        torch.manual_seed(0)
-        states = {}
-        for key in AUTOCASTS:
-            torch.manual_seed(0)
-            model = make_model()
-            states[key] = (model, torch.optim.AdamW(model.parameters(), lr=1e-4))
-        x, y = make_batch()
-
-        def step(key: str, states: dict[str, Any] = states, x: torch.Tensor = x, y: torch.Tensor = y) -> None:
-            model, opt = states[key]
-            opt.zero_grad(set_to_none=True)
-            with AUTOCASTS[key]("cpu", dtype=dtype):
-                out = model(x)
-                loss = F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+def bench_steps(name: str, steps: int, warmup: int = 3) -> StepRow:
+    make, data = _workloads()[name]
+    torch.manual_seed(0)
+    models = {mode: make() for mode in REGIONS}
+    for model in models.values():
+        model.load_state_dict(models["torch"].state_dict())
+    opts = {mode: torch.optim.SGD(m.parameters(), lr=1e-3) for mode, m in models.items()}
+    times: dict[str, list[float]] = {mode: [] for mode in REGIONS}
+    losses: dict[str, list[torch.Tensor]] = {mode: [] for mode in REGIONS}
+    order = list(REGIONS)
+    for step in range(warmup + steps):
+        torch.manual_seed(step)
+        inputs, targets = data()
+        order.reverse()  # alternate who goes first
+        for mode in order:
+            model, opt = models[mode], opts[mode]
+            start = time.perf_counter()
+            with REGIONS[mode]():
+                out = model(inputs)
+                loss = F.cross_entropy(out.reshape(-1, out.shape[-1]), targets.reshape(-1))
             loss.backward()
             opt.step()
+            opt.zero_grad(set_to_none=True)
+            if step >= warmup:
+                times[mode].append(time.perf_counter() - start)
+            losses[mode].append(loss.detach())
+    same = all(torch.equal(torch.stack(losses[m]), torch.stack(losses["torch"])) for m in REGIONS)
+    return StepRow(name, {m: 1e3 * statistics.median(t) for m, t in times.items()}, same)
 
-        for key in AUTOCASTS:  # warm-up
-            for _ in range(2):
-                step(key)
-        # Alternate single steps (and their order) so both autocasts see the same machine load;
-        # each round gives one ratio of median step times, and the spread shows the noise.
-        times: dict[str, list[float]] = {k: [] for k in AUTOCASTS}
-        ratios = []
+
+def bench_calls(windows: int = 7, calls: int = 2000) -> dict[str, dict[str, float]]:
+    a = torch.randn(8, 8)
+    ops = {"mm (listed)": lambda: torch.mm(a, a), "add (unlisted)": lambda: torch.add(a, a)}
+    edited = mixprec.get_policy("cpu").add("fp32", "mm").add("promote", "add")
+    result: dict[str, dict[str, float]] = {}
+    for op, fn in ops.items():
+        best = {"torch": float("inf"), "mixprec kernel": float("inf")}
         for _ in range(windows):
-            round_times: dict[str, list[float]] = {k: [] for k in AUTOCASTS}
-            for i in range(steps):
-                for key in AUTOCASTS if i % 2 else reversed(list(AUTOCASTS)):
+            for mode, region in (
+                ("torch", torch.autocast("cpu")),
+                ("mixprec kernel", mixprec.autocast("cpu", policy=edited)),
+            ):
+                with region:
                     start = time.perf_counter()
-                    step(key)
-                    round_times[key].append(time.perf_counter() - start)
-            ratios.append(statistics.median(round_times["torch"]) / statistics.median(round_times["mixprec"]))
-            for key in AUTOCASTS:
-                times[key] += round_times[key]
-        rows.append(
-            StepRow(name, 1 / statistics.median(times["torch"]), 1 / statistics.median(times["mixprec"]), ratios)
-        )
-    return rows
+                    for _ in range(calls):
+                        fn()
+                    best[mode] = min(best[mode], (time.perf_counter() - start) / calls * 1e6)
+        result[op] = best
+    return result
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
-    parser.add_argument("--calls", type=int, default=2000, help="calls per timed window (ops)")
-    parser.add_argument("--steps", type=int, default=20, help="training steps per window, per autocast")
-    parser.add_argument("--windows", type=int, default=7)
-    parser.add_argument("--json", help="also write the rows to this file")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per mode and workload")
+    parser.add_argument("--workloads", default=",".join(_workloads()), help="comma-separated")
+    parser.add_argument("--json", help="also write the rows to this JSON file")
     args = parser.parse_args()
-    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
-
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, dtype {args.dtype}\n")
-    ops = bench_ops(dtype, args.calls, args.windows)
-    print(f"{'op':34} {'category':26} {'torch us':>9} {'mixprec us':>11} {'overhead us':>12}")
-    for r in ops:
-        print(f"{r.op:34} {r.category:26} {r.torch_us:9.2f} {r.mixprec_us:11.2f} {r.overhead_us:12.2f}")
-    worst = max(ops, key=lambda r: r.overhead_us)
-    print(f"\nworst per-op overhead: {worst.overhead_us:.2f} us ({worst.op}); target <= 5 us\n")
-
-    steps = bench_steps(dtype, args.steps, args.windows)
-    print(f"{'workload':12} {'torch steps/s':>14} {'mixprec steps/s':>16} {'ratio':>7} {'rounds min..max':>16}")
-    for s in steps:
-        spread = f"{min(s.round_ratios):.3f}..{max(s.round_ratios):.3f}"
-        print(f"{s.workload:12} {s.torch_steps_per_s:14.2f} {s.mixprec_steps_per_s:16.2f} {s.ratio:7.3f} {spread:>16}")
-    print("ratio: median over rounds of mixprec/torch steps per second; target >= 0.97")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, bf16, {args.steps} steps per mode")
+    rows = []
+    print(f"{'workload':<18} {'torch ms':>9} {'mixprec ms':>11} {'ratio':>6} {'+1 op ms':>9} {'ratio':>6}  same losses")
+    for name in args.workloads.split(","):
+        row = bench_steps(name, args.steps)
+        rows.append(row)
+        print(
+            f"{name:<18} {row.ms['torch']:>9.2f} {row.ms['mixprec']:>11.2f} {row.ratio('mixprec'):>6.3f} "
+            f"{row.ms['mixprec+1 op']:>9.2f} {row.ratio('mixprec+1 op'):>6.3f}  {row.same_losses}"
+        )
+    calls = bench_calls()
+    print(f"\n{'per call (8x8)':<18} {'torch us':>9} {'mixprec kernel us':>18}")
+    for op, best in calls.items():
+        print(f"{op:<18} {best['torch']:>9.2f} {best['mixprec kernel']:>18.2f}")
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(
-                {"ops": [dataclasses.asdict(r) | {"overhead_us": r.overhead_us} for r in ops],
-                 "steps": [dataclasses.asdict(s) | {"ratio": s.ratio} for s in steps]},
-                fh, indent=2,
-            )  # fmt: skip
+        with open(args.json, "w") as f:
+            json.dump({"steps": [dataclasses.asdict(r) for r in rows], "calls": calls}, f, indent=2)
 
 
 if __name__ == "__main__":
