@@ -362,3 +362,22 @@ def test_compiled_code_in_an_eager_edited_region_refuses_instead_of_going_stale(
     model = torch.compile(_mlp(), backend="aot_eager")
     with mixprec.autocast("cpu", policy=POLICIES["edited"]), pytest.raises(Exception, match="inside the compiled"):
         model(torch.randn(4, 16))
+
+
+@pytest.mark.parametrize("policy", [None, EDITED, POLICIES["rules"]], ids=["builtin", "edited", "rules"])
+def test_graph_break_inside_a_compiled_region_falls_back_to_eager(policy: Any) -> None:
+    torch._dynamo.reset()
+    model, x = _mlp(), torch.randn(4, 16)
+
+    def step(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        with mixprec.autocast("cpu", policy=policy):
+            h = model(x)
+            torch._dynamo.graph_break()
+            return h, torch.exp(h), torch.mm(h, h.t())
+
+    expected = step(x)
+    for backend in ("eager", "aot_eager"):
+        got = torch.compile(step, backend=backend)(x)
+        assert bitwise_equal(got, expected)
+        assert not torch.is_autocast_enabled("cpu") and not dispatch_module.state().regions
+        assert dispatch_module.registered() == []

@@ -322,6 +322,12 @@ def _make_kernel(
         with _ExcludeDispatchKeyGuard(exclude):
             return apply_category(category, overload, args, kwargs, device_type, policy, dtype_index)
 
+    # A dispatcher kernel, never a frame for Dynamo to compile (it would be one when eager code
+    # that Dynamo fell back to calls the op).
+    eval_frame = torch._dynamo.eval_frame
+    eval_frame.set_code_exec_strategy(
+        kernel.__code__, eval_frame.FrameExecStrategy(eval_frame.FrameAction.SKIP, eval_frame.FrameAction.SKIP)
+    )
     return kernel
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shutil
 import os
 import sys
 from collections.abc import Sequence
@@ -290,10 +291,13 @@ def _policy(args: argparse.Namespace) -> int:
     from mixprec.policy import get_policy
 
     try:
-        print(get_policy(args.spec).describe())
+        policy = get_policy(args.spec)
     except ValueError as exc:
         print(f"mixprec policy: {exc}", file=sys.stderr)
         return 2
+    width = max(60, min(shutil.get_terminal_size().columns, 120))
+    print(repr(policy))
+    print(policy.describe(width=width))
     return 0
 
 
