@@ -246,6 +246,20 @@ def check_checkpoint(st: ThreadState) -> None:
 
 # ----- kernels and their registration ------------------------------------------------
 
+
+def never_a_frame(func: Callable[..., Any]) -> None:
+    """Tell Dynamo never to compile ``func`` (or what it calls) as a frame of its own.
+
+    Dynamo compiles the frames that eager code calls while a compiled function runs (after it
+    fell back to eager for part of it); code that branches on ``torch.compiler.is_compiling()``
+    or runs inside the dispatcher must not become such a frame. Being traced as part of a
+    compiled caller is unaffected.
+    """
+    eval_frame: Any = torch._dynamo.eval_frame
+    skip = eval_frame.FrameAction.SKIP
+    eval_frame.set_code_exec_strategy(func.__code__, eval_frame.FrameExecStrategy(skip, skip))
+
+
 _lock = threading.Lock()
 # (qualified overload name, device type) -> [Library, users]
 _registered: dict[tuple[str, str], list[Any]] = {}
@@ -324,10 +338,7 @@ def _make_kernel(
 
     # A dispatcher kernel, never a frame for Dynamo to compile (it would be one when eager code
     # that Dynamo fell back to calls the op).
-    eval_frame = torch._dynamo.eval_frame
-    eval_frame.set_code_exec_strategy(
-        kernel.__code__, eval_frame.FrameExecStrategy(eval_frame.FrameAction.SKIP, eval_frame.FrameAction.SKIP)
-    )
+    never_a_frame(kernel)
     return kernel
 
 

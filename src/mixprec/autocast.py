@@ -530,8 +530,5 @@ def set_autocast_enabled(
 # calls them. Dynamo must never compile them as frames of their own (it does for functions an
 # eagerly run frame calls, e.g. after it gave up on a region with a graph break inside): their
 # graph would keep the entry node and run it, or bake its effect in, apart from the region.
-_eval_frame = torch._dynamo.eval_frame
 for _func in (autocast.__init__, autocast.__enter__, autocast.__exit__, _pre_hook, _post_hook):
-    _eval_frame.set_code_exec_strategy(
-        _func.__code__, _eval_frame.FrameExecStrategy(_eval_frame.FrameAction.SKIP, _eval_frame.FrameAction.SKIP)
-    )
+    _dispatch.never_a_frame(_func)

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import shutil
 import os
+import shutil
 import sys
 from collections.abc import Sequence
 from typing import Any
