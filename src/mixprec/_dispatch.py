@@ -18,6 +18,7 @@ Nothing here syncs with the device: casts are asynchronous ``Tensor.to`` calls.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import threading
 import types
@@ -50,6 +51,18 @@ AUTOCAST_KEYS = {
 }
 
 
+@dataclasses.dataclass
+class Region:
+    """One open region (or kept module) on a thread's stack, with what closing it restores."""
+
+    device_type: str
+    torch_state: Any  # torch's autocast context to exit, or (enabled, dtype) outside a kept module
+    prev_policy: Policy | None
+    prev_edited: Policy | None
+    plan: tuple[Any, ...]  # the kernels it holds (see acquire)
+    traced: bool  # opened by compiled code while it was traced
+
+
 class ThreadState:
     """Per-thread mixprec state (torch keeps its autocast state thread-local too)."""
 
@@ -61,9 +74,8 @@ class ThreadState:
         self.traced_policy: dict[str, Policy] = {}
         # device type -> the policy the registered kernels apply (absent: torch's list)
         self.edited: dict[str, Policy] = {}
-        # open regions, innermost last: (device type, torch's context or None, previous policy,
-        # previous edited policy, kernel plan it holds)
-        self.regions: list[tuple[str, Any, Policy | None, Policy | None, tuple[Any, ...]]] = []
+        # open regions and kept modules, innermost last
+        self.regions: list[Region] = []
         # id(fp32 leaf) -> (weakref to it, its low-precision copy, grad mode at cast)
         self.cache: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor, bool]] = {}
         self.switched_on: dict[str, Any] = {}
@@ -73,8 +85,6 @@ class ThreadState:
         self.rule_users = 0
         # >0 while a checkpointed forward runs under mixprec.checkpoint_context
         self.captured = 0
-        # per open region: whether compiled code opened it (it is then part of the graph)
-        self.traced: list[bool] = []
 
 
 _tls = threading.local()
@@ -327,7 +337,7 @@ def _make_kernel(
         else:
             category = policy._table.get(name)  # type: ignore[attr-defined]
             check_checkpoint(st)
-            if torch.compiler.is_compiling() and not any(st.traced):
+            if torch.compiler.is_compiling() and not any(r.traced for r in st.regions):
                 raise RuntimeError(
                     "torch.compile is tracing code inside a mixprec.autocast region opened outside the compiled "
                     "code, with a policy that differs from torch's list; the compiled graph could not follow a "

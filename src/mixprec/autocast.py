@@ -49,7 +49,9 @@ _FLOATING = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 TorchAutocast = torch.amp.autocast_mode.autocast
 
 
+@functools.lru_cache(maxsize=256)
 def _needs_kernels(policy: Policy, device_type: str) -> bool:
+    """Whether ``policy`` differs from torch's list for ``device_type`` (module rules aside)."""
     builtin = default_policy(device_type)
     return policy.output_dtype is not None or policy._table != builtin._table  # type: ignore[attr-defined]
 
@@ -58,12 +60,14 @@ def _needs_kernels(policy: Policy, device_type: str) -> bool:
 
 
 def _push(device_type: str, policy: Policy, torch_ctx: Any, traced: bool = False) -> None:
+    """Put ``policy`` in force on ``device_type``; ``torch_ctx`` is what :func:`_pop` restores of torch's."""
     st = _state()
     edited = _needs_kernels(policy, device_type)
-    st.traced.append(traced)
     plan = _dispatch.acquire(policy, device_type) if edited else ()
     table = st.traced_policy if traced else st.policy
-    st.regions.append((device_type, torch_ctx, table.get(device_type), st.edited.get(device_type), plan))
+    st.regions.append(
+        _dispatch.Region(device_type, torch_ctx, table.get(device_type), st.edited.get(device_type), plan, traced)
+    )
     table[device_type] = policy
     if edited:
         st.edited[device_type] = policy
@@ -75,16 +79,17 @@ def _push(device_type: str, policy: Policy, torch_ctx: Any, traced: bool = False
 
 def _pop() -> None:
     st = _state()
-    device_type, torch_ctx, prev_policy, prev_edited, plan = st.regions.pop()
-    policies = st.traced_policy if st.traced.pop() else st.policy
+    region = st.regions.pop()
+    device_type, torch_ctx = region.device_type, region.torch_state
+    policies = st.traced_policy if region.traced else st.policy
     if policies[device_type].module_rules:
         _count_rule_user(st, -1)
-    for table, prev in ((policies, prev_policy), (st.edited, prev_edited)):
+    for table, prev in ((policies, region.prev_policy), (st.edited, region.prev_edited)):
         if prev is None:
             table.pop(device_type, None)
         else:
             table[device_type] = prev
-    _dispatch.release(plan)
+    _dispatch.release(region.plan)
     if not st.regions:
         st.cache.clear()
         st.module_stack.clear()
