@@ -247,6 +247,20 @@ def test_checkpoint_with_edited_policy_equals_no_checkpoint(name: str) -> None:
     assert dispatch_module.registered() == []
 
 
+def test_checkpoint_context_composes_with_selective_checkpointing() -> None:
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    def save_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        return CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.mm.default else CheckpointPolicy.PREFER_RECOMPUTE
+
+    model, policy = _mlp(), POLICIES["both"]
+    expected = _train_grads(model, lambda: mixprec.autocast("cpu", policy=policy), None)
+    selective = functools.partial(create_selective_checkpoint_contexts, save_matmuls)
+    context_fn = functools.partial(mixprec.checkpoint_context, inner=selective)
+    ckpt = functools.partial(checkpoint, use_reentrant=False, context_fn=context_fn)
+    assert bitwise_equal(_train_grads(model, lambda: mixprec.autocast("cpu", policy=policy), ckpt), expected)
+
+
 @pytest.mark.parametrize("name", list(POLICIES))
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
 def test_checkpoint_that_would_lose_the_policy_raises(name: str, reentrant: bool) -> None:

@@ -293,7 +293,10 @@ def _replay(policies: dict[str, Policy]) -> Iterator[None]:
         st.captured -= 1
 
 
-def checkpoint_context() -> tuple[contextlib.AbstractContextManager[None], contextlib.AbstractContextManager[None]]:
+def checkpoint_context(
+    inner: Callable[[], tuple[contextlib.AbstractContextManager[Any], contextlib.AbstractContextManager[Any]]]
+    | None = None,
+) -> tuple[contextlib.AbstractContextManager[None], contextlib.AbstractContextManager[None]]:
     """A ``context_fn`` for ``torch.utils.checkpoint`` that replays the mixprec policy in its recompute.
 
     torch's checkpoint replays torch's autocast state (enabled, dtype) but knows
@@ -302,7 +305,9 @@ def checkpoint_context() -> tuple[contextlib.AbstractContextManager[None], conte
     (Hugging Face: ``gradient_checkpointing_kwargs={"use_reentrant": False,
     "context_fn": mixprec.checkpoint_context}``). Without it, checkpointing a
     region whose policy differs from torch's raises instead of computing other
-    gradients. With a built-in policy it is not needed (and harmless).
+    gradients. With a built-in policy it is not needed (and harmless). To combine it with
+    another ``context_fn`` (selective checkpointing), pass that one as ``inner``:
+    ``context_fn=functools.partial(mixprec.checkpoint_context, inner=other_context_fn)``.
 
     Example:
         >>> import torch, mixprec
@@ -314,7 +319,18 @@ def checkpoint_context() -> tuple[contextlib.AbstractContextManager[None], conte
         ...     y = checkpoint(net, x, use_reentrant=False, context_fn=mixprec.checkpoint_context)
         >>> y.float().sum().backward()
     """
-    return _capture(), _replay(_snapshot())
+    if inner is None:
+        return _capture(), _replay(_snapshot())
+    forward, recompute = inner()
+    return _both(_capture(), forward), _both(_replay(_snapshot()), recompute)
+
+
+@contextlib.contextmanager
+def _both(
+    first: contextlib.AbstractContextManager[Any], second: contextlib.AbstractContextManager[Any]
+) -> Iterator[None]:
+    with first, second:
+        yield
 
 
 # ----- module rules ---------------------------------------------------------------
