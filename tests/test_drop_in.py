@@ -395,3 +395,51 @@ def test_graph_break_inside_a_compiled_region_falls_back_to_eager(policy: Any) -
         assert bitwise_equal(got, expected)
         assert not torch.is_autocast_enabled("cpu") and not dispatch_module.state().regions
         assert dispatch_module.registered() == []
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(x)
+
+
+class _CheckpointedNet(nn.Module):
+    def __init__(self, checkpoint_forward: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList([_Block(), _Block()])
+        self.checkpoint_forward = checkpoint_forward
+
+    def forward(self, x: torch.Tensor, ckpt: bool = True) -> torch.Tensor:
+        for block in self.blocks:
+            fn = block.forward if self.checkpoint_forward else block  # Hugging Face checkpoints `forward`
+            x = checkpoint(fn, x, use_reentrant=False, context_fn=mixprec.checkpoint_context) if ckpt else fn(x)
+        return x
+
+
+@pytest.mark.parametrize("checkpoint_forward", [True, False], ids=["forward", "module"])
+@pytest.mark.parametrize("pattern", ["blocks.1.mlp", "blocks.1", "*.mlp"])
+def test_rules_by_name_reach_modules_in_the_recompute(checkpoint_forward: bool, pattern: str) -> None:
+    policy = mixprec.get_policy("cpu").keep_modules(names=pattern)
+    results = []
+    for ckpt in (False, True):
+        net, x = _CheckpointedNet(checkpoint_forward), torch.randn(2, 8, requires_grad=True)
+        with mixprec.autocast("cpu", policy=policy):
+            y = net(x, ckpt=ckpt)
+        y.float().sum().backward()
+        results.append((y, x.grad, [p.grad for p in net.parameters()]))
+    # A module whose forward is called directly runs no hooks: a rule naming it has no boundary
+    # to act on (its children still match), with or without checkpointing alike.
+    applies = not (checkpoint_forward and pattern == "blocks.1")
+    assert results[0][0].dtype is (torch.float32 if applies else torch.bfloat16)
+    assert bitwise_equal(results[0], results[1])
+
+
+def test_qualified_names_do_not_depend_on_which_root_ran_first() -> None:
+    net, x = nn.Sequential(nn.Sequential(nn.Linear(4, 4))), torch.randn(2, 4)
+    with mixprec.autocast("cpu", policy=mixprec.get_policy("cpu").keep_modules(names="0.0")):
+        assert net[0](x).dtype is torch.bfloat16  # called as a root, the Linear is "0"
+        assert net(x).dtype is torch.float32  # from net it is "0.0"

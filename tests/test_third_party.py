@@ -348,12 +348,6 @@ def test_hf_maybe_autocast_sees_the_region(monkeypatch: pytest.MonkeyPatch, poli
 # --- known gaps and spellings ---------------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,  # torch's CheckpointError: the recompute ran the kept module in bf16
-    reason="mixprec bug: Hugging Face checkpoints a layer's forward, not the module call, so in the recompute the "
-    "module stack is empty, the kept module is named '' and a rule by name misses it (type rules work)",
-)
 def test_rule_by_name_inside_hf_checkpointed_layer() -> None:
     policy = mixprec.get_policy("cpu").keep_modules(names="*.mlp")
     region = functools.partial(mixprec.autocast, "cpu", policy=policy)

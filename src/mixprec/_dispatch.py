@@ -81,7 +81,8 @@ class ThreadState:
         self.switched_on: dict[str, Any] = {}
         # module-rule bookkeeping: (module, qualified name, state to restore or None)
         self.module_stack: list[tuple[Any, str, Any]] = []
-        self.module_names: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+        # parent module -> {(parent's name, id(child)): child's qualified name}
+        self.module_names: weakref.WeakKeyDictionary[Any, dict[tuple[str, int], str]] = weakref.WeakKeyDictionary()
         self.rule_users = 0
         # >0 while a checkpointed forward runs under mixprec.checkpoint_context
         self.captured = 0

@@ -19,6 +19,7 @@ Nothing here syncs with the device.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import threading
 from collections.abc import Callable, Iterator
@@ -261,10 +262,20 @@ class autocast:  # noqa: N801 - the name torch.autocast users type
 # ----- checkpointing -----------------------------------------------------------------
 
 
-def _snapshot() -> dict[str, Policy]:
-    """The policies in force that differ from torch's lists, per device."""
+@dataclasses.dataclass(frozen=True)
+class _Snapshot:
+    """What a replay needs of mixprec's state: the policies in force that differ from torch's
+    lists, per device, and the module the code runs in (its children are named from it)."""
+
+    policies: dict[str, Policy]
+    module: tuple[Any, str] | None
+
+
+def _snapshot() -> _Snapshot:
     st = _state()
-    return {d: p for d, p in st.policy.items() if p.module_rules or _needs_kernels(p, d)}
+    policies = {d: p for d, p in st.policy.items() if p.module_rules or _needs_kernels(p, d)}
+    module = (st.module_stack[-1][0], st.module_stack[-1][1]) if st.module_stack and policies else None
+    return _Snapshot(policies, module)
 
 
 @contextlib.contextmanager
@@ -278,16 +289,19 @@ def _capture() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _replay(policies: dict[str, Policy]) -> Iterator[None]:
-    """Put ``policies`` back in force; torch's own autocast state is replayed by the caller."""
+def _replay(snapshot: _Snapshot) -> Iterator[None]:
+    """Put a snapshot's policies back in force; torch's own autocast state is replayed by the caller."""
     st = _state()
-    depth = len(st.regions)
+    depth, stack_depth = len(st.regions), len(st.module_stack)
     st.captured += 1
     try:
-        for device_type, policy in policies.items():
+        for device_type, policy in snapshot.policies.items():
             _push(device_type, policy, None)
+        if snapshot.module is not None:  # modules called in the replay are named from here
+            st.module_stack.append((*snapshot.module, ()))
         yield
     finally:
+        del st.module_stack[stack_depth:]
         while len(st.regions) > depth:
             _pop()
         st.captured -= 1
@@ -377,7 +391,11 @@ def _qualified_name(st: _dispatch.ThreadState, module: nn.Module) -> str:
     if isinstance(parent, _CompiledWrapper):  # torch.compile's wrapper runs only its _orig_mod: same name
         return str(parent_name)
     compiling = torch.compiler.is_compiling()  # then names are worked out once, at trace time
-    name = None if compiling else st.module_names.get(module)
+    # Names are cached per parent and the parent's name: a module reached from another root
+    # (a submodule called on its own) has another qualified name.
+    names = None if compiling else st.module_names.setdefault(parent, {})
+    key = (parent_name, id(module))
+    name = None if names is None else names.get(key)
     if name is not None:
         return name
     for child_name, child in parent.named_modules():
@@ -388,8 +406,8 @@ def _qualified_name(st: _dispatch.ThreadState, module: nn.Module) -> str:
             break
     else:
         name = f"{parent_name}.<{type(module).__name__}>" if parent_name else f"<{type(module).__name__}>"
-    if not compiling:
-        st.module_names[module] = name
+    if names is not None:
+        names[key] = name
     return name
 
 
