@@ -238,8 +238,9 @@ def check_checkpoint(st: ThreadState) -> None:
             "torch.utils.checkpoint is recomputing part of a mixprec.autocast region whose policy differs from "
             "torch's list (edited ops or module rules); torch replays only its own autocast state, so the "
             "recompute would run other ops in other dtypes. Pass context_fn=mixprec.checkpoint_context to "
-            "checkpoint (Hugging Face: gradient_checkpointing_enable(gradient_checkpointing_kwargs="
-            "{'use_reentrant': False, 'context_fn': mixprec.checkpoint_context}))"
+            "checkpoint (Hugging Face transformers 5: model.activation_checkpointing_enable("
+            "activation_checkpointing_kwargs={'use_reentrant': False, 'context_fn': mixprec.checkpoint_context}); "
+            "earlier versions: gradient_checkpointing_enable(gradient_checkpointing_kwargs={...}))"
         )
     if not torch.is_grad_enabled():  # reentrant checkpoint runs its forward under no_grad
         frame: types.FrameType | None = sys._getframe(1)

@@ -316,8 +316,9 @@ def checkpoint_context(
     torch's checkpoint replays torch's autocast state (enabled, dtype) but knows
     nothing of a mixprec policy's edited ops or module rules. Pass this function
     as ``checkpoint(fn, *args, use_reentrant=False, context_fn=mixprec.checkpoint_context)``
-    (Hugging Face: ``gradient_checkpointing_kwargs={"use_reentrant": False,
-    "context_fn": mixprec.checkpoint_context}``). Without it, checkpointing a
+    (Hugging Face: ``model.activation_checkpointing_enable(activation_checkpointing_kwargs=
+    {"use_reentrant": False, "context_fn": mixprec.checkpoint_context})``, before transformers 5
+    ``gradient_checkpointing_enable(gradient_checkpointing_kwargs=...)``). Without it, checkpointing a
     region whose policy differs from torch's raises instead of computing other
     gradients. With a built-in policy it is not needed (and harmless). To combine it with
     another ``context_fn`` (selective checkpointing), pass that one as ``inner``:
