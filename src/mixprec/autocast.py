@@ -221,6 +221,10 @@ class autocast:  # noqa: N801 - the name torch.autocast users type
         if torch.compiler.is_compiling():
             _enter_traced(self.device_type, self.fast_dtype, self._enabled, self._cache_enabled, self.policy._token)  # type: ignore[attr-defined]
             return self
+        if self._torch is None:
+            self._torch = TorchAutocast(
+                self.device_type, dtype=self.fast_dtype, enabled=self._enabled, cache_enabled=self._cache_enabled
+            )
         self._torch.__enter__()
         try:
             _push(self.device_type, self.policy, self._torch)
@@ -237,10 +241,7 @@ class autocast:  # noqa: N801 - the name torch.autocast users type
             _exit_traced(self.device_type)
             return
         _pop()
-        # torch's region object can be entered again only once it is fresh
-        self._torch = TorchAutocast(
-            self.device_type, dtype=self.fast_dtype, enabled=self._enabled, cache_enabled=self._cache_enabled
-        )
+        self._torch = None  # spent: entering this object again makes a fresh one
 
     def __call__(self, func: F) -> F:
         if not callable(func):
