@@ -231,6 +231,7 @@ def test_cli_table_is_plain_text_in_a_log(capsys: pytest.CaptureFixture[str], tm
         assert f"{report['workloads']['checkerboard'][row.split()[1]]['final_loss']:.4f}" in row
 
 
+@pytest.mark.slow  # a whole bench run in a pseudo-terminal; the log case covers the plain table
 def test_cli_table_is_plain_text_in_a_narrow_terminal(
     capsys: pytest.CaptureFixture[str], tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

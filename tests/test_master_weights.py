@@ -64,6 +64,7 @@ def fp32_loss() -> float:
     return _train(None)[0]
 
 
+@pytest.mark.slow  # a convergence run per level
 def test_levels_reach_fp32_loss(fp32_loss: float) -> None:
     assert fp32_loss < 0.05  # the problem is learnt
     o2 = _train("O2")[0]
