@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import mixprec
-from conftest import bitwise_equal, dispatch_module
+from conftest import bitwise_equal, dispatch_module, requires_cuda
 
 DTYPES = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")]
 EDITED = mixprec.get_policy("cpu").add("fp32", "exp")  # an edit these modules never reach
@@ -443,3 +443,20 @@ def test_qualified_names_do_not_depend_on_which_root_ran_first() -> None:
     with mixprec.autocast("cpu", policy=mixprec.get_policy("cpu").keep_modules(names="0.0")):
         assert net[0](x).dtype is torch.bfloat16  # called as a root, the Linear is "0"
         assert net(x).dtype is torch.float32  # from net it is "0.0"
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_region_is_torchs_and_edits_apply(dtype: torch.dtype) -> None:
+    model = DecoderBlock().cuda()
+    x = torch.randn(2, 7, 32, device="cuda")
+    expected = _fwd_bwd(lambda: DecoderBlock().cuda(), (x,), torch.autocast("cuda", dtype=dtype))
+    got = _fwd_bwd(lambda: DecoderBlock().cuda(), (x,), mixprec.autocast("cuda", dtype=dtype))
+    assert bitwise_equal(got, expected)
+    edited = mixprec.get_policy("cuda").add("fp32", "scaled_dot_product_attention").remove("exp")
+    with mixprec.autocast("cuda", dtype=dtype, policy=edited):
+        q = torch.randn(1, 2, 4, 8, device="cuda")
+        assert F.scaled_dot_product_attention(q, q, q).dtype is torch.float32
+        assert torch.exp(q).dtype is torch.float32  # removed from fp32: runs in its input dtype
+        assert torch.exp(q.to(dtype)).dtype is dtype
+        assert model(x).dtype is torch.float32
