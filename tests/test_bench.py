@@ -282,3 +282,14 @@ def test_ctrl_c_before_any_workload_finished(
     assert cli.main(["bench", "--size", "tiny", "--workloads", "mlp", "--quiet", "--out", str(out)]) == 130
     assert "interrupted before any workload finished; nothing written" in capsys.readouterr().err
     assert not (out / "report.json").exists()
+
+
+def test_cli_output_piped_into_head_ends_quietly() -> None:
+    import subprocess
+    import sys
+
+    # `true` reads nothing and exits at once: every write of the command meets a closed pipe.
+    command = ["bash", "-c", f"set -o pipefail; {sys.executable} -m mixprec.cli policy cuda | true"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+    assert "Traceback" not in done.stderr and "BrokenPipeError" not in done.stderr
+    assert done.returncode == 0

@@ -304,11 +304,15 @@ def _policy(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``mixprec`` console script."""
     args = _parser().parse_args(argv)
-    if args.command == "bench":
-        return _bench(args)
-    if args.command == "diagnose":
-        return _diagnose(args)
-    return _policy(args)
+    try:
+        if args.command == "bench":
+            return _bench(args)
+        if args.command == "diagnose":
+            return _diagnose(args)
+        return _policy(args)
+    except BrokenPipeError:  # the reader went away (`mixprec policy cpu | head`): nothing left to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 0
 
 
 if __name__ == "__main__":
