@@ -74,7 +74,7 @@ def _output_dtypes(recipe: Recipe, x: torch.Tensor) -> dict[str, torch.dtype]:
 
 def test_planted_overflow_keeps_the_module_in_fp32(planted: tuple[Recipe, torch.Tensor]) -> None:
     recipe, x = planted
-    assert recipe.dtype is torch.float16
+    assert recipe.dtype is torch.float16, recipe.table()
     assert recipe.keep_fp32 == ("big",)
     assert any("diagnose(fp16) keeps big" in n for n in recipe.notes)
     chosen = [m for m in recipe.measurements if m.status == "chosen"]
@@ -118,7 +118,7 @@ def test_nothing_beats_the_default_returns_torch_default() -> None:
     assert recipe.is_torch_default and recipe == Recipe(dtype=torch.bfloat16, measurements=recipe.measurements,
                                                         notes=recipe.notes, measured_on=recipe.measured_on,
                                                         tuning_s=recipe.tuning_s)  # fmt: skip
-    assert any("keeping torch.amp's default" in n for n in recipe.notes)
+    assert any(n.startswith("nothing beat torch.amp's default") for n in recipe.notes)
     assert "(torch.amp's default)" in recipe.table()
 
 
@@ -219,3 +219,27 @@ def test_recipe_validation_and_layout() -> None:
     mlp = _mlp()
     o2 = dataclasses.replace(Recipe(dtype="bf16"), level="O2").apply(mlp, torch.optim.SGD(mlp.parameters(), lr=0.1))
     assert o2.model is mlp and mlp[0].weight.dtype is torch.bfloat16 and hasattr(mlp, "_mixprec")
+
+
+def test_bench_mode_tunes_each_workload_first() -> None:
+    from mixprec.bench import BenchConfig, run
+
+    report = run(BenchConfig(workloads=("mlp",), modes=("torch-amp", "mixprec-tuned"), steps=3, warmup=1, size="tiny",
+                             tune_budget_s=5.0))  # fmt: skip
+    tuned = report.results["mlp"]["mixprec-tuned"]
+    assert tuned.tuning_s is not None and 0 < tuned.tuning_s < 5.0 + 2.0
+    assert tuned.recipe and tuned.recipe.split()[0] in ("bf16", "fp32")  # the bench's dtype or fp32
+    assert report.results["mlp"]["torch-amp"].tuning_s is None and tuned.vs_torch_amp is not None
+
+
+def test_cli_tune_writes_the_recipe(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    from mixprec import cli
+
+    out = tmp_path / "recipe.json"
+    assert cli.main(["tune", "--workload", "mlp", "--size", "tiny", "--budget", "5", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "mixprec tune: round 1 (dtype)" in text and "recipe: " in text and "vs torch.amp" in text
+    recipe = Recipe.from_json(str(out))
+    assert recipe.measurements and recipe.tuning_s > 0
+    assert cli.main(["tune", "--model", "tests.test_tune:_mlp"]) == 2
+    assert "--model needs --batch" in capsys.readouterr().err

@@ -184,6 +184,13 @@ class Recipe:
             policy = policy.keep_modules(names=self.keep_fp32)
         return policy
 
+    def autocast(self, device_type: str = "cpu") -> Callable[[], contextlib.AbstractContextManager[Any]]:
+        """The region factory for the training loop: a :func:`mixprec.autocast` with :meth:`policy`,
+        or a no-op for fp32 and for levels other than O1 (whose prepared forward opens its own)."""
+        if self.dtype is torch.float32 or self.level != "O1":
+            return contextlib.nullcontext
+        return _Region(device_type, self.dtype, self.policy(device_type))
+
     def apply(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Applied:
         """Set ``model`` and ``optimizer`` up for this recipe (in place); returns what the loop needs.
 
@@ -198,13 +205,9 @@ class Recipe:
         device_type = next((p.device.type for p in model.parameters()), "cpu")
         if self.layout == "channels_last":
             to_channels_last(model)
-        region: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
-        if self.dtype is not torch.float32:
-            if self.level == "O1":
-                region = _Region(device_type, self.dtype, self.policy(device_type))
-            else:  # prepare's forward opens its own region
-                model, optimizer = prepare(model, optimizer, level=self.level, dtype=self.dtype,
-                                           keep_names=self.keep_fp32)  # fmt: skip
+        region = self.autocast(device_type)
+        if self.dtype is not torch.float32 and self.level != "O1":  # prepare's forward opens its own region
+            model, optimizer = prepare(model, optimizer, level=self.level, dtype=self.dtype, keep_names=self.keep_fp32)
         scaler = GradScaler(device_type, init_scale=self.loss_scale) if self.dtype is torch.float16 else None
         if self.compile:
             model = torch.compile(model)  # type: ignore[assignment]
@@ -716,8 +719,6 @@ def _run_search(search: _Search, model: nn.Module, batch: Any, loss_fn: Any, tar
     allowed = [base(d).name for d in dtypes]
     best = search.best([t.name for t in round1 if t.name in allowed])
     low = best is not None and search.recipes[best].dtype is not torch.float32
-    if best is not None and not low:
-        notes.append("fp32 was the fastest recipe that passed: no mixed precision")
     if low and search.time_left():
         assert best is not None
         dtype = search.recipes[best].dtype
@@ -780,6 +781,8 @@ def _choose(search: _Search, best: str | None, torch_default: Recipe, default_al
     elif winner is None:
         notes.append("no candidate passed the accuracy guard in the budget: fp32")
         winner = Recipe(dtype=torch.float32)
+    elif winner.dtype is torch.float32:
+        notes.append("fp32 was the fastest recipe that passed: no mixed precision on this machine")
     results = dict(search.results)
     if best in results:
         results[best] = dataclasses.replace(results[best], status="chosen")
