@@ -493,7 +493,8 @@ class _Search:
             mine = t.median_s()
             if self.cold_s is None and default.times and default.times[0] > 0:
                 self.cold_s = default.times[0]  # first steps pay one-time costs: compare them with a first step
-            if len(t.times) == 1 and self.cold_s is not None and t.times[0] > _COLD_SLOW * self.cold_s:
+            # (and over a second: one-time costs of a few ms, module hooks or a first fp16 kernel, are not slowness)
+            if len(t.times) == 1 and self.cold_s is not None and t.times[0] > max(_COLD_SLOW * self.cold_s, 1.0):
                 t.stopped = f"{self.cold_s / t.times[0]:.2f}x torch.amp's default on the first step"
             elif t.checked and base is not None and mine is not None and mine > _SLOW * base:
                 t.stopped = f"{base / mine:.2f}x torch.amp's default"
@@ -718,11 +719,11 @@ def _run_search(search: _Search, model: nn.Module, batch: Any, loss_fn: Any, tar
         round1 += retry
     allowed = [base(d).name for d in dtypes]
     best = search.best([t.name for t in round1 if t.name in allowed])
-    low = best is not None and search.recipes[best].dtype is not torch.float32
-    if low and search.time_left():
-        assert best is not None
-        dtype = search.recipes[best].dtype
-        best_trial = next(t for t in round1 if t.name == best)
+    # Rounds 2 and 3 improve the best low-precision dtype, which may then beat fp32.
+    best_low = search.best([t.name for t in round1 if t.name in allowed and t.recipe.dtype is not torch.float32])
+    if best_low is not None and search.time_left():
+        dtype = search.recipes[best_low].dtype
+        best_trial = next(t for t in round1 if t.name == best_low)
         # Round 2: op moves the profile suggests, and the layout.
         lower = default_policy(search.device.type).lower
         low_cost, fp32_cost = _profile(best_trial, lower), _profile(search.ref, lower)
@@ -742,22 +743,23 @@ def _run_search(search: _Search, model: nn.Module, batch: Any, loss_fn: Any, tar
             trials = [search.trial(r) for r in candidates]
             search.race(default, trials, "round 2 (ops, layout)")
             del trials
-        best = search.best([best, *[r.name for r in candidates]])
-        assert best is not None
-        chosen = search.recipes[best]
+        best_low = search.best([best_low, *[r.name for r in candidates]])
+        assert best_low is not None
+        chosen = search.recipes[best_low]
         if conv and chosen.fp32_ops and chosen.layout == "contiguous" and search.time_left():
             both = dataclasses.replace(chosen, layout="channels_last")
             search.race(default, [search.trial(both)], "round 2b (ops with channels_last)")
-            best = search.best([best, both.name])
+            best_low = search.best([best_low, both.name])
         # Round 3: prepare levels, with the best layout (op moves apply at O1 only).
-        assert best is not None
-        layout = search.recipes[best].layout
+        assert best_low is not None
+        layout = search.recipes[best_low].layout
         levels = ["O2", "bf16-sr", "bf16-pure"] if dtype is torch.bfloat16 else ["O2"]
         if search.time_left():
             trials = [search.trial(base(dtype, level=lv, layout=layout)) for lv in levels]
             search.race(default, trials, "round 3 (levels)")
-            best = search.best([best, *[t.name for t in trials]])
+            best_low = search.best([best_low, *[t.name for t in trials]])
             del trials
+        best = search.best([n for n in (best, best_low) if n is not None])
     return _choose(search, best, torch_default, default_dtype in dtypes, min_speedup, notes)
 
 
