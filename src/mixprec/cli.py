@@ -146,7 +146,7 @@ def _bench(args: argparse.Namespace) -> int:
         extra = f" {r.speedup_vs_fp32:.2f}x fp32" if r.speedup_vs_fp32 is not None else ""
         extra += f", {r.vs_torch_amp:.2f}x torch-amp" if r.vs_torch_amp is not None else ""
         extra += f", tuned in {r.tuning_s:.0f} s: {r.recipe}" if r.tuning_s is not None else ""
-        return f"{workload:13} {mode:11} {r.steps_per_s:8.2f} steps/s{extra}, final loss {r.final_loss:.4f}"
+        return f"{workload:13} {mode:13} {r.steps_per_s:8.2f} steps/s{extra}, final loss {r.final_loss:.4f}"
 
     try:
         if args.quiet or not sys.stdout.isatty():  # progress bars are for a terminal, not a log

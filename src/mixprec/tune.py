@@ -519,9 +519,10 @@ class _Search:
             self.results[t.name] = Measurement(t.name, "passed", ms, vs, 0.0, 1.0, 1.0, "the fp32 reference")
             return
         err, gcos, ucos, why = _judge(t, self.ref, self.tol)
-        if not why and t.stopped:
+        status = "rejected" if why else "passed"
+        if not why and t.stopped:  # checked and timed: it passed, and was stopped only to save the budget
             why = f"slower: {t.stopped} (stopped early)"
-        self.results[t.name] = Measurement(t.name, "rejected" if why else "passed", ms, vs, err, gcos, ucos, why)
+        self.results[t.name] = Measurement(t.name, status, ms, vs, err, gcos, ucos, why)
 
     def best(self, names: Sequence[str]) -> str | None:
         passed = [n for n in names if n in self.results and self.results[n].status == "passed"]
@@ -760,19 +761,38 @@ def _run_search(search: _Search, model: nn.Module, batch: Any, loss_fn: Any, tar
             best_low = search.best([best_low, *[t.name for t in trials]])
             del trials
         best = search.best([n for n in (best, best_low) if n is not None])
-    return _choose(search, best, torch_default, default_dtype in dtypes, min_speedup, notes)
+    return _choose(search, best, torch_default, dtypes, min_speedup, notes)
 
 
-def _choose(search: _Search, best: str | None, torch_default: Recipe, default_allowed: bool, min_speedup: float,
+def _changes(recipe: Recipe) -> int:
+    """How far a recipe is from plain torch.autocast (diagnose's kept modules are a constraint, not a change)."""
+    if recipe.dtype is torch.float32:
+        return 1
+    return len(recipe.fp32_ops) + (recipe.layout != "contiguous") + (recipe.level != "O1") + recipe.compile
+
+
+def _choose(search: _Search, best: str | None, torch_default: Recipe, dtypes: list[torch.dtype], min_speedup: float,
             notes: list[str]) -> Recipe:  # fmt: skip
     if search.out_of_time:
         notes.append("the budget ran out before the search finished: the best recipe measured so far")
     default_result = search.results.get(torch_default.name)
-    default_ok = default_allowed and default_result is not None and default_result.status == "passed"
+    default_ok = torch_default.dtype in dtypes and default_result is not None and default_result.status == "passed"
     if default_result is not None and default_result.status == "rejected":
         notes.append(f"torch.amp's default fails the accuracy guard: {default_result.reason}")
     winner = search.recipes.get(best) if best is not None else None
     speed = search.results[best].vs_default if best is not None else None
+    if best is not None and winner is not None and speed is not None:
+        # Within the noise of the fastest, the simplest recipe: fp32 rather than low precision with every matmul
+        # moved back to fp32, no op moves rather than some.
+        near = [n for n, m in search.results.items() if m.status == "passed" and m.vs_default is not None
+                and m.vs_default * min_speedup >= speed and n != torch_default.name
+                and search.recipes[n].dtype in dtypes]  # fmt: skip
+        simplest: str = min(
+            near, key=lambda n: (_changes(search.recipes[n]), -(search.results[n].vs_default or 0.0)), default=best
+        )
+        if simplest != best:
+            notes.append(f"{simplest} is within {min_speedup:.2f}x of the fastest ({best}) and simpler: chosen")
+            best, winner, speed = simplest, search.recipes[simplest], search.results[simplest].vs_default
     if default_ok and (winner is None or speed is None or speed < min_speedup):
         if winner is not None and best != torch_default.name:
             notes.append(f"nothing beat torch.amp's default by {min_speedup:.2f}x or more "
