@@ -451,13 +451,33 @@ class _Search:
         if self.progress is not None:
             self.progress(text)
 
+    def fits(self, seconds: float) -> bool:
+        """Whether work of ``seconds`` ends inside the budget (if not, the search did not finish)."""
+        if time.perf_counter() + seconds > self.deadline:
+            self.out_of_time = True  # the search did not finish; a cheaper round later may still fit
+            return False
+        return True
+
     def time_left(self) -> bool:
-        if time.perf_counter() >= self.deadline:
-            self.out_of_time = True
-        return not self.out_of_time
+        return self.fits(0.0)
 
     def trial(self, recipe: Recipe) -> _Trial:
         return _Trial(recipe, self.model, self.optimizer, self.inputs, self.loss_of, self.device)
+
+    def round(self, default: _Trial, recipes: list[Recipe], label: str) -> list[str]:
+        """Race ``recipes`` against ``default`` if their checked steps fit in the budget; returns their names.
+
+        Copying a large model for every candidate takes seconds: a round that cannot finish is not started.
+        """
+        step_s = default.median_s() or default.expected_s(default)
+        if not self.fits(step_s * (len(recipes) + 1) * _ACCURACY_STEPS):
+            for r in recipes:
+                self.recipes[r.name] = r
+                self.results[r.name] = Measurement(r.name, "not measured", reason="the budget ran out")
+            self.say(f"{label}: skipped, the budget would run out: {', '.join(r.name for r in recipes)}")
+            return [r.name for r in recipes]
+        self.race(default, [self.trial(r) for r in recipes], label)
+        return [r.name for r in recipes]
 
     def race(self, default: _Trial, trials: list[_Trial], label: str) -> None:
         """Step ``default`` and ``trials`` in lockstep; record each trial's speed and accuracy."""
@@ -546,14 +566,18 @@ def _profile(trial: _Trial, lower: frozenset[str]) -> dict[str, float]:
     with torch.profiler.profile(activities=activities) as prof:
         trial.step()
     events = prof.events() or []
+    backward = "autograd::engine::evaluate_function: "
     on_device = trial.device.type == "cuda"
 
     def cost(e: Any) -> float:
         return float(getattr(e, "device_time_total", 0.0) if on_device else e.cpu_time_total) * 1e-6
 
     def owner(e: Any) -> str | None:
+        """The outermost op of ``lower`` around ``e`` in forward; None in backward (its ops are attributed below)."""
         found = None
         while e is not None:
+            if e.name.startswith(backward):
+                return None
             if e.name.startswith("aten::") and e.name[6:] in lower:
                 found = e.name[6:]
             e = e.cpu_parent
@@ -561,7 +585,6 @@ def _profile(trial: _Trial, lower: frozenset[str]) -> dict[str, float]:
 
     totals: dict[str, float] = {}
     by_seq: dict[int, str] = {}
-    backward = "autograd::engine::evaluate_function: "
     for e in events:
         if e.name.startswith(backward):
             continue
@@ -722,9 +745,11 @@ def _run_search(search: _Search, model: nn.Module, batch: Any, loss_fn: Any, tar
     best = search.best([t.name for t in round1 if t.name in allowed])
     # Rounds 2 and 3 improve the best low-precision dtype, which may then beat fp32.
     best_low = search.best([t.name for t in round1 if t.name in allowed and t.recipe.dtype is not torch.float32])
-    if best_low is not None and search.time_left():
-        dtype = search.recipes[best_low].dtype
-        best_trial = next(t for t in round1 if t.name == best_low)
+    best_trial = next((t for t in round1 if t.name == best_low), None)
+    # The profile takes a step of each: only if both fit in the budget.
+    if best_trial is not None and search.fits(best_trial.expected_s(default) + search.ref.expected_s(default)):
+        assert best_low is not None
+        dtype = best_trial.recipe.dtype
         # Round 2: op moves the profile suggests, and the layout.
         lower = default_policy(search.device.type).lower
         low_cost, fp32_cost = _profile(best_trial, lower), _profile(search.ref, lower)
@@ -740,26 +765,22 @@ def _run_search(search: _Search, model: nn.Module, batch: Any, loss_fn: Any, tar
         if conv:
             candidates.append(base(dtype, layout="channels_last"))
         del round1
-        if candidates and search.time_left():
-            trials = [search.trial(r) for r in candidates]
-            search.race(default, trials, "round 2 (ops, layout)")
-            del trials
+        if candidates:
+            search.round(default, candidates, "round 2 (ops, layout)")
         best_low = search.best([best_low, *[r.name for r in candidates]])
         assert best_low is not None
         chosen = search.recipes[best_low]
         if conv and chosen.fp32_ops and chosen.layout == "contiguous" and search.time_left():
             both = dataclasses.replace(chosen, layout="channels_last")
-            search.race(default, [search.trial(both)], "round 2b (ops with channels_last)")
+            search.round(default, [both], "round 2b (ops with channels_last)")
             best_low = search.best([best_low, both.name])
         # Round 3: prepare levels, with the best layout (op moves apply at O1 only).
         assert best_low is not None
         layout = search.recipes[best_low].layout
         levels = ["O2", "bf16-sr", "bf16-pure"] if dtype is torch.bfloat16 else ["O2"]
         if search.time_left():
-            trials = [search.trial(base(dtype, level=lv, layout=layout)) for lv in levels]
-            search.race(default, trials, "round 3 (levels)")
-            best_low = search.best([best_low, *[t.name for t in trials]])
-            del trials
+            names = search.round(default, [base(dtype, level=lv, layout=layout) for lv in levels], "round 3 (levels)")
+            best_low = search.best([best_low, *names])
         best = search.best([n for n in (best, best_low) if n is not None])
     return _choose(search, best, torch_default, dtypes, min_speedup, notes)
 
