@@ -120,6 +120,7 @@ def test_nothing_beats_the_default_returns_torch_default() -> None:
                                                         tuning_s=recipe.tuning_s)  # fmt: skip
     assert any(n.startswith("nothing beat torch.amp's default") for n in recipe.notes)
     assert "(torch.amp's default)" in recipe.table()
+    assert not any("bf16-pure" in m.name for m in recipe.measurements)  # searched only when asked for
 
 
 def test_tune_respects_the_budget() -> None:
@@ -243,3 +244,5 @@ def test_cli_tune_writes_the_recipe(tmp_path: Any, capsys: pytest.CaptureFixture
     assert recipe.measurements and recipe.tuning_s > 0
     assert cli.main(["tune", "--model", "tests.test_tune:_mlp"]) == 2
     assert "--model needs --batch" in capsys.readouterr().err
+    assert cli.main(["tune", "--workload", "mlp", "--size", "tiny", "--levels", "O4"]) == 2
+    assert "unknown level 'O4'" in capsys.readouterr().err

@@ -100,6 +100,7 @@ def _parser() -> argparse.ArgumentParser:
     tune.add_argument("--size", choices=SIZES, default="default", help="--workload's size (default: default)")
     tune.add_argument("--budget", type=float, default=60.0, help="seconds the search may take (default 60)")
     tune.add_argument("--dtypes", default="bf16,fp16,fp32", help="compute dtypes to search (default bf16,fp16,fp32)")
+    tune.add_argument("--levels", default="O2,bf16-sr", help="prepare levels to search besides O1 (default O2,bf16-sr)")
     tune.add_argument("--out", help="write the recipe here as JSON")
 
     policy = sub.add_parser("policy", help="print a precision policy's op lists")
@@ -349,8 +350,9 @@ def _tune(args: argparse.Namespace) -> int:
         else:
             model, inputs, loss_fn, targets = _user_task(args, "tune")  # type: ignore[assignment]
         dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+        levels = [lv.strip() for lv in args.levels.split(",") if lv.strip()]
         recipe = tune(model, inputs, loss_fn, targets=targets, optimizer=optimizer, budget_s=args.budget,
-                      dtypes=dtypes, progress=say)  # fmt: skip
+                      dtypes=dtypes, levels=levels, progress=say)  # fmt: skip
     except (ValueError, TypeError) as exc:
         print(f"mixprec tune: {exc}", file=sys.stderr)
         return 2

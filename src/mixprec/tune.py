@@ -11,7 +11,7 @@ data: a compute dtype, op moves into fp32, modules kept in fp32, a memory layout
     profile the chosen dtype and fp32 (torch.profiler): ops whose forward+backward is slower in
              low precision than in fp32
     round 2: those ops moved to fp32 (each, all), channels_last if the model has 4-D/5-D weights
-    round 3: prepare levels (O2; bf16-sr and bf16-pure for bf16) with the best layout
+    round 3: prepare levels (O2, and bf16-sr for bf16; bf16-pure if asked) with the best layout
     choose:  the fastest candidate that passed the accuracy guard; torch.amp's default unless
              another beats it by ``min_speedup``
 
@@ -617,6 +617,7 @@ def tune(
     budget_s: float = 60.0,
     tolerance: Tolerance | None = None,
     dtypes: Sequence[torch.dtype | str] = ("bf16", "fp16", "fp32"),
+    levels: Sequence[Level | str] = ("O1", "O2", "bf16-sr"),
     min_speedup: float = 1.02,
     progress: Progress | None = None,
 ) -> Recipe:
@@ -637,6 +638,9 @@ def tune(
         budget_s: seconds the search may take; it stops there and keeps the best so far.
         tolerance: the accuracy guard; default :class:`Tolerance`'s.
         dtypes: compute dtypes to search (fp32 counts: if it is the fastest, the recipe is fp32).
+        levels: :func:`mixprec.prepare` levels to search besides O1 (always searched). bf16-pure is left
+            out by default: its round-to-nearest updates lose those smaller than 2**-8 of a weight, which
+            a few steps cannot show; pass it to search it.
         min_speedup: how much faster than torch.amp's default another recipe must be to be chosen
             (the measurements' noise on a shared machine is a few percent).
         progress: called with a line of text as the search goes.
@@ -662,6 +666,7 @@ def tune(
         raise ValueError(f"min_speedup must be >= 1, got {min_speedup}")
     tol = tolerance if tolerance is not None else Tolerance()
     searched = [parse_dtype(d, what="tune dtype") for d in dtypes]
+    search_levels = [Level.from_name(lv).value for lv in levels if Level.from_name(lv) is not Level.O1]
     if not searched:
         raise ValueError("dtypes names no dtype to search; e.g. dtypes=('bf16', 'fp32')")
     if targets is not None and loss_fn is None:
@@ -678,7 +683,8 @@ def tune(
     notes: list[str] = ["torch.compile is not searched: compiling takes longer than a tuning budget"]
     # The caller's random state is left as it was (bf16-sr draws its rounding seed from it).
     with torch.random.fork_rng(devices=[found] if found.type == "cuda" else []):
-        recipe = _run_search(search, model, batch, loss_fn, targets, searched, default_dtype, min_speedup, notes)
+        recipe = _run_search(search, model, batch, loss_fn, targets, searched, search_levels, default_dtype,
+                             min_speedup, notes)  # fmt: skip
     measured_on = f"{found.type}" + (f" ({torch.cuda.get_device_name(found)})" if found.type == "cuda" else "")
     return dataclasses.replace(recipe, measured_on=f"{measured_on}, torch {torch.__version__}",
                                tuning_s=time.perf_counter() - start)  # fmt: skip
@@ -703,7 +709,7 @@ def _check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None
 
 
 def _run_search(search: _Search, model: nn.Module, batch: Any, loss_fn: Any, targets: Any,
-                dtypes: list[torch.dtype], default_dtype: torch.dtype, min_speedup: float,
+                dtypes: list[torch.dtype], levels: list[str], default_dtype: torch.dtype, min_speedup: float,
                 notes: list[str]) -> Recipe:  # fmt: skip
     torch_default = Recipe(dtype=default_dtype)
     lows = [d for d in dtypes if d is not torch.float32]
@@ -777,8 +783,8 @@ def _run_search(search: _Search, model: nn.Module, batch: Any, loss_fn: Any, tar
         # Round 3: prepare levels, with the best layout (op moves apply at O1 only).
         assert best_low is not None
         layout = search.recipes[best_low].layout
-        levels = ["O2", "bf16-sr", "bf16-pure"] if dtype is torch.bfloat16 else ["O2"]
-        if search.time_left():
+        levels = [lv for lv in levels if dtype is torch.bfloat16 or lv == "O2"]  # the other levels keep bf16 weights
+        if levels and search.time_left():
             names = search.round(default, [base(dtype, level=lv, layout=layout) for lv in levels], "round 3 (levels)")
             best_low = search.best([best_low, *names])
         best = search.best([n for n in (best, best_low) if n is not None])
