@@ -276,7 +276,7 @@ def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
 
 
 class _Region:
-    """A picklable, printable factory of the recipe's autocast regions."""
+    """A printable factory of the recipe's autocast regions."""
 
     def __init__(self, device_type: str, dtype: torch.dtype, policy: Policy) -> None:
         self.device_type, self.dtype, self.policy = device_type, dtype, policy
