@@ -31,8 +31,12 @@ def test_report_schema(tiny_report: tuple[pathlib.Path, dict[str, Any]]) -> None
     assert report["device"] == "cpu" and report["dtype"] == "bf16" and report["torch"] == torch.__version__
     assert set(report["workloads"]) == set(WORKLOADS)
     for name, modes in report["workloads"].items():
-        expected = {"fp32", "torch-amp", "mixprec"} | ({"mixprec-cl"} if WORKLOADS[name].conv else set())
+        expected = {"fp32", "torch-amp", "mixprec", "mixprec-tuned"} | (
+            {"mixprec-cl"} if WORKLOADS[name].conv else set()
+        )
         assert set(modes) == expected, name
+        assert isinstance(modes["mixprec-tuned"]["tuning_s"], float) and modes["mixprec-tuned"]["recipe"]
+        assert modes["fp32"]["tuning_s"] is None and modes["fp32"]["recipe"] is None
         for mode, r in modes.items():
             assert isinstance(r["steps_per_s"], float) and r["steps_per_s"] > 0
             assert isinstance(r["final_loss"], float)
@@ -48,7 +52,8 @@ def test_report_markdown_and_png(tiny_report: tuple[pathlib.Path, dict[str, Any]
     out, _ = tiny_report
     text = (out / "report.md").read_text()
     assert "| workload | mode | steps/s |" in text
-    assert text.count("| checkerboard |") == 4
+    assert text.count("| checkerboard |") == 5
+    assert "Recipes chosen by mixprec.tune:" in text and "- checkerboard (mixprec-tuned): `" in text
     png = out / "bench.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     pixels = matplotlib.image.imread(png)
@@ -213,7 +218,7 @@ def test_ctrl_c_writes_what_finished(
 
 
 def _bench_table(capsys: pytest.CaptureFixture[str], tmp_path: pathlib.Path, *flags: str) -> list[str]:
-    """The checkerboard lines of a tiny bench: its 4 progress lines, then its 4 table rows."""
+    """The checkerboard lines of a tiny bench: its 5 progress lines, then its 5 table rows."""
     assert cli.main(["bench", "--size", "tiny", "--steps", "3", "--workloads", "checkerboard", *flags,
                      "--out", str(tmp_path)]) == 0  # fmt: skip
     out = capsys.readouterr().out.splitlines()
@@ -222,9 +227,9 @@ def _bench_table(capsys: pytest.CaptureFixture[str], tmp_path: pathlib.Path, *fl
 
 def test_cli_table_is_plain_text_in_a_log(capsys: pytest.CaptureFixture[str], tmp_path: pathlib.Path) -> None:
     lines = _bench_table(capsys, tmp_path)  # captured: stdout is not a TTY; no --quiet
-    progress, rows = lines[:4], lines[4:]
+    progress, rows = lines[:5], lines[5:]
     assert all("steps/s" in line and "final loss" in line for line in progress)  # one line each, not wrapped
-    assert [row.split()[1] for row in rows] == ["fp32", "torch-amp", "mixprec", "mixprec-cl"]
+    assert [row.split()[1] for row in rows] == ["fp32", "torch-amp", "mixprec", "mixprec-cl", "mixprec-tuned"]
     report = json.loads((tmp_path / "report.json").read_text())
     for row in rows:
         assert "…" not in row and "│" not in row
@@ -237,11 +242,11 @@ def test_cli_table_is_plain_text_in_a_narrow_terminal(
 ) -> None:
     monkeypatch.setattr(cli.sys.stdout, "isatty", lambda: True)
     monkeypatch.setenv("COLUMNS", "80")
-    rows = _bench_table(capsys, tmp_path, "--quiet")[4:]
-    assert len(rows) == 4 and not any("…" in row for row in rows)
+    rows = _bench_table(capsys, tmp_path, "--quiet")[5:]
+    assert len(rows) == 5 and not any("…" in row for row in rows)
     monkeypatch.setenv("COLUMNS", "200")  # wide enough: the rich table, nothing cut
-    rows = _bench_table(capsys, tmp_path, "--quiet")[4:]
-    assert len(rows) == 4 and all("│" in row and "…" not in row for row in rows)
+    rows = _bench_table(capsys, tmp_path, "--quiet")[5:]
+    assert len(rows) == 5 and all("│" in row and "…" not in row for row in rows)
 
 
 def test_cli_warns_that_fp16_is_slow_on_cpu(capsys: pytest.CaptureFixture[str], tmp_path: pathlib.Path) -> None:

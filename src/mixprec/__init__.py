@@ -29,21 +29,26 @@ from mixprec.policy import (
     op_name,
 )
 from mixprec.scaler import GradScaler, ScalerEvent, ScalerStats
+from mixprec.tune import Applied, Measurement, Recipe, Tolerance, tune
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Applied",
     "DiagnosticReport",
     "GradScaler",
     "Incident",
     "Level",
+    "Measurement",
     "NORM_TYPES",
     "ModuleRule",
     "Monitor",
     "OpCategory",
     "Policy",
+    "Recipe",
     "ScalerEvent",
     "ScalerStats",
+    "Tolerance",
     "__version__",
     "autocast",
     "builtin_policy",
@@ -65,4 +70,5 @@ __all__ = [
     "state_bytes",
     "stochastic_round",
     "to_channels_last",
+    "tune",
 ]

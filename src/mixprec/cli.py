@@ -1,4 +1,4 @@
-"""The ``mixprec`` command: ``mixprec bench``, ``mixprec diagnose`` and ``mixprec policy``."""
+"""The ``mixprec`` command: ``mixprec bench``, ``mixprec diagnose``, ``mixprec tune`` and ``mixprec policy``."""
 
 from __future__ import annotations
 
@@ -48,12 +48,14 @@ def _parser() -> argparse.ArgumentParser:
         help=f"comma-separated; default all: {','.join(WORKLOADS)}",
     )
     bench.add_argument("--modes", type=lambda t: _names(t, list(MODES), "mode"),
-                       default=("fp32", "torch-amp", "mixprec", "mixprec-cl"),
+                       default=("fp32", "torch-amp", "mixprec", "mixprec-cl", "mixprec-tuned"),
                        help=f"comma-separated; available: {','.join(MODES)}")  # fmt: skip
     bench.add_argument("--device", default="auto", help="auto (CUDA if present, else CPU), cpu or cuda")
     bench.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16"],
                        help="auto: bf16 where it is fast, else fp16 on CUDA; fp16 runs use a GradScaler")  # fmt: skip
     bench.add_argument("--size", choices=SIZES, help="workload size (overrides --quick)")
+    bench.add_argument("--tune-budget", type=float, default=60.0,
+                       help="seconds mixprec.tune may take per workload for mixprec-tuned (default 60)")  # fmt: skip
     bench.add_argument("--out", default="mixprec-bench", help="output folder (default ./mixprec-bench/)")
     bench.add_argument("--json", help="also write the JSON report here")
     bench.add_argument(
@@ -84,6 +86,24 @@ def _parser() -> argparse.ArgumentParser:
     diagnose.add_argument("--policy", help="the autocast policy to check, e.g. cpu, cuda, 'compute=fp16,keep=norm'")
     diagnose.add_argument("--out", default="mixprec-diagnose", help="folder for report.json and diagnose.png")
 
+    tune = sub.add_parser(
+        "tune",
+        help="find the fastest precision recipe for a model that keeps its accuracy, measured here",
+        description="Time candidate recipes (dtype, ops moved to fp32, memory layout, prepare level) on the model "
+        "and batch, keep those whose first steps stay within tolerance of fp32, and print the table; "
+        "--out writes the recipe as JSON for mixprec.Recipe.from_json.",
+    )
+    tune_target = tune.add_mutually_exclusive_group(required=True)
+    tune_target.add_argument("--workload", choices=list(WORKLOADS), help="a bench workload")
+    tune_target.add_argument("--model", help="module:factory, a function returning the model (e.g. mypkg.models:build)")
+    tune.add_argument("--batch", help="module:function returning the inputs, or (inputs, targets) with --loss")
+    tune.add_argument("--loss", help="module:function(output, targets) -> scalar loss")
+    tune.add_argument("--size", choices=SIZES, default="default", help="--workload's size (default: default)")
+    tune.add_argument("--budget", type=float, default=60.0, help="seconds the search may take (default 60)")
+    tune.add_argument("--dtypes", default="bf16,fp16,fp32", help="compute dtypes to search (default bf16,fp16,fp32)")
+    tune.add_argument("--levels", default="O2,bf16-sr", help="prepare levels to search besides O1 (default O2,bf16-sr)")
+    tune.add_argument("--out", help="write the recipe here as JSON")
+
     policy = sub.add_parser("policy", help="print a precision policy's op lists")
     policy.add_argument(
         "spec", nargs="?", default="cpu", help="a policy name or string, e.g. cpu, cuda, 'compute=bf16'"
@@ -102,7 +122,8 @@ def _bench(args: argparse.Namespace) -> int:
     size = args.size or ("quick" if args.quick else "default")
     try:
         config = BenchConfig(workloads=args.workloads, modes=args.modes, steps=args.steps, device=args.device,
-                             dtype=args.dtype, size=size, compile=args.compile)  # fmt: skip
+                             dtype=args.dtype, size=size, compile=args.compile,
+                             tune_budget_s=args.tune_budget)  # fmt: skip
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
     except ValueError as exc:
@@ -126,7 +147,8 @@ def _bench(args: argparse.Namespace) -> int:
     def line(workload: str, mode: str, r: ModeResult) -> str:
         extra = f" {r.speedup_vs_fp32:.2f}x fp32" if r.speedup_vs_fp32 is not None else ""
         extra += f", {r.vs_torch_amp:.2f}x torch-amp" if r.vs_torch_amp is not None else ""
-        return f"{workload:13} {mode:11} {r.steps_per_s:8.2f} steps/s{extra}, final loss {r.final_loss:.4f}"
+        extra += f", tuned in {r.tuning_s:.0f} s: {r.recipe}" if r.tuning_s is not None else ""
+        return f"{workload:13} {mode:13} {r.steps_per_s:8.2f} steps/s{extra}, final loss {r.final_loss:.4f}"
 
     try:
         if args.quiet or not sys.stdout.isatty():  # progress bars are for a terminal, not a log
@@ -287,6 +309,62 @@ def _diagnose(args: argparse.Namespace) -> int:
     return 0
 
 
+def _user_task(args: argparse.Namespace, command: str) -> tuple[torch.nn.Module, Any, Any, Any]:
+    """The model, inputs, loss and targets named by --model/--batch/--loss."""
+    if not args.batch:
+        raise ValueError("--model needs --batch module:function returning the model's inputs")
+    model = _load(args.model, "--model")()
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"--model {args.model} returned {_what(model)}; it must return the torch.nn.Module "
+                         f"to {command} (does the function end with `return model`?)")  # fmt: skip
+    batch = _load(args.batch, "--batch")()
+    if batch is None:
+        raise ValueError(f"--batch {args.batch} returned None; it must return the model's inputs, "
+                         "or (inputs, targets) with --loss")  # fmt: skip
+    if not args.loss:
+        return model, batch, None, None
+    loss_fn = _load(args.loss, "--loss")
+    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+        raise ValueError(f"--batch must return (inputs, targets) when --loss is given: --loss is called "
+                         f"as loss(output, targets); {args.batch} returned {_what(batch)}")  # fmt: skip
+    return model, batch[0], loss_fn, batch[1]
+
+
+def _tune(args: argparse.Namespace) -> int:
+    from mixprec.tune import tune
+
+    def say(text: str) -> None:
+        print(f"mixprec tune: {text}", flush=True)
+
+    try:
+        optimizer = None
+        if args.workload:
+            from mixprec.bench.runner import _optimizer, resolve_device
+
+            device = resolve_device("auto")
+            task = WORKLOADS[args.workload].build(args.size, device)
+            model, (inputs, targets) = task.model.to(device), task.batch(0)
+            optimizer = _optimizer(task, model.parameters())
+
+            def loss_fn(out: Any, targets: Any) -> torch.Tensor:
+                return task.loss_fn(out.float(), targets)
+        else:
+            model, inputs, loss_fn, targets = _user_task(args, "tune")  # type: ignore[assignment]
+        dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+        levels = [lv.strip() for lv in args.levels.split(",") if lv.strip()]
+        recipe = tune(model, inputs, loss_fn, targets=targets, optimizer=optimizer, budget_s=args.budget,
+                      dtypes=dtypes, levels=levels, progress=say)  # fmt: skip
+    except (ValueError, TypeError) as exc:
+        print(f"mixprec tune: {exc}", file=sys.stderr)
+        return 2
+    print(recipe.table())
+    print(f"tuned in {recipe.tuning_s:.1f} s on {recipe.measured_on}")
+    if args.out:
+        recipe.to_json(args.out)
+        print(f"wrote {args.out}")
+    return 0
+
+
 def _policy(args: argparse.Namespace) -> int:
     from mixprec.policy import get_policy
 
@@ -309,6 +387,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _bench(args)
         if args.command == "diagnose":
             return _diagnose(args)
+        if args.command == "tune":
+            return _tune(args)
         return _policy(args)
     except BrokenPipeError:  # the reader went away (`mixprec policy cpu | head`): nothing left to say
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit

@@ -1,8 +1,10 @@
-"""How a workload is trained: fp32, torch.amp, mixprec, mixprec with channels_last.
+"""How a workload is trained: fp32, torch.amp, mixprec, mixprec with channels_last, a tuned recipe.
 
 A :class:`Mode` prepares the model and inputs, opens the precision context for the
 forward pass and says whether it scales the loss. The registry is open:
-:func:`register_mode` adds one (later precision levels plug in here).
+:func:`register_mode` adds one (later precision levels plug in here). A mode with
+``resolve`` is settled per workload before training: ``mixprec-tuned`` runs
+:func:`mixprec.tune` on the workload and trains with the recipe it returns.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ import torch
 from torch import nn
 
 import mixprec
+from mixprec.bench.workloads import Task
 from mixprec.layout import to_channels_last
+from mixprec.tune import Recipe
 
 Context = Callable[[str, torch.dtype], contextlib.AbstractContextManager[Any]]
 
@@ -50,6 +54,10 @@ class Mode:
         prepare_input: applied to every input batch.
         conv_only: only for workloads with convolutions.
         low_precision: whether it computes in the low dtype (fp32 is the reference).
+        setup: ``(model, optimizer, dtype) -> (model, optimizer)`` after the optimizer is made.
+        dtypes: the bench dtypes it runs with.
+        resolve: ``(task, optimizer, dtype, budget_s) -> Mode``: the mode to train a workload with,
+            settled on a fresh copy of it before training (its time is reported apart).
     """
 
     name: str
@@ -64,6 +72,7 @@ class Mode:
         None
     )
     dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
+    resolve: Callable[[Task, torch.optim.Optimizer, torch.dtype, float], Mode] | None = None
 
 
 def _channels_last_input(x: torch.Tensor) -> torch.Tensor:
@@ -102,3 +111,36 @@ register_mode(Mode("bf16-pure", "bf16 weights and state, round-to-nearest update
 register_mode(Mode("mixprec-cl", "mixprec with the model and inputs in channels_last", _mixprec_autocast,
                    scaler=lambda device: mixprec.GradScaler(device), prepare_model=to_channels_last,
                    prepare_input=_channels_last_input, conv_only=True))  # fmt: skip
+
+
+def recipe_mode(recipe: Recipe, name: str = "mixprec-tuned") -> Mode:
+    """A mode that trains with ``recipe`` (its description is the recipe's name)."""
+
+    def context(device_type: str, dtype: torch.dtype) -> contextlib.AbstractContextManager[Any]:
+        return recipe.autocast(device_type)()
+
+    def setup(model: nn.Module, optimizer: torch.optim.Optimizer, dtype: torch.dtype) -> tuple[nn.Module, Any]:
+        applied = recipe.apply(model, optimizer)
+        return applied.model, applied.optimizer
+
+    def scaler(device_type: str) -> mixprec.GradScaler:
+        return mixprec.GradScaler(device_type, init_scale=recipe.loss_scale)
+
+    layout = _channels_last_input if recipe.layout == "channels_last" else _identity
+    return Mode(name, recipe.name, context, scaler=scaler, setup=setup, prepare_input=layout)
+
+
+def _tune(task: Task, optimizer: torch.optim.Optimizer, dtype: torch.dtype, budget_s: float) -> Mode:
+    inputs, targets = task.batch(0)
+
+    def loss_fn(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return task.loss_fn(output.float(), targets)
+
+    # The bench's dtype or fp32: the scaler is used exactly when the bench's dtype is fp16.
+    recipe = mixprec.tune(task.model, inputs, loss_fn, targets=targets, optimizer=optimizer, budget_s=budget_s,
+                          dtypes=(dtype, torch.float32))  # fmt: skip
+    return recipe_mode(recipe)
+
+
+register_mode(Mode("mixprec-tuned", "the recipe mixprec.tune measures fastest on this machine within tolerance",
+                   resolve=_tune))  # fmt: skip

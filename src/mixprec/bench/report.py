@@ -22,6 +22,10 @@ def _pct(value: float | None) -> str:
     return "" if value is None else f"{100 * value:+.2f}%"
 
 
+def _seconds(value: float | None) -> str:
+    return "" if value is None else f"{value:.0f} s"
+
+
 def table_rows(report: BenchReport) -> list[list[str]]:
     """Rows of the results table (also used by the CLI), one per workload and mode."""
     rows = []
@@ -29,11 +33,12 @@ def table_rows(report: BenchReport) -> list[list[str]]:
         for mode, r in modes.items():
             rows.append([workload, mode, f"{r.steps_per_s:.2f}", _ratio(r.speedup_vs_fp32), _ratio(r.vs_torch_amp),
                          _mb(r.peak_mem_bytes), _mb(r.state_bytes), f"{r.final_loss:.4f}",
-                         _pct(r.loss_rel_diff_vs_fp32)])  # fmt: skip
+                         _pct(r.loss_rel_diff_vs_fp32), _seconds(r.tuning_s)])  # fmt: skip
     return rows
 
 
-HEADER = ["workload", "mode", "steps/s", "vs fp32", "vs torch-amp", "peak mem", "state", "final loss", "loss vs fp32"]
+HEADER = ["workload", "mode", "steps/s", "vs fp32", "vs torch-amp", "peak mem", "state", "final loss", "loss vs fp32",
+          "tuning"]  # fmt: skip
 _LEFT = ("workload", "mode")
 
 
@@ -81,12 +86,22 @@ def markdown(report: BenchReport) -> str:
         "this run. Peak mem: CUDA max allocated, or on CPU the peak resident set above the level before the "
         "run (indicative). State: exact bytes of parameters, gradients, fp32 masters and optimizer state. "
         "Final loss: mean of the last steps; loss vs fp32: its relative difference after the same steps "
-        "(bench.png plots it at every step).",
+        "(bench.png plots it at every step). Tuning: the seconds mixprec.tune took on the workload before "
+        "training (not counted in steps/s).",
         "",
+        *_recipes(report),
         "![bench](bench.png)",
         "",
     ]
     return "\n".join(lines)
+
+
+def _recipes(report: BenchReport) -> list[str]:
+    found = [(w, m, r) for w, modes in report.results.items() for m, r in modes.items() if r.recipe is not None]
+    if not found:
+        return []
+    return ["Recipes chosen by mixprec.tune:", "",
+            *[f"- {w} ({m}): `{r.recipe}`, tuned in {r.tuning_s or 0:.0f} s" for w, m, r in found], ""]  # fmt: skip
 
 
 PLOT_SKIPPED = "{name} skipped: matplotlib is not installed (pip install matplotlib, or 'mixprec[bench]')"

@@ -12,7 +12,9 @@ Measures, per workload and mode:
   the run, sampled every 2 ms from ``/proc/self/statm`` (it includes allocator caching,
   so read it as indicative); elsewhere ``None``;
 * ``final_loss``: the mean loss of the last steps (a fifth of them, 1 to 5), and its
-  relative difference from fp32's after the same steps.
+  relative difference from fp32's after the same steps;
+* ``tuning_s``: for a mode settled per workload (``mixprec-tuned``), the seconds that took,
+  on a fresh copy of the workload before anything else runs; not counted in ``steps_per_s``.
 
 Every mode of a workload starts from the same seeded model and sees the same batches.
 """
@@ -47,7 +49,7 @@ class BenchConfig:
     """What to run. ``device``/``dtype`` ``"auto"`` pick the fastest supported setting."""
 
     workloads: tuple[str, ...] = tuple(WORKLOADS)
-    modes: tuple[str, ...] = ("fp32", "torch-amp", "mixprec", "mixprec-cl")
+    modes: tuple[str, ...] = ("fp32", "torch-amp", "mixprec", "mixprec-cl", "mixprec-tuned")
     steps: int | None = None
     warmup: int = 2
     window: int = 1
@@ -55,6 +57,7 @@ class BenchConfig:
     dtype: str = "auto"
     size: str = "default"
     compile: bool = False  # also run every mode with torch.compile(model), as "<mode>+compile"
+    tune_budget_s: float = 60.0  # mixprec.tune's budget per workload (mixprec-tuned)
 
     def __post_init__(self) -> None:
         for name in self.workloads:
@@ -69,6 +72,8 @@ class BenchConfig:
             raise ValueError(f"steps must exceed warmup ({self.warmup}) so that some steps are timed")
         if self.window < 1 or self.warmup < 0:
             raise ValueError("window must be >= 1 and warmup >= 0")
+        if not self.tune_budget_s > 0:
+            raise ValueError(f"tune_budget_s must be a positive number of seconds, got {self.tune_budget_s}")
 
     @property
     def total_steps(self) -> int:
@@ -88,6 +93,8 @@ class ModeResult:
     speedup_vs_fp32: float | None = None
     vs_torch_amp: float | None = None
     loss_rel_diff_vs_fp32: float | None = None
+    tuning_s: float | None = None  # settling the mode on this workload (mixprec.tune), apart from training
+    recipe: str | None = None  # what it settled on
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -316,6 +323,17 @@ def run_workload(workload: str, modes: list[Mode], config: BenchConfig, device: 
     """Train ``workload`` in every mode in lockstep: each step runs every mode, in alternating order,
     so that the machine's load drifts over all modes alike."""
     steps = config.total_steps
+    modes = list(modes)
+    settled: dict[str, float] = {}
+    for i, mode in enumerate(modes):
+        if mode.resolve is not None:
+            task = WORKLOADS[workload].build(config.size, device)
+            task.model.to(device)
+            begin = time.perf_counter()
+            modes[i] = dataclasses.replace(mode.resolve(task, _optimizer(task, task.model.parameters()), dtype,
+                                                        config.tune_budget_s), resolve=None)  # fmt: skip
+            settled[mode.name] = time.perf_counter() - begin
+            del task
     peaks = {mode.name: measure_memory(workload, mode, config, device, dtype) for mode in modes}
     runs = {mode.name: _Run(workload, mode, config, device, dtype) for mode in modes}
     if config.compile:
@@ -344,6 +362,8 @@ def run_workload(workload: str, modes: list[Mode], config: BenchConfig, device: 
             losses=values,
             seconds=sum(run.times),
             state_bytes=state_bytes(run.state_model, run.optimizer),
+            tuning_s=settled.get(name.removesuffix("+compile")),
+            recipe=run.mode.description if name.removesuffix("+compile") in settled else None,
         )
         if run.task.image and run.output is not None:
             images[name] = run.output.detach().float().cpu()[0, 0]
@@ -369,7 +389,8 @@ def run(config: BenchConfig, progress: Progress | None = None,
     start = time.perf_counter()
     # One tiny untimed pass of every mode first: one-time costs (thread pools, kernel caches,
     # first allocations) would otherwise land in the speed and memory of whichever mode runs first.
-    warm = dataclasses.replace(config, size="tiny", steps=None, warmup=1, window=1, compile=False)
+    warm = dataclasses.replace(config, size="tiny", steps=None, warmup=1, window=1, compile=False,
+                               tune_budget_s=min(config.tune_budget_s, 10.0))  # fmt: skip
     for workload in config.workloads:
         run_workload(workload, _modes_for(workload, config, dtype), warm, device, dtype)
     results: dict[str, dict[str, ModeResult]] = {}

@@ -1,0 +1,840 @@
+"""tune: find the fastest precision recipe that keeps a model's accuracy, measured on this machine.
+
+``recipe = mixprec.tune(model, inputs, loss_fn, targets=targets)`` measures, on the real model
+and batch, full training steps (forward, backward, optimizer step) of candidate recipes and
+returns the fastest one whose numerics stay within ``tolerance`` of fp32. A :class:`Recipe` is
+data: a compute dtype, op moves into fp32, modules kept in fp32, a memory layout, a
+:func:`mixprec.prepare` level, and the measurements that chose it. The search::
+
+    diagnose(model, dtype) for each low dtype       -> modules kept in fp32 (a constraint on every candidate)
+    round 1: torch.amp's default, each dtype, fp32  -> the dtype
+    profile the chosen dtype and fp32 (torch.profiler): ops whose forward+backward is slower in
+             low precision than in fp32
+    round 2: those ops moved to fp32 (each, all), channels_last if the model has 4-D/5-D weights
+    round 3: prepare levels (O2, and bf16-sr for bf16; bf16-pure if asked) with the best layout
+    choose:  the fastest candidate that passed the accuracy guard; torch.amp's default unless
+             another beats it by ``min_speedup``
+
+In every round the candidates train in lockstep, one step each in alternating order (as
+``mixprec bench`` does), so that a shared machine's load falls on all alike; a candidate's speed
+is the median of its warm steps against torch.amp's default in the same round. Every candidate
+starts from a deep copy of the same weights and optimizer state; its first steps are compared with
+fp32's (see :class:`Tolerance`). The search stops at ``budget_s`` and keeps the best so far.
+``torch.compile`` is not searched: compiling a model takes longer than a tuning budget of a minute.
+
+Everything here syncs with the device: it times steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import functools
+import json
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from mixprec._dtypes import parse_dtype, short_name
+from mixprec.autocast import autocast
+from mixprec.diagnostics import _call, _check_inputs, _loss, _with_targets, diagnose
+from mixprec.layout import to_channels_last
+from mixprec.master_weights import Level, prepare
+from mixprec.policy import Policy, default_policy, op_name
+from mixprec.scaler import GradScaler
+
+Progress = Callable[[str], None]
+
+_ACCURACY_STEPS = 2  # steps compared with fp32; the first is also the warm-up, never timed
+_STEPS = 4  # steps per candidate per round: 3 timed, their median is the candidate's time
+_SLOW = 1.5  # a candidate this much slower than the default after its checked steps cannot win: stopped
+_COLD_SLOW = 10.0  # ... or this much slower on its first (cold) step than the first round's: an emulated dtype
+_LAYOUTS = ("contiguous", "channels_last")
+
+
+@dataclasses.dataclass(frozen=True)
+class Tolerance:
+    """How far a candidate's first training steps may drift from fp32's, from the same weights and batch.
+
+    The defaults let bf16 and fp16 autocast through (their rounding gives losses within a few
+    tenths of a percent and gradients with cosine similarity above 0.999 on ordinary models) and
+    reject what changes training: a loss off by more than 2%, gradients pointing elsewhere
+    (cosine < 0.99: an overflowed or flushed layer), or weight updates that lose their direction
+    (cosine < 0.9: updates rounded away in low-precision weights).
+
+    Attributes:
+        loss_rtol: largest relative difference of the loss at any compared step.
+        grad_cos: smallest cosine similarity of the first step's gradients (all parameters, flattened).
+        update_cos: smallest cosine similarity of the weight change after the compared steps.
+    """
+
+    loss_rtol: float = 0.02
+    grad_cos: float = 0.99
+    update_cos: float = 0.9
+
+    def __post_init__(self) -> None:
+        if not (self.loss_rtol >= 0 and -1 <= self.grad_cos <= 1 and -1 <= self.update_cos <= 1):
+            raise ValueError("Tolerance needs loss_rtol >= 0 and cosine floors in [-1, 1]")
+
+
+@dataclasses.dataclass(frozen=True)
+class Measurement:
+    """One candidate as measured: speed against torch.amp's default and error against fp32."""
+
+    name: str
+    status: str  # "chosen", "passed", "rejected" or "not measured"
+    step_ms: float | None = None
+    vs_default: float | None = None  # steps/s relative to torch.amp's default, same round
+    loss_err: float | None = None
+    grad_cos: float | None = None
+    update_cos: float | None = None
+    reason: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """A precision recipe: what :func:`tune` chose, as data; :meth:`apply` puts it to work.
+
+    Attributes:
+        dtype: the compute dtype (``torch.float32``: no mixed precision).
+        fp32_ops: ATen ops moved into fp32 on top of the device's built-in policy.
+        keep_fp32: qualified-name globs of modules kept in fp32.
+        layout: ``"contiguous"`` or ``"channels_last"`` (weights and 4-D/5-D inputs).
+        level: a :func:`mixprec.prepare` level; ``"O1"`` is autocast alone.
+        compile: whether to ``torch.compile`` the model (never chosen by the search; see the module docstring).
+        loss_scale: the GradScaler's initial scale for fp16.
+        measurements: every candidate :func:`tune` measured (empty for a hand-made recipe).
+        notes: what the search found, in sentences.
+        measured_on: the device and torch version the measurements come from.
+        tuning_s: seconds the search took.
+    """
+
+    dtype: torch.dtype = torch.bfloat16
+    fp32_ops: tuple[str, ...] = ()
+    keep_fp32: tuple[str, ...] = ()
+    layout: str = "contiguous"
+    level: str = "O1"
+    compile: bool = False
+    loss_scale: float = 2.0**16
+    measurements: tuple[Measurement, ...] = ()
+    notes: tuple[str, ...] = ()
+    measured_on: str = ""
+    tuning_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", parse_dtype(self.dtype, what="recipe dtype"))
+        object.__setattr__(self, "fp32_ops", tuple(sorted({op_name(o) for o in self.fp32_ops})))
+        object.__setattr__(self, "keep_fp32", tuple(self.keep_fp32))
+        object.__setattr__(self, "level", Level.from_name(self.level).value)
+        object.__setattr__(self, "measurements", tuple(self.measurements))
+        object.__setattr__(self, "notes", tuple(self.notes))
+        if self.layout not in _LAYOUTS:
+            raise ValueError(f"unknown layout {self.layout!r}; valid: {', '.join(_LAYOUTS)}")
+        if self.dtype is torch.float32 and (self.level != "O1" or self.fp32_ops or self.keep_fp32):
+            raise ValueError("an fp32 recipe has no level, op moves or kept modules; use level 'O1' and none")
+        if self.level != "O1" and self.fp32_ops:
+            raise ValueError(
+                f"level {self.level!r} runs the forward under prepare()'s own autocast region with the built-in "
+                "policy, so op moves (fp32_ops) apply with level 'O1' only"
+            )
+        if self.level in ("bf16-sr", "bf16-pure") and self.dtype is not torch.bfloat16:
+            raise ValueError(f"level {self.level!r} needs dtype bf16")
+
+    @property
+    def name(self) -> str:
+        """One line, e.g. ``bf16 O1 +fp32[scaled_dot_product_attention] channels_last``."""
+        parts = [short_name(self.dtype)]
+        if self.dtype is not torch.float32:
+            parts.append(self.level)
+        if self.fp32_ops:
+            parts.append(f"+fp32[{', '.join(self.fp32_ops)}]")
+        if self.keep_fp32:
+            parts.append(f"keep[{', '.join(self.keep_fp32)}]")
+        if self.layout != "contiguous":
+            parts.append(self.layout)
+        if self.compile:
+            parts.append("compile")
+        return " ".join(parts)
+
+    @property
+    def is_torch_default(self) -> bool:
+        """Whether this is plain ``torch.autocast`` at this dtype: torch's op lists, nothing else."""
+        return (
+            self.level == "O1"
+            and not self.fp32_ops
+            and not self.keep_fp32
+            and self.layout == "contiguous"
+            and not self.compile
+            and self.dtype is not torch.float32
+        )
+
+    def policy(self, device_type: str = "cpu") -> Policy:
+        """The autocast policy: ``device_type``'s built-in lists with the op moves and module rules."""
+        policy = default_policy(device_type)
+        if self.fp32_ops:
+            policy = policy.add("fp32", *self.fp32_ops)
+        if self.keep_fp32:
+            policy = policy.keep_modules(names=self.keep_fp32)
+        return policy
+
+    def autocast(self, device_type: str = "cpu") -> Callable[[], contextlib.AbstractContextManager[Any]]:
+        """The region factory for the training loop: a :func:`mixprec.autocast` with :meth:`policy`,
+        or a no-op for fp32 and for levels other than O1 (whose prepared forward opens its own)."""
+        if self.dtype is torch.float32 or self.level != "O1":
+            return contextlib.nullcontext
+        return _Region(device_type, self.dtype, self.policy(device_type))
+
+    def apply(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Applied:
+        """Set ``model`` and ``optimizer`` up for this recipe (in place); returns what the loop needs.
+
+        The policy is rebuilt from the model's device type, so a recipe tuned on one machine applies
+        on another (op names are ATen names, module names are the model's).
+
+        Raises:
+            ValueError: a model already prepared by :func:`mixprec.prepare`, or a level prepare rejects.
+        """
+        if hasattr(model, "_mixprec"):
+            raise ValueError("this model was already prepared by mixprec.prepare; apply a recipe to an fp32 model")
+        device_type = next((p.device.type for p in model.parameters()), "cpu")
+        if self.layout == "channels_last":
+            to_channels_last(model)
+        region = self.autocast(device_type)
+        if self.dtype is not torch.float32 and self.level != "O1":  # prepare's forward opens its own region
+            model, optimizer = prepare(model, optimizer, level=self.level, dtype=self.dtype, keep_names=self.keep_fp32)
+        scaler = GradScaler(device_type, init_scale=self.loss_scale) if self.dtype is torch.float16 else None
+        if self.compile:
+            model = torch.compile(model)  # type: ignore[assignment]
+        return Applied(model, optimizer, region, scaler, self.layout == "channels_last")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: dtypes by short name, ops by ATen name."""
+        out = dataclasses.asdict(self)
+        out["dtype"] = short_name(self.dtype)
+        out["measurements"] = [dataclasses.asdict(m) for m in self.measurements]
+        return out
+
+    def to_json(self, path: str | None = None) -> str:
+        """The recipe as JSON text; also written to ``path`` if given."""
+        text = json.dumps(self.to_dict(), indent=2)
+        if path is not None:
+            with open(path, "w") as fh:
+                fh.write(text + "\n")
+        return text
+
+    @classmethod
+    def from_json(cls, text: str) -> Recipe:
+        """Read :meth:`to_json`'s text (or a path to a file holding it).
+
+        Raises:
+            ValueError: not a recipe (the message names the unknown or missing fields).
+        """
+        if not text.lstrip().startswith("{"):
+            with open(text) as fh:
+                text = fh.read()
+        data = json.loads(text)
+        if not isinstance(data, dict):
+            raise ValueError("a recipe is a JSON object as written by Recipe.to_json")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - fields)
+        if unknown:
+            raise ValueError(f"unknown recipe fields {unknown}; valid: {sorted(fields)}")
+        data["measurements"] = tuple(Measurement(**m) for m in data.get("measurements", ()))
+        for key in ("fp32_ops", "keep_fp32", "notes"):
+            data[key] = tuple(data.get(key, ()))
+        return cls(**data)
+
+    def table(self) -> str:
+        """The candidates as a text table: speed against torch.amp's default, error against fp32, why rejected."""
+        header = ("candidate", "status", "ms/step", "vs torch.amp", "loss err", "grad cos", "update cos", "reason")
+        rows = [header]
+        for m in self.measurements:
+            speed = (_fmt(m.step_ms, ".1f"), _fmt(m.vs_default, ".2f", "x"))
+            error = (_fmt(m.loss_err, ".2%"), _fmt(m.grad_cos, ".5f"), _fmt(m.update_cos, ".4f"))
+            rows.append((m.name, m.status, *speed, *error, m.reason))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(header) - 1)]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r[:-1], widths, strict=True)) + "  " + r[-1] for r in rows]
+        lines.insert(1, "-" * len(lines[0]))
+        tail = [f"recipe: {self.name}" + (" (torch.amp's default)" if self.is_torch_default else "")]
+        tail += [f"note: {n}" for n in self.notes]
+        return "\n".join([*lines, *tail])
+
+
+def _line(m: Measurement) -> str:
+    speed = f"{m.step_ms:.1f} ms/step, {_fmt(m.vs_default, '.2f', 'x')} torch.amp" if m.step_ms is not None else "-"
+    return f"{m.status}, {speed}" + (f": {m.reason}" if m.reason else "")
+
+
+def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
+class _Region:
+    """A printable factory of the recipe's autocast regions."""
+
+    def __init__(self, device_type: str, dtype: torch.dtype, policy: Policy) -> None:
+        self.device_type, self.dtype, self.policy = device_type, dtype, policy
+
+    def __call__(self) -> autocast:
+        return autocast(self.device_type, dtype=self.dtype, policy=self.policy)
+
+    def __repr__(self) -> str:
+        return f"autocast({self.device_type!r}, dtype={short_name(self.dtype)}, policy={self.policy!r})"
+
+
+@dataclasses.dataclass
+class Applied:
+    """What a training loop needs from :meth:`Recipe.apply`.
+
+    Example:
+        >>> import torch, mixprec
+        >>> model = torch.nn.Linear(4, 2)
+        >>> run = mixprec.Recipe(dtype="bf16").apply(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        >>> with run.autocast():
+        ...     loss = run.model(run.inputs(torch.randn(8, 4))).float().square().mean()
+        >>> run.backward(loss); run.step()
+
+    Attributes:
+        model: the model to call (prepared at levels other than O1).
+        optimizer: its optimizer.
+        autocast: ``() -> context manager``: open one around forward and loss (a no-op where the
+            model's forward opens its own, at levels other than O1, and for fp32).
+        scaler: a :class:`mixprec.GradScaler` for fp16, else ``None``.
+        channels_last: whether :meth:`inputs` converts 4-D/5-D inputs to channels_last.
+    """
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    autocast: Callable[[], contextlib.AbstractContextManager[Any]]
+    scaler: GradScaler | None
+    channels_last: bool = False
+
+    def inputs(self, batch: Any) -> Any:
+        """``batch`` with its 4-D/5-D floating tensors in the recipe's layout."""
+        if not self.channels_last:
+            return batch
+
+        def convert(t: Any) -> Any:
+            ok = isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() in (4, 5)
+            return to_channels_last(t) if ok else t
+
+        return tree_map(convert, batch)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()``, through the scaler for fp16."""
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()  # type: ignore[no-untyped-call]
+
+    def step(self) -> None:
+        """The optimizer step (``scaler.step`` and ``scaler.update`` for fp16)."""
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+
+
+# ----- the search ------------------------------------------------------------------------
+
+
+class _Trial:
+    """One candidate training on a deep copy of the user's model and optimizer."""
+
+    def __init__(self, recipe: Recipe, model: nn.Module, optimizer: torch.optim.Optimizer, inputs: Any,
+                 loss_of: Callable[[Any], torch.Tensor], device: torch.device) -> None:  # fmt: skip
+        self.recipe = recipe
+        self.name = recipe.name
+        copied_model, copied_optimizer = copy.deepcopy((model, optimizer))  # one memo: the optimizer keeps its params
+        self.run = recipe.apply(copied_model, copied_optimizer)
+        self.params = [p for p in self.run.model.parameters() if p.requires_grad]
+        self.start = [p.detach().float().clone() for p in self.params]
+        self.inputs = self.run.inputs(inputs)
+        self.loss_of, self.device = loss_of, device
+        self.losses: list[float] = []
+        self.times: list[float] = []  # of the current round
+        self.grad: torch.Tensor | None = None
+        self.update: torch.Tensor | None = None
+        self.stopped = ""  # why it stopped early, if it did
+        self.failed = ""  # the error it raised, if it did
+
+    def step(self) -> None:
+        # Every candidate draws the same random numbers (dropout) at the same step; the caller's RNG is left alone.
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            torch.manual_seed(len(self.times))
+            self._step()
+
+    def _step(self) -> None:
+        _sync(self.device)
+        begin = time.perf_counter()
+        self.run.optimizer.zero_grad(set_to_none=True)
+        with self.run.autocast():
+            loss = self.loss_of(_call(self.run.model, self.inputs))
+        self.run.backward(loss)
+        first = not self.losses
+        if first:  # the gradients fp32's are compared with, before any update (scaled: cosine ignores it)
+            self.grad = _flat([p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params])
+        self.run.step()
+        _sync(self.device)
+        self.times.append(time.perf_counter() - begin)
+        if len(self.losses) < _ACCURACY_STEPS:
+            self.losses.append(float(loss.detach().float()))
+            if len(self.losses) == _ACCURACY_STEPS:
+                self.update = _flat([p.detach().float() - s for p, s in zip(self.params, self.start, strict=True)])
+                self.start = []
+
+    @property
+    def checked(self) -> bool:
+        return len(self.losses) == _ACCURACY_STEPS
+
+    def median_s(self) -> float | None:
+        timed = self.times[1:]  # each round's first step is warm-up (first calls, caches, allocations)
+        return statistics.median(timed) if timed else None
+
+    def expected_s(self, default: _Trial) -> float:
+        """How long the next step should take: its last one, else the default's."""
+        return self.times[-1] if self.times else (default.times[-1] if default.times else 0.0)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.detach().float().reshape(-1) for t in tensors]) if tensors else torch.zeros(1)
+
+
+def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    # in fp64: the norms of millions of squared fp32 values
+    a64, b64 = a.double(), b.double()
+    denom = float(a64.norm() * b64.norm())
+    return float(a64 @ b64) / denom if denom > 0 else (1.0 if float(a64.norm()) == float(b64.norm()) else 0.0)
+
+
+def _judge(trial: _Trial, ref: _Trial, tol: Tolerance) -> tuple[float | None, float | None, float | None, str]:
+    """(loss error, gradient cosine, update cosine, why rejected or "")."""
+    for i, value in enumerate(trial.losses):
+        if not math.isfinite(value):
+            return None, None, None, f"loss is {value} at step {i + 1}"
+    err = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(trial.losses, ref.losses, strict=True))
+    assert trial.grad is not None and ref.grad is not None and trial.update is not None and ref.update is not None
+    if not bool(torch.isfinite(trial.grad).all()):
+        return err, None, None, "non-finite gradients at step 1"
+    gcos, ucos = _cosine(trial.grad, ref.grad), _cosine(trial.update, ref.update)
+    if err > tol.loss_rtol:
+        return err, gcos, ucos, f"loss differs from fp32 by {err:.2%} > {tol.loss_rtol:.2%}"
+    if gcos < tol.grad_cos:
+        return err, gcos, ucos, f"gradient cosine {gcos:.5f} < {tol.grad_cos}"
+    if ucos < tol.update_cos:
+        return err, gcos, ucos, f"update cosine {ucos:.4f} < {tol.update_cos}"
+    return err, gcos, ucos, ""
+
+
+class _Search:
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, inputs: Any,
+                 loss_of: Callable[[Any], torch.Tensor], device: torch.device, tol: Tolerance,
+                 deadline: float, progress: Progress | None) -> None:  # fmt: skip
+        self.model, self.optimizer, self.inputs, self.loss_of = model, optimizer, inputs, loss_of
+        self.device, self.tol, self.deadline, self.progress = device, tol, deadline, progress
+        self.results: dict[str, Measurement] = {}
+        self.recipes: dict[str, Recipe] = {}
+        self.out_of_time = False
+        self.ref: _Trial | None = None  # fp32, for accuracy
+        self.cold_s: float | None = None  # the default's first step in the first round
+
+    def say(self, text: str) -> None:
+        if self.progress is not None:
+            self.progress(text)
+
+    def fits(self, seconds: float) -> bool:
+        """Whether work of ``seconds`` ends inside the budget (if not, the search did not finish)."""
+        if time.perf_counter() + seconds > self.deadline:
+            self.out_of_time = True  # the search did not finish; a cheaper round later may still fit
+            return False
+        return True
+
+    def time_left(self) -> bool:
+        return self.fits(0.0)
+
+    def trial(self, recipe: Recipe) -> _Trial:
+        return _Trial(recipe, self.model, self.optimizer, self.inputs, self.loss_of, self.device)
+
+    def round(self, default: _Trial, recipes: list[Recipe], label: str) -> list[str]:
+        """Race ``recipes`` against ``default`` if their checked steps fit in the budget; returns their names.
+
+        Copying a large model for every candidate takes seconds: a round that cannot finish is not started.
+        """
+        step_s = default.median_s() or default.expected_s(default)
+        if not self.fits(step_s * (len(recipes) + 1) * _ACCURACY_STEPS):
+            for r in recipes:
+                self.recipes[r.name] = r
+                self.results[r.name] = Measurement(r.name, "not measured", reason="the budget ran out")
+            self.say(f"{label}: skipped, the budget would run out: {', '.join(r.name for r in recipes)}")
+            return [r.name for r in recipes]
+        self.race(default, [self.trial(r) for r in recipes], label)
+        return [r.name for r in recipes]
+
+    def race(self, default: _Trial, trials: list[_Trial], label: str) -> None:
+        """Step ``default`` and ``trials`` in lockstep; record each trial's speed and accuracy."""
+        everyone = [default, *[t for t in trials if t is not default]]
+        for t in everyone:
+            t.times = []
+        self.say(f"{label}: {', '.join(t.name for t in trials)}")
+        for step in range(_STEPS):
+            for t in everyone if step % 2 == 0 else reversed(everyone):
+                # Skip a step that would end past the deadline: the budget is the user's.
+                if t.stopped or not self.time_left() or time.perf_counter() + t.expected_s(default) > self.deadline:
+                    if not t.stopped:
+                        self.out_of_time = True
+                    continue
+                try:
+                    t.step()
+                except (RuntimeError, ValueError, TypeError) as exc:  # a candidate that cannot train here
+                    if t is default or t is self.ref:
+                        raise
+                    t.stopped = t.failed = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+            self._stop_slow(default, everyone)
+        base = default.median_s()
+        for t in trials:
+            self.record(t, default, base)
+        for t in trials:
+            self.say(f"  {self.results[t.name].name}: {_line(self.results[t.name])}")
+
+    def _stop_slow(self, default: _Trial, trials: list[_Trial]) -> None:
+        base = default.median_s()
+        for t in trials:
+            if t is default or t.stopped or (t is self.ref and not t.checked):  # fp32 must finish its checked steps
+                continue
+            mine = t.median_s()
+            if self.cold_s is None and default.times and default.times[0] > 0:
+                self.cold_s = default.times[0]  # first steps pay one-time costs: compare them with a first step
+            # (and over a second: one-time costs of a few ms, module hooks or a first fp16 kernel, are not slowness)
+            if len(t.times) == 1 and self.cold_s is not None and t.times[0] > max(_COLD_SLOW * self.cold_s, 1.0):
+                t.stopped = f"{self.cold_s / t.times[0]:.2f}x torch.amp's default on the first step"
+            elif t.checked and base is not None and mine is not None and mine > _SLOW * base:
+                t.stopped = f"{base / mine:.2f}x torch.amp's default"
+
+    def record(self, t: _Trial, default: _Trial, base: float | None) -> None:
+        mine = t.median_s()
+        vs = base / mine if base is not None and mine is not None else None
+        ms = None if mine is None else mine * 1e3
+        self.recipes[t.name] = t.recipe
+        if t.failed:
+            self.results[t.name] = Measurement(t.name, "rejected", reason=t.failed)
+            return
+        if t.stopped and not t.checked:
+            why = f"slower: {t.stopped} (stopped early)"
+            self.results[t.name] = Measurement(t.name, "rejected", t.times[0] * 1e3, None, reason=why)
+            return
+        if not t.checked or mine is None:
+            self.results[t.name] = Measurement(t.name, "not measured", ms, vs, reason="the budget ran out")
+            return
+        assert self.ref is not None
+        if t is self.ref:
+            self.results[t.name] = Measurement(t.name, "passed", ms, vs, 0.0, 1.0, 1.0, "the fp32 reference")
+            return
+        err, gcos, ucos, why = _judge(t, self.ref, self.tol)
+        status = "rejected" if why else "passed"
+        if not why and t.stopped:  # checked and timed: it passed, and was stopped only to save the budget
+            why = f"slower: {t.stopped} (stopped early)"
+        self.results[t.name] = Measurement(t.name, status, ms, vs, err, gcos, ucos, why)
+
+    def best(self, names: Sequence[str]) -> str | None:
+        passed = [n for n in names if n in self.results and self.results[n].status == "passed"]
+
+        def speed(name: str) -> tuple[bool, float]:  # against the default where it was timed, else by time
+            m = self.results[name]
+            return (m.vs_default is not None, m.vs_default if m.vs_default is not None else -(m.step_ms or math.inf))
+
+        return max(passed, key=speed, default=None)
+
+
+def _profile(trial: _Trial, lower: frozenset[str]) -> dict[str, float]:
+    """Seconds per op of ``lower`` (forward and its backward) in one step of ``trial``.
+
+    Backward work is attributed to the forward op through the autograd sequence number the
+    profiler records on both (the op whose outermost ancestor on ``lower`` created the node).
+    """
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if trial.device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        trial.step()
+    events = prof.events() or []
+    backward = "autograd::engine::evaluate_function: "
+    on_device = trial.device.type == "cuda"
+
+    def cost(e: Any) -> float:
+        return float(getattr(e, "device_time_total", 0.0) if on_device else e.cpu_time_total) * 1e-6
+
+    def owner(e: Any) -> str | None:
+        """The outermost op of ``lower`` around ``e`` in forward; None in backward (its ops are attributed below)."""
+        found = None
+        while e is not None:
+            if e.name.startswith(backward):
+                return None
+            if e.name.startswith("aten::") and e.name[6:] in lower:
+                found = e.name[6:]
+            e = e.cpu_parent
+        return found
+
+    totals: dict[str, float] = {}
+    by_seq: dict[int, str] = {}
+    for e in events:
+        if e.name.startswith(backward):
+            continue
+        op = owner(e)
+        if op is None:
+            continue
+        if e.sequence_nr >= 0:
+            by_seq.setdefault(e.sequence_nr, op)
+        if e.name[6:] == op and (e.cpu_parent is None or owner(e.cpu_parent) is None):
+            totals[op] = totals.get(op, 0.0) + cost(e)
+    for e in events:
+        if e.name.startswith(backward) and e.sequence_nr in by_seq:
+            op = by_seq[e.sequence_nr]
+            totals[op] = totals.get(op, 0.0) + cost(e)
+    return totals
+
+
+def _has_conv_weights(model: nn.Module) -> bool:
+    return any(p.dim() in (4, 5) for p in model.parameters())
+
+
+def tune(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    *,
+    targets: Any = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    device: torch.device | str | None = None,
+    budget_s: float = 60.0,
+    tolerance: Tolerance | None = None,
+    dtypes: Sequence[torch.dtype | str] = ("bf16", "fp16", "fp32"),
+    levels: Sequence[Level | str] = ("O1", "O2", "bf16-sr"),
+    min_speedup: float = 1.02,
+    progress: Progress | None = None,
+) -> Recipe:
+    """Find the fastest recipe for ``model`` on this machine that keeps its accuracy; see the module docstring.
+
+    The loss is ``loss_fn(model(batch), targets)`` with ``targets``, else ``loss_fn(model(batch))``
+    (default: the mean square of the floating outputs), as in :func:`mixprec.diagnose`. ``model``
+    and ``optimizer`` are not changed: every candidate trains a deep copy.
+
+    Args:
+        model: the fp32 model, on its device.
+        batch: a tensor, a tuple/list of positional inputs or a dict of keyword inputs, on the model's device.
+        loss_fn: see above.
+        targets: the second argument of ``loss_fn``.
+        optimizer: the optimizer you train with (its state is copied, not stepped); default
+            ``torch.optim.AdamW(model.parameters())``.
+        device: where the model is; default and only valid value: the device of its parameters.
+        budget_s: seconds the search may take; it stops there and keeps the best so far.
+        tolerance: the accuracy guard; default :class:`Tolerance`'s.
+        dtypes: compute dtypes to search (fp32 counts: if it is the fastest, the recipe is fp32).
+        levels: :func:`mixprec.prepare` levels to search besides O1 (always searched). bf16-pure is left
+            out by default: its round-to-nearest updates lose those smaller than 2**-8 of a weight, which
+            a few steps cannot show; pass it to search it.
+        min_speedup: how much faster than torch.amp's default another recipe must be to be chosen
+            (the measurements' noise on a shared machine is a few percent).
+        progress: called with a line of text as the search goes.
+
+    Returns:
+        The chosen :class:`Recipe`, with every measurement and notes.
+
+    Raises:
+        ValueError: ``budget_s <= 0``, a model prepared by :func:`mixprec.prepare`, a batch on another
+            device, a loss that is not a scalar, an optimizer over other tensors, a bad dtype.
+        TypeError: ``loss_fn`` is not callable.
+    """
+    start = time.perf_counter()
+    if not (isinstance(budget_s, (int, float)) and budget_s > 0 and math.isfinite(budget_s)):
+        raise ValueError(f"budget_s must be a positive number of seconds, got {budget_s!r}")
+    if hasattr(model, "_mixprec"):
+        raise ValueError("tune needs the fp32 model: this one was prepared by mixprec.prepare; "
+                         "call mixprec.export_fp32(model) first, or tune before preparing")  # fmt: skip
+    found = _check_inputs(model, (batch, targets), loss_fn)
+    if device is not None and torch.device(device).type != found.type:
+        raise ValueError(f"device={device!r} but the model is on {found}; move the model and batch there first")
+    if min_speedup < 1:
+        raise ValueError(f"min_speedup must be >= 1, got {min_speedup}")
+    tol = tolerance if tolerance is not None else Tolerance()
+    searched = [parse_dtype(d, what="tune dtype") for d in dtypes]
+    search_levels = [Level.from_name(lv).value for lv in levels if Level.from_name(lv) is not Level.O1]
+    if not searched:
+        raise ValueError("dtypes names no dtype to search; e.g. dtypes=('bf16', 'fp32')")
+    if targets is not None and loss_fn is None:
+        raise ValueError("targets= needs loss_fn(output, targets) to compute the loss with them")
+    loss_of = _loss_of(loss_fn, targets)
+    if optimizer is None:
+        optimizer = torch.optim.AdamW(model.parameters())
+    _check_optimizer(model, optimizer)
+    with torch.no_grad():  # the loss must be a scalar: fail here, not inside a candidate (on a copy: BatchNorm)
+        loss_of(_call(copy.deepcopy(model), batch))
+    device_type = found.type
+    default_dtype = torch.get_autocast_dtype(device_type)
+    search = _Search(model, optimizer, batch, loss_of, found, tol, start + budget_s, progress)
+    notes: list[str] = ["torch.compile is not searched: compiling takes longer than a tuning budget"]
+    # The caller's random state is left as it was (bf16-sr draws its rounding seed from it).
+    with torch.random.fork_rng(devices=[found] if found.type == "cuda" else []):
+        recipe = _run_search(search, model, batch, loss_fn, targets, searched, search_levels, default_dtype,
+                             min_speedup, notes)  # fmt: skip
+    measured_on = f"{found.type}" + (f" ({torch.cuda.get_device_name(found)})" if found.type == "cuda" else "")
+    return dataclasses.replace(recipe, measured_on=f"{measured_on}, torch {torch.__version__}",
+                               tuning_s=time.perf_counter() - start)  # fmt: skip
+
+
+def _loss_of(loss_fn: Callable[..., torch.Tensor] | None, targets: Any) -> Callable[[Any], torch.Tensor]:
+    if targets is None:
+        return functools.partial(_loss, loss_fn=loss_fn)
+    assert loss_fn is not None
+    return functools.partial(_loss, loss_fn=functools.partial(_with_targets, loss_fn, targets))
+
+
+def _check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    if hasattr(optimizer, "_mixprec"):
+        raise ValueError("this optimizer was prepared by mixprec.prepare; tune the fp32 model and its fp32 optimizer")
+    params = {id(p) for p in model.parameters()}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in params:
+                raise ValueError("the optimizer holds a tensor that is not a parameter of this model; "
+                                 "create it from model.parameters()")  # fmt: skip
+
+
+def _run_search(search: _Search, model: nn.Module, batch: Any, loss_fn: Any, targets: Any,
+                dtypes: list[torch.dtype], levels: list[str], default_dtype: torch.dtype, min_speedup: float,
+                notes: list[str]) -> Recipe:  # fmt: skip
+    torch_default = Recipe(dtype=default_dtype)
+    lows = [d for d in dtypes if d is not torch.float32]
+    keep: dict[torch.dtype, tuple[str, ...]] = {}
+    scale: dict[torch.dtype, float] = {}
+
+    def base(dtype: torch.dtype, **changes: Any) -> Recipe:
+        if dtype is torch.float32:
+            return Recipe(dtype=torch.float32)
+        return Recipe(dtype=dtype, keep_fp32=keep.get(dtype, ()), loss_scale=scale.get(dtype, 2.0**16), **changes)
+
+    # Round 1: the dtype, with torch's lists.
+    default = search.trial(torch_default)
+    search.ref = search.trial(Recipe(dtype=torch.float32))
+    round1 = [default, *[search.trial(Recipe(dtype=d)) for d in lows if d is not default_dtype], search.ref]
+    search.race(default, round1, "round 1 (dtype)")
+    # A dtype that fails the accuracy guard gets diagnose's findings as a constraint: the modules
+    # whose values leave its range stay in fp32 (bf16 has fp32's range and rarely needs any).
+    for dtype in lows:
+        result = search.results.get(Recipe(dtype=dtype).name)
+        if (
+            result is None
+            or result.status != "rejected"
+            or result.reason.startswith("slower")
+            or not search.time_left()
+        ):
+            continue
+        search.say(f"diagnose in {short_name(dtype)}: which modules leave its range")
+        report = diagnose(copy.deepcopy(model), batch, loss_fn, targets=targets, dtype=dtype)
+        if report.keep_fp32:
+            keep[dtype], scale[dtype] = tuple(report.keep_fp32), report.suggested_loss_scale
+            notes.append(f"diagnose({short_name(dtype)}) keeps {', '.join(report.keep_fp32)} in fp32 "
+                         f"in every {short_name(dtype)} candidate")  # fmt: skip
+    if keep and search.time_left():
+        retry = [search.trial(base(d)) for d in keep]
+        search.race(default, retry, "round 1b (modules diagnose keeps in fp32)")
+        round1 += retry
+    allowed = [base(d).name for d in dtypes]
+    best = search.best([t.name for t in round1 if t.name in allowed])
+    # Rounds 2 and 3 improve the best low-precision dtype, which may then beat fp32.
+    best_low = search.best([t.name for t in round1 if t.name in allowed and t.recipe.dtype is not torch.float32])
+    best_trial = next((t for t in round1 if t.name == best_low), None)
+    # The profile takes a step of each: only if both fit in the budget.
+    if best_trial is not None and search.fits(best_trial.expected_s(default) + search.ref.expected_s(default)):
+        assert best_low is not None
+        dtype = best_trial.recipe.dtype
+        # Round 2: op moves the profile suggests, and the layout.
+        lower = default_policy(search.device.type).lower
+        low_cost, fp32_cost = _profile(best_trial, lower), _profile(search.ref, lower)
+        slower = sorted((op for op in low_cost if low_cost[op] > fp32_cost.get(op, math.inf)),
+                        key=lambda op: fp32_cost[op] - low_cost[op])  # fmt: skip
+        if slower:
+            notes.append("profile: slower in " + short_name(dtype) + " than fp32 (fwd+bwd): " + ", ".join(
+                f"{op} {low_cost[op] * 1e3:.1f} vs {fp32_cost[op] * 1e3:.1f} ms" for op in slower))  # fmt: skip
+        candidates = [base(dtype, fp32_ops=(op,)) for op in slower[:3]]
+        if len(slower) > 1:
+            candidates.append(base(dtype, fp32_ops=tuple(slower)))
+        conv = _has_conv_weights(model)
+        if conv:
+            candidates.append(base(dtype, layout="channels_last"))
+        del round1
+        if candidates:
+            search.round(default, candidates, "round 2 (ops, layout)")
+        best_low = search.best([best_low, *[r.name for r in candidates]])
+        assert best_low is not None
+        chosen = search.recipes[best_low]
+        if conv and chosen.fp32_ops and chosen.layout == "contiguous" and search.time_left():
+            both = dataclasses.replace(chosen, layout="channels_last")
+            search.round(default, [both], "round 2b (ops with channels_last)")
+            best_low = search.best([best_low, both.name])
+        # Round 3: prepare levels, with the best layout (op moves apply at O1 only).
+        assert best_low is not None
+        layout = search.recipes[best_low].layout
+        levels = [lv for lv in levels if dtype is torch.bfloat16 or lv == "O2"]  # the other levels keep bf16 weights
+        if levels and search.time_left():
+            names = search.round(default, [base(dtype, level=lv, layout=layout) for lv in levels], "round 3 (levels)")
+            best_low = search.best([best_low, *names])
+        best = search.best([n for n in (best, best_low) if n is not None])
+    return _choose(search, best, torch_default, dtypes, min_speedup, notes)
+
+
+def _changes(recipe: Recipe) -> int:
+    """How far a recipe is from plain torch.autocast (diagnose's kept modules are a constraint, not a change)."""
+    if recipe.dtype is torch.float32:
+        return 1
+    return len(recipe.fp32_ops) + (recipe.layout != "contiguous") + (recipe.level != "O1") + recipe.compile
+
+
+def _choose(search: _Search, best: str | None, torch_default: Recipe, dtypes: list[torch.dtype], min_speedup: float,
+            notes: list[str]) -> Recipe:  # fmt: skip
+    if search.out_of_time:
+        notes.append("the budget ran out before the search finished: the best recipe measured so far")
+    default_result = search.results.get(torch_default.name)
+    default_ok = torch_default.dtype in dtypes and default_result is not None and default_result.status == "passed"
+    if default_result is not None and default_result.status == "rejected":
+        notes.append(f"torch.amp's default fails the accuracy guard: {default_result.reason}")
+    winner = search.recipes.get(best) if best is not None else None
+    speed = search.results[best].vs_default if best is not None else None
+    if best is not None and winner is not None and speed is not None:
+        # Within the noise of the fastest, the simplest recipe: fp32 rather than low precision with every matmul
+        # moved back to fp32, no op moves rather than some.
+        near = [n for n, m in search.results.items() if m.status == "passed" and m.vs_default is not None
+                and m.vs_default * min_speedup >= speed and n != torch_default.name
+                and search.recipes[n].dtype in dtypes]  # fmt: skip
+        simplest: str = min(
+            near, key=lambda n: (_changes(search.recipes[n]), -(search.results[n].vs_default or 0.0)), default=best
+        )
+        if simplest != best:
+            notes.append(f"{simplest} is within {min_speedup:.2f}x of the fastest ({best}) and simpler: chosen")
+            best, winner, speed = simplest, search.recipes[simplest], search.results[simplest].vs_default
+    if default_ok and (winner is None or speed is None or speed < min_speedup):
+        if winner is not None and best != torch_default.name:
+            notes.append(f"nothing beat torch.amp's default by {min_speedup:.2f}x or more "
+                         f"(best: {best}, {speed or 0:.2f}x): keeping torch.amp's default")  # fmt: skip
+        else:
+            notes.append("nothing beat torch.amp's default: keeping it")
+        winner, best = torch_default, torch_default.name
+    elif winner is None:
+        notes.append("no candidate passed the accuracy guard in the budget: fp32")
+        winner = Recipe(dtype=torch.float32)
+    elif winner.dtype is torch.float32:
+        notes.append("fp32 was the fastest recipe that passed: no mixed precision on this machine")
+    results = dict(search.results)
+    if best in results:
+        results[best] = dataclasses.replace(results[best], status="chosen")
+    order = {"chosen": 0, "passed": 1, "rejected": 2, "not measured": 3}
+    measured = sorted(results.values(), key=lambda m: (order[m.status], -(m.vs_default or 0.0)))
+    return dataclasses.replace(winner, measurements=tuple(measured), notes=tuple(notes))

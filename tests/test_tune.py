@@ -1,0 +1,248 @@
+"""tune(): measured recipes on tiny models, the accuracy guard, the budget, recipes as data."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import time
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import mixprec
+from mixprec.tune import Recipe, Tolerance
+
+
+def _square_loss(out: torch.Tensor) -> torch.Tensor:
+    return out.float().square().mean()
+
+
+class Overflowing(nn.Module):
+    """``big`` produces activations past fp16's 65504 (as in test_diagnostics); the LayerNorm brings them back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.big = nn.Linear(16, 16)
+        self.norm = nn.LayerNorm(16)
+        self.out = nn.Linear(16, 1)
+        with torch.no_grad():
+            self.big.weight.mul_(1e5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.norm(self.big(self.inp(x))))
+
+
+class SmallConvNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.bn(self.conv(x))).mean((2, 3)))
+
+
+def _mlp(width: int = 16) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, width), nn.GELU(), nn.Linear(width, 1))
+
+
+@pytest.fixture(scope="module")
+def planted() -> tuple[Recipe, torch.Tensor]:
+    torch.manual_seed(0)
+    model, x = Overflowing(), torch.randn(16, 8)
+    return mixprec.tune(model, x, _square_loss, dtypes=("fp16",), budget_s=30), x
+
+
+def _output_dtypes(recipe: Recipe, x: torch.Tensor) -> dict[str, torch.dtype]:
+    torch.manual_seed(0)
+    model = Overflowing()
+    run = recipe.apply(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    seen: dict[str, torch.dtype] = {}
+    for name, module in run.model.named_children():
+        module.register_forward_hook(lambda m, a, out, name=name: seen.__setitem__(name, out.dtype))
+    with run.autocast():
+        loss = _square_loss(run.model(run.inputs(x)))
+    run.backward(loss)
+    run.step()
+    return seen
+
+
+def test_planted_overflow_keeps_the_module_in_fp32(planted: tuple[Recipe, torch.Tensor]) -> None:
+    recipe, x = planted
+    assert recipe.dtype is torch.float16, recipe.table()
+    assert recipe.keep_fp32 == ("big",)
+    assert any("diagnose(fp16) keeps big" in n for n in recipe.notes)
+    chosen = [m for m in recipe.measurements if m.status == "chosen"]
+    assert len(chosen) == 1 and chosen[0].name == recipe.name and chosen[0].loss_err is not None
+    dtypes = _output_dtypes(recipe, x)
+    assert dtypes["big"] is torch.float32
+    fp16_inp = recipe.level == "O1" and recipe.policy("cpu").category_of("linear") is mixprec.OpCategory.LOWER
+    assert (dtypes["inp"] is torch.float16) == fp16_inp  # unless the search moved linear to fp32
+    plain = next(m for m in recipe.measurements if m.name == "fp16 O1")
+    assert plain.status == "rejected" and ("nan" in plain.reason or "inf" in plain.reason), plain
+
+
+def test_recipe_round_trips_through_json_and_applies_to_a_fresh_model(
+    planted: tuple[Recipe, torch.Tensor], tmp_path: Any
+) -> None:
+    recipe, x = planted
+    again = Recipe.from_json(recipe.to_json())
+    assert again == recipe
+    recipe.to_json(str(tmp_path / "recipe.json"))
+    assert Recipe.from_json(str(tmp_path / "recipe.json")) == recipe
+    assert _output_dtypes(again, x) == _output_dtypes(recipe, x)
+    model = Overflowing()
+    assert isinstance(again.apply(model, torch.optim.SGD(model.parameters(), lr=0.1)).scaler, mixprec.GradScaler)
+    assert recipe.name in recipe.table() and "vs torch.amp" in recipe.table()
+
+
+def test_a_candidate_outside_the_tolerance_is_rejected_with_its_reason() -> None:
+    model, x = _mlp(), torch.randn(32, 8)
+    strict = Tolerance(loss_rtol=0.0, grad_cos=1.0, update_cos=1.0)  # only fp32 itself can pass
+    recipe = mixprec.tune(model, x, _square_loss, tolerance=strict, budget_s=30)
+    low = [m for m in recipe.measurements if not m.name.startswith("fp32")]
+    assert low and all(m.status == "rejected" for m in low)
+    assert all("differs from fp32" in m.reason or "cosine" in m.reason for m in low)
+    assert recipe.dtype is torch.float32
+    assert any("torch.amp's default fails the accuracy guard" in n for n in recipe.notes)
+
+
+def test_nothing_beats_the_default_returns_torch_default() -> None:
+    model, x = _mlp(), torch.randn(32, 8)
+    recipe = mixprec.tune(model, x, _square_loss, dtypes=("bf16",), min_speedup=100.0, budget_s=30)
+    assert recipe.is_torch_default and recipe == Recipe(dtype=torch.bfloat16, measurements=recipe.measurements,
+                                                        notes=recipe.notes, measured_on=recipe.measured_on,
+                                                        tuning_s=recipe.tuning_s)  # fmt: skip
+    assert any(n.startswith("nothing beat torch.amp's default") for n in recipe.notes)
+    assert "(torch.amp's default)" in recipe.table()
+    assert not any("bf16-pure" in m.name for m in recipe.measurements)  # searched only when asked for
+
+
+def test_tune_respects_the_budget() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 2048), nn.GELU(), nn.Linear(2048, 512))
+    x = torch.randn(512, 512)  # tens of ms a step: the whole search takes seconds
+    start = time.perf_counter()
+    recipe = mixprec.tune(model, x, _square_loss, budget_s=0.5)
+    elapsed = time.perf_counter() - start
+    assert elapsed < 0.5 + 1.5  # the search stops between steps: one step and a diagnosis past the budget at most
+    assert any("budget ran out" in n for n in recipe.notes)
+    assert any(m.status == "not measured" or m.reason == "the budget ran out" for m in recipe.measurements) or (
+        len(recipe.measurements) < 4
+    )
+
+
+def _snapshot(model: nn.Module, optimizer: torch.optim.Optimizer) -> Any:
+    return (
+        {k: v.clone() for k, v in model.state_dict().items()},
+        copy.deepcopy(optimizer.state_dict()),
+        [None if p.grad is None else p.grad.clone() for p in model.parameters()],
+        [id(p) for p in model.parameters()],
+        [p.dtype for p in model.parameters()],
+        torch.get_rng_state(),
+        model.training,
+    )
+
+
+def test_user_model_and_optimizer_are_unchanged() -> None:
+    torch.manual_seed(0)
+    model = SmallConvNet()
+    x, y = torch.randn(4, 3, 8, 8), torch.randint(0, 4, (4,))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    optimizer.step()  # state and gradients to keep
+    before = _snapshot(model, optimizer)
+    recipe = mixprec.tune(
+        model, x, torch.nn.functional.cross_entropy, targets=y, optimizer=optimizer, dtypes=("bf16",), budget_s=30
+    )
+    after = _snapshot(model, optimizer)
+    assert any(m.name.endswith("channels_last") for m in recipe.measurements)  # the conv model tried the layout
+    weights, opt_state, grads, ids, dtypes, rng, training = before
+    assert weights.keys() == after[0].keys() and all(torch.equal(weights[k], after[0][k]) for k in weights)
+    assert str(opt_state) == str(after[1])  # tensors print in full at this size
+    assert all(torch.equal(g, h) for g, h in zip(grads, after[2], strict=True))
+    assert (ids, dtypes, training) == (after[3], after[4], after[6]) and torch.equal(rng, after[5])
+    assert model.conv.weight.is_contiguous()  # channels_last was tried on copies only
+
+
+def _prepared() -> tuple[nn.Module, torch.Tensor, dict[str, Any]]:
+    model = _mlp()
+    mixprec.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), level="O1")
+    return model, torch.randn(4, 8), {}
+
+
+@pytest.mark.parametrize(
+    ("case", "match"),
+    [
+        ("meta batch", "on meta but the model is on cpu"),
+        ("vector loss", "scalar"),
+        ("prepared", "prepared by mixprec.prepare"),
+        ("zero budget", "budget_s must be a positive"),
+    ],
+)
+def test_bad_input_gives_a_clear_error(case: str, match: str) -> None:
+    model, x, kwargs = _mlp(), torch.randn(4, 8), {"budget_s": 5.0}
+    loss: Any = _square_loss
+    if case == "meta batch":
+        x = torch.randn(4, 8, device="meta")
+    elif case == "vector loss":
+        loss = lambda out: out.float().square()  # noqa: E731
+    elif case == "prepared":
+        model, x, _ = _prepared()
+    else:
+        kwargs = {"budget_s": 0}
+    with pytest.raises(ValueError, match=match):
+        mixprec.tune(model, x, loss, **kwargs)
+
+
+def test_recipe_validation_and_layout() -> None:
+    with pytest.raises(ValueError, match="op moves"):
+        Recipe(level="O2", fp32_ops=("scaled_dot_product_attention",))
+    with pytest.raises(ValueError, match="unknown layout"):
+        Recipe(layout="nhwc")
+    with pytest.raises(ValueError, match="unknown level"):
+        Recipe(level="O3")
+    with pytest.raises(ValueError, match="unknown recipe fields"):
+        Recipe.from_json('{"dtype": "bf16", "speed": 2}')
+    recipe = Recipe(dtype="bf16", fp32_ops=(torch.nn.functional.scaled_dot_product_attention,), layout="channels_last")
+    assert recipe.fp32_ops == ("scaled_dot_product_attention",)
+    assert recipe.policy("cuda").category_of("scaled_dot_product_attention") is mixprec.OpCategory.FP32
+    model = SmallConvNet()
+    run = recipe.apply(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert model.conv.weight.is_contiguous(memory_format=torch.channels_last)
+    assert run.inputs(torch.randn(2, 3, 8, 8)).is_contiguous(memory_format=torch.channels_last)
+    assert run.scaler is None
+    mlp = _mlp()
+    o2 = dataclasses.replace(Recipe(dtype="bf16"), level="O2").apply(mlp, torch.optim.SGD(mlp.parameters(), lr=0.1))
+    assert o2.model is mlp and mlp[0].weight.dtype is torch.bfloat16 and hasattr(mlp, "_mixprec")
+
+
+def test_bench_mode_tunes_each_workload_first() -> None:
+    from mixprec.bench import BenchConfig, run
+
+    report = run(BenchConfig(workloads=("mlp",), modes=("torch-amp", "mixprec-tuned"), steps=3, warmup=1, size="tiny",
+                             tune_budget_s=5.0))  # fmt: skip
+    tuned = report.results["mlp"]["mixprec-tuned"]
+    assert tuned.tuning_s is not None and 0 < tuned.tuning_s < 5.0 + 2.0
+    assert tuned.recipe and tuned.recipe.split()[0] in ("bf16", "fp32")  # the bench's dtype or fp32
+    assert report.results["mlp"]["torch-amp"].tuning_s is None and tuned.vs_torch_amp is not None
+
+
+def test_cli_tune_writes_the_recipe(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    from mixprec import cli
+
+    out = tmp_path / "recipe.json"
+    assert cli.main(["tune", "--workload", "mlp", "--size", "tiny", "--budget", "5", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "mixprec tune: round 1 (dtype)" in text and "recipe: " in text and "vs torch.amp" in text
+    recipe = Recipe.from_json(str(out))
+    assert recipe.measurements and recipe.tuning_s > 0
+    assert cli.main(["tune", "--model", "tests.test_tune:_mlp"]) == 2
+    assert "--model needs --batch" in capsys.readouterr().err
+    assert cli.main(["tune", "--workload", "mlp", "--size", "tiny", "--levels", "O4"]) == 2
+    assert "unknown level 'O4'" in capsys.readouterr().err
