@@ -8,8 +8,9 @@
 2. Per call, on tiny tensors where dispatch dominates: an op torch lists (``mm``) and an
    unlisted one (``add``), plain under torch.autocast and with mixprec's kernel.
 
-Modes alternate step by step (calls window by window) in one process, because this machine is
-shared and noisy; a mode's figure is its median step (fastest window). Bitwise equality of the
+Modes alternate step by step in rotating order (calls window by window) in one process, because
+this machine is shared and noisy; a ratio is the median over rounds of the per-round ratio, a time
+the median step (fastest window). Bitwise equality of the
 losses is checked on the way. Run: python benchmarks/bench_autocast.py [--steps N] [--json F]
 """
 
@@ -114,11 +115,12 @@ REGIONS: dict[str, Callable[[], Any]] = {
 class StepRow:
     workload: str
     ms: dict[str, float]  # median step time per mode
+    ratios: dict[str, float]  # median over rounds of torch's step time / the mode's (>1: faster)
     same_losses: bool  # every mode's losses bitwise equal to torch's
 
     def ratio(self, mode: str) -> float:
         """Speed of ``mode`` relative to torch.autocast (steps/s ratio)."""
-        return self.ms["torch"] / self.ms[mode]
+        return self.ratios[mode]
 
 
 def bench_steps(name: str, steps: int, warmup: int = 3) -> StepRow:
@@ -130,11 +132,12 @@ def bench_steps(name: str, steps: int, warmup: int = 3) -> StepRow:
     opts = {mode: torch.optim.SGD(m.parameters(), lr=1e-3) for mode, m in models.items()}
     times: dict[str, list[float]] = {mode: [] for mode in REGIONS}
     losses: dict[str, list[torch.Tensor]] = {mode: [] for mode in REGIONS}
-    order = list(REGIONS)
+    modes = list(REGIONS)
     for step in range(warmup + steps):
         torch.manual_seed(step)
         inputs, targets = data()
-        order.reverse()  # alternate who goes first
+        # rotate the order, so each mode runs first, second and last equally often
+        order = modes[step % len(modes) :] + modes[: step % len(modes)]
         for mode in order:
             model, opt = models[mode], opts[mode]
             start = time.perf_counter()
@@ -148,7 +151,10 @@ def bench_steps(name: str, steps: int, warmup: int = 3) -> StepRow:
                 times[mode].append(time.perf_counter() - start)
             losses[mode].append(loss.detach())
     same = all(torch.equal(torch.stack(losses[m]), torch.stack(losses["torch"])) for m in REGIONS)
-    return StepRow(name, {m: 1e3 * statistics.median(t) for m, t in times.items()}, same)
+    # each step's ratio to torch's step in the same round, then the median: load that changes
+    # between rounds falls on both sides of a ratio
+    ratios = {m: statistics.median(a / b for a, b in zip(times["torch"], t, strict=True)) for m, t in times.items()}
+    return StepRow(name, {m: 1e3 * statistics.median(t) for m, t in times.items()}, ratios, same)
 
 
 def bench_calls(windows: int = 7, calls: int = 2000) -> dict[str, dict[str, float]]:
