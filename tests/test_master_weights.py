@@ -691,3 +691,23 @@ def test_bf16_sr_pre_hook_clipping_model_parameters_clips_the_update() -> None:
         return [p.detach().clone() for p in model.parameters()]
 
     assert bitwise_equal(run(clip_in_hook=True), run(clip_in_hook=False))
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "bf16-sr"])
+def test_modules_kept_by_name_compute_in_fp32(level: str) -> None:
+    # prepare's region opens inside the model's call; names still resolve from the model.
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.big, self.head = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.embed(x)
+            self.seen = (h.dtype, self.big(h).dtype)
+            return self.head(h)
+
+    model = Net()
+    model, _ = mixprec.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), level=level, keep_names="big")
+    model(torch.randn(2, 8))
+    assert model.seen == (torch.bfloat16, torch.float32)
+    assert model.big.weight.dtype is torch.float32

@@ -202,6 +202,10 @@ class autocast:  # noqa: N801 - the name torch.autocast users type
         self.policy = resolved
         self._args = (device_type, dtype, enabled, cache_enabled, policy)
         self._torch: Any = None
+        # A module whose forward this region runs inside (set by mixprec.prepare): modules called
+        # in the region are named from it, as when the region encloses the module's call.
+        self._naming_root: nn.Module | None = None
+        self._stack_depth = 0
         if not compiling:
             # torch validates and warns here, as it does for its own regions.
             self._torch = TorchAutocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
@@ -231,6 +235,10 @@ class autocast:  # noqa: N801 - the name torch.autocast users type
         except BaseException:
             self._torch.__exit__(None, None, None)
             raise
+        st = _state()
+        self._stack_depth = len(st.module_stack)
+        if self._naming_root is not None and not st.module_stack:
+            st.module_stack.append((self._naming_root, "", ()))
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -240,6 +248,7 @@ class autocast:  # noqa: N801 - the name torch.autocast users type
         if torch.compiler.is_compiling():
             _exit_traced(self.device_type)
             return
+        del _state().module_stack[self._stack_depth :]
         _pop()
         self._torch = None  # spent: entering this object again makes a fresh one
 

@@ -117,8 +117,8 @@ def prepare(
     level: Level | str = Level.O2,
     dtype: torch.dtype | str = torch.bfloat16,
     *,
-    keep_types: Iterable[type[nn.Module]] = NORM_TYPES,
-    keep_names: Iterable[str] = (),
+    keep_types: type[nn.Module] | Iterable[type[nn.Module]] = NORM_TYPES,
+    keep_names: str | Iterable[str] = (),
     output_dtype: torch.dtype | None = torch.float32,
 ) -> tuple[nn.Module, torch.optim.Optimizer]:
     """Put ``model`` and ``optimizer`` at a precision level; returns them (changed in place).
@@ -149,7 +149,10 @@ def prepare(
         raise ValueError("this model was already prepared; call mixprec.export_fp32(model) first to prepare it anew")
     _check(model, optimizer)
     device_type = next((p.device.type for p in model.parameters()), "cpu")
-    rule = ModuleRule(types=tuple(keep_types), names=tuple(keep_names)) if (keep_types or keep_names) else None
+    # ModuleRule takes one type or pattern bare (keep_names="head") as well as several
+    types: tuple[type[nn.Module], ...] = (keep_types,) if isinstance(keep_types, type) else tuple(keep_types)
+    names: tuple[str, ...] = (keep_names,) if isinstance(keep_names, str) else tuple(keep_names)
+    rule = ModuleRule(types=types, names=names) if (types or names) else None
     if rule is not None and not any(rule.matches(m, n) for n, m in model.named_modules()):
         rule = None  # nothing to keep: no module hooks at all
     policy = default_policy(device_type)
@@ -160,7 +163,9 @@ def prepare(
 
     @functools.wraps(original_forward)
     def forward(*args: Any, **kwargs: Any) -> Any:
-        with autocast(device_type, dtype=dtype, policy=policy):
+        region = autocast(device_type, dtype=dtype, policy=policy)
+        region._naming_root = model  # the region opens inside model's call: name modules from model
+        with region:
             out = original_forward(*args, **kwargs)
         return out if output_dtype is None else _cast_floating(out, output_dtype)
 
