@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from torch import nn
 
 autocast_module = importlib.import_module("mixprec.autocast")
 dispatch_module = importlib.import_module("mixprec._dispatch")
@@ -48,3 +49,24 @@ def bitwise_equal(a: object, b: object) -> bool:
     if isinstance(a, dict) and isinstance(b, dict):
         return a.keys() == b.keys() and all(bitwise_equal(a[k], b[k]) for k in a)
     return bool(a == b)
+
+
+def square_loss(out: torch.Tensor) -> torch.Tensor:
+    return out.float().square().mean()
+
+
+class Overflowing(nn.Module):
+    """A planted range problem: ``big`` produces activations past fp16's 65504; the LayerNorm
+    after it brings them back (diagnose and tune must keep ``big`` in fp32)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.big = nn.Linear(16, 16)
+        self.norm = nn.LayerNorm(16)
+        self.out = nn.Linear(16, 1)
+        with torch.no_grad():
+            self.big.weight.mul_(1e5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.norm(self.big(self.inp(x))))

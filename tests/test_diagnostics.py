@@ -11,26 +11,7 @@ import torch
 from torch import nn
 
 import mixprec
-
-
-def _square_loss(out: torch.Tensor) -> torch.Tensor:
-    return out.float().square().mean()
-
-
-class Overflowing(nn.Module):
-    """``big`` produces activations past 65504; the LayerNorm after it brings them back."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(8, 16)
-        self.big = nn.Linear(16, 16)
-        self.norm = nn.LayerNorm(16)
-        self.out = nn.Linear(16, 1)
-        with torch.no_grad():
-            self.big.weight.mul_(1e5)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(self.norm(self.big(self.inp(x))))
+from conftest import Overflowing, square_loss
 
 
 class Underflowing(nn.Module):
@@ -71,7 +52,7 @@ def _x() -> torch.Tensor:
 def test_planted_overflow_is_named_and_its_rules_remove_it() -> None:
     torch.manual_seed(0)
     model = Overflowing()
-    report = mixprec.diagnose(model, _x(), _square_loss)
+    report = mixprec.diagnose(model, _x(), square_loss)
     assert report.overflowing()[0] == "big"
     assert report.module("big").activations.overflow_frac > 0.05
     assert report.first_nonfinite is not None and report.first_nonfinite.pass_ == "forward"
@@ -83,12 +64,12 @@ def test_planted_overflow_is_named_and_its_rules_remove_it() -> None:
         assert not torch.isfinite(model(_x())).all()
     with mixprec.autocast("cpu", dtype=torch.float16, policy=report.policy("cpu")):
         assert torch.isfinite(model(_x())).all()
-    assert mixprec.diagnose(model, _x(), _square_loss, policy=report.policy()).first_nonfinite is None
+    assert mixprec.diagnose(model, _x(), square_loss, policy=report.policy()).first_nonfinite is None
 
 
 def test_planted_gradient_underflow_is_named() -> None:
     torch.manual_seed(0)
-    report = mixprec.diagnose(Underflowing(), _x(), _square_loss)
+    report = mixprec.diagnose(Underflowing(), _x(), square_loss)
     assert report.underflowing()[0] == "side"
     assert report.module("side").gradients.underflow_frac == 1.0
     assert report.module("main").gradients.underflow_frac == 0.0
@@ -99,7 +80,7 @@ def test_planted_gradient_underflow_is_named() -> None:
 
 def test_backward_only_nan_is_named_with_its_op() -> None:
     torch.manual_seed(0)
-    report = mixprec.diagnose(BackwardNaN(), _x(), _square_loss)
+    report = mixprec.diagnose(BackwardNaN(), _x(), square_loss)
     first = report.first_nonfinite
     assert first is not None
     assert (first.module, first.module_type, first.pass_) == ("absval", "AbsViaSqrt", "backward")
@@ -113,17 +94,17 @@ def test_backward_only_nan_is_named_with_its_op() -> None:
 
 def test_loss_scale_suggestion_and_bf16_run() -> None:
     torch.manual_seed(0)
-    report = mixprec.diagnose(Underflowing(), _x(), _square_loss)
+    report = mixprec.diagnose(Underflowing(), _x(), square_loss)
     grad_max = max(m.gradients.absmax for m in report.modules)
     scale = report.suggested_loss_scale
     assert grad_max * scale <= 65504 / 8 < grad_max * scale * 2 or scale == 2.0**24
-    bf16 = mixprec.diagnose(Overflowing(), _x(), _square_loss, dtype="bf16")
+    bf16 = mixprec.diagnose(Overflowing(), _x(), square_loss, dtype="bf16")
     assert bf16.first_nonfinite is None and bf16.suggested_loss_scale == 1.0 and bf16.overflowing() == []
 
 
 def test_report_outputs(tmp_path: Any) -> None:
     torch.manual_seed(0)
-    report = mixprec.diagnose(Overflowing(), _x(), _square_loss)
+    report = mixprec.diagnose(Overflowing(), _x(), square_loss)
     data = json.loads(json.dumps(report.to_dict()))
     assert data["dtype"] == "fp16" and data["keep_fp32"] == ["big"]
     assert {m["name"] for m in data["modules"]} >= {"inp", "big", "norm", "out", ""}
@@ -141,7 +122,7 @@ def test_model_state_is_left_as_found() -> None:
     model = Overflowing()
     model.eval()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    mixprec.diagnose(model, _x(), _square_loss)
+    mixprec.diagnose(model, _x(), square_loss)
     assert not model.training
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert all(p.grad is None for p in model.parameters())
@@ -169,7 +150,7 @@ def test_bad_input() -> None:
     with pytest.raises(ValueError, match="scalar tensor, got \\(32, 1\\)"):
         mixprec.diagnose(Overflowing(), _x(), lambda out: out)
     with pytest.raises(ValueError, match="is on meta but the model is on cpu"):
-        mixprec.diagnose(Overflowing(), torch.randn(32, 8, device="meta"), _square_loss)
+        mixprec.diagnose(Overflowing(), torch.randn(32, 8, device="meta"), square_loss)
     with pytest.raises(ValueError, match=r"non-floating|unknown"):
         mixprec.diagnose(Overflowing(), _x(), dtype="int8")
 

@@ -12,27 +12,8 @@ import torch
 from torch import nn
 
 import mixprec
+from conftest import Overflowing, square_loss
 from mixprec.tune import Recipe, Tolerance
-
-
-def _square_loss(out: torch.Tensor) -> torch.Tensor:
-    return out.float().square().mean()
-
-
-class Overflowing(nn.Module):
-    """``big`` produces activations past fp16's 65504 (as in test_diagnostics); the LayerNorm brings them back."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(8, 16)
-        self.big = nn.Linear(16, 16)
-        self.norm = nn.LayerNorm(16)
-        self.out = nn.Linear(16, 1)
-        with torch.no_grad():
-            self.big.weight.mul_(1e5)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(self.norm(self.big(self.inp(x))))
 
 
 class SmallConvNet(nn.Module):
@@ -55,7 +36,7 @@ def _mlp(width: int = 16) -> nn.Module:
 def planted() -> tuple[Recipe, torch.Tensor]:
     torch.manual_seed(0)
     model, x = Overflowing(), torch.randn(16, 8)
-    return mixprec.tune(model, x, _square_loss, dtypes=("fp16",), budget_s=30), x
+    return mixprec.tune(model, x, square_loss, dtypes=("fp16",), budget_s=30), x
 
 
 def _output_dtypes(recipe: Recipe, x: torch.Tensor) -> dict[str, torch.dtype]:
@@ -66,7 +47,7 @@ def _output_dtypes(recipe: Recipe, x: torch.Tensor) -> dict[str, torch.dtype]:
     for name, module in run.model.named_children():
         module.register_forward_hook(lambda m, a, out, name=name: seen.__setitem__(name, out.dtype))
     with run.autocast():
-        loss = _square_loss(run.model(run.inputs(x)))
+        loss = square_loss(run.model(run.inputs(x)))
     run.backward(loss)
     run.step()
     return seen
@@ -105,7 +86,7 @@ def test_recipe_round_trips_through_json_and_applies_to_a_fresh_model(
 def test_a_candidate_outside_the_tolerance_is_rejected_with_its_reason() -> None:
     model, x = _mlp(), torch.randn(32, 8)
     strict = Tolerance(loss_rtol=0.0, grad_cos=1.0, update_cos=1.0)  # only fp32 itself can pass
-    recipe = mixprec.tune(model, x, _square_loss, tolerance=strict, budget_s=30)
+    recipe = mixprec.tune(model, x, square_loss, tolerance=strict, budget_s=30)
     low = [m for m in recipe.measurements if not m.name.startswith("fp32")]
     assert low and all(m.status == "rejected" for m in low)
     assert all("differs from fp32" in m.reason or "cosine" in m.reason for m in low)
@@ -115,7 +96,7 @@ def test_a_candidate_outside_the_tolerance_is_rejected_with_its_reason() -> None
 
 def test_nothing_beats_the_default_returns_torch_default() -> None:
     model, x = _mlp(), torch.randn(32, 8)
-    recipe = mixprec.tune(model, x, _square_loss, dtypes=("bf16",), min_speedup=100.0, budget_s=30)
+    recipe = mixprec.tune(model, x, square_loss, dtypes=("bf16",), min_speedup=100.0, budget_s=30)
     assert recipe.is_torch_default and recipe == Recipe(dtype=torch.bfloat16, measurements=recipe.measurements,
                                                         notes=recipe.notes, measured_on=recipe.measured_on,
                                                         tuning_s=recipe.tuning_s)  # fmt: skip
@@ -129,7 +110,7 @@ def test_tune_respects_the_budget() -> None:
     model = nn.Sequential(nn.Linear(512, 2048), nn.GELU(), nn.Linear(2048, 512))
     x = torch.randn(512, 512)  # tens of ms a step: the whole search takes seconds
     start = time.perf_counter()
-    recipe = mixprec.tune(model, x, _square_loss, budget_s=0.5)
+    recipe = mixprec.tune(model, x, square_loss, budget_s=0.5)
     elapsed = time.perf_counter() - start
     assert elapsed < 0.5 + 1.5  # the search stops between steps: one step and a diagnosis past the budget at most
     assert any("budget ran out" in n for n in recipe.notes)
@@ -188,7 +169,7 @@ def _prepared() -> tuple[nn.Module, torch.Tensor, dict[str, Any]]:
 )
 def test_bad_input_gives_a_clear_error(case: str, match: str) -> None:
     model, x, kwargs = _mlp(), torch.randn(4, 8), {"budget_s": 5.0}
-    loss: Any = _square_loss
+    loss: Any = square_loss
     if case == "meta batch":
         x = torch.randn(4, 8, device="meta")
     elif case == "vector loss":

@@ -189,9 +189,11 @@ def apply_category(
     kwargs: dict[str, Any],
     device_type: str,
     policy: Policy | None,
+    name: str,
     dtype_index: int | None = None,
 ) -> Any:
-    """Run ``func`` as an autocast kernel of ``category`` would (autocast already excluded)."""
+    """Run ``func`` (the op policies call ``name``) as an autocast kernel of ``category`` would
+    (autocast already excluded)."""
     if category is None:
         return func(*args, **kwargs)
     if category is _LOWER:
@@ -218,8 +220,7 @@ def apply_category(
                 kwargs = {**kwargs, "dtype": _float32}
         return func(*args, **kwargs)
     assert category is _BANNED
-    name = getattr(func, "__name__", str(func))
-    text = policy.banned.get(name.split(".")[0]) if policy is not None else None
+    text = policy.banned.get(name) if policy is not None else None
     raise RuntimeError(text or f"{name} is banned under autocast")
 
 
@@ -346,7 +347,7 @@ def _make_kernel(
                     "later policy change. Open the region inside the compiled function (or module forward)"
                 )
         with _ExcludeDispatchKeyGuard(exclude):
-            return apply_category(category, overload, args, kwargs, device_type, policy, dtype_index)
+            return apply_category(category, overload, args, kwargs, device_type, policy, name, dtype_index)
 
     # A dispatcher kernel, never a frame for Dynamo to compile (it would be one when eager code
     # that Dynamo fell back to calls the op).

@@ -77,11 +77,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Run a model forward and backward in fp32 and in fp16/bf16, and report per module the "
         "value ranges against the dtype, NaN/Inf, the first non-finite op, modules to keep in fp32 and a loss scale.",
     )
-    target = diagnose.add_mutually_exclusive_group(required=True)
-    target.add_argument("--workload", choices=list(WORKLOADS), help="a bench workload (tiny size)")
-    target.add_argument("--model", help="module:factory, a function returning the model (e.g. mypkg.models:build)")
-    diagnose.add_argument("--batch", help="module:function returning the inputs, or (inputs, targets) with --loss")
-    diagnose.add_argument("--loss", help="module:function(output, targets) -> scalar loss, as diagnose(targets=)")
+    _add_target_arguments(diagnose, "a bench workload (tiny size)", ", as diagnose(targets=)")
     diagnose.add_argument("--dtype", default="fp16", choices=["fp16", "bf16"])
     diagnose.add_argument("--policy", help="the autocast policy to check, e.g. cpu, cuda, 'compute=fp16,keep=norm'")
     diagnose.add_argument("--out", default="mixprec-diagnose", help="folder for report.json and diagnose.png")
@@ -93,11 +89,7 @@ def _parser() -> argparse.ArgumentParser:
         "and batch, keep those whose first steps stay within tolerance of fp32, and print the table; "
         "--out writes the recipe as JSON for mixprec.Recipe.from_json.",
     )
-    tune_target = tune.add_mutually_exclusive_group(required=True)
-    tune_target.add_argument("--workload", choices=list(WORKLOADS), help="a bench workload")
-    tune_target.add_argument("--model", help="module:factory, a function returning the model (e.g. mypkg.models:build)")
-    tune.add_argument("--batch", help="module:function returning the inputs, or (inputs, targets) with --loss")
-    tune.add_argument("--loss", help="module:function(output, targets) -> scalar loss")
+    _add_target_arguments(tune, "a bench workload", "")
     tune.add_argument("--size", choices=SIZES, default="default", help="--workload's size (default: default)")
     tune.add_argument("--budget", type=float, default=60.0, help="seconds the search may take (default 60)")
     tune.add_argument("--dtypes", default="bf16,fp16,fp32", help="compute dtypes to search (default bf16,fp16,fp32)")
@@ -222,6 +214,15 @@ def _check_outputs(out: str, json_path: str | None) -> str | None:
         if reason:
             return f"cannot write --json {json_path}: {reason}; choose a file in a folder you can write to"
     return None
+
+
+def _add_target_arguments(parser: argparse.ArgumentParser, workload_help: str, loss_note: str) -> None:
+    """--workload, or --model with --batch and --loss: what diagnose and tune run on."""
+    target = parser.add_mutually_exclusive_group(required=True)
+    target.add_argument("--workload", choices=list(WORKLOADS), help=workload_help)
+    target.add_argument("--model", help="module:factory, a function returning the model (e.g. mypkg.models:build)")
+    parser.add_argument("--batch", help="module:function returning the inputs, or (inputs, targets) with --loss")
+    parser.add_argument("--loss", help=f"module:function(output, targets) -> scalar loss{loss_note}")
 
 
 def _load(spec: str, what: str) -> Any:

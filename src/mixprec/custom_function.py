@@ -117,7 +117,7 @@ def op(func: F) -> F:
                 if category is None:
                     break
                 with TorchAutocast(device_type, enabled=False):
-                    return _dispatch.apply_category(category, func, args, kwargs, device_type, policy)
+                    return _dispatch.apply_category(category, func, args, kwargs, device_type, policy, name)
         return func(*args, **kwargs)
 
     wrapper.__mixprec_op__ = name  # type: ignore[attr-defined]
