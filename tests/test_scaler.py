@@ -591,26 +591,23 @@ def test_load_state_dict_checks_bounds_and_missing_keys() -> None:
 # --- an exception inside optimizer.step() ----------------------------------------------
 
 
-class _FailingSGD(torch.optim.SGD):
-    """SGD whose step raises while ``fail`` is set, as an out-of-memory error would."""
+class _FailingStep:
+    """An optimizer whose step raises while ``fail`` is set, as an out-of-memory error would."""
 
     fail = False
 
     def step(self, closure: Any = None) -> Any:
         if self.fail:
             raise RuntimeError("simulated failure inside optimizer.step()")
-        return super().step(closure)
+        return super().step(closure)  # type: ignore[misc]
 
 
-class _FailingAdamW(torch.optim.AdamW):
-    """Fused AdamW (it unscales by itself) whose step raises while ``fail`` is set."""
+class _FailingSGD(_FailingStep, torch.optim.SGD):
+    pass
 
-    fail = False
 
-    def step(self, closure: Any = None) -> Any:
-        if self.fail:
-            raise RuntimeError("simulated failure inside optimizer.step()")
-        return super().step(closure)
+class _FailingAdamW(_FailingStep, torch.optim.AdamW):
+    """Fused AdamW (it unscales by itself)."""
 
 
 @pytest.mark.parametrize("update_after_failure", [False, True], ids=["no-update", "update"])
