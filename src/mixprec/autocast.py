@@ -111,13 +111,13 @@ def _unwind_on_failed_trace(depth: int) -> None:
         tx = None
     if tx is None:  # AOTAutograd's trace: it runs the whole graph, exits included
         return
-    st = _state()
+    tx.output.add_cleanup_hook(functools.partial(_pop_to, depth))
 
-    def unwind() -> None:
-        while len(st.regions) > depth:
-            _pop()
 
-    tx.output.add_cleanup_hook(unwind)
+def _pop_to(depth: int) -> None:
+    """Close the regions opened after the stack was ``depth`` deep."""
+    while len(_state().regions) > depth:
+        _pop()
 
 
 @torch.fx.node.has_side_effect
@@ -312,8 +312,7 @@ def _replay(snapshot: _Snapshot) -> Iterator[None]:
         yield
     finally:
         del st.module_stack[stack_depth:]
-        while len(st.regions) > depth:
-            _pop()
+        _pop_to(depth)
         st.captured -= 1
 
 
