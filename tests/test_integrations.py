@@ -227,10 +227,18 @@ def test_trainer_level(tmp_path: Any) -> None:
     from mixprec.integrations.transformers import MixprecTrainer
 
     trainer, losses = _trainer_run(tmp_path, MixprecTrainer, {"bf16": True}, level="O2")
-    assert trainer.model.transformer.h[0].attn.c_attn.weight.dtype is torch.bfloat16
-    assert trainer.model.transformer.h[0].ln_1.weight.dtype is torch.float32  # norms kept in fp32
+    block = trainer.model.transformer.h[0]
+    seen = {}
+    for name in ("attn.c_attn", "ln_1"):  # what the forward computes with
+        block.get_submodule(name).register_forward_pre_hook(
+            lambda m, a, name=name: seen.__setitem__(name, (m.weight.dtype, a[0].dtype))
+        )
+    trainer.model(torch.randint(0, 10, (1, 4), device=trainer.model.device))
+    # the norm runs in fp32 (weight and input); the projection with its bf16 copy, on the norm's fp32 output
+    assert seen == {"attn.c_attn": (torch.bfloat16, torch.float32), "ln_1": (torch.float32, torch.float32)}
     masters = trainer.optimizer.optimizer.param_groups[0]["params"]
     assert all(p.dtype is torch.float32 for p in masters)
+    assert {id(p) for p in masters} <= {id(p) for p in trainer.model.parameters()}  # O2's masters are the weights
     assert losses[-1] < losses[0]
     with pytest.raises(ValueError, match="valid: O2, bf16-sr, bf16-pure"):
         MixprecTrainer(level="O3")

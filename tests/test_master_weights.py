@@ -17,7 +17,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 import mixprec
 from conftest import bitwise_equal
 
-master_weights = importlib.import_module("mixprec.master_weights")
+stochastic_rounding = importlib.import_module("mixprec.stochastic_rounding")
 
 
 def _model(seed: int = 0, norm: bool = True) -> nn.Module:
@@ -73,43 +73,69 @@ def test_levels_reach_fp32_loss(fp32_loss: float) -> None:
     assert abs(sr - fp32_loss) / fp32_loss < 0.03 or sr < fp32_loss * 1.03, (sr, fp32_loss)
 
 
+def _weights_seen(model: nn.Module) -> dict[str, tuple[torch.dtype, torch.Tensor]]:
+    """Each module's weight as its own forward sees it (dtype and value), recorded by a hook."""
+    seen: dict[str, tuple[torch.dtype, torch.Tensor]] = {}
+    for name, module in model.named_modules():
+        if "weight" in module._parameters:
+            module.register_forward_pre_hook(
+                lambda m, a, name=name: seen.__setitem__(name, (m.weight.dtype, m.weight.detach().clone()))
+            )
+    return seen
+
+
 def test_o2_layout_and_gradients() -> None:
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, opt = mixprec.prepare(model, opt, level="O2")
-    assert model[0].weight.dtype is torch.bfloat16 and model[1].weight.dtype is torch.float32  # norm kept
-    masters = mixprec.master_params(opt)
-    assert all(m.dtype is torch.float32 for m in masters)
+    # The parameters are the fp32 masters the optimizer steps; the forward computes with copies.
+    assert all(p.dtype is torch.float32 for p in model.parameters())
+    assert [id(p) for p in model.parameters()] == [id(m) for m in mixprec.master_params(opt)]
+    seen = _weights_seen(model)
     x, y = _data(1)[0]
     out = model(x)
     assert out.dtype is torch.float32
+    assert {name: dtype for name, (dtype, _) in seen.items()} == {
+        "0": torch.bfloat16, "1": torch.float32, "3": torch.bfloat16, "5": torch.bfloat16  # the norm kept in fp32
+    }  # fmt: skip
+    assert all(p.dtype is torch.float32 for p in model.parameters())  # swapped back after the forward
     F.mse_loss(out, y).backward()
-    assert all(m.grad is not None and m.grad.dtype is torch.float32 for m in masters)
-    assert model[0].weight.grad is masters[0].grad  # moved into the master, and seen through the model
+    assert all(p.grad is not None and p.grad.dtype is torch.float32 for p in model.parameters())
     opt.step()
-    for p, m in zip(model._mixprec.lowp_params, model._mixprec.masters, strict=True):  # type: ignore[union-attr]
-        assert torch.equal(p, m.to(torch.bfloat16))  # refreshed from the masters
+    model(x)
+    for name, (_, weight) in seen.items():  # the next forward computes with copies of the updated weights
+        assert bitwise_equal(weight, model.get_submodule(name).weight.detach().to(weight.dtype)), name
     model.zero_grad()
-    assert all(m.grad is None for m in masters)
+    assert all(p.grad is None for p in model.parameters())
 
 
 def test_o2_matches_o1_bit_for_bit() -> None:
-    # Both round the fp32 weights to nearest before every forward: the same numbers.
-    assert bitwise_equal(_train("O1", steps=20)[0], _train("O2", steps=20)[0])
+    # Both round the fp32 weights to nearest before every forward and sum fp32 gradients: the same
+    # numbers, step after step (this MLP has no op that O2's bf16 weights would change).
+    _, o1, _ = _train("O1", steps=20)
+    _, o2, _ = _train("O2", steps=20)
+    assert bitwise_equal([p.detach() for p in o1.parameters()], [p.detach() for p in o2.parameters()])
 
 
 def test_o2_with_grad_scaler_fp16_and_accumulation() -> None:
     scaler = mixprec.GradScaler("cpu", init_scale=2.0**12)
     loss, model, opt = _train("O2", steps=60, lr=3e-3, dtype=torch.float16, scaler=scaler)
-    assert model[0].weight.dtype is torch.float16
+    seen = _weights_seen(model)
     assert loss < 0.1
-    # accumulation: two backward passes sum in fp32 on the master
-    x, y = _data(1)[0]
+    # accumulation: two backward passes of different batches sum in fp32 on the parameter
+    (x1, y1), (x2, y2) = _data(2, seed=9)
+    grads = []
+    for x, y in ((x1, y1), (x2, y2)):
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        grads.append(model[0].weight.grad.clone())  # type: ignore[union-attr]
+    assert seen["0"][0] is torch.float16
     opt.zero_grad()
-    F.mse_loss(model(x), y).backward()
-    once = mixprec.master_params(opt)[0].grad.clone()  # type: ignore[union-attr]
-    F.mse_loss(model(x), y).backward()
-    assert torch.equal(mixprec.master_params(opt)[0].grad, once * 2)
+    F.mse_loss(model(x1), y1).backward()
+    F.mse_loss(model(x2), y2).backward()
+    want = grads[0] + grads[1]
+    assert not torch.equal(want.half().float(), want)  # a sum fp16 could not hold: the test can tell
+    assert torch.equal(model[0].weight.grad, want)
 
 
 def test_param_groups_scheduler_clipping_and_zero_grad_modes() -> None:
@@ -167,18 +193,30 @@ def test_o2_checkpoint_resumes_bit_for_bit(optimizer_first: bool) -> None:
     steps(*resumed, batches[10:])
     assert bitwise_equal(mixprec.master_params(straight[1]), mixprec.master_params(resumed[1]))
     assert bitwise_equal(list(straight[0].parameters()), list(resumed[0].parameters()))
-    assert all(
-        isinstance(v, torch.Tensor) and v.dtype is torch.float32 for v in saved["opt"]["mixprec_masters"].values()
-    )
+    assert all(v.dtype is torch.float32 for v in saved["model"].values())  # the weights at full precision
 
 
-def test_loading_a_state_dict_without_masters_is_refused() -> None:
-    model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    plain = copy.deepcopy(opt.state_dict())
+def test_o2_checkpoints_are_plain_fp32_checkpoints() -> None:
+    # An O2 run saves what an fp32 run saves (names, dtypes, optimizer layout), so either loads the other.
+    fp32_model = _model()
+    fp32_opt = torch.optim.AdamW(fp32_model.parameters(), lr=1e-2)
+    _one_step(fp32_model, fp32_opt)
+    _, o2_model, o2_opt = _train("O2", steps=3)
+    o2_state, plain_state = o2_model.state_dict(), fp32_model.state_dict()
+    assert {k: v.dtype for k, v in o2_state.items()} == {k: v.dtype for k, v in plain_state.items()}
+    assert o2_opt.state_dict()["param_groups"][0].keys() == fp32_opt.state_dict()["param_groups"][0].keys()
+    fp32_model.load_state_dict(o2_state)  # O2 -> fp32
+    fp32_opt.load_state_dict(o2_opt.state_dict())
+    assert bitwise_equal(list(fp32_model.parameters()), list(o2_model.parameters()))
+    model = _model(seed=3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, opt = mixprec.prepare(model, opt, level="O2")
-    with pytest.raises(ValueError, match="no fp32 master weights"):
-        opt.load_state_dict(plain)
+    model.load_state_dict(plain_state)  # fp32 -> O2
+    opt.load_state_dict(fp32_opt.state_dict())
+    assert bitwise_equal(list(model.parameters()), [plain_state[n] for n, _ in model.named_parameters()])
+    seen = _weights_seen(model)
+    model(_data(1)[0][0])
+    assert bitwise_equal(seen["0"][1], plain_state["0.weight"].to(torch.bfloat16))  # the forward uses what was loaded
 
 
 def _optimizers() -> list[Any]:
@@ -213,8 +251,10 @@ def test_every_torch_optimizer_at_o2(cls: type[torch.optim.Optimizer]) -> None:
         opt.step()
     after = mixprec.master_params(opt)
     assert any(not torch.equal(a, b) for a, b in zip(before, after, strict=True)), "nothing was updated"
-    for p, m in zip(model._mixprec.lowp_params, model._mixprec.masters, strict=True):  # type: ignore[union-attr]
-        assert torch.equal(p, m.to(p.dtype))
+    seen = _weights_seen(model)
+    model(tokens)
+    for name, (dtype, weight) in seen.items():  # the forward computes with the updated weights
+        assert dtype is torch.bfloat16 and torch.equal(weight, model.get_submodule(name).weight.to(dtype)), name
 
 
 def test_stochastic_rounding_is_unbiased() -> None:
@@ -234,9 +274,8 @@ def test_weyl_noise_rounding_is_unbiased_over_steps() -> None:
     torch.manual_seed(0)
     x = torch.full((256,), 1.0 + 3 * 2**-10)  # 3/8 of the way from 1 to the next bf16 value
     steps = 2000
-    seeds = master_weights._SRSeeds(12345)
-    draws = torch.stack([master_weights._sr_bits(x, seeds.next(x.device)).view(torch.float32)
-                         for _ in range(steps)])  # fmt: skip
+    seeds = [torch.tensor(stochastic_rounding.tensor_seed(12345, step, 0), dtype=torch.int32) for step in range(steps)]
+    draws = torch.stack([stochastic_rounding.sr_bits(x, seed).view(torch.float32) for seed in seeds])
     assert set(draws.unique().tolist()) == {1.0, 1.0 + 2**-7}
     assert (draws.mean(0) - x).abs().max() < 0.06 * 2**-7  # every element, on average over steps
     # and within one step, about 3/8 of the elements round up
@@ -248,11 +287,12 @@ def test_fused_adam_sr_kernel_matches_its_eager_form() -> None:
     p, g, m, v = (torch.randn(1000).mul(0.1).to(torch.bfloat16) for _ in range(4))
     v = v.abs()
     group = {"lr": 1e-2, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.1}
-    seed, scalars = master_weights._SRSeeds(7).next(p.device), master_weights._adam_scalars(group, 3.0, True)
+    seed = torch.tensor(stochastic_rounding.tensor_seed(7, 1, 0), dtype=torch.int32)
+    scalars = stochastic_rounding.adam_scalars(group, 3.0, True)
     eager = [t.clone() for t in (p, g, m, v)]
-    master_weights._adam_sr_update(*eager, seed, scalars)
+    stochastic_rounding.adam_sr_update(*eager, seed, scalars)
     compiled = [t.clone() for t in (p, g, m, v)]
-    torch.compile(master_weights._adam_sr_update, fullgraph=True, dynamic=True)(*compiled, seed, scalars)
+    torch.compile(stochastic_rounding.adam_sr_update, fullgraph=True, dynamic=True)(*compiled, seed, scalars)
     assert not torch.equal(eager[0], p)
     assert torch.equal(compiled[0], eager[0])  # the same noise: the same rounding
     for got, want in zip(compiled[2:], eager[2:], strict=True):
@@ -303,35 +343,28 @@ def test_bf16_sr_state_in_bf16_and_bytes() -> None:
     assert ratio <= 0.55, ratio
 
 
-def test_export_fp32() -> None:
-    _, model, opt = _train("O2", steps=10)
-    masters = [m.detach().clone() for m in model._mixprec.masters]  # type: ignore[union-attr]
+@pytest.mark.parametrize("level", ["O2", "bf16-sr"])
+def test_export_fp32(level: str) -> None:
+    _, model, opt = _train(level, steps=10)
+    masters = [m.detach().float() for m in mixprec.master_params(opt)]
     mixprec.export_fp32(model, opt)
     assert all(p.dtype is torch.float32 for p in model.parameters())
-    assert bitwise_equal([p.detach() for p in model._modules["0"].parameters()], masters[:2])
+    assert bitwise_equal([p.detach() for p in model.parameters()], masters)
     assert not hasattr(model, "_mixprec")
+    assert all(k not in g for g in opt.param_groups for k in ("mixprec_sr_seed", "mixprec_sr_step"))
+    seen = _weights_seen(model)
     x, y = _data(1)[0]
     opt.zero_grad()
     F.mse_loss(model(x), y).backward()  # trains on in fp32
     opt.step()
     assert model(x).dtype is torch.float32
-
-
-class _TaggedParameter(nn.Parameter):
-    """A parameter subclass: O2 cannot redirect its .grad."""
-
-
-def _tagged_model() -> nn.Module:
-    model = _model()
-    model[0].weight = _TaggedParameter(model[0].weight.detach())
-    return model
+    assert all(dtype is torch.float32 for dtype, _ in seen.values())  # the forward is fp32 again
 
 
 @pytest.mark.parametrize(
     ("make", "kwargs", "match"),
     [
         (lambda: _model().to(torch.bfloat16), {}, "needs an fp32 model"),
-        (_tagged_model, {}, "needs plain nn.Parameter objects, but one is a _TaggedParameter; keep that module"),
         (lambda: _model(), {"level": "O3"}, "unknown level 'O3'; valid levels: O1, O2, bf16-sr"),
         (lambda: _model(), {"level": "bf16-sr", "dtype": torch.float16}, "keeps weights in bf16"),
         (lambda: _model(), {"dtype": torch.int8}, "non-floating"),
@@ -402,12 +435,6 @@ def test_fused_bf16_sr_adam_matches_torch_update(cls: type[torch.optim.Optimizer
 # ----- weights written into a prepared model (O2) ----------------------------------------------
 
 
-def _masters_by_name(model: nn.Module) -> dict[str, torch.Tensor]:
-    state = model._mixprec  # type: ignore[union-attr]
-    master_of = {id(p): m for p, m in zip(state.lowp_params, state.masters, strict=True)}
-    return {n: master_of[id(p)].detach() for n, p in model.named_parameters() if id(p) in master_of}
-
-
 def _one_step(model: nn.Module, opt: torch.optim.Optimizer) -> None:
     x, y = _data(1)[0]
     opt.zero_grad()
@@ -416,57 +443,46 @@ def _one_step(model: nn.Module, opt: torch.optim.Optimizer) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_o2_weights_loaded_after_prepare_reach_the_masters(dtype: torch.dtype) -> None:
+def test_o2_weights_loaded_after_prepare_reach_the_forward(dtype: torch.dtype) -> None:
     pretrained = _model(seed=5).state_dict()  # fp32, unlike the weights prepare() started from
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=0.0)  # lr 0: the step must keep what was loaded
     model, opt = mixprec.prepare(model, opt, level="O2", dtype=dtype)
+    seen = _weights_seen(model)
     model.load_state_dict(pretrained)
+    model(_data(1)[0][0])  # before any step: the copies follow the load
+    for name in ("0", "3", "5"):
+        assert bitwise_equal(seen[name][1], pretrained[f"{name}.weight"].to(dtype)), name
     _one_step(model, opt)
     for name, param in model.named_parameters():
-        assert torch.equal(param, pretrained[name].to(param.dtype)), name
-    masters = _masters_by_name(model)
-    assert masters.keys() == {"0.weight", "0.bias", "3.weight", "3.bias", "5.weight", "5.bias"}
-    for name, master in masters.items():
-        assert bitwise_equal(master, pretrained[name]), name  # the fp32 values, not a low-precision round trip
+        assert bitwise_equal(param.detach(), pretrained[name]), name  # the fp32 values, not a low-precision trip
 
 
-def test_o2_low_precision_state_dict_loaded_after_prepare_reaches_the_masters() -> None:
-    other = _model(seed=5)
-    other, _ = mixprec.prepare(other, torch.optim.SGD(other.parameters()), level="O2")
-    saved = other.state_dict()  # bf16 weights: the masters get them widened
+def test_o2_in_place_writes_reach_the_forward() -> None:
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     model, opt = mixprec.prepare(model, opt, level="O2")
-    model.load_state_dict(saved)
-    _one_step(model, opt)
-    for name, master in _masters_by_name(model).items():
-        assert bitwise_equal(master, saved[name].float()), name
-        assert bitwise_equal(model.get_parameter(name).detach(), saved[name]), name
-
-
-def test_o2_in_place_writes_reach_the_masters() -> None:
-    model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    model, opt = mixprec.prepare(model, opt, level="O2")
+    seen = _weights_seen(model)
+    x = _data(1)[0][0]
+    model(x)
     written = torch.randn(64, 16)
     with torch.no_grad():
         model[0].weight.copy_(written)
-        nn.init.zeros_(model[3].bias)
-    _one_step(model, opt)
-    masters = _masters_by_name(model)
-    assert bitwise_equal(model[0].weight.detach(), written.to(torch.bfloat16))
-    assert bitwise_equal(masters["0.weight"], written.to(torch.bfloat16).float())  # what the weight holds
-    assert bitwise_equal(masters["3.bias"], torch.zeros(64))
-    assert not torch.equal(masters["5.weight"], masters["5.weight"].to(torch.bfloat16).float())  # untouched: fp32
+        nn.init.zeros_(model[5].weight)
+    model(x)
+    assert bitwise_equal(seen["0"][1], written.to(torch.bfloat16))
+    assert bitwise_equal(seen["5"][1], torch.zeros(1, 64, dtype=torch.bfloat16))
 
 
-def test_o2_load_state_dict_with_assign_is_refused() -> None:
+def test_o2_parameters_replaced_after_prepare_raise() -> None:
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = mixprec.prepare(model, opt, level="O2")
-    with pytest.raises(ValueError, match="load with assign=False, or load before prepare"):
-        model.load_state_dict(_model(seed=5).state_dict(), assign=True)
+    model.load_state_dict(_model(seed=5).state_dict(), assign=True)  # new Parameter objects
+    with pytest.raises(RuntimeError, match=r"replaced after mixprec.prepare .*no longer steps it"):
+        model(_data(1)[0][0])
+    with pytest.raises(RuntimeError, match="no longer this model's parameters"):
+        opt.step()
 
 
 # ----- gradients seen through model.parameters() -----------------------------------------------
@@ -511,7 +527,7 @@ def test_clipping_model_parameters_clips_the_update(level: str, dtype: torch.dty
     assert bitwise_equal(weights, want_weights)
 
 
-def test_o2_gradient_seen_through_the_model_is_the_masters() -> None:
+def test_o2_gradient_seen_through_the_model_is_the_optimizers() -> None:
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = mixprec.prepare(model, opt, level="O2")
@@ -520,8 +536,6 @@ def test_o2_gradient_seen_through_the_model_is_the_masters() -> None:
     grads = [p.grad for p in model.parameters()]
     assert all(g is not None and g.dtype is torch.float32 for g in grads)
     assert [id(g) for g in grads] == [id(m.grad) for m in mixprec.master_params(opt)]
-    model[0].weight.grad = torch.ones(64, 16, dtype=torch.bfloat16)  # a low-precision gradient widens exactly
-    assert bitwise_equal(mixprec.master_params(opt)[0].grad, torch.ones(64, 16))
     model.zero_grad()
     assert all(p.grad is None for p in (*model.parameters(), *mixprec.master_params(opt)))
 

@@ -201,7 +201,10 @@ def test_recipe_validation_and_layout() -> None:
     assert run.scaler is None
     mlp = _mlp()
     o2 = dataclasses.replace(Recipe(dtype="bf16"), level="O2").apply(mlp, torch.optim.SGD(mlp.parameters(), lr=0.1))
-    assert o2.model is mlp and mlp[0].weight.dtype is torch.bfloat16 and hasattr(mlp, "_mixprec")
+    seen = []
+    mlp[0].register_forward_pre_hook(lambda m, a: seen.append(m.weight.dtype))
+    mlp(torch.randn(2, 8))
+    assert o2.model is mlp and seen == [torch.bfloat16] and hasattr(mlp, "_mixprec")
 
 
 def test_bench_mode_tunes_each_workload_first() -> None:

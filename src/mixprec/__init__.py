@@ -16,7 +16,8 @@ from mixprec.autocast import (
 from mixprec.custom_function import custom_bwd, custom_fwd, op
 from mixprec.diagnostics import DiagnosticReport, diagnose
 from mixprec.layout import to_channels_last
-from mixprec.master_weights import Level, export_fp32, master_params, prepare, state_bytes, stochastic_round
+from mixprec.master_weights import Level, export_fp32, master_params, prepare, state_bytes
+from mixprec.memory import MemoryReport, memory_report
 from mixprec.monitor import Incident, Monitor
 from mixprec.policy import (
     NORM_TYPES,
@@ -29,6 +30,7 @@ from mixprec.policy import (
     op_name,
 )
 from mixprec.scaler import GradScaler, ScalerEvent, ScalerStats
+from mixprec.stochastic_rounding import stochastic_round
 from mixprec.tune import Applied, Measurement, Recipe, Tolerance, tune
 
 __version__ = "0.1.0"
@@ -40,6 +42,7 @@ __all__ = [
     "Incident",
     "Level",
     "Measurement",
+    "MemoryReport",
     "NORM_TYPES",
     "ModuleRule",
     "Monitor",
@@ -63,6 +66,7 @@ __all__ = [
     "get_policy",
     "is_autocast_enabled",
     "master_params",
+    "memory_report",
     "op",
     "op_name",
     "prepare",

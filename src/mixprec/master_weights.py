@@ -1,47 +1,43 @@
-"""Low-precision weights: fp32 master weights (O2) and pure bf16 with stochastic rounding.
+"""Precision levels for a model and its optimizer: O1, O2 master weights, pure bf16 with stochastic rounding.
 
 ``model, optimizer = mixprec.prepare(model, optimizer, level=..., dtype=...)``:
 
 * ``"O1"``: autocast only; the model's forward runs under :func:`mixprec.autocast`.
-* ``"O2"``: parameters and buffers in ``dtype`` (modules kept in fp32 excepted, norm layers by
-  default); the optimizer holds fp32 master copies. Each low-precision gradient is moved into
-  its master as soon as backward has accumulated it (summed in fp32, the low-precision one
-  freed), and the parameter's ``.grad`` reads and writes its master's gradient, so clipping and
-  inspecting ``model.parameters()`` act on the gradients the optimizer uses. After
-  ``optimizer.step()`` the low-precision weights are refreshed from the masters in one fused
-  copy. Weights written into the model (``load_state_dict``, in-place writes) reach the masters.
-  ``optimizer.state_dict()`` carries the masters, so a checkpoint resumes bit for bit.
-  GradScaler needs nothing extra: ``scaler.step(optimizer)`` sees fp32 gradients.
-* ``"bf16-sr"``: weights and optimizer state in bf16 only, no master copy. The optimizer runs
-  in fp32 on transient copies; the weights are written back with stochastic rounding (round up
-  with probability equal to the discarded fraction), so small updates survive on average
-  instead of being rounded away; the state is written back rounded to nearest. The rounding
-  noise comes from a seed and a counter saved in ``optimizer.state_dict()``, so a checkpoint
-  resumes bit for bit.
+* ``"O2"``: the parameters stay fp32 and are the master weights the optimizer steps; the
+  forward of each module computes with a low-precision copy of its parameters, made once
+  after every optimizer step (or write into a weight), not once per forward. Buffers are
+  stored in ``dtype``. Gradients flow into the fp32 parameters, summed in fp32. State
+  dicts, clipping, ``torch.distributed.checkpoint`` and DDP see fp32 parameters.
+* ``"bf16-sr"``: weights and optimizer state in bf16 only, no master copy; the optimizer
+  steps in fp32 and writes the weights back with stochastic rounding
+  (:mod:`mixprec.stochastic_rounding`), seeded from the optimizer's param groups, so a
+  checkpoint resumes bit for bit.
 * ``"bf16-pure"``: bf16 weights and state with round-to-nearest updates; the baseline that
   shows what stochastic rounding fixes.
 
-At every level but O1 the model's forward runs under :func:`mixprec.autocast` (so ops on the
-lists still run in fp32 where they should) and floating outputs are returned as fp32.
+Modules kept in fp32 (norm layers by default, or by name) are stored in fp32 and compute in
+fp32 at every level: their own hooks turn autocast off and cast their floating inputs to fp32,
+so activation checkpointing replays them with no extra argument. At every level the model's
+forward runs under :func:`mixprec.autocast` (ops on the lists still run in fp32 where they
+should) and floating outputs are returned as fp32, in the output's own container type.
 
-At every level ``p.grad`` for ``p`` in ``model.parameters()`` is the gradient the optimizer
-steps with (at O2, the fp32 master's), so ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)``
-clips the update.
+Under FSDP2 (``fully_shard``), prepare after sharding and after building the optimizer: each
+level becomes FSDP2's own mixed precision (see :mod:`mixprec.sharding`).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
-import types
+import threading
 from collections.abc import Callable, Iterable
 from typing import Any, cast
 
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
-from torch.utils.weak import WeakIdKeyDictionary
 
+from mixprec import sharding, stochastic_rounding
 from mixprec._dtypes import LOW_PRECISION, NamedEnum, parse_dtype
 from mixprec.autocast import autocast
 from mixprec.policy import NORM_TYPES, ModuleRule, default_policy
@@ -60,54 +56,23 @@ class Level(NamedEnum):
         return "level", "levels"
 
 
-def stochastic_round(x: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tensor:
-    """Round fp32 ``x`` to bf16, up with probability equal to the discarded fraction (unbiased).
-
-    ``noise`` holds uniform random integers in [0, 2**16) (int32, ``x``'s shape or broadcastable);
-    drawn with torch's generator when not given.
-
-    Example:
-        >>> import torch, mixprec
-        >>> x = torch.full((100_000,), 1.0 + 2**-10)          # between two bf16 values
-        >>> y = mixprec.stochastic_round(x).float()
-        >>> sorted(y.unique().tolist())
-        [1.0, 1.0078125]
-        >>> abs(y.mean().item() - (1.0 + 2**-10)) < 2e-4     # on average, the fp32 value
-        True
-    """
-    if x.dtype is not torch.float32:
-        raise TypeError(f"stochastic_round takes an fp32 tensor, got {x.dtype}")
-    if noise is None:
-        noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device)
-    bits = x.contiguous().view(torch.int32)
-    # Adding the noise below the kept 16 bits carries into them with probability equal to the
-    # discarded fraction; masking then truncates. On the magnitude bits, so negatives round alike.
-    rounded = (bits + noise) & -(1 << 16)
-    finite = torch.isfinite(x)
-    return torch.where(finite, rounded.view(torch.float32), x).to(torch.bfloat16)
-
-
 @dataclasses.dataclass
 class _Prepared:
     level: Level
     dtype: torch.dtype
     device_type: str
     original_forward: Callable[..., Any]
-    lowp_params: list[nn.Parameter]
-    masters: list[torch.Tensor]  # O2: lowp_params[i] is refreshed from masters[i]
-    handles: list[RemovableHandle]
-    loaded_masters: dict[int, torch.Tensor] | None = None
-    versions: list[int] = dataclasses.field(default_factory=list)  # O2: lowp_params' versions the masters match
-    seeds: _SRSeeds | None = None  # bf16-sr: where the rounding noise comes from
+    handles: list[Any]
+    lowp_params: list[nn.Parameter]  # stored in dtype (bf16 levels) or computed from a copy in dtype (O2)
+    kept_modules: list[nn.Module]  # outermost modules kept in fp32
+    buffers: list[tuple[nn.Module, str]]  # buffers prepare stored in dtype
+    copies: _ComputeCopies | None = None  # O2, parameters FSDP2 does not manage
+    sharded: bool = False  # FSDP2 units were set up for the level
     fused: bool = False  # bf16-sr: Adam(W) steps the bf16 weights with the compiled fused kernel
 
 
 def master_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """The tensors the optimizer updates (fp32 masters at O2).
-
-    Their gradients are the ones ``model.parameters()`` show (at O2, ``p.grad`` of a low-precision
-    parameter is its master's gradient), so either list can be clipped.
-    """
+    """The tensors the optimizer updates: at every level, the model's parameters (fp32 at O2)."""
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
@@ -123,10 +88,13 @@ def prepare(
 ) -> tuple[nn.Module, torch.optim.Optimizer]:
     """Put ``model`` and ``optimizer`` at a precision level; returns them (changed in place).
 
+    Under FSDP2, call it after ``fully_shard`` and after building the optimizer, before the first
+    forward; it is then collective (every rank calls it). Under DDP, call it before wrapping.
+
     Args:
-        model: an fp32 model, already on its device.
+        model: an fp32 model, already on its device (and sharded, with FSDP2).
         optimizer: any ``torch.optim`` optimizer over the model's parameters, created after the
-            model was moved.
+            model was moved (and sharded).
         level: ``"O1"``, ``"O2"``, ``"bf16-sr"`` or ``"bf16-pure"``.
         dtype: the low precision (bf16 or fp16; the bf16 levels need bf16).
         keep_types, keep_names: modules kept in fp32, by type or qualified-name glob.
@@ -134,7 +102,8 @@ def prepare(
 
     Raises:
         ValueError: a model not in fp32, an optimizer holding tensors that are not this model's
-            parameters or holding one twice, a prepared model, a bad level or dtype.
+            parameters or holding one twice, a prepared model, a model wrapped in DDP or the older
+            FSDP, a sharded model that already ran a forward, a bad level or dtype.
     """
     level = Level.from_name(level)
     dtype = parse_dtype(dtype, what="prepare dtype", allowed=LOW_PRECISION)
@@ -145,60 +114,76 @@ def prepare(
             f"LBFGS re-evaluates the model inside step(), and level {level.value!r} updates the low-precision "
             "weights only after step(); use level 'O1' or 'bf16-pure' with LBFGS"
         )
+    _check_wrapping(model)
     if hasattr(model, "_mixprec"):
         raise ValueError("this model was already prepared; call mixprec.export_fp32(model) first to prepare it anew")
-    _check(model, optimizer)
-    device_type = next((p.device.type for p in model.parameters()), "cpu")
-    # ModuleRule takes one type or pattern bare (keep_names="head") as well as several
+    sharded = bool(sharding.fsdp_modules(model))
+    _check(model, optimizer, sharded)
+    if sharded and sharding.lazily_initialized(model):
+        raise ValueError(
+            "this fully_shard model already ran a forward, where FSDP2 fixes the dtypes it gathers and reduces "
+            "in; call mixprec.prepare(model, optimizer, ...) after fully_shard and building the optimizer, before "
+            "the first forward"
+        )
+    device_type = _device_type(model)
     types: tuple[type[nn.Module], ...] = (keep_types,) if isinstance(keep_types, type) else tuple(keep_types)
     names: tuple[str, ...] = (keep_names,) if isinstance(keep_names, str) else tuple(keep_names)
-    rule = ModuleRule(types=types, names=names) if (types or names) else None
-    if rule is not None and not any(rule.matches(m, n) for n, m in model.named_modules()):
-        rule = None  # nothing to keep: no module hooks at all
-    policy = default_policy(device_type)
-    if rule is not None:
-        policy = dataclasses.replace(policy, module_rules=(rule,))
+    kept_modules = _outermost(model, ModuleRule(types=types, names=names)) if (types or names) else []
+    state = _Prepared(level, dtype, device_type, model.forward, [], [], kept_modules, [], sharded=sharded)
+    # Registered first, so it runs before any other step hook (bf16-sr's, the user's).
+    state.handles.append(optimizer.register_step_pre_hook(functools.partial(_check_still_ours, model, state)))
+    _keep_in_fp32(kept_modules, device_type, state.handles)
 
-    original_forward = model.forward
-
-    @functools.wraps(original_forward)
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        region = autocast(device_type, dtype=dtype, policy=policy)
-        region._naming_root = model  # the region opens inside model's call: name modules from model
-        with region:
-            out = original_forward(*args, **kwargs)
-        return out if output_dtype is None else _cast_floating(out, output_dtype)
-
-    state = _Prepared(level, dtype, device_type, original_forward, [], [], [])
     if level is not Level.O1:
-        converted = [m for m in model.modules() if rule is None or not _module_is_kept(model, m, rule)]
-        kept = _kept_parameters(model, rule)
+        if sharded:
+            replaced = sharding.split_kept_units(model, _param_ids(kept_modules), kept_modules)
+            _replace_in_optimizer(optimizer, replaced)
+        kept = _param_ids(kept_modules)
+        inside_kept = {id(m) for k in kept_modules for m in k.modules()}
+        converted = [m for m in model.modules() if id(m) not in inside_kept]
         seen: set[int] = set()  # shared parameters are converted once
         for module in converted:
             for param in module.parameters(recurse=False):
-                if id(param) not in kept and id(param) not in seen:
+                if id(param) not in kept and id(param) not in seen and param.is_floating_point():
                     seen.add(id(param))
                     state.lowp_params.append(param)
+        in_units: set[int] = set()
+        for unit in sharding.fsdp_units(model):
+            params = [fp.sharded_param for fp in unit.fsdp_params]
+            in_units.update(id(p) for p in params)
+            if any(id(p) in seen for p in params):
+                sharding.set_unit_precision(unit, dtype if level is Level.O2 else None, unit._module_fqn or "model")
         if level is Level.O2:
-            odd = [p for p in state.lowp_params if type(p) is not nn.Parameter]
-            if odd:
-                raise ValueError(
-                    f"level 'O2' redirects each low-precision parameter's .grad to its fp32 master and needs plain "
-                    f"nn.Parameter objects, but one is a {type(odd[0]).__name__}; keep that module in fp32 with "
-                    "keep_types=/keep_names=, or use level 'bf16-sr'"
-                )
-        for param in state.lowp_params:
-            if level is Level.O2:
-                state.masters.append(param.detach().clone().requires_grad_(param.requires_grad))
-            param.data = param.data.to(dtype)
+            unmanaged = [p for p in state.lowp_params if id(p) not in in_units]
+            if unmanaged:
+                state.copies = _ComputeCopies(dtype, unmanaged)
+                _install_copies(converted, state.copies, state.handles)
+                state.handles.append(optimizer.register_step_post_hook(lambda *_: state.copies.refresh()))  # type: ignore[union-attr]
+        else:
+            for param in state.lowp_params:
+                param.data = param.data.to(dtype)
         for module in converted:
             for name, buffer in module.named_buffers(recurse=False):
-                if buffer.is_floating_point():
+                if buffer is not None and buffer.is_floating_point() and buffer.dtype is not dtype:
                     module._buffers[name] = buffer.to(dtype)
-    if level is Level.O2:
-        _install_o2(model, optimizer, state)
-    elif level is Level.BF16_SR:
-        _install_sr(optimizer, state)
+                    state.buffers.append((module, name))
+    if level is Level.BF16_SR:
+        seed = stochastic_rounding.draw_seed()
+        state.fused = stochastic_rounding.install(optimizer, state.lowp_params, seed, state.handles)
+
+    policy = default_policy(device_type)
+    original_forward = model.forward
+    first_call = [True]
+
+    @functools.wraps(original_forward)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if first_call[0] or state.sharded != _is_fsdp_root(model):
+            first_call[0] = False
+            _check_not_sharded_since(model, state)
+        with autocast(device_type, dtype=dtype, policy=policy):
+            out = original_forward(*args, **kwargs)
+        return out if output_dtype is None else _cast_floating(out, output_dtype)
+
     model.forward = forward  # type: ignore[method-assign]
     model._mixprec = state  # type: ignore[assignment]
     optimizer._mixprec = state  # type: ignore[attr-defined]
@@ -206,10 +191,9 @@ def prepare(
 
 
 def export_fp32(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> nn.Module:
-    """Undo :func:`prepare`: fp32 parameters (from the masters at O2) and buffers, the original forward.
+    """Undo :func:`prepare`: fp32 parameters and buffers, the original forward.
 
-    With ``optimizer``, it is pointed back at the model's parameters, its state kept, so
-    training can go on in fp32.
+    With ``optimizer``, its state is kept (in fp32), so training can go on in fp32.
     """
     state: _Prepared | None = getattr(model, "_mixprec", None)
     if state is None:
@@ -217,29 +201,21 @@ def export_fp32(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
     for handle in state.handles:
         handle.remove()
     with torch.no_grad():
-        if state.level is Level.O2:
-            _adopt_direct_writes(state)
-            for param, master in zip(state.lowp_params, state.masters, strict=True):
-                del _MASTER_OF[param]
-                param.__class__ = nn.Parameter
-                param.data = master.detach().clone()
-                param.grad = None if master.grad is None else master.grad.clone()
-        else:
+        if state.level in (Level.BF16_SR, Level.BF16_PURE):
             for param in state.lowp_params:
                 param.data = param.data.float()
-                param.grad = None if param.grad is None else param.grad.float()
-        for module in model.modules():
-            for name, buffer in module.named_buffers(recurse=False):
-                if buffer.dtype is state.dtype:
-                    module._buffers[name] = buffer.float()
-    if optimizer is not None and state.level is Level.O2:
-        swap: dict[int, torch.Tensor] = {id(m): p for m, p in zip(state.masters, state.lowp_params, strict=True)}
-        _replace_in_optimizer(optimizer, swap)
+                if param.grad is not None:
+                    param.grad = param.grad.float()
+        for module, name in state.buffers:
+            buffer = module._buffers.get(name)
+            if buffer is not None:
+                module._buffers[name] = buffer.float()
     if optimizer is not None:
         for group_state in optimizer.state.values():
             for key, value in group_state.items():
                 if isinstance(value, torch.Tensor) and value.dtype is torch.bfloat16 and key != "step":
                     group_state[key] = value.float()
+        stochastic_rounding.remove_counters(optimizer)
         optimizer.__dict__.pop("_mixprec", None)
     model.__dict__.pop("forward", None)
     del model._mixprec
@@ -247,50 +223,46 @@ def export_fp32(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
 
 
 def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """Bytes held by parameters, their gradients, fp32 masters and optimizer state (each tensor once)."""
-    seen: dict[int, int] = {}
+    """Bytes this rank holds in parameters, their gradients, low-precision copies and optimizer state."""
+    from mixprec.memory import memory_report
 
-    def count(t: torch.Tensor | None) -> None:
-        if isinstance(t, torch.Tensor):
-            seen.setdefault(id(t), t.numel() * t.element_size())
-
-    for tensor in (*model.parameters(), *master_params(optimizer)):
-        count(tensor)
-        count(tensor.grad)
-    for param_state in optimizer.state.values():
-        for value in param_state.values():
-            count(value if isinstance(value, torch.Tensor) and value.dim() > 0 else None)
-    return sum(seen.values())
+    return memory_report(model, optimizer).total
 
 
-# ----- internals -------------------------------------------------------------------------
+# ----- checks --------------------------------------------------------------------------------
 
 
-def _cast_floating(out: Any, dtype: torch.dtype) -> Any:
-    if isinstance(out, torch.Tensor):
-        return out.to(dtype) if out.is_floating_point() and out.dtype is not torch.float64 else out
-    if isinstance(out, tuple) and not hasattr(out, "_fields"):
-        return tuple(_cast_floating(o, dtype) for o in out)
-    if isinstance(out, list):
-        return [_cast_floating(o, dtype) for o in out]
-    if isinstance(out, dict):
-        return {k: _cast_floating(v, dtype) for k, v in out.items()}
-    return out
+def _check_wrapping(model: nn.Module) -> None:
+    if sharding.uses_fsdp1(model):
+        raise ValueError(
+            "this model is wrapped in FullyShardedDataParallel (FSDP1), whose flat parameters mixprec.prepare "
+            "cannot set up; use FSDP2 instead: torch.distributed.fsdp.fully_shard(module) on each block and on the "
+            "model, build the optimizer, then mixprec.prepare(model, optimizer, level=...)"
+        )
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        raise ValueError(
+            "prepare the module before wrapping it in DistributedDataParallel: "
+            "model, opt = mixprec.prepare(model, opt, level=...); model = DDP(model)"
+        )
 
 
-def _check(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    low = [n for n, p in model.named_parameters() if p.is_floating_point() and p.dtype is not torch.float32]
+def _check(model: nn.Module, optimizer: torch.optim.Optimizer, sharded: bool) -> None:
+    low = [(n, p.dtype) for n, p in model.named_parameters() if p.is_floating_point() and p.dtype is not torch.float32]
     if low:
         raise ValueError(
-            f"prepare() needs an fp32 model to make exact fp32 masters, but {low[0]!r} is "
-            f"{dict(model.named_parameters())[low[0]].dtype}; call prepare() on the fp32 model instead of "
-            "converting it first"
+            f"prepare() needs an fp32 model to make exact fp32 masters, but {low[0][0]!r} is {low[0][1]}; "
+            "call prepare() on the fp32 model instead of converting it first"
         )
     model_params = {id(p) for p in model.parameters()}
     seen: set[int] = set()
     for group in optimizer.param_groups:
         for p in group["params"]:
             if id(p) not in model_params:
+                if sharded:
+                    raise ValueError(
+                        "the optimizer holds a tensor that is not a parameter of this model: fully_shard replaces each "
+                        "parameter with a sharded one, so build the optimizer from model.parameters() after fully_shard"
+                    )
                 raise ValueError(
                     "the optimizer holds a tensor that is not a parameter of this model (was the optimizer created "
                     "before the model was moved or copied?); create it from model.parameters() after moving the model"
@@ -300,22 +272,229 @@ def _check(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
             seen.add(id(p))
 
 
-def _module_is_kept(root: nn.Module, module: nn.Module, rule: ModuleRule) -> bool:
-    names = {id(m): n for n, m in root.named_modules()}
-    return rule.matches(module, names.get(id(module), ""))
+def _is_fsdp_root(model: nn.Module) -> bool:
+    return sharding.is_fsdp_module(model)
 
 
-def _kept_parameters(model: nn.Module, rule: ModuleRule | None) -> set[int]:
-    kept: set[int] = set()
-    if rule is None:
-        return kept
+def _check_not_sharded_since(model: nn.Module, state: _Prepared) -> None:
+    if not state.sharded and sharding.fsdp_modules(model):
+        raise RuntimeError(
+            "fully_shard was applied after mixprec.prepare, which set the model and optimizer up unsharded (a "
+            "prepared optimizer would step tensors the model no longer uses); the order is: fully_shard, build the "
+            "optimizer, then mixprec.prepare(model, optimizer, level=...)"
+        )
+
+
+def _check_still_ours(model: nn.Module, state: _Prepared, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+    """Before each step: the optimizer still steps the model's parameters (a host-side check, no sync)."""
+    _check_not_sharded_since(model, state)
+    params = {id(p) for p in model.parameters()}
+    if any(id(p) not in params for group in optimizer.param_groups for p in group["params"]):
+        raise RuntimeError(
+            "the prepared optimizer steps tensors that are no longer this model's parameters (they were replaced "
+            "after mixprec.prepare: fully_shard, load_state_dict(assign=True), to_empty); set the model up first, "
+            "then build the optimizer and call mixprec.prepare"
+        )
+
+
+def _device_type(model: nn.Module) -> str:
+    for p in model.parameters():
+        return p.device.type
+    return "cpu"
+
+
+# ----- modules kept in fp32 ------------------------------------------------------------------
+
+
+def _outermost(model: nn.Module, rule: ModuleRule) -> list[nn.Module]:
+    """The modules ``rule`` keeps, without those inside another kept one."""
+    found: list[tuple[str, nn.Module]] = []
     for name, module in model.named_modules():
-        if rule.matches(module, name):
-            kept.update(id(p) for p in module.parameters())
-    return kept
+        if rule.matches(module, name) and not any(name.startswith(f"{outer}.") or outer == "" for outer, _ in found):
+            found.append((name, module))
+    return [m for _, m in found]
 
 
-def _replace_in_optimizer(optimizer: torch.optim.Optimizer, swap: dict[int, torch.Tensor]) -> None:
+def _param_ids(modules: Iterable[nn.Module]) -> set[int]:
+    return {id(p) for m in modules for p in m.parameters()}
+
+
+_keep = threading.local()
+
+
+def _keep_stack() -> list[tuple[bool, torch.dtype] | None]:
+    stack: list[tuple[bool, torch.dtype] | None] | None = getattr(_keep, "stack", None)
+    if stack is None:
+        stack = _keep.stack = []
+    return stack
+
+
+@torch.fx.node.has_side_effect
+@torch._dynamo.allow_in_graph  # type: ignore[untyped-decorator]
+def _keep_enter(device_type: str) -> None:
+    """Enter a kept module: autocast off for ``device_type`` (the state outside is restored on exit)."""
+    enabled = torch.is_autocast_enabled(device_type)
+    _keep_stack().append((enabled, torch.get_autocast_dtype(device_type)) if enabled else None)
+    if enabled:
+        torch.set_autocast_enabled(device_type, False)
+
+
+@torch.fx.node.has_side_effect
+@torch._dynamo.allow_in_graph  # type: ignore[untyped-decorator]
+def _keep_exit(device_type: str) -> None:
+    outside = _keep_stack().pop()
+    if outside is not None:
+        torch.set_autocast_enabled(device_type, outside[0])
+        torch.set_autocast_dtype(device_type, outside[1])
+
+
+def _to_fp32(value: Any, device_type: str) -> Any:
+    if isinstance(value, torch.Tensor):
+        eligible = value.is_floating_point() and value.dtype not in (torch.float32, torch.float64)
+        return value.float() if eligible and value.device.type == device_type else value
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(_to_fp32(v, device_type) for v in value)
+    return value
+
+
+def _keep_in_fp32(modules: Iterable[nn.Module], device_type: str, handles: list[Any]) -> None:
+    """Hooks on each kept module: autocast off inside it, floating inputs cast to fp32.
+
+    The hooks belong to the module, so they run wherever the module runs: in a checkpoint's
+    recompute, under FSDP2, in a copy of the model; torch's own autocast state is all they read.
+    """
+
+    def enter(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        cast_inputs = torch.is_autocast_enabled(device_type)
+        _keep_enter(device_type)
+        if not cast_inputs:
+            return None
+        return _to_fp32(args, device_type), {k: _to_fp32(v, device_type) for k, v in kwargs.items()}
+
+    def leave(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        _keep_exit(device_type)
+
+    for module in modules:
+        handles.append(module.register_forward_pre_hook(enter, with_kwargs=True, prepend=True))
+        handles.append(module.register_forward_hook(leave, always_call=True))
+
+
+# ----- O2: low-precision copies for the forward ------------------------------------------------
+
+
+class _ComputeCopies:
+    """O2's low-precision copies of fp32 parameters, made once per change of the parameter.
+
+    Refreshed together after each optimizer step (one fused copy) and, one by one, whenever a
+    parameter's version counter moved since (``load_state_dict``, ``nn.init``, in-place writes
+    under ``no_grad``). Checking a version is host-side: no sync.
+    """
+
+    def __init__(self, dtype: torch.dtype, params: list[nn.Parameter]) -> None:
+        self.dtype = dtype
+        self.params = params
+        self.copies: dict[int, torch.Tensor] = {}
+        self.versions: dict[int, int] = {}
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Copy every parameter into its low-precision copy (after an optimizer step)."""
+        with torch.no_grad():
+            for p in self.params:
+                held = self.copies.get(id(p))
+                if held is None or held.shape != p.shape or held.device != p.device:
+                    self.copies[id(p)] = torch.empty_like(p, dtype=self.dtype, memory_format=torch.preserve_format)
+            if self.params:
+                torch._foreach_copy_([self.copies[id(p)] for p in self.params], [p.detach() for p in self.params])
+        self.versions = {id(p): p._version for p in self.params}
+
+    def of(self, param: torch.Tensor) -> torch.Tensor:
+        """``param``'s copy, refreshed first if the parameter was written since."""
+        held = self.copies[id(param)]
+        if param._version != self.versions[id(param)] or held.device != param.device or held.shape != param.shape:
+            with torch.no_grad():
+                if held.device != param.device or held.shape != param.shape:
+                    held = self.copies[id(param)] = torch.empty_like(param, dtype=self.dtype,
+                                                                     memory_format=torch.preserve_format)  # fmt: skip
+                held.copy_(param)
+            self.versions[id(param)] = param._version
+        return held
+
+    def nbytes(self) -> int:
+        return sum(c.numel() * c.element_size() for c in self.copies.values())
+
+
+class _FromCopy(torch.autograd.Function):
+    """The low-precision copy as the forward's weight; its gradient goes to the fp32 parameter, widened."""
+
+    @staticmethod
+    def forward(master: torch.Tensor, held: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return held.detach()
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.master_dtype = inputs[0].dtype
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return grad.to(ctx.master_dtype), None
+
+
+def _from_copy(master: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
+    return cast(torch.Tensor, _FromCopy.apply(master, held))  # type: ignore[no-untyped-call]
+
+
+class _Swap:
+    """Hooks that put one module's parameters' copies in place around its forward, as FSDP2 puts gathered ones."""
+
+    def __init__(self, module: nn.Module, names: list[str], copies: _ComputeCopies) -> None:
+        self.masters = {n: module._parameters[n] for n in names}
+        self.copies = copies
+        self.depth = 0  # a module may call itself inside its own forward: swap once
+        self.rnn = isinstance(module, nn.RNNBase)  # RNNs read weights from a list made when they are set
+
+    def enter(self, module: nn.Module, args: Any) -> None:
+        self.depth += 1
+        if self.depth > 1:
+            return
+        grad = torch.is_grad_enabled()
+        for name, master in self.masters.items():
+            if module._parameters[name] is not master:
+                self.depth -= 1
+                raise RuntimeError(
+                    f"parameter {name!r} of a {type(module).__name__} was replaced after mixprec.prepare "
+                    "(fully_shard, load_state_dict(assign=True), to_empty); the prepared optimizer no longer steps "
+                    "it. Set the model up first, then build the optimizer and call mixprec.prepare"
+                )
+            held = self.copies.of(master)  # type: ignore[arg-type]
+            need_grad = grad and master.requires_grad  # type: ignore[union-attr]
+            module._parameters[name] = _from_copy(master, held) if need_grad else held  # type: ignore[arg-type,assignment]
+        if self.rnn:
+            module._init_flat_weights()  # type: ignore[operator]
+
+    def leave(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.depth -= 1
+        if self.depth:
+            return
+        module._parameters.update(self.masters)
+        if self.rnn:
+            module._init_flat_weights()  # type: ignore[operator]
+
+
+def _install_copies(modules: list[nn.Module], copies: _ComputeCopies, handles: list[Any]) -> None:
+    ours = {id(p) for p in copies.params}
+    for module in modules:
+        names = [n for n, p in module._parameters.items() if p is not None and id(p) in ours]
+        if names:
+            swap = _Swap(module, names, copies)
+            handles.append(module.register_forward_pre_hook(swap.enter, prepend=True))
+            handles.append(module.register_forward_hook(swap.leave, always_call=True))
+
+
+# ----- optimizer and outputs ----------------------------------------------------------------
+
+
+def _replace_in_optimizer(optimizer: torch.optim.Optimizer, swap: dict[int, Any]) -> None:
     for group in optimizer.param_groups:
         for i, p in enumerate(group["params"]):
             new = swap.get(id(p))
@@ -325,387 +504,21 @@ def _replace_in_optimizer(optimizer: torch.optim.Optimizer, swap: dict[int, torc
                     optimizer.state[new] = optimizer.state.pop(p)
 
 
-_TENSOR_GRAD: Any = vars(torch._C.TensorBase)["grad"]  # the gradient autograd accumulates into
-_MASTER_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()  # O2 low-precision parameter -> its fp32 master
-
-
-def _own_grad(param: torch.Tensor) -> torch.Tensor | None:
-    """``param``'s own gradient, under the override of :class:`_MasterGradParameter`."""
-    return cast("torch.Tensor | None", _TENSOR_GRAD.__get__(param))
-
-
-def _master_of(param: torch.Tensor) -> torch.Tensor | None:
-    return cast("torch.Tensor | None", _MASTER_OF.get(param))  # type: ignore[no-untyped-call]
-
-
-class _MasterGradParameter(nn.Parameter):
-    """An O2 low-precision parameter whose ``.grad``, read or written from Python, is its fp32 master's.
-
-    Autograd (C++) still accumulates into the parameter's own low-precision gradient, which is
-    moved into the master at the end of backward. Python code that walks ``model.parameters()``
-    (``clip_grad_norm_``, gradient-norm logging, ``zero_grad``) then reads and changes the
-    gradients the optimizer steps with, not a subset of them.
-    """
-
-    @property  # type: ignore[override]
-    def grad(self) -> torch.Tensor | None:
-        master = _master_of(self)
-        return _own_grad(self) if master is None else master.grad
-
-    @grad.setter
-    def grad(self, value: torch.Tensor | None) -> None:
-        master = _master_of(self)
-        if master is None:
-            _TENSOR_GRAD.__set__(self, value)
-        else:  # a low-precision gradient widens exactly
-            master.grad = None if value is None else value.to(master.dtype)
-
-
-def _adopt_direct_writes(state: _Prepared) -> None:
-    """Make each master match its weight where the weight was written since the masters were last synced.
-
-    Writes into a weight (``load_state_dict``, ``p.copy_`` under ``no_grad``, ``nn.init``) bump its
-    version counter; the refresh from the masters writes through ``.data``, which does not. A master
-    that already rounds to the written weight is kept (it is more precise: a DDP broadcast of the
-    same values, a checkpoint loaded into the model after the optimizer). Syncs only for weights
-    that were written.
-    """
-    with torch.no_grad():
-        for i, (param, master) in enumerate(zip(state.lowp_params, state.masters, strict=True)):
-            if param._version != state.versions[i]:
-                if not torch.equal(master.to(param.dtype), param):
-                    master.copy_(param)
-                state.versions[i] = param._version
-
-
-def _install_o2(model: nn.Module, optimizer: torch.optim.Optimizer, state: _Prepared) -> None:
-    master_of = {id(p): m for p, m in zip(state.lowp_params, state.masters, strict=True)}
-    _replace_in_optimizer(optimizer, master_of)
-    for param, master in zip(state.lowp_params, state.masters, strict=True):
-        param.__class__ = _MasterGradParameter
-        _MASTER_OF[param] = master
-    state.versions = [p._version for p in state.lowp_params]
-
-    def move_grad(param: torch.Tensor) -> None:
-        # Sum into the fp32 master and free the low-precision gradient.
-        grad = _own_grad(param)
-        if grad is None:
-            return
-        master = master_of[id(param)]
-        if master.grad is None:
-            master.grad = grad.to(torch.float32)
-        else:
-            master.grad.add_(grad)
-        _TENSOR_GRAD.__set__(param, None)
-
-    def move_all() -> None:
-        pending[0] = False
-        for param in state.lowp_params:
-            move_grad(param)
-
-    pending = [False]
-
-    def after_backward(param: torch.Tensor) -> None:
-        # Move at the end of backward, not at once: DDP all-reduces param.grad in a callback queued
-        # during backward. Ours queues itself once more, so that it runs after every callback queued
-        # in the same backward, DDP's included.
-        if not pending[0]:
-            pending[0] = True
-            engine = torch.autograd.Variable._execution_engine
-            engine.queue_callback(lambda: engine.queue_callback(move_all))
-
-    for param in state.lowp_params:
-        state.handles.append(param.register_post_accumulate_grad_hook(after_backward))  # type: ignore[no-untyped-call]
-
-    def refresh(*_: Any) -> None:
-        with torch.no_grad():
-            torch._foreach_copy_([p.data for p in state.lowp_params], state.masters)
-        state.versions = [p._version for p in state.lowp_params]
-
-    # Registered first, so it runs before any hook the user adds: the step starts from the weights
-    # as written.
-    state.handles.append(optimizer.register_step_pre_hook(lambda *_: _adopt_direct_writes(state)))
-    state.handles.append(optimizer.register_step_post_hook(refresh))
-
-    def load_into_masters(module: nn.Module, state_dict: dict[str, Any], prefix: str,
-                          local_metadata: dict[str, Any], *_: Any) -> None:  # fmt: skip
-        # Runs before torch copies the values into the (low-precision) weights: the masters get
-        # them at full precision.
-        for name, param in module._parameters.items():
-            master = master_of.get(id(param))
-            value = state_dict.get(prefix + name)
-            if master is None or param is None or not isinstance(value, torch.Tensor) or value.shape != param.shape:
-                continue  # not ours, or torch reports the mismatch
-            swaps = torch.__future__.get_swap_module_params_on_conversion()
-            if local_metadata.get("assign_to_params_buffers") or swaps:
-                raise ValueError(
-                    "load_state_dict(assign=True) (or swapping tensors on conversion) would replace the "
-                    "low-precision parameters that mixprec.prepare() made and the optimizer's masters "
-                    "follow; load with assign=False, or load before prepare()"
-                )
-            with torch.no_grad():
-                precise = value.is_floating_point() and value.element_size() >= 4
-                if precise or not torch.equal(master.to(param.dtype), value.to(param.dtype)):
-                    master.copy_(value)
-
-    for module in model.modules():
-        if any(id(p) in master_of for p in module._parameters.values() if p is not None):
-            state.handles.append(module.register_load_state_dict_pre_hook(load_into_masters))  # type: ignore[no-untyped-call]
-
-    def save_masters(opt: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
-        _adopt_direct_writes(state)
-        index = {id(p): i for i, p in enumerate(master_params(opt))}
-        state_dict["mixprec_masters"] = {index[id(m)]: m.detach().clone() for m in state.masters}
-        return state_dict
-
-    def take_masters(opt: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
-        masters = state_dict.pop("mixprec_masters", None)
-        if masters is None:
-            raise ValueError(
-                "this optimizer state dict has no fp32 master weights: it was not saved from an optimizer "
-                "prepared at O2, so loading it would lose precision; prepare the model the same way before saving"
-            )
-        state.loaded_masters = masters
-
-    def load_masters(opt: torch.optim.Optimizer) -> None:
-        masters, state.loaded_masters = state.loaded_masters, None
-        params = master_params(opt)
-        with torch.no_grad():
-            for i, value in (masters or {}).items():
-                params[int(i)].copy_(value)
-        refresh()
-
-    state.handles.append(optimizer.register_state_dict_post_hook(save_masters))
-    state.handles.append(optimizer.register_load_state_dict_pre_hook(take_masters))  # type: ignore[arg-type]
-    state.handles.append(optimizer.register_load_state_dict_post_hook(load_masters))
-
-
-class _Restore:
-    """A handle whose remove() drops an instance attribute that shadows the class's method."""
-
-    def __init__(self, obj: object, name: str) -> None:
-        self.obj, self.name = obj, name
-
-    def remove(self) -> None:
-        self.obj.__dict__.pop(self.name, None)
-
-
-# Noise for stochastic rounding: a Weyl sequence, element i of a tensor gets the high 16 bits of
-# (i * 0x9E3779B1 + seed) mod 2**32. With the seed uniform and fresh for every tensor and step, each
-# element's noise is uniform on [0, 2**16) and independent from step to step, so the rounding is
-# unbiased; neighbouring elements get evenly spread, not independent, noise (a dither). Computed
-# in place from the index: no buffer to read and no generator call per element (torch's CPU
-# generator makes about 200 M integers a second, slower than the optimizer step itself).
-_WEYL = -1640531535  # 0x9E3779B1 (2**32 / golden ratio) as an int32
-_MASK64 = (1 << 64) - 1
-
-
-class _SRSeeds:
-    """The per-tensor, per-step seeds of stochastic rounding: seed ``n`` is a hash of (base, n).
-
-    A pure function of two integers, saved in ``optimizer.state_dict()`` (``"mixprec_sr"``), so a
-    resumed run rounds exactly as an uninterrupted one, whatever torch's generators did meanwhile.
-    The base is drawn from torch's CPU generator at ``prepare`` (``torch.manual_seed`` makes runs
-    repeatable). Computed on the host: no generator call on the device and no sync.
-    """
-
-    def __init__(self, base: int) -> None:
-        self.base, self.counter = base, 0
-
-    def next(self, device: torch.device) -> torch.Tensor:
-        """The next seed, as an int32 scalar tensor on ``device`` (a host-to-device copy, no sync)."""
-        self.counter += 1  # a Python int: never wraps
-        # splitmix64's finaliser: consecutive counters give independent-looking, uniform 64-bit values.
-        z = (self.base + self.counter * 0x9E3779B97F4A7C15) & _MASK64
-        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-        high = (z ^ (z >> 31)) >> 32
-        seed = torch.tensor(high - (1 << 32) if high >= 1 << 31 else high, dtype=torch.int32)
-        return seed if device.type == "cpu" else seed.to(device, non_blocking=True)
-
-    def state_dict(self) -> dict[str, int]:
-        return {"base": self.base, "counter": self.counter}
-
-    def load_state_dict(self, saved: dict[str, Any]) -> None:
-        self.base, self.counter = int(saved["base"]), int(saved["counter"])
-
-
-def _sr_bits(x: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
-    """fp32 ``x`` (1-D) stochastically rounded to bf16 precision, as fp32 bits with 16 low zeros."""
-    index = torch.arange(x.numel(), dtype=torch.int32, device=x.device)
-    noise = ((index * _WEYL + seed) >> 16) & 0xFFFF
-    return (x.view(torch.int32) + noise) & -(1 << 16)
-
-
-def _adam_sr_update(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, seed: torch.Tensor,
-                    scalars: torch.Tensor) -> None:  # fmt: skip
-    """One Adam/AdamW step on 1-D bf16 tensors in fp32 math, weights written back with stochastic rounding.
-
-    The same update as torch.optim.Adam/AdamW (amsgrad, maximize off). ``scalars`` holds, per step:
-    decay (AdamW's ``1 - lr * weight_decay``, else 1), l2 (Adam's ``weight_decay``, else 0),
-    beta1, ``1 - beta1``, beta2, ``1 - beta2``, ``lr / (1 - beta1**step)``, ``1 / sqrt(1 - beta2**step)``
-    and eps. Compiled into one fused loop, so each tensor is read and written once.
-    """
-    decay, l2, beta1, one_minus_beta1, beta2, one_minus_beta2, step_size, inv_bc2_sqrt, eps = scalars.unbind()
-    p32, g32 = p.float(), g.float()
-    g32 = g32 + l2 * p32
-    p32 = p32 * decay
-    # torch's lerp(g, 1 - beta1), written out: inductor's lerp with a scalar from a tensor ran 3x slower
-    m32 = m.float() * beta1 + g32 * one_minus_beta1
-    v32 = v.float() * beta2 + one_minus_beta2 * g32 * g32
-    p32 = p32 - step_size * m32 / (v32.sqrt() * inv_bc2_sqrt + eps)
-    p.copy_(_sr_bits(p32, seed).view(torch.float32))
-    m.copy_(m32)
-    v.copy_(v32)
-
-
-def _adam_scalars(group: dict[str, Any], step: float, decoupled: bool) -> torch.Tensor:
-    lr, weight_decay, eps = float(group["lr"]), float(group["weight_decay"]), float(group["eps"])
-    beta1, beta2 = (float(b) for b in group["betas"])
-    decay, l2 = (1.0 - lr * weight_decay, 0.0) if decoupled else (1.0, weight_decay)
-    step_size = lr / (1.0 - beta1**step)
-    inv_bc2_sqrt = 1.0 / (1.0 - beta2**step) ** 0.5
-    return torch.tensor([decay, l2, beta1, 1.0 - beta1, beta2, 1.0 - beta2, step_size, inv_bc2_sqrt, eps])
-
-
-_compiled_adam_sr: Callable[..., None] | None = None
-_PROBE_GROUP = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
-
-
-def _fused_adam_sr_supported(optimizer: torch.optim.Optimizer) -> bool:
-    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
-        return False
-    return all(not g.get("amsgrad") and not g.get("maximize") and not g.get("capturable")
-               and not g.get("differentiable") and not g.get("fused") for g in optimizer.param_groups)  # fmt: skip
-
-
-def _install_fused_adam_sr(optimizer: torch.optim.Optimizer, state: _Prepared, seeds: _SRSeeds) -> bool:
-    """Have Adam(W)'s own ``step`` update the bf16 weights with the compiled fused kernel, if it compiles.
-
-    ``step`` itself is left alone (its hooks, profiling and LR schedulers' wrappers all stay in
-    place): Adam's ``_init_group``, which ``step`` calls once per param group to collect the
-    tensors to update, is overridden on this optimizer. It updates the bf16 weights of the group
-    with the fused kernel and hands the rest (fp32 weights of kept modules) to Adam's own.
-    """
-    global _compiled_adam_sr
-    if _compiled_adam_sr is None:
-        try:
-            compiled = cast(Callable[..., None], torch.compile(_adam_sr_update, fullgraph=True, dynamic=True))
-            # The probe compiles the one graph every parameter uses: under no_grad as step() calls it
-            # (grad mode is among the guards), and large, because inductor picks threads and loop
-            # shapes from the first sizes it sees (a tiny probe gave a single-threaded kernel).
-            probe = [torch.zeros(1 << 20, dtype=torch.bfloat16) for _ in range(4)]
-            with torch.no_grad():
-                compiled(*probe, torch.zeros((), dtype=torch.int32), _adam_scalars(_PROBE_GROUP, 1.0, True))
-            _compiled_adam_sr = compiled
-        except Exception:  # no C++ toolchain, an unsupported platform: keep the generic path
-            return False
-    kernel = _compiled_adam_sr
-    lowp = {id(p) for p in state.lowp_params}
-    adams_own = type(optimizer)._init_group  # type: ignore[attr-defined]
-
-    def _init_group(self: torch.optim.Optimizer, group: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
-        decoupled = bool(group.get("decoupled_weight_decay", isinstance(self, torch.optim.AdamW)))
-        by_step: dict[tuple[float, torch.device], torch.Tensor] = {}
-        rest = []
-        for p in group["params"]:
-            if id(p) not in lowp or p.grad is None or not (p.is_contiguous() and p.grad.is_contiguous()):
-                rest.append(p)
-                continue
-            st = self.state[p]
-            if not st:
-                st["step"] = torch.tensor(0.0)
-                st["exp_avg"] = torch.zeros_like(p)
-                st["exp_avg_sq"] = torch.zeros_like(p)
-            st["step"] += 1
-            key = (float(st["step"]), p.device)  # the step count lives on the CPU: no sync
-            scalars = by_step.get(key)
-            if scalars is None:
-                scalars = by_step[key] = _adam_scalars(group, key[0], decoupled).to(p.device)
-            # 1-D views: one compiled graph serves every parameter, whatever its shape.
-            flat = [t.view(-1) for t in (p.data, p.grad, st["exp_avg"], st["exp_avg_sq"])]
-            kernel(*flat, seeds.next(p.device), scalars)
-        return adams_own(self, {**group, "params": rest}, *args, **kwargs)
-
-    optimizer._init_group = types.MethodType(_init_group, optimizer)  # type: ignore[attr-defined]
-    state.handles.append(_Restore(optimizer, "_init_group"))  # type: ignore[arg-type]
-    return True
-
-
-def _install_sr(optimizer: torch.optim.Optimizer, state: _Prepared) -> None:
-    seeds = state.seeds = _SRSeeds(int(torch.randint(0, 1 << 62, ())))
-    pending: list[dict[str, Any]] = []
-
-    def save_seeds(opt: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
-        state_dict["mixprec_sr"] = seeds.state_dict()
-        return state_dict
-
-    def take_seeds(opt: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
-        saved = state_dict.pop("mixprec_sr", None)
-        if saved is not None:  # a state dict saved elsewhere: the noise goes on from this run's seeds
-            pending.append(saved)
-
-    def load_seeds(opt: torch.optim.Optimizer) -> None:
-        while pending:
-            seeds.load_state_dict(pending.pop())
-
-    state.handles.append(optimizer.register_state_dict_post_hook(save_seeds))
-    state.handles.append(optimizer.register_load_state_dict_pre_hook(take_seeds))  # type: ignore[arg-type]
-    state.handles.append(optimizer.register_load_state_dict_post_hook(load_seeds))
-    if _fused_adam_sr_supported(optimizer) and _install_fused_adam_sr(optimizer, state, seeds):
-        state.fused = True
-        return
-    shadows: list[tuple[dict[str, Any], int, nn.Parameter, torch.Tensor]] = []
-    lowp = {id(p) for p in state.lowp_params}
-
-    def widen(opt: torch.optim.Optimizer, group: dict[str, Any]) -> None:
-        # The optimizer steps fp32 shadows swapped into its param groups, state moved over. The
-        # parameters themselves keep their dtype: changing it through .data would reset their
-        # gradient accumulators, and with them the hooks DDP all-reduces through.
-        for i, param in enumerate(group["params"]):
-            if id(param) not in lowp or param.grad is None:
-                continue
-            shadow = param.detach().float().requires_grad_(True)
-            shadow.grad = param.grad.float()
-            param_state = opt.state.pop(param, {})
-            opt.state[shadow] = {k: (v.float() if isinstance(v, torch.Tensor) and v.dtype is torch.bfloat16
-                                     and v.dim() > 0 else v) for k, v in param_state.items()}  # fmt: skip
-            group["params"][i] = shadow
-            shadows.append((group, i, param, shadow))
-
-    def narrow(opt: torch.optim.Optimizer, *_: Any) -> None:
-        with torch.no_grad():
-            for group, i, param, shadow in shadows:
-                # The weight update is rounded stochastically: add noise below the 16 kept bits and
-                # truncate; the copy into the bf16 parameter is then exact.
-                bits = _sr_bits(shadow.data.reshape(-1), seeds.next(param.device))
-                param.copy_(bits.view(torch.float32).view(param.shape))
-                # Optimizer state goes back to bf16 rounded to nearest: it is not accumulated in
-                # tiny increments the way weights are.
-                shadow_state = opt.state.pop(shadow, {})
-                opt.state[param] = {k: (v.to(torch.bfloat16) if isinstance(v, torch.Tensor)
-                                        and v.dtype is torch.float32 and v.dim() > 0 else v)
-                                    for k, v in shadow_state.items()}  # fmt: skip
-                group["params"][i] = param
-        shadows.clear()
-
-    own_init_group = getattr(type(optimizer), "_init_group", None)
-    if own_init_group is not None and type(optimizer).__module__.startswith("torch.optim."):
-        # Every torch.optim optimizer but LBFGS and SparseAdam collects each group's tensors with
-        # _init_group, once per group, inside step: widening there, rather than in a step pre-hook,
-        # runs after the user's pre-hooks (they see and may change the bf16 gradients, or raise and
-        # leave the optimizer as it was). Other classes may not call it from step: a pre-hook.
-        def _init_group(self: torch.optim.Optimizer, group: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
-            widen(self, group)
-            return own_init_group(self, group, *args, **kwargs)
-
-        optimizer._init_group = types.MethodType(_init_group, optimizer)  # type: ignore[attr-defined]
-        state.handles.append(_Restore(optimizer, "_init_group"))  # type: ignore[arg-type]
-    else:
-
-        def widen_all(opt: torch.optim.Optimizer, *_: Any) -> None:
-            for group in opt.param_groups:
-                widen(opt, group)
-
-        state.handles.append(optimizer.register_step_pre_hook(widen_all))
-    state.handles.append(optimizer.register_step_post_hook(narrow))
+def _cast_floating(out: Any, dtype: torch.dtype) -> Any:
+    """Floating tensors in ``out`` cast to ``dtype``; containers keep their type (ModelOutput, namedtuple)."""
+    if isinstance(out, torch.Tensor):
+        return out.to(dtype) if out.is_floating_point() and out.dtype is not torch.float64 else out
+    if isinstance(out, tuple):
+        items = [_cast_floating(o, dtype) for o in out]
+        return type(out)(*items) if hasattr(out, "_fields") else type(out)(items)
+    if isinstance(out, list):
+        return [_cast_floating(o, dtype) for o in out]
+    if isinstance(out, dict):
+        new = copy.copy(out)  # the same class: a ModelOutput stays one, its attributes too
+        for key, value in out.items():
+            new[key] = _cast_floating(value, dtype)
+        return new
+    if dataclasses.is_dataclass(out) and not isinstance(out, type):
+        fields = {f.name: _cast_floating(getattr(out, f.name), dtype) for f in dataclasses.fields(out) if f.init}
+        return dataclasses.replace(out, **fields)
+    return out
