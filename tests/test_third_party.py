@@ -285,10 +285,11 @@ def test_edited_policy_with_checkpoint_context_equals_no_checkpointing(name: str
     expected, _ = _step(name, region())
     got, _ = _step(name, region(), {"use_reentrant": False, "context_fn": mixprec.checkpoint_context})
     assert bitwise_equal(got, expected)
-    # the edit must show, or a checkpoint that lost it would pass (fp16 LSTM: torch raises without it)
+    # the edit must show, or a checkpoint that lost it would pass (fp16 LSTM: torch raises without it);
+    # logits as well as the loss: a scalar loss can round to the same value (Whisper in fp16 on some CPUs)
     assert not _raised(expected)
     builtin, _ = _step(name, mixprec.autocast("cpu", dtype=dtype), backward=False)
-    assert _raised(builtin) or not bitwise_equal(expected[0], builtin[0]), "the edit changes nothing in this model"
+    assert _raised(builtin) or not bitwise_equal(expected[:2], builtin[:2]), "the edit changes nothing in this model"
 
 
 @pytest.mark.parametrize("reentrant", REENTRANT)
