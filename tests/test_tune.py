@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import importlib
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -105,15 +107,46 @@ def test_nothing_beats_the_default_returns_torch_default() -> None:
     assert not any("bf16-pure" in m.name for m in recipe.measurements)  # searched only when asked for
 
 
-def test_tune_respects_the_budget() -> None:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(512, 2048), nn.GELU(), nn.Linear(2048, 512))
-    x = torch.randn(512, 512)  # tens of ms a step: the whole search takes seconds
+def _timed(func: Callable[..., Any], spans: list[tuple[float, float]]) -> Callable[..., Any]:
+    """``func``, recording when each call began and ended."""
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        begin = time.perf_counter()
+        try:
+            return func(*args, **kwargs)
+        finally:
+            spans.append((begin, time.perf_counter()))
+
+    return timed
+
+
+def test_tune_respects_the_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Steps of about the same length on every CPU: the model is tiny (its step computes for milliseconds,
+    # even where bf16 matmuls are emulated) and the loss sleeps 0.1 s. Round 1 takes 12 steps
+    # (at least 8 if it stops slow candidates), the profile 2 and round 3 more, so a whole search cannot fit
+    # in 1 s anywhere, while round 1's first 6 steps (its accuracy checks) usually do: then the budget also
+    # stops the search between rounds. A step past the budget is short everywhere.
+    tune_module = importlib.import_module("mixprec.tune")
+    steps: list[tuple[float, float]] = []
+    diagnoses: list[tuple[float, float]] = []
+    monkeypatch.setattr(tune_module._Trial, "step", _timed(tune_module._Trial.step, steps))
+    monkeypatch.setattr(tune_module, "diagnose", _timed(tune_module.diagnose, diagnoses))
+
+    def slow_loss(out: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.1)
+        return square_loss(out)
+
+    budget = 1.0
     start = time.perf_counter()
-    recipe = mixprec.tune(model, x, square_loss, budget_s=0.5)
+    recipe = mixprec.tune(_mlp(), torch.randn(32, 8), slow_loss, budget_s=budget)
     elapsed = time.perf_counter() - start
-    assert elapsed < 0.5 + 1.5  # the search stops between steps: one step and a diagnosis past the budget at most
     assert any("budget ran out" in n for n in recipe.notes)
+    # the search stops between steps: none starts past the budget (so one step at most ends past it) ...
+    assert steps and all(begin < start + budget for begin, _ in steps), [b - start for b, _ in steps]
+    # ... and nothing else runs long past it: one step and a diagnosis at most, and the bookkeeping
+    longest = max(end - begin for begin, end in steps)
+    diagnosis = max((end - begin for begin, end in diagnoses), default=0.0)
+    assert elapsed < budget + longest + diagnosis + 0.5, (elapsed, longest, diagnosis)
     assert any(m.status == "not measured" or m.reason == "the budget ran out" for m in recipe.measurements) or (
         len(recipe.measurements) < 4
     )
