@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -70,3 +71,36 @@ class Overflowing(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.out(self.norm(self.big(self.inp(x))))
+
+
+# --- real process groups: spawned workers on gloo, results handed back through a manager ----------
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now (each spawned group gets its own)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def init_process_group(rank: int, world: int, port: int) -> None:
+    """Join a gloo group of ``world`` processes on this machine, one thread each."""
+    import os
+
+    import torch.distributed as dist
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+
+
+def spawn(fn: Any, world: int, *args: Any) -> list[dict[str, Any]]:
+    """Run ``fn(rank, world, port, results, *args)`` in ``world`` processes; each rank's ``results[rank]``."""
+    import torch.multiprocessing as mp
+
+    manager = mp.get_context("spawn").Manager()
+    results = manager.dict()
+    mp.start_processes(fn, args=(world, free_port(), results, *args), nprocs=world, start_method="spawn", join=True)
+    return [dict(results[rank]) for rank in range(world)]

@@ -31,6 +31,7 @@ import copy
 import dataclasses
 import functools
 import threading
+import types
 from collections.abc import Callable, Iterable
 from typing import Any, cast
 
@@ -68,6 +69,8 @@ class _Prepared:
     buffers: list[tuple[nn.Module, str]]  # buffers prepare stored in dtype
     copies: _ComputeCopies | None = None  # O2, parameters FSDP2 does not manage
     sharded: bool = False  # FSDP2 units were set up for the level
+    output_dtype: torch.dtype | None = torch.float32
+    checked: bool = False  # the first forward looked for FSDP2 units added since
     fused: bool = False  # bf16-sr: Adam(W) steps the bf16 weights with the compiled fused kernel
 
 
@@ -118,17 +121,18 @@ def prepare(
     if hasattr(model, "_mixprec"):
         raise ValueError("this model was already prepared; call mixprec.export_fp32(model) first to prepare it anew")
     sharded = bool(sharding.fsdp_modules(model))
-    _check(model, optimizer, sharded)
     if sharded and sharding.lazily_initialized(model):
         raise ValueError(
             "this fully_shard model already ran a forward, where FSDP2 fixes the dtypes it gathers and reduces "
             "in; call mixprec.prepare(model, optimizer, ...) after fully_shard and building the optimizer, before "
             "the first forward"
         )
+    _check(model, optimizer, sharded)
     device_type = _device_type(model)
-    types: tuple[type[nn.Module], ...] = (keep_types,) if isinstance(keep_types, type) else tuple(keep_types)
-    names: tuple[str, ...] = (keep_names,) if isinstance(keep_names, str) else tuple(keep_names)
-    kept_modules = _outermost(model, ModuleRule(types=types, names=names)) if (types or names) else []
+    kept_types: tuple[type[nn.Module], ...] = (keep_types,) if isinstance(keep_types, type) else tuple(keep_types)
+    kept_names: tuple[str, ...] = (keep_names,) if isinstance(keep_names, str) else tuple(keep_names)
+    rule = ModuleRule(types=kept_types, names=kept_names) if (kept_types or kept_names) else None
+    kept_modules = _outermost(model, rule) if rule is not None else []
     state = _Prepared(level, dtype, device_type, model.forward, [], [], kept_modules, [], sharded=sharded)
     # Registered first, so it runs before any other step hook (bf16-sr's, the user's).
     state.handles.append(optimizer.register_step_pre_hook(functools.partial(_check_still_ours, model, state)))
@@ -161,30 +165,22 @@ def prepare(
                 state.handles.append(optimizer.register_step_post_hook(lambda *_: state.copies.refresh()))  # type: ignore[union-attr]
         else:
             for param in state.lowp_params:
-                param.data = param.data.to(dtype)
+                _convert(param, dtype)
         for module in converted:
             for name, buffer in module.named_buffers(recurse=False):
                 if buffer is not None and buffer.is_floating_point() and buffer.dtype is not dtype:
                     module._buffers[name] = buffer.to(dtype)
                     state.buffers.append((module, name))
     if level is Level.BF16_SR:
-        seed = stochastic_rounding.draw_seed()
+        seed = stochastic_rounding.draw_seed(sharding.process_group(model) if sharded else None)
         state.fused = stochastic_rounding.install(optimizer, state.lowp_params, seed, state.handles)
 
-    policy = default_policy(device_type)
-    original_forward = model.forward
-    first_call = [True]
-
-    @functools.wraps(original_forward)
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        if first_call[0] or state.sharded != _is_fsdp_root(model):
-            first_call[0] = False
-            _check_not_sharded_since(model, state)
-        with autocast(device_type, dtype=dtype, policy=policy):
-            out = original_forward(*args, **kwargs)
-        return out if output_dtype is None else _cast_floating(out, output_dtype)
-
-    model.forward = forward  # type: ignore[method-assign]
+    state.output_dtype = output_dtype
+    # Bound to the model (a deep copy rebinds them to the copy). _call_impl runs before every
+    # module hook, FSDP2's included: the place to refuse a model sharded after prepare.
+    model.forward = types.MethodType(_prepared_forward, model)  # type: ignore[method-assign]
+    if not sharded:
+        model._call_impl = types.MethodType(_prepared_call, model)  # type: ignore[method-assign]
     model._mixprec = state  # type: ignore[assignment]
     optimizer._mixprec = state  # type: ignore[attr-defined]
     return model, optimizer
@@ -203,9 +199,10 @@ def export_fp32(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
     with torch.no_grad():
         if state.level in (Level.BF16_SR, Level.BF16_PURE):
             for param in state.lowp_params:
-                param.data = param.data.float()
-                if param.grad is not None:
-                    param.grad = param.grad.float()
+                grad = None if param.grad is None else param.grad.float()
+                param.grad = None
+                _convert(param, torch.float32)
+                param.grad = grad
         for module, name in state.buffers:
             buffer = module._buffers.get(name)
             if buffer is not None:
@@ -218,6 +215,7 @@ def export_fp32(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
         stochastic_rounding.remove_counters(optimizer)
         optimizer.__dict__.pop("_mixprec", None)
     model.__dict__.pop("forward", None)
+    model.__dict__.pop("_call_impl", None)
     del model._mixprec
     return model
 
@@ -272,8 +270,22 @@ def _check(model: nn.Module, optimizer: torch.optim.Optimizer, sharded: bool) ->
             seen.add(id(p))
 
 
-def _is_fsdp_root(model: nn.Module) -> bool:
-    return sharding.is_fsdp_module(model)
+def _prepared_forward(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """A prepared model's forward: the original under the level's autocast region, outputs cast."""
+    state: _Prepared = model._mixprec  # type: ignore[assignment]
+    if not state.checked:
+        state.checked = True
+        _check_not_sharded_since(model, state)
+    with autocast(state.device_type, dtype=state.dtype, policy=default_policy(state.device_type)):
+        out = state.original_forward(*args, **kwargs)
+    return out if state.output_dtype is None else _cast_floating(out, state.output_dtype)
+
+
+def _prepared_call(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    state = model.__dict__.get("_mixprec")
+    if state is not None and not state.sharded and sharding.is_fsdp_module(model):
+        _check_not_sharded_since(model, state)
+    return type(model)._call_impl(model, *args, **kwargs)  # type: ignore[no-untyped-call]
 
 
 def _check_not_sharded_since(model: nn.Module, state: _Prepared) -> None:
@@ -295,6 +307,16 @@ def _check_still_ours(model: nn.Module, state: _Prepared, optimizer: torch.optim
             "after mixprec.prepare: fully_shard, load_state_dict(assign=True), to_empty); set the model up first, "
             "then build the optimizer and call mixprec.prepare"
         )
+
+
+def _convert(param: nn.Parameter, dtype: torch.dtype) -> None:
+    """Store ``param`` in ``dtype``, the same object (the optimizer and hooks keep holding it)."""
+    if sharding.is_sharded(param):
+        # A DTensor keeps its dtype in its metadata, which a .data swap would leave stale.
+        converted = nn.Parameter(param.detach().to(dtype), requires_grad=param.requires_grad)
+        torch.utils.swap_tensors(param, converted)  # type: ignore[no-untyped-call]
+    else:
+        param.data = param.data.to(dtype)
 
 
 def _device_type(model: nn.Module) -> str:

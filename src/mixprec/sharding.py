@@ -119,10 +119,13 @@ def lazily_initialized(model: nn.Module) -> bool:
     return any(m._get_fsdp_state()._is_root is not None for m in fsdp_modules(model))
 
 
-def _policy_type() -> Any:
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    return MixedPrecisionPolicy
+def process_group(model: nn.Module) -> Any:
+    """The process group ``model``'s FSDP2 units shard over (flattened for 2-D meshes); ``None`` unsharded."""
+    for unit in fsdp_units(model):
+        for fp in unit.fsdp_params:
+            mesh = fp.sharded_param.device_mesh
+            return mesh.get_group() if mesh.ndim == 1 else mesh._flatten().get_group()
+    return None
 
 
 def set_unit_precision(unit: Any, param_dtype: torch.dtype | None, where: str) -> None:

@@ -119,16 +119,18 @@ def sr_bits(x: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
     return (x.view(torch.int32) + noise) & -(1 << 16)
 
 
-def draw_seed() -> int:
+def draw_seed(group: Any = None) -> int:
     """A seed from torch's CPU generator (``torch.manual_seed`` repeats it).
 
-    Under an initialized process group every rank takes rank 0's (one broadcast): replicas that
-    must stay bitwise equal (DDP) round alike even when their generators were seeded apart.
+    With ``group`` (the process group of a sharded model) every rank takes rank 0's, one
+    broadcast: shards then round as one process would. Replicas (DDP) that must stay bitwise
+    equal need every rank's generator seeded alike before :func:`mixprec.prepare`, as DDP
+    training scripts do.
     """
     seed = int(torch.randint(0, 1 << 62, ()))
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if group is not None and dist.get_world_size(group) > 1:
         box: list[Any] = [seed]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
         seed = int(box[0])
     return seed
 
