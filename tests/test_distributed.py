@@ -1,45 +1,28 @@
-"""GradScaler and autocast across real torch.distributed process groups (gloo, 2 processes on CPU)."""
+"""GradScaler, autocast and prepare levels under DDP and hand-sharded gradients (gloo, 2 processes on CPU).
+
+Each group of tests spawns one process group and runs all its cases there; FSDP2 is in test_sharding.py.
+"""
 
 from __future__ import annotations
 
-import os
-import socket
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import mixprec
+from conftest import init_process_group, spawn
 
 WORLD = 2
 STEPS = 6
 POISONED_STEP = 2
+LEVELS = (None, "O2", "bf16-sr", "bf16-pure")
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _init(rank: int, port: int) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
-
-
-def _spawn(fn: Any, *args: Any) -> list[dict[str, Any]]:
-    manager = mp.get_context("spawn").Manager()
-    results = manager.dict()
-    mp.start_processes(fn, args=(_free_port(), results, *args), nprocs=WORLD, start_method="spawn", join=True)
-    return [dict(results[rank]) for rank in range(WORLD)]
 
 
 def _batch(seed: int, n: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,8 +33,7 @@ def _batch(seed: int, n: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
 # --- sharded gradients: each rank owns different parameters ------------------------------
 
 
-def _sharded(rank: int, port: int, results: Any, use_group: bool) -> None:
-    _init(rank, port)
+def _sharded_run(rank: int, use_group: bool) -> dict[str, Any]:
     torch.manual_seed(100 + rank)  # a different shard on every rank
     shard = nn.Linear(8, 1)
     opt = torch.optim.SGD(shard.parameters(), lr=0.1)
@@ -70,17 +52,23 @@ def _sharded(rank: int, port: int, results: Any, use_group: bool) -> None:
         scaler.update()
         scales.append(scaler.get_scale())
         skipped.append(scaler.skipped(opt))
-    results[rank] = {"scales": scales, "skipped": skipped}
+    return {"scales": scales, "skipped": skipped}
+
+
+def _sharded_worker(rank: int, world: int, port: int, results: Any) -> None:
+    init_process_group(rank, world, port)
+    results[rank] = {"together": _sharded_run(rank, True), "apart": _sharded_run(rank, False)}
     dist.destroy_process_group()
 
 
 def test_sharded_overflow_on_one_rank_skips_on_every_rank() -> None:
-    together = _spawn(_sharded, True)
+    ranks = spawn(_sharded_worker, WORLD)
+    together = [r["together"] for r in ranks]
     assert together[0] == together[1]  # same scale trajectory, same skips
     assert together[0]["skipped"][POISONED_STEP] and not any(
         s for i, s in enumerate(together[0]["skipped"]) if i != POISONED_STEP
     )
-    apart = _spawn(_sharded, False)  # without the group the ranks disagree: why the option exists
+    apart = [r["apart"] for r in ranks]  # without the group the ranks disagree: why the option exists
     assert apart[0]["skipped"][POISONED_STEP] is False and apart[1]["skipped"][POISONED_STEP] is True
     assert apart[0]["scales"] != apart[1]["scales"]
 
@@ -93,11 +81,10 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 1))
 
 
-def _ddp(rank: int, port: int, results: Any, poison: bool, level: str | None) -> None:
-    _init(rank, port)
+def _ddp_run(rank: int, level: str | None, *, poison: bool = False, no_sync: bool = False) -> list[torch.Tensor]:
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    if level is not None:  # prepare first, then wrap: DDP's buckets must see the low-precision weights
+    if level is not None:  # prepare first, then wrap
         model, opt = mixprec.prepare(model, opt, level=level, keep_types=())
     ddp = DistributedDataParallel(model)
     scaler = mixprec.GradScaler("cpu", init_scale=2.0**8, process_group=dist.group.WORLD if poison else None,
@@ -106,23 +93,39 @@ def _ddp(rank: int, port: int, results: Any, poison: bool, level: str | None) ->
         x, y = _batch(step, 8 * WORLD)
         x, y = x.chunk(WORLD)[rank], y.chunk(WORLD)[rank]
         opt.zero_grad()
-        with mixprec.autocast("cpu", dtype=torch.bfloat16):
-            out = ddp(x)
-        loss = F.mse_loss(out.float(), y)
-        scaler.scale(loss).backward()
+        micro = [(x, y)] if not no_sync else list(zip(x.chunk(2), y.chunk(2), strict=True))
+        for i, (xm, ym) in enumerate(micro):
+            # all micro-batches but the last accumulate locally, without DDP's all-reduce
+            context = ddp.no_sync() if i < len(micro) - 1 else torch.enable_grad()
+            with context:
+                with mixprec.autocast("cpu", dtype=torch.bfloat16):
+                    out = ddp(xm)
+                scaler.scale(F.mse_loss(out.float(), ym) / len(micro)).backward()
         if poison and step == POISONED_STEP and rank == 1:
             # After DDP's all-reduce: only this rank sees the bad value (a corrupted local copy).
             next(iter(mixprec.master_params(opt))).grad.view(-1)[0] = float("nan")  # type: ignore[union-attr]
         scaler.step(opt)
         scaler.update()
-    params = [p.detach().float().clone() for p in mixprec.master_params(opt)]
-    results[rank] = {"params": params}
+    return [p.detach().float().clone() for p in mixprec.master_params(opt)]
+
+
+def _ddp_worker(rank: int, world: int, port: int, results: Any) -> None:
+    init_process_group(rank, world, port)
+    out: dict[str, Any] = {"poisoned": _ddp_run(rank, None, poison=True)}
+    for level in LEVELS:
+        out[str(level)] = _ddp_run(rank, level)
+        out[f"{level}/no_sync"] = _ddp_run(rank, level, no_sync=True)
+    results[rank] = out
     dist.destroy_process_group()
 
 
-def test_ddp_overflow_on_one_rank_keeps_ranks_bitwise_identical() -> None:
-    ranks = _spawn(_ddp, True, None)
-    for a, b in zip(ranks[0]["params"], ranks[1]["params"], strict=True):
+@pytest.fixture(scope="module")
+def ddp_ranks() -> list[dict[str, Any]]:
+    return spawn(_ddp_worker, WORLD)
+
+
+def test_ddp_overflow_on_one_rank_keeps_ranks_bitwise_identical(ddp_ranks: list[dict[str, Any]]) -> None:
+    for a, b in zip(ddp_ranks[0]["poisoned"], ddp_ranks[1]["poisoned"], strict=True):
         assert torch.equal(a, b)
 
 
@@ -141,58 +144,16 @@ def _single_process(level: str | None) -> list[torch.Tensor]:
     return [p.detach().float() for p in mixprec.master_params(opt)]
 
 
-@pytest.mark.parametrize("level", [None, "O2", "bf16-sr", "bf16-pure"])
-def test_ddp_matches_one_process_on_the_concatenated_batch(level: str | None) -> None:
-    ranks = _spawn(_ddp, False, level)
-    single = _single_process(level)
-    for a, b in zip(ranks[0]["params"], ranks[1]["params"], strict=True):
+@pytest.mark.parametrize("accumulation", ["", "/no_sync"], ids=["one-batch", "no_sync-accumulation"])
+@pytest.mark.parametrize("level", LEVELS)
+def test_ddp_matches_one_process_on_the_concatenated_batch(
+    level: str | None, accumulation: str, ddp_ranks: list[dict[str, Any]]
+) -> None:
+    key = f"{level}{accumulation}"
+    for a, b in zip(ddp_ranks[0][key], ddp_ranks[1][key], strict=True):
         assert torch.equal(a, b)  # DDP keeps replicas identical
-    # bf16 weights (bf16-pure) round every update: a looser tolerance there
+    single = _single_process(level)
+    # bf16 weights (bf16-pure, bf16-sr) round every update, a bf16 step at these values is ~4e-3: a looser tolerance
     tolerance = 2e-2 if level in ("bf16-pure", "bf16-sr") else 1e-3
-    for ddp_param, single_param in zip(ranks[0]["params"], single, strict=True):
+    for ddp_param, single_param in zip(ddp_ranks[0][key], single, strict=True):
         torch.testing.assert_close(ddp_param, single_param, rtol=tolerance, atol=tolerance)
-
-
-# --- FSDP2 (fully_shard) ------------------------------------------------------------------
-
-
-def _fsdp2(rank: int, port: int, results: Any, use_group: bool) -> None:
-    from torch.distributed.fsdp import fully_shard
-
-    _init(rank, port)
-    model = _model()
-    for layer in model:
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer)
-    fully_shard(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler = mixprec.GradScaler("cpu", init_scale=2.0**8, process_group=dist.group.WORLD if use_group else None)
-    skipped = []
-    for step in range(STEPS):
-        x, y = _batch(step, 8 * WORLD)
-        x, y = x.chunk(WORLD)[rank], y.chunk(WORLD)[rank]
-        opt.zero_grad()
-        with mixprec.autocast("cpu", dtype=torch.bfloat16):
-            out = model(x)
-        scaler.scale(F.mse_loss(out.float(), y)).backward()
-        if step == POISONED_STEP and rank == 1:
-            next(model.parameters()).grad.to_local().view(-1)[0] = float("inf")  # type: ignore[union-attr]
-        scaler.step(opt)
-        scaler.update()
-        skipped.append(scaler.skipped(opt))
-    results[rank] = {
-        "skipped": skipped,
-        "params": [p.full_tensor().detach().clone() for p in model.parameters()],  # type: ignore[attr-defined]
-        "sharded": type(next(model.parameters())).__name__,
-    }
-    dist.destroy_process_group()
-
-
-@pytest.mark.parametrize("use_group", [True, False], ids=["process_group", "no_group"])
-def test_fsdp2_overflow_in_one_shard_skips_on_every_rank(use_group: bool) -> None:
-    ranks = _spawn(_fsdp2, use_group)
-    assert ranks[0]["sharded"] == "DTensor"
-    expected = [i == POISONED_STEP for i in range(STEPS)]
-    assert ranks[0]["skipped"] == ranks[1]["skipped"] == expected
-    for a, b in zip(ranks[0]["params"], ranks[1]["params"], strict=True):
-        assert torch.equal(a, b)

@@ -173,7 +173,10 @@ def prepare(
                     state.buffers.append((module, name))
     if level is Level.BF16_SR:
         seed = stochastic_rounding.draw_seed(sharding.process_group(model) if sharded else None)
-        state.fused = stochastic_rounding.install(optimizer, state.lowp_params, seed, state.handles)
+        stochastic_rounding.add_counters(optimizer, seed, state.handles)
+        state.fused = stochastic_rounding.install(optimizer, state.lowp_params, state.handles)
+    else:  # the keys every level's checkpoint holds; nothing rounds stochastically here
+        stochastic_rounding.add_counters(optimizer, 0, state.handles)
 
     state.output_dtype = output_dtype
     # Bound to the model (a deep copy rebinds them to the copy). _call_impl runs before every

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from mixprec import sharding
 
-__all__ = ["SEED_KEY", "STEP_KEY", "draw_seed", "install", "stochastic_round"]
+__all__ = ["SEED_KEY", "STEP_KEY", "add_counters", "draw_seed", "install", "stochastic_round"]
 
 #: param-group keys that hold the rounding noise's seed and each group's step counter
 SEED_KEY = "mixprec_sr_seed"
@@ -323,13 +323,13 @@ def _install_generic(optimizer: torch.optim.Optimizer, lowp: set[int], handles: 
     handles.append(optimizer.register_step_post_hook(narrow))
 
 
-def install(optimizer: torch.optim.Optimizer, lowp: Iterable[torch.Tensor], seed: int, handles: list[Any]) -> bool:
-    """Make ``optimizer`` write the bf16 tensors ``lowp`` back with stochastic rounding.
+def add_counters(optimizer: torch.optim.Optimizer, seed: int, handles: list[Any]) -> None:
+    """Put the rounding seed and step counters into every param group of ``optimizer``.
 
-    The seed and step counters go into every param group, where state dicts and
-    ``torch.distributed.checkpoint`` carry them; a state dict saved without them (another
-    level, a plain optimizer) leaves this run's in place. Returns whether Adam(W)'s fused
-    kernel is in use.
+    Every prepared optimizer carries them, at every level (``seed`` 0 where nothing rounds
+    stochastically), so a checkpoint of one level has the keys another level's
+    ``torch.distributed.checkpoint`` load asks for. A state dict saved without them (a plain
+    optimizer's) leaves this run's in place.
     """
     for group in optimizer.param_groups:
         group.setdefault(SEED_KEY, seed)
@@ -347,6 +347,14 @@ def install(optimizer: torch.optim.Optimizer, lowp: Iterable[torch.Tensor], seed
 
     handles.append(optimizer.register_load_state_dict_pre_hook(keep_counters))  # type: ignore[arg-type]
     handles.append(optimizer.register_load_state_dict_post_hook(restore_missing))
+
+
+def install(optimizer: torch.optim.Optimizer, lowp: Iterable[torch.Tensor], handles: list[Any]) -> bool:
+    """Make ``optimizer`` write the bf16 tensors ``lowp`` back with stochastic rounding.
+
+    The noise comes from the counters :func:`add_counters` put in the param groups. Returns
+    whether Adam(W)'s fused kernel is in use.
+    """
     ids = {id(p) for p in lowp}
     if _fused_supported(optimizer) and _install_fused(optimizer, ids, handles):
         return True
