@@ -47,7 +47,7 @@ def _shard(model: nn.Module, **kwargs: Any) -> nn.Module:
     from torch.distributed.fsdp import fully_shard
 
     for layer in model.blocks.layers:  # type: ignore[union-attr]
-        fully_shard(layer, **kwargs)
+        fully_shard(layer, **kwargs)  # a TransformerEncoderLayer, or its checkpoint wrapper
     fully_shard(model, **kwargs)
     return model
 
@@ -70,13 +70,17 @@ class Run:
     keep: bool = True  # prepare's default: norms kept in fp32
     dtype: torch.dtype = torch.bfloat16
     accumulate: int = 1  # micro-batches per step (gradient sync off for all but the last)
-    scaler: bool = False
+    checkpoint: bool = False  # activation checkpointing of each block (torch's checkpoint_wrapper)
 
 
 def _build(run: Run, world: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     model = _lm()
+    if run.checkpoint:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+        apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, nn.TransformerEncoderLayer))
     if run.torch_recipe == "bf16":
         model = model.to(torch.bfloat16)
     policy = {
@@ -255,10 +259,10 @@ def _levels_worker(rank: int, world: int, port: int, results: Any, where: str) -
             "groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
             "resumed": _checkpointed(run, rank, world, Path(where) / level),
         }
-        accumulated = Run(level, accumulate=2)
-        model, opt = _build(accumulated, world)
-        _train(model, opt, accumulated, range(STEPS), rank, world)
-        out[level]["accumulated"] = _full(model)
+        for key, variant in (("accumulated", Run(level, accumulate=2)), ("checkpointed", Run(level, checkpoint=True))):
+            model, opt = _build(variant, world)
+            _train(model, opt, variant, range(STEPS), rank, world)
+            out[level][key] = _full(model)
     for name, run in {"O1": Run("O1", keep=False), "O2": Run("O2", keep=False),
                       "bf16-pure": Run("bf16-pure", keep=False)}.items():  # fmt: skip
         model, opt = _build(run, world)
@@ -357,6 +361,14 @@ def test_each_module_computes_in_its_levels_dtype(level: str, ranks: list[dict[s
     # inputs cast to fp32; the projections take the norms' fp32 outputs, cast by autocast inside matmul).
     for rank in ranks:
         assert rank[level]["seen"] == SEEN[level]
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_activation_checkpointing_under_fsdp2_changes_nothing(level: str, ranks: list[dict[str, Any]]) -> None:
+    # torch's checkpoint_wrapper on every block, no extra argument: the recompute gathers the shards again
+    # and runs the kept norms' own hooks again, so the run is the unchecked one, bit for bit.
+    for rank in ranks:
+        assert bitwise_equal(rank[level]["checkpointed"], rank[level]["params"])
 
 
 @pytest.mark.parametrize("level", LEVELS)

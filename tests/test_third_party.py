@@ -400,3 +400,42 @@ def test_deprecated_gradient_checkpointing_enable_spelling() -> None:
         out = model(**inputs)
     out.loss.backward()
     assert bitwise_equal((out.loss, out.logits, {n: p.grad for n, p in model.named_parameters()}), expected)
+
+
+# --- prepared models with the framework's own checkpointing switch, no extra argument ----------------
+
+LEVELS = ["O1", "O2", "bf16-sr", "bf16-pure"]
+SWITCHES = [
+    pytest.param(lambda m: m.activation_checkpointing_enable(), id="activation_checkpointing_enable"),
+    pytest.param(lambda m: m.gradient_checkpointing_enable(), id="gradient_checkpointing_enable",
+                 marks=pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable` is deprecated:FutureWarning")),
+]  # fmt: skip
+
+
+def _prepared_step(name: str, level: str, switch: Callable[[nn.Module], None] | None) -> tuple[Any, int]:
+    """One step of the model prepared at ``level`` (norms kept in fp32 by prepare's default rule).
+
+    Returns the loss, logits and the gradients the optimizer steps with, and how often the watched
+    submodule inside a checkpointed layer ran its forward.
+    """
+    model = copy.deepcopy(_initial(name))
+    model, opt = mixprec.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), level=level)
+    if switch is not None:
+        switch(model)
+    calls = [0]
+    model.get_submodule(CASES[name].watch).register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    out = model(**CASES[name].inputs(torch.Generator().manual_seed(1)))
+    out.loss.backward()
+    return (out.loss, out.logits, [p.grad for p in mixprec.master_params(opt)]), calls[0]
+
+
+@pytest.mark.parametrize("switch", SWITCHES)
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("name", ["gpt2", "llama", "bert", "vit"])
+def test_prepared_model_checkpoints_with_the_models_own_switch(name: str, level: str, switch: Any) -> None:
+    # prepare keeps norms in fp32 with hooks on the norm modules themselves, so the recompute runs them
+    # as the forward did: no context_fn, and the same gradients as without checkpointing, bit for bit.
+    expected, once = _prepared_step(name, level, None)
+    got, twice = _prepared_step(name, level, switch)
+    assert (once, twice) == (1, 2), "the switch did not checkpoint the watched layer"
+    assert bitwise_equal(got, expected)
