@@ -405,10 +405,11 @@ def test_deprecated_gradient_checkpointing_enable_spelling() -> None:
 # --- prepared models with the framework's own checkpointing switch, no extra argument ----------------
 
 LEVELS = ["O1", "O2", "bf16-sr", "bf16-pure"]
+DEPRECATED_SWITCH = pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable` is deprecated:FutureWarning")
 SWITCHES = [
     pytest.param(lambda m: m.activation_checkpointing_enable(), id="activation_checkpointing_enable"),
     pytest.param(lambda m: m.gradient_checkpointing_enable(), id="gradient_checkpointing_enable",
-                 marks=pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable` is deprecated:FutureWarning")),
+                 marks=DEPRECATED_SWITCH),
 ]  # fmt: skip
 
 
