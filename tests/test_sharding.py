@@ -156,8 +156,9 @@ def _checkpointed(run: Run, rank: int, world: int, where: Path) -> list[torch.Te
     return _full(model)
 
 
-def _orders(world: int) -> dict[str, str]:
+def _orders(world: int, where: str) -> dict[str, str]:
     """The orders and wrappings that cannot train right: each must raise, with the message it gives."""
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.fsdp import fully_shard
 
     errors: dict[str, str] = {}
@@ -165,8 +166,8 @@ def _orders(world: int) -> dict[str, str]:
     def expect(name: str, fn: Any) -> None:
         try:
             fn()
-        except (ValueError, RuntimeError) as error:
-            errors[name] = str(error)
+        except (Exception, CheckpointException) as error:  # DCP's is a BaseException
+            errors[name] = f"{type(error).__name__}: {error}"
         else:
             errors[name] = "<no error>"
 
@@ -200,6 +201,19 @@ def _orders(world: int) -> dict[str, str]:
         fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16))
         mixprec.prepare(model, torch.optim.AdamW(model.parameters()), level="O2", dtype=torch.bfloat16)
 
+    def fsdp1() -> None:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        model = FullyShardedDataParallel(_lm(), device_id=torch.device("cpu"))
+        mixprec.prepare(model, torch.optim.AdamW(model.parameters()), level="O2")
+
+    def another_models_checkpoint() -> None:
+        model = _shard(TinyLM(vocab=64, dim=64, layers=2, heads=2))  # twice as wide as the one saved
+        model, opt = mixprec.prepare(model, torch.optim.AdamW(model.parameters()), level="O2")
+        _load(model, opt, Path(where) / "O2")
+
+    expect("fsdp1", fsdp1)
+    expect("another-models-checkpoint", another_models_checkpoint)
     expect("optimizer-before-shard", optimizer_before_shard)
     expect("after-first-forward", after_first_forward)
     expect("conflicting-mp-policy", conflicting_policy)
@@ -275,7 +289,7 @@ def _levels_worker(rank: int, world: int, port: int, results: Any, where: str) -
         out[f"torch-{recipe}"] = _full(model)
     out["overflow"] = {"O1": _overflow(rank, world, "O1"), "O2": _overflow(rank, world, "O2"),
                        "O1/process_group": _overflow(rank, world, "O1", dist.group.WORLD)}  # fmt: skip
-    out["orders"] = _orders(world)
+    out["orders"] = _orders(world, where)
     results[rank] = out
     dist.destroy_process_group()
 
@@ -413,6 +427,10 @@ ORDER_ERRORS = {
     "optimizer-before-shard": "build the optimizer from model.parameters\\(\\) after fully_shard",
     "after-first-forward": "before the first forward",
     "conflicting-mp-policy": "leave mp_policy out of fully_shard",
+    "fsdp1": "FullyShardedDataParallel \\(FSDP1\\).*use FSDP2 instead: torch.distributed.fsdp.fully_shard",
+    # DCP's own words: which tensor, saved and current sizes
+    "another-models-checkpoint": "Size mismatch between saved torch.Size\\(\\[64, 32\\]\\) and current: "
+    "torch.Size\\(\\[64, 64\\]\\) for model.embed.weight",
 }
 
 
