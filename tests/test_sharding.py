@@ -12,6 +12,7 @@ match one process on the whole batch no worse than torch's own FSDP2 run at that
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import warnings
 from pathlib import Path
@@ -257,6 +258,34 @@ def _shard_rounding(world: int) -> list[torch.Tensor]:
     ]
 
 
+# An edit the model reaches: attention (nn.MultiheadAttention's scaled_dot_product_attention) in fp32.
+EDITED = mixprec.get_policy("cpu").add("fp32", "scaled_dot_product_attention")
+
+
+def _compiled(rank: int, world: int, backend: str) -> dict[str, Any]:
+    """Training steps compiled whole (region, sharded model, loss), torch's region and an edited mixprec one."""
+    out: dict[str, Any] = {}
+    torch_region = functools.partial(torch.autocast, "cpu", dtype=torch.bfloat16)
+    edited = functools.partial(mixprec.autocast, "cpu", policy=EDITED)
+    for name, region, compiled in (("torch", torch_region, True), ("mixprec", edited, True),
+                                   ("mixprec-eager", edited, False)):  # fmt: skip
+        model, opt = _build(Run(), world)
+
+        def step(x: torch.Tensor, y: torch.Tensor, model: nn.Module = model, region: Any = region) -> torch.Tensor:
+            return _loss(model, x, y, region())
+
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        run = torch.compile(step, backend=backend) if compiled else step
+        for i in range(3):
+            x, y = _batch(i)
+            opt.zero_grad()
+            run(x.chunk(world)[rank], y.chunk(world)[rank]).backward()
+            opt.step()
+        out[name] = {"params": _full(model), "breaks": sum(torch._dynamo.utils.counters["graph_break"].values())}
+    return out
+
+
 def _levels_worker(rank: int, world: int, port: int, results: Any, where: str) -> None:
     init_process_group(rank, world, port)
     out: dict[str, Any] = {"shard-rounding": _shard_rounding(world)}
@@ -290,6 +319,7 @@ def _levels_worker(rank: int, world: int, port: int, results: Any, where: str) -
     out["overflow"] = {"O1": _overflow(rank, world, "O1"), "O2": _overflow(rank, world, "O2"),
                        "O1/process_group": _overflow(rank, world, "O1", dist.group.WORLD)}  # fmt: skip
     out["orders"] = _orders(world, where)
+    out["compiled"] = _compiled(rank, world, "aot_eager" if world == 2 else "inductor")
     results[rank] = out
     dist.destroy_process_group()
 
@@ -420,6 +450,22 @@ def test_bf16_sr_seeds_agree_across_ranks(ranks: list[dict[str, Any]]) -> None:
 def test_fp16_overflow_in_one_shard_skips_on_every_rank(case: str, ranks: list[dict[str, Any]]) -> None:
     # The gradients are DTensors: the scaler's inf check combines the shards with or without process_group.
     assert all(rank["overflow"][case] == [False, True, False] for rank in ranks)
+
+
+def test_compiled_sharded_model_under_an_edited_policy(ranks: list[dict[str, Any]]) -> None:
+    # torch.compile of the step (an edited mixprec region around the fully_shard model): it runs, breaks
+    # the graph no more often than the same step under torch.autocast (FSDP2's hooks are torch's own
+    # breaks), and computes what the eager step computes (aot_eager: bitwise; inductor, 4 ranks: fused
+    # kernels round differently).
+    for rank in ranks:
+        compiled = rank["compiled"]
+        assert compiled["mixprec"]["breaks"] <= compiled["torch"]["breaks"], compiled
+        if len(ranks) == 2:
+            assert bitwise_equal(compiled["mixprec"]["params"], compiled["mixprec-eager"]["params"])
+        else:
+            torch.testing.assert_close(compiled["mixprec"]["params"], compiled["mixprec-eager"]["params"],
+                                       rtol=2e-2, atol=2e-2)  # fmt: skip
+        assert not bitwise_equal(compiled["mixprec"]["params"], compiled["torch"]["params"])  # the edit reached it
 
 
 ORDER_ERRORS = {
