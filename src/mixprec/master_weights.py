@@ -139,7 +139,9 @@ def prepare(
     _keep_in_fp32(kept_modules, device_type, state.handles)
 
     if level is not Level.O1:
-        if sharded:
+        if sharded and level is Level.O2:  # every shard stays fp32: the kept ones are gathered in fp32
+            sharding.gather_kept_in_fp32(model, _param_ids(kept_modules))
+        elif sharded:  # bf16 shards: a unit stores one dtype, so the kept modules move to fp32 units
             replaced = sharding.split_kept_units(model, _param_ids(kept_modules), kept_modules)
             _replace_in_optimizer(optimizer, replaced)
         kept = _param_ids(kept_modules)

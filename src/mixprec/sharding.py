@@ -14,18 +14,21 @@ sharded unit up for its level before the first forward, when FSDP2 reads these s
   rounds each rank's own shard, element by element as one process would.
 * O1: nothing to set; autocast casts the gathered fp32 parameters.
 
-FSDP2 gathers a unit's parameters in one dtype and reduces its gradients in one dtype, so a
-module kept in fp32 inside a low-precision unit (a norm inside a transformer block) becomes a
-unit of its own on the same mesh, gathered and reduced in fp32, not resharded between forward
-and backward (norms are small).
+At the bf16 levels a unit stores one dtype and reduces its gradients in one dtype, so the
+modules kept in fp32 inside a low-precision unit (the norms inside a transformer block) move
+together into one unit of their own on the same mesh, gathered and reduced in fp32, not resharded
+between forward and backward (norms are small): one more all-gather and reduce-scatter per unit.
 
-Collectives: :func:`split_kept_units` all-gathers each kept module's parameters once.
+This reaches into FSDP2's units (their mixed-precision policy, before the first forward reads it,
+and two methods of the parameters O2 gathers in fp32); the suite checks it against the torch it
+pins. Collectives: :func:`split_kept_units` all-gathers each kept module's parameters once.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import types
 from collections.abc import Iterable
 from typing import Any
 
@@ -145,8 +148,47 @@ def set_unit_precision(unit: Any, param_dtype: torch.dtype | None, where: str) -
     unit.mp_policy = dataclasses.replace(current, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
 
 
+def gather_kept_in_fp32(model: nn.Module, kept: set[int]) -> None:
+    """O2: in each unit with low-precision parameters, gather the kept ones (ids in ``kept``) in fp32.
+
+    The unit's shards are all fp32 (the masters); FSDP2 casts each parameter to the unit's
+    ``param_dtype`` for the all-gather, and takes a parameter's own ``param_dtype`` of ``None``
+    as "as stored": the kept ones are gathered in fp32 in the same all-gather (FSDP2 packs mixed
+    dtypes as bytes). FSDP2 reduce-scatters a unit's gradients in one dtype, so the low-precision
+    ones are widened to fp32 as backward leaves them, in the slot FSDP2 itself widens them into
+    while gradient sync is off: the one reduce-scatter, in fp32 (the unit's reduce dtype anyway),
+    no extra collective.
+    """
+    for unit in fsdp_units(model):
+        params = unit.fsdp_params
+        ours = [fp for fp in params if id(fp.sharded_param) in kept]
+        if not ours or len(ours) == len(params):
+            continue
+        for fp in params:
+            if id(fp.sharded_param) in kept:
+                fp.init_dtype_attrs = types.MethodType(_gathered_as_stored, fp)
+            else:
+                fp.accumulate_unsharded_grad_if_needed = types.MethodType(_widen_gradient, fp)
+
+
+def _gathered_as_stored(fsdp_param: Any, mp_policy: Any) -> None:
+    type(fsdp_param).init_dtype_attrs(fsdp_param, mp_policy)
+    fsdp_param.param_dtype = None
+
+
+def _widen_gradient(fsdp_param: Any) -> None:
+    gathered = getattr(fsdp_param, "_unsharded_param", None)
+    grad = None if gathered is None else gathered.grad
+    if gathered is not None and grad is not None and grad.dtype is not torch.float32:
+        if fsdp_param.unsharded_accumulated_grad is None:
+            fsdp_param.unsharded_accumulated_grad = grad.to(torch.float32)
+            gathered.grad = None
+            return
+    type(fsdp_param).accumulate_unsharded_grad_if_needed(fsdp_param)
+
+
 def split_kept_units(model: nn.Module, kept: set[int], kept_modules: Iterable[nn.Module]) -> dict[int, nn.Parameter]:
-    """Make each kept module inside a unit with low-precision parameters a unit of its own.
+    """Move the kept modules out of each unit with low-precision parameters into one fp32 unit of their own.
 
     ``kept`` holds the ids of the parameters kept in fp32; ``kept_modules`` the outermost
     kept modules. Returns old parameter id -> new parameter, for the optimizer.
@@ -155,7 +197,7 @@ def split_kept_units(model: nn.Module, kept: set[int], kept_modules: Iterable[nn
     from torch.distributed.fsdp._fully_shard._fsdp_param import unsafe_setattr_param
 
     where: dict[int, tuple[nn.Module, str]] = {}  # id(old shard) -> where its parameter lives
-    meshes: dict[int, Any] = {}  # id(kept module) -> the mesh of the unit it leaves
+    leaving: dict[int, tuple[Any, list[nn.Module]]] = {}  # id(unit) -> its mesh, the kept modules leaving it
     owner = {id(p): m for m in kept_modules for p in m.parameters()}
     for unit in fsdp_units(model):
         ours = [fp for fp in unit.fsdp_params if id(fp.sharded_param) in kept]
@@ -163,7 +205,8 @@ def split_kept_units(model: nn.Module, kept: set[int], kept_modules: Iterable[nn
             continue  # all low precision, or all kept: one dtype already
         for fp in ours:
             info = fp._module_info
-            if id(fp.sharded_param) not in owner:
+            module = owner.get(id(fp.sharded_param))
+            if module is None:
                 raise ValueError(
                     f"parameter {info.param_name!r} of a module kept in fp32 is shared with a module that is not kept; "
                     "keep both modules or neither"
@@ -173,14 +216,15 @@ def split_kept_units(model: nn.Module, kept: set[int], kept_modules: Iterable[nn
             whole = nn.Parameter(fp.sharded_param.full_tensor().detach().clone(),
                                  requires_grad=fp.sharded_param.requires_grad)  # fmt: skip
             places = [(info.module, info.param_name), *zip(info.shared_modules, info.shared_param_names, strict=True)]
-            for module, name in places:
-                unsafe_setattr_param(module, name, whole)
+            for place, name in places:
+                unsafe_setattr_param(place, name, whole)
             where[id(fp.sharded_param)] = places[0]
-            meshes[id(owner[id(fp.sharded_param)])] = fp.sharded_param.device_mesh
-    for module in kept_modules:
-        mesh = meshes.get(id(module))
-        if mesh is not None:
-            # fp32 all-gather and reduce (a fresh unit's default); small, so kept gathered until backward.
-            fully_shard(module, mesh=mesh, reshard_after_forward=False)
+            mesh, modules = leaving.setdefault(id(unit), (fp.sharded_param.device_mesh, []))
+            if not any(m is module for m in modules):
+                modules.append(module)
+    for mesh, modules in leaving.values():
+        # The kept modules of one unit become one fp32 unit (a fresh unit's default dtypes): one all-gather
+        # and one reduce-scatter for all of them; small, so kept gathered from forward until backward.
+        fully_shard(modules, mesh=mesh, reshard_after_forward=False)
     # fully_shard replaced the whole parameters with new shards: the optimizer must hold those.
     return {old: getattr(module, name) for old, (module, name) in where.items()}
