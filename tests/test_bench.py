@@ -298,3 +298,26 @@ def test_cli_output_piped_into_head_ends_quietly() -> None:
     done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
     assert "Traceback" not in done.stderr and "BrokenPipeError" not in done.stderr
     assert done.returncode == 0
+
+
+def test_cli_sharded_bench_over_two_processes(capsys: pytest.CaptureFixture[str], tmp_path: pathlib.Path) -> None:
+    from mixprec.bench import sharded
+
+    out = tmp_path / "bench"
+    assert cli.main(["bench", "--nproc", "2", "--size", "tiny", "--steps", "3", "--quiet", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    report = json.loads((out / "sharded.json").read_text())
+    assert (out / "sharded.md").read_text().count("| transformer |") == 7 + 6
+    two, one = report["results"]["2"]["transformer"], report["results"]["1"]["transformer"]
+    assert list(two) == list(sharded.SHARDED_MODES) and "torch-mp" not in one  # MixedPrecisionPolicy: sharded only
+    for level, reference in sharded.TORCH_EQUIVALENT.items():
+        result = two[level]
+        assert result["world_size"] == 2 and result["steps_per_s"] > 0
+        assert result["vs_torch"] == pytest.approx(result["steps_per_s"] / two[reference]["steps_per_s"])
+        # the state each rank holds: half of one process's (O2: its copies are gathered only around each forward)
+        assert result["state_vs_one_process"] <= 0.5 * 1.05, level
+        assert abs(result["loss_vs_one_process"]) < 0.01
+        assert set(result["memory"]) >= {"parameters", "masters", "gradients", "optimizer_state", "total"}
+    assert two["O2"]["memory"]["masters"] > 0 and two["O1"]["memory"]["masters"] == 0
+    assert "transformer  O2" in printed and "wrote" in printed
+    assert cli.main(["bench", "--nproc", "0", "--out", str(out)]) == 2  # bad input, before any process starts

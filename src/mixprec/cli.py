@@ -65,6 +65,12 @@ def _parser() -> argparse.ArgumentParser:
         help="no progress bars: one log line per result (so too when stdout is not a terminal)",
     )
     bench.add_argument(
+        "--nproc",
+        type=int,
+        help="train under FSDP2 (fully_shard) over N processes on this machine, each prepare level beside torch's "
+        "own FSDP2 mixed precision and one process (gloo on CPU, NCCL on CUDA); default workload: transformer",
+    )
+    bench.add_argument(
         "--compile",
         action=argparse.BooleanOptionalAction,
         default=False,
@@ -112,6 +118,8 @@ def _bench(args: argparse.Namespace) -> int:
     from mixprec.bench.runner import BenchConfig, BenchInterrupted, ModeResult, resolve_device, resolve_dtype, run
 
     size = args.size or ("quick" if args.quick else "default")
+    if args.nproc is not None:
+        return _bench_sharded(args, size)
     try:
         config = BenchConfig(workloads=args.workloads, modes=args.modes, steps=args.steps, device=args.device,
                              dtype=args.dtype, size=size, compile=args.compile,
@@ -186,6 +194,60 @@ def _bench(args: argparse.Namespace) -> int:
         print(report_module.PLOT_SKIPPED.format(name="bench.png"), file=sys.stderr)
     print("wrote " + ", ".join(str(p) for p in paths.values()) + f" in {report.seconds:.0f} s")
     return 130 if report.interrupted else 0  # 128 + SIGINT, as a shell reports a Ctrl-C
+
+
+def _bench_sharded(args: argparse.Namespace, size: str) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from mixprec.bench import sharded
+
+    workloads = args.workloads if args.workloads != tuple(WORKLOADS) else ("transformer",)
+    modes = sharded.SHARDED_MODES
+    explicit = [m for m in args.modes if m in sharded.SHARDED_MODES]
+    if args.modes != ("fp32", "torch-amp", "mixprec", "mixprec-cl", "mixprec-tuned") and explicit:
+        modes = tuple(explicit)
+    try:
+        config = sharded.ShardedConfig(nproc=args.nproc, workloads=workloads, modes=modes, size=size,
+                                       steps=args.steps, device=args.device,
+                                       dtype="bf16" if args.dtype == "auto" else args.dtype)  # fmt: skip
+    except ValueError as exc:
+        print(f"mixprec bench: {exc}", file=sys.stderr)
+        return 2
+    problem = _check_outputs(args.out, args.json)
+    if problem:
+        print(f"mixprec bench: {problem}", file=sys.stderr)
+        return 2
+    print(f"mixprec bench: {len(workloads)} workload(s) x {len(modes)} modes, FSDP2 over {args.nproc} processes "
+          f"and then 1, {config.total_steps} steps, size {size}, {config.dtype}", flush=True)  # fmt: skip
+    try:
+        if args.quiet or not sys.stdout.isatty():
+            report = sharded.run(config)
+        else:
+            columns = (TextColumn("{task.description:36}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+            with Progress(*columns, console=Console(), transient=True) as progress:
+                task = progress.add_task("starting processes", total=config.total_steps)
+
+                def on_step(ranks: str, name: str, done: int, total: int) -> None:
+                    progress.update(task, description=f"{ranks}: {name}", completed=done, total=total)
+
+                report = sharded.run(config, progress=on_step)
+    except KeyboardInterrupt:
+        print("mixprec bench: interrupted; nothing written", file=sys.stderr)
+        return 130
+    except ValueError as exc:
+        print(f"mixprec bench: {exc}", file=sys.stderr)
+        return 2
+    print(sharded.text_table(report), flush=True)
+    paths = sharded.write(report, args.out)
+    if args.json:
+        import json
+        import pathlib
+
+        pathlib.Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        paths.append(pathlib.Path(args.json))
+    print("wrote " + ", ".join(str(p) for p in paths) + f" in {report['seconds']:.0f} s")
+    return 0
 
 
 def _check_outputs(out: str, json_path: str | None) -> str | None:

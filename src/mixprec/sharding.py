@@ -179,11 +179,11 @@ def _gathered_as_stored(fsdp_param: Any, mp_policy: Any) -> None:
 def _widen_gradient(fsdp_param: Any) -> None:
     gathered = getattr(fsdp_param, "_unsharded_param", None)
     grad = None if gathered is None else gathered.grad
-    if gathered is not None and grad is not None and grad.dtype is not torch.float32:
-        if fsdp_param.unsharded_accumulated_grad is None:
-            fsdp_param.unsharded_accumulated_grad = grad.to(torch.float32)
-            gathered.grad = None
-            return
+    widen = grad is not None and grad.dtype is not torch.float32 and fsdp_param.unsharded_accumulated_grad is None
+    if gathered is not None and widen:
+        fsdp_param.unsharded_accumulated_grad = grad.to(torch.float32)  # type: ignore[union-attr]
+        gathered.grad = None
+        return
     type(fsdp_param).accumulate_unsharded_grad_if_needed(fsdp_param)
 
 
