@@ -139,40 +139,7 @@ def prepare(
     _keep_in_fp32(kept_modules, device_type, state.handles)
 
     if level is not Level.O1:
-        if sharded and level is Level.O2:  # every shard stays fp32: the kept ones are gathered in fp32
-            sharding.gather_kept_in_fp32(model, _param_ids(kept_modules))
-        elif sharded:  # bf16 shards: a unit stores one dtype, so the kept modules move to fp32 units
-            replaced = sharding.split_kept_units(model, _param_ids(kept_modules), kept_modules)
-            _replace_in_optimizer(optimizer, replaced)
-        kept = _param_ids(kept_modules)
-        inside_kept = {id(m) for k in kept_modules for m in k.modules()}
-        converted = [m for m in model.modules() if id(m) not in inside_kept]
-        seen: set[int] = set()  # shared parameters are converted once
-        for module in converted:
-            for param in module.parameters(recurse=False):
-                if id(param) not in kept and id(param) not in seen and param.is_floating_point():
-                    seen.add(id(param))
-                    state.lowp_params.append(param)
-        in_units: set[int] = set()
-        for unit in sharding.fsdp_units(model):
-            params = [fp.sharded_param for fp in unit.fsdp_params]
-            in_units.update(id(p) for p in params)
-            if any(id(p) in seen for p in params):
-                sharding.set_unit_precision(unit, dtype if level is Level.O2 else None, unit._module_fqn or "model")
-        if level is Level.O2:
-            unmanaged = [p for p in state.lowp_params if id(p) not in in_units]
-            if unmanaged:
-                state.copies = _ComputeCopies(dtype, unmanaged)
-                _install_copies(converted, state.copies, state.handles)
-                state.handles.append(optimizer.register_step_post_hook(lambda *_: state.copies.refresh()))  # type: ignore[union-attr]
-        else:
-            for param in state.lowp_params:
-                _convert(param, dtype)
-        for module in converted:
-            for name, buffer in module.named_buffers(recurse=False):
-                if buffer is not None and buffer.is_floating_point() and buffer.dtype is not dtype:
-                    module._buffers[name] = buffer.to(dtype)
-                    state.buffers.append((module, name))
+        _lower(model, optimizer, state)
     if level is Level.BF16_SR:
         seed = stochastic_rounding.draw_seed(sharding.process_group(model) if sharded else None)
         stochastic_rounding.add_counters(optimizer, seed, state.handles)
@@ -189,6 +156,44 @@ def prepare(
     model._mixprec = state  # type: ignore[assignment]
     optimizer._mixprec = state  # type: ignore[attr-defined]
     return model, optimizer
+
+
+def _lower(model: nn.Module, optimizer: torch.optim.Optimizer, state: _Prepared) -> None:
+    """Put the parameters and buffers of the modules not kept in fp32 at the level's precision."""
+    level, dtype, kept_modules = state.level, state.dtype, state.kept_modules
+    if state.sharded and level is Level.O2:  # every shard stays fp32: the kept ones are gathered in fp32
+        sharding.gather_kept_in_fp32(model, _param_ids(kept_modules))
+    elif state.sharded:  # bf16 shards: a unit stores one dtype, so the kept modules move to fp32 units
+        _replace_in_optimizer(optimizer, sharding.split_kept_units(model, _param_ids(kept_modules), kept_modules))
+    kept = _param_ids(kept_modules)
+    inside_kept = {id(m) for k in kept_modules for m in k.modules()}
+    converted = [m for m in model.modules() if id(m) not in inside_kept]
+    seen: set[int] = set()  # shared parameters are converted once
+    for module in converted:
+        for param in module.parameters(recurse=False):
+            if id(param) not in kept and id(param) not in seen and param.is_floating_point():
+                seen.add(id(param))
+                state.lowp_params.append(param)
+    in_units: set[int] = set()
+    for unit in sharding.fsdp_units(model):
+        params = [fp.sharded_param for fp in unit.fsdp_params]
+        in_units.update(id(p) for p in params)
+        if any(id(p) in seen for p in params):
+            sharding.set_unit_precision(unit, dtype if level is Level.O2 else None, unit._module_fqn or "model")
+    if level is Level.O2:  # FSDP2 gathers its units' low-precision weights; copies for the rest
+        unmanaged = [p for p in state.lowp_params if id(p) not in in_units]
+        if unmanaged:
+            copies = state.copies = _ComputeCopies(dtype, unmanaged)
+            _install_copies(converted, copies, state.handles)
+            state.handles.append(optimizer.register_step_post_hook(lambda *_: copies.refresh()))
+    else:
+        for param in state.lowp_params:
+            _convert(param, dtype)
+    for module in converted:
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer is not None and buffer.is_floating_point() and buffer.dtype is not dtype:
+                module._buffers[name] = buffer.to(dtype)
+                state.buffers.append((module, name))
 
 
 def export_fp32(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> nn.Module:

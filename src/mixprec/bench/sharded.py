@@ -360,7 +360,7 @@ def rows(report: dict[str, Any]) -> Iterable[tuple[str, ...]]:
                     workload,
                     mode,
                     world,
-                    f"{r['steps_per_s']:.2f}",
+                    f"{r['steps_per_s']:.3g}",
                     "" if r["vs_torch"] is None else f"{r['vs_torch']:.2f}x",
                     f"{r['state_bytes'] / mib:.1f} MiB",
                     "" if r["state_vs_one_process"] is None else f"{r['state_vs_one_process']:.3f}",
