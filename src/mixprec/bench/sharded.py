@@ -215,10 +215,15 @@ def _sync(device: torch.device, world: int) -> None:
         dist.barrier()
 
 
-def _worker(rank: int, world: int, port: int, results: Any, config: ShardedConfig, queue: Any) -> None:
+def _quiet() -> None:
+    """No library notes in the bench's output (FSDP2 warns that the workloads' heads return views)."""
     import warnings
 
-    warnings.filterwarnings("ignore", module="torch.distributed")  # FSDP2's notes on CPU gloo runs
+    warnings.filterwarnings("ignore", module="torch.distributed")
+
+
+def _worker(rank: int, world: int, port: int, results: Any, config: ShardedConfig, queue: Any) -> None:
+    _quiet()
     device = _device(config.device, rank)
     backend = "nccl" if device.type == "cuda" else "gloo"
     if world > 1:
@@ -409,6 +414,7 @@ def _torchrun(argv: list[str]) -> int:
     parser.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     parser.add_argument("--out", default="mixprec-bench")
     args = parser.parse_args(argv)
+    _quiet()
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     local = int(os.environ.get("LOCAL_RANK", rank))
     device = torch.device("cuda", local) if torch.cuda.is_available() else torch.device("cpu")
