@@ -104,3 +104,51 @@ def spawn(fn: Any, world: int, *args: Any) -> list[dict[str, Any]]:
     results = manager.dict()
     mp.start_processes(fn, args=(world, free_port(), results, *args), nprocs=world, start_method="spawn", join=True)
     return [dict(results[rank]) for rank in range(world)]
+
+
+# --- host syncs: every way Python reads a tensor's values back --------------------------------------
+
+# Tensor methods and torch functions whose result is a Python value computed from a tensor's data:
+# on a GPU each waits for the device. (CPU tensors do not wait, but the same code paths run there,
+# so counting their calls on a CPU shows what would sync on a GPU.)
+_SYNC_METHODS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "__complex__", "numpy",
+                 "__array__", "nonzero", "cpu", "equal", "allclose", "is_nonzero")  # fmt: skip
+_SYNC_FUNCTIONS = ("equal", "allclose", "nonzero", "is_nonzero", "unique", "masked_select")
+
+
+class HostSyncs:
+    """Records each host read of tensor data inside a ``with`` block: ``(name, tensor)`` in ``reads``."""
+
+    def __init__(self) -> None:
+        self.reads: list[tuple[str, torch.Tensor]] = []
+        self._monkeypatch = pytest.MonkeyPatch()  # its own: undoing it leaves the test's patches alone
+
+    def __enter__(self) -> HostSyncs:
+        self.reads = []  # each block counts its own
+        for name in _SYNC_METHODS:
+            original = getattr(torch.Tensor, name, None)
+            if original is not None:
+                self._monkeypatch.setattr(torch.Tensor, name, self._wrap(name, original))
+        for name in _SYNC_FUNCTIONS:
+            self._monkeypatch.setattr(torch, name, self._wrap(f"torch.{name}", getattr(torch, name)))
+        return self
+
+    def _wrap(self, name: str, original: Any) -> Any:
+        def read(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+            self.reads.append((name, tensor))
+            return original(tensor, *args, **kwargs)
+
+        return read
+
+    def __exit__(self, *exc: object) -> None:
+        self._monkeypatch.undo()
+
+    def names(self, ignore: tuple[torch.Tensor, ...] = ()) -> list[str]:
+        """The reads, by name, except of the tensors in ``ignore`` (host-side by design)."""
+        return [name for name, tensor in self.reads if not any(tensor is t for t in ignore)]
+
+
+@pytest.fixture
+def host_syncs() -> HostSyncs:
+    """A :class:`HostSyncs` probe; ``with host_syncs: ...`` records the reads inside the block."""
+    return HostSyncs()

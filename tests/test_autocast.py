@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import pytest
 import torch
@@ -249,19 +250,31 @@ def test_weight_cast_cache_is_torchs() -> None:
 
 
 def test_edited_op_shares_one_cast_per_weight_like_torch() -> None:
-    # The kernel of an edited op caches weight casts as torch's cached_cast does, so a weight
-    # used twice in a region gets one cast and one gradient, as it does under torch.
-    weight = torch.randn(4, 4, requires_grad=True)
-    x = torch.randn(3, 4)
-    grads = {}
-    for name, policy in {"torch": "cpu", "edited": mixprec.get_policy("cpu").add("lower", "exp")}.items():
+    # mm through mixprec's kernel (an output dtype registers one for every listed op) against torch's
+    # own kernel: both cache the weight's cast, so a weight used twice in a region is cast once and its
+    # two gradients are summed in bf16 before the cast's backward widens them.
+    torch.manual_seed(0)
+    weight = torch.randn(64, 64, requires_grad=True)
+    x1, x2 = torch.randn(32, 64), torch.randn(32, 64)
+
+    def grad(region: Any) -> tuple[torch.Tensor, torch.Tensor]:
         weight.grad = None
-        with mixprec.autocast("cpu", policy=policy):
-            y = torch.mm(x, weight) + torch.mm(x * 2, weight)
-        y.float().sum().backward()
-        grads[name] = weight.grad.clone()
-    assert bitwise_equal(grads["torch"], grads["edited"])
+        with region:
+            y = torch.mm(x1, weight) + torch.mm(x2, weight)
+        y.float().square().sum().backward()
+        return y, weight.grad.clone()  # type: ignore[union-attr]
+
+    expected = grad(torch.autocast("cpu"))
+    with mixprec.autocast("cpu", policy="compute=bf16,output=bf16"):
+        assert "aten::mm@cpu" in dispatch_module.registered()  # the edited kernel runs, not torch's
+    got = grad(mixprec.autocast("cpu", policy="compute=bf16,output=bf16"))
+    assert bitwise_equal(got, expected)
     assert not dispatch_module.state().cache  # released at the region's exit
+    # Two casts (no cache) would sum the two gradients in fp32 instead: the test tells them apart.
+    weight.grad = None
+    low = weight.bfloat16(), weight.bfloat16()
+    (torch.mm(x1.bfloat16(), low[0]) + torch.mm(x2.bfloat16(), low[1])).float().square().sum().backward()
+    assert not bitwise_equal(weight.grad, expected[1])
 
 
 # --- the global switch -----------------------------------------------------------------

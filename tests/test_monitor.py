@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mixprec
+from conftest import HostSyncs
 
 
 class Blowup(nn.Module):
@@ -72,12 +73,17 @@ def test_backward_only_nan_is_found_in_backward() -> None:
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), Poison(), nn.Linear(4, 1))
-    monitor = mixprec.Monitor(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = mixprec.GradScaler("cpu")
+    monitor = mixprec.Monitor(model, scaler)
     loss = model(torch.randn(2, 4)).sum()
-    loss.backward()
-    assert monitor.check(loss) is None  # the loss is fine
-    incident = monitor._report("skipped step")
-    assert incident.pass_ == "backward" and incident.module == "1"  # Poison's input is Tanh's output
+    assert monitor.check(loss) is None  # the loss is fine: only the gradients go bad
+    scaler.scale(loss).backward()
+    scaler.step(opt)  # skipped: the NaN gradients make the monitor replay
+    scaler.update()
+    assert scaler.skipped(opt) and len(monitor.incidents) == 1
+    incident = monitor.incidents[0]
+    assert (incident.reason, incident.pass_, incident.module) == ("skipped step", "backward", "1")  # Tanh's output
     monitor.close()
 
 
@@ -97,15 +103,19 @@ def test_check_on_a_bf16_run_and_clean_close() -> None:
     assert not model._forward_pre_hooks
 
 
-def test_healthy_steps_do_not_sync(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_healthy_steps_do_not_sync(host_syncs: HostSyncs) -> None:
     model = _model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)  # fused: the scaler's step reads nothing
     scaler = mixprec.GradScaler("cpu")
     monitor = mixprec.Monitor(model, scaler)
-    reads = []
-    original_bool = torch.Tensor.__bool__
-    monkeypatch.setattr(torch.Tensor, "__bool__", lambda self: reads.append(1) or original_bool(self))
-    out = model(torch.randn(2, 8)).sum()
-    out.backward()
-    monkeypatch.undo()
-    assert reads == []
+    for _ in range(3):
+        with host_syncs:  # whole training steps, watched
+            opt.zero_grad()
+            with mixprec.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(2, 8)).float().sum()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        assert host_syncs.names() == []
+    assert monitor.incidents == [] and not scaler.skipped(opt)
     monitor.close()

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mixprec
-from conftest import bitwise_equal
+from conftest import HostSyncs, bitwise_equal
 
 SCALERS = {"torch": torch.amp.GradScaler, "mixprec": mixprec.GradScaler}
 # Iteration -> what to plant in one gradient after backward: overflow, NaN, and a run of two.
@@ -390,20 +390,36 @@ def test_scheduler_does_not_advance_on_skipped_step() -> None:
     assert lrs == [1.0, 0.5, 0.25, 0.125]
 
 
-def test_fused_optimizer_step_does_not_sync(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fused_optimizer_step_does_not_sync(host_syncs: HostSyncs) -> None:
     scaler = _scaler("mixprec")
     model = _model()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2, fused=True)
-    x, y = _batches(1)[0]
-    scaler.scale(_loss(model, x, y)).backward()
-    calls = []
-    original = torch.Tensor.item
-    monkeypatch.setattr(torch.Tensor, "item", lambda self: calls.append(1) or original(self))
-    scaler.step(opt)
-    scaler.update()
-    assert calls == []  # no found_inf.item(): the fused kernel reads found_inf itself
-    monkeypatch.undo()
+    for x, y in _batches(3):
+        with host_syncs:  # scale, backward, step and update: no read of any tensor's data
+            opt.zero_grad()
+            scaler.scale(_loss(model, x, y)).backward()
+            scaler.step(opt)
+            scaler.update()
+        assert host_syncs.names() == []  # no found_inf.item(): the fused kernel reads found_inf itself
     assert scaler.skipped(opt) is False
+
+
+def test_unfused_step_reads_the_flag_once_and_nothing_else_syncs(host_syncs: HostSyncs) -> None:
+    scaler = _scaler("mixprec")
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)  # no step tensor: SGD reads nothing itself
+    x, y = _batches(1)[0]
+    with host_syncs:
+        loss = scaler.scale(_loss(model, x, y))
+        loss.backward()
+        scaler.unscale_(opt)
+    assert host_syncs.names() == []  # scale and unscale_ never sync
+    with host_syncs:
+        scaler.step(opt)
+    assert len(host_syncs.names()) == 1  # step reads the inf/NaN flag, once for the one device
+    with host_syncs:
+        scaler.update()
+    assert host_syncs.names() == []  # update: none
 
 
 def test_low_precision_gradients_are_unscaled() -> None:
