@@ -37,6 +37,12 @@ def _cases() -> list[Any]:
     return cases
 
 
+# A policy that moves every op on torch's CPU list: while a thread holds it, mixprec's kernels stand in
+# for all of torch's, and where no mixprec policy is in force they must do what torch's do.
+_EVERY = mixprec.get_policy("cpu")
+_EVERY_OP_MOVED = _EVERY.remove(*_EVERY._table).add("lower", "exp")  # type: ignore[attr-defined]
+
+
 def _call(region: Any, fn: Any, args: Any, kwargs: Any) -> Any:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # some list entries are deprecated ops
@@ -53,12 +59,60 @@ def test_torch_cpu_lists_under_mixprec_and_under_mixprec_kernels(
     assert bitwise_equal(_call(mixprec.autocast("cpu", dtype=dtype), fn, args, kwargs), expected)
     # While another thread holds a region whose policy moves every listed op, mixprec's kernels
     # stand in for torch's: here, with no mixprec policy in force, they must do what torch's do.
-    every = mixprec.get_policy("cpu")
-    moved = every.remove(*every._table).add("lower", "exp")  # type: ignore[attr-defined]
-    with _held_in_other_thread(moved):
+    with _held_in_other_thread(_EVERY_OP_MOVED):
         assert any(k.startswith("aten::mm@") for k in dispatch_module.registered())
         got = _call(torch.autocast("cpu", dtype=dtype), fn, args, kwargs)
     assert bitwise_equal(got, expected)
+
+
+def _promote_cases() -> list[Any]:
+    """torch's CPU promote lists: ops autocast must promote (args per dtype), ops that promote by themselves."""
+    cases = []
+    for name, bf16_args, fp16_args in _LISTS.torch_need_autocast_promote:
+        args = {torch.bfloat16: bf16_args, torch.float16: fp16_args}
+        cases.append(pytest.param(getattr(torch, name), args, None, id=f"torch_need_autocast_promote.{name}"))
+    for list_name, owner in (("torch_expect_builtin_promote", torch), ("methods_expect_builtin_promote", torch.Tensor)):
+        for name, bf16_args, fp16_args, out_type in getattr(_LISTS, list_name):
+            args = {torch.bfloat16: bf16_args, torch.float16: fp16_args}
+            cases.append(pytest.param(getattr(owner, name), args, out_type, id=f"{list_name}.{name}"))
+    return cases
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize(("fn", "args", "out_type"), _promote_cases())
+def test_torch_cpu_promote_lists_under_mixprec_and_under_mixprec_kernels(
+    fn: Any, args: Any, out_type: torch.dtype | None, dtype: torch.dtype
+) -> None:
+    expected = _call(torch.autocast("cpu", dtype=dtype), fn, args[dtype], {})
+    if out_type is not None:
+        assert expected.dtype is out_type  # what torch's own test expects
+    assert bitwise_equal(_call(mixprec.autocast("cpu", dtype=dtype), fn, args[dtype], {}), expected)
+    with _held_in_other_thread(_EVERY_OP_MOVED):
+        got = _call(torch.autocast("cpu", dtype=dtype), fn, args[dtype], {})
+    assert bitwise_equal(got, expected)
+
+
+IDX = torch.tensor([0, 2])
+
+
+def test_promote_kernels_cast_where_torchs_do_and_raise_where_torchs_do() -> None:
+    # What only autocast's promote does: index_copy of an fp32 source into a bf16 tensor (the op itself
+    # refuses mixed dtypes), and cat of fp16 with bf16 under a bf16 region (torch refuses: neither is the
+    # widest). Through torch's kernels, then through mixprec's stand-ins for them.
+    bf16, fp32 = torch.randn(4, 4).bfloat16(), torch.randn(2, 4)
+    with torch.autocast("cpu"):
+        expected = torch.index_copy(bf16, 0, IDX, fp32)
+    assert expected.dtype is torch.float32
+    with pytest.raises(RuntimeError, match="same dtype"):
+        torch.index_copy(bf16, 0, IDX, fp32)  # without autocast's promote
+    with _held_in_other_thread(_EVERY_OP_MOVED), torch.autocast("cpu"):
+        assert "aten::index_copy@cpu" in dispatch_module.registered()
+        assert bitwise_equal(torch.index_copy(bf16, 0, IDX, fp32), expected)
+        # torch's words are "Unexpected floating ScalarType in at::autocast::prioritize"; mixprec's say why
+        with pytest.raises(RuntimeError, match=r"float16 input for an op that promotes .* cast the inputs to one"):
+            torch.cat([torch.randn(2).half(), torch.randn(2).bfloat16()])
+    with torch.autocast("cpu"), pytest.raises(RuntimeError, match="Unexpected floating ScalarType"):
+        torch.cat([torch.randn(2).half(), torch.randn(2).bfloat16()])  # torch's own
 
 
 class _held_in_other_thread:  # noqa: N801 - a context manager
@@ -109,8 +163,9 @@ A, B = torch.randn(4, 4), torch.randn(4, 4)
         (("fp32", "exp"), lambda: torch.exp(A.bfloat16()), torch.float32),  # an unlisted op added
         (("lower", "exp"), lambda: torch.exp(A), torch.bfloat16),
         (("lower", "mse_loss"), lambda: torch.nn.functional.mse_loss(A, B), torch.bfloat16),
-        (("promote", "add"), lambda: torch.add(A.bfloat16(), B), torch.float32),
-        (("promote", "add"), lambda: torch.add(A.bfloat16(), B.bfloat16()), torch.bfloat16),
+        # index_add, unlike add, refuses mixed dtypes by itself: only the promote edit makes it run
+        (("promote", "index_add"), lambda: torch.index_add(A.bfloat16(), 0, IDX, B[:2]), torch.float32),
+        (("promote", "index_add"), lambda: torch.index_add(A.bfloat16(), 0, IDX, B[:2].bfloat16()), torch.bfloat16),
         (("fp32_set_dtype", "softmax"), lambda: torch.softmax(A.bfloat16(), 0), torch.float32),
         (("fp32_set_dtype", "softmax"), lambda: torch.softmax(A.bfloat16(), 0, dtype=torch.bfloat16), torch.bfloat16),
         (("none", "mm"), lambda: torch.mm(A, B), torch.float32),
@@ -121,12 +176,19 @@ def test_edited_categories(edit: tuple[str, str], call: Any, expected: torch.dty
     category, op = edit
     base = mixprec.get_policy("cpu")
     policy = base.remove(op) if category == "none" else base.add(category, op)
+
+    def outcome() -> Any:  # the result, or torch's refusal (index_add of mixed dtypes without the edit)
+        try:
+            return call()
+        except RuntimeError as error:
+            return str(error)
+
     with torch.autocast("cpu"):
-        before = call()
+        before = outcome()
     with mixprec.autocast("cpu", policy=policy):
         assert call().dtype is expected
     with torch.autocast("cpu"):  # the edit is gone with the region
-        assert bitwise_equal(call(), before)
+        assert bitwise_equal(outcome(), before)
 
 
 def test_edited_op_casts_like_torchs_kernel_bitwise() -> None:
