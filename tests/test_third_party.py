@@ -281,7 +281,14 @@ def _raised(outcome: Any) -> bool:
 def test_builtin_policy_is_torch_autocast_bitwise(name: str, dtype: torch.dtype) -> None:
     expected, _ = _step(name, torch.autocast("cpu", dtype=dtype))
     got, _ = _step(name, mixprec.autocast("cpu", dtype=dtype))
-    assert bitwise_equal(got, expected)
+    assert bitwise_equal(got, expected)  # where torch raises, mixprec raises the same error
+    _xfail_where_torch_raises(expected)
+
+
+def _xfail_where_torch_raises(expected: Any) -> None:
+    """A case whose reference raised (the LSTM LM on CPUs without low-precision RNN kernels) is no pass."""
+    if _raised(expected):
+        pytest.xfail(f"torch itself raises here (mixprec raises the same): {expected[1][:120]}")
 
 
 @pytest.mark.parametrize("reentrant", REENTRANT)
@@ -294,8 +301,8 @@ def test_models_own_checkpointing_with_builtin_policy_is_torchs(name: str, dtype
     assert bitwise_equal(got, expected)
     # torch's recompute replays the region: hooks inside the layer see it there too
     assert seen == expected_seen
-    if not _raised(expected):
-        assert [when for when, _, _ in seen].count("pre") == 2, "the model's switch did not checkpoint this layer"
+    _xfail_where_torch_raises(expected)
+    assert [when for when, _, _ in seen].count("pre") == 2, "the model's switch did not checkpoint this layer"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
