@@ -81,8 +81,11 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 1))
 
 
-def _ddp_run(rank: int, level: str | None, *, poison: bool = False, no_sync: bool = False) -> list[torch.Tensor]:
+def _ddp_run(rank: int, level: str | None, *, poison: bool = False, no_sync: bool = False,
+             torch_bf16: bool = False) -> list[torch.Tensor]:  # fmt: skip
     model = _model()
+    if torch_bf16:  # torch's own: a bf16 model
+        model = model.to(torch.bfloat16)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     if level is not None:  # prepare first, then wrap
         model, opt = mixprec.prepare(model, opt, level=level, keep_types=())
@@ -112,6 +115,8 @@ def _ddp_run(rank: int, level: str | None, *, poison: bool = False, no_sync: boo
 def _ddp_worker(rank: int, world: int, port: int, results: Any) -> None:
     init_process_group(rank, world, port)
     out: dict[str, Any] = {"poisoned": _ddp_run(rank, None, poison=True)}
+    for no_sync in (False, True):  # torch's own DDP on a bf16 model: the bf16 levels' tolerance
+        out["torch-bf16" + ("/no_sync" if no_sync else "")] = _ddp_run(rank, None, no_sync=no_sync, torch_bf16=True)
     for level in LEVELS:
         out[str(level)] = _ddp_run(rank, level)
         out[f"{level}/no_sync"] = _ddp_run(rank, level, no_sync=True)
@@ -129,8 +134,10 @@ def test_ddp_overflow_on_one_rank_keeps_ranks_bitwise_identical(ddp_ranks: list[
         assert torch.equal(a, b)
 
 
-def _single_process(level: str | None) -> list[torch.Tensor]:
+def _single_process(level: str | None, torch_bf16: bool = False) -> list[torch.Tensor]:
     model = _model()
+    if torch_bf16:
+        model = model.to(torch.bfloat16)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     if level is not None:
         model, opt = mixprec.prepare(model, opt, level=level, keep_types=())
@@ -153,7 +160,16 @@ def test_ddp_matches_one_process_on_the_concatenated_batch(
     for a, b in zip(ddp_ranks[0][key], ddp_ranks[1][key], strict=True):
         assert torch.equal(a, b)  # DDP keeps replicas identical
     single = _single_process(level)
-    # bf16 weights (bf16-pure, bf16-sr) round every update, a bf16 step at these values is ~4e-3: a looser tolerance
-    tolerance = 2e-2 if level in ("bf16-pure", "bf16-sr") else 1e-3
-    for ddp_param, single_param in zip(ddp_ranks[0][key], single, strict=True):
-        torch.testing.assert_close(ddp_param, single_param, rtol=tolerance, atol=tolerance)
+    # How far torch's own DDP run (the same accumulation) ends from its one process, at the level's weight
+    # dtype, is the tolerance: fp32 weights under autocast (mixprec.autocast's built-in region is torch's),
+    # or a bf16 model. bf16 weights round every update: a few bf16 steps apart.
+    if level in (None, "O2"):
+        pair = ddp_ranks[0][f"None{accumulation}"], _single_process(None)
+    else:
+        pair = ddp_ranks[0][f"torch-bf16{accumulation}"], _single_process(None, torch_bf16=True)
+    torch_gap = max((a - b).abs().max().item() for a, b in zip(*pair, strict=True))
+    ours = max((a - b).abs().max().item() for a, b in zip(ddp_ranks[0][key], single, strict=True))
+    # plus one rounding step of the largest weight: where torch's run happens to land on the same value
+    largest = max(p.abs().max().item() for p in single)
+    step = largest * (2.0**-7 if level in ("bf16-pure", "bf16-sr") else 2.0**-23)
+    assert ours <= 1.5 * torch_gap + step, (ours, torch_gap)

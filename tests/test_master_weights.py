@@ -266,9 +266,9 @@ def test_stochastic_rounding_is_unbiased() -> None:
     ulp = (x.abs() * 2**-7).clamp_min(1e-30)
     assert ((draws.mean(0) - x).abs() / ulp).max() < 0.08  # a few percent of a bf16 step
     # Each draw is one of the two bf16 neighbours of x: the one below or above (x itself where exact).
-    below = torch.where(x.to(torch.bfloat16).float() <= x, x.to(torch.bfloat16).float(),
-                        torch.nextafter(x.to(torch.bfloat16), torch.tensor(-float("inf"), dtype=torch.bfloat16)).float())  # fmt: skip
-    above = torch.nextafter(below.to(torch.bfloat16), torch.tensor(float("inf"), dtype=torch.bfloat16)).float()
+    nearest, inf = x.to(torch.bfloat16), torch.tensor(float("inf"), dtype=torch.bfloat16)
+    below = torch.where(nearest.float() <= x, nearest.float(), torch.nextafter(nearest, -inf).float())
+    above = torch.nextafter(below.to(torch.bfloat16), inf).float()
     assert ((draws == below) | (draws == above)).all()
     assert ((draws == below).any(0) & (draws == above).any(0)).float().mean() > 0.9  # both, for almost every x
     assert mixprec.stochastic_round(torch.tensor([float("inf"), -float("inf")])).isinf().all()
