@@ -67,10 +67,16 @@ def test_same_numbers_in_torch_amp_and_mixprec_modes(tiny_report: tuple[pathlib.
         assert modes["mixprec"]["losses"] == modes["torch-amp"]["losses"]  # drop-in: bit for bit
 
 
-def test_fp16_modes_use_a_scaler() -> None:
+def test_fp16_modes_use_a_scaler(monkeypatch: pytest.MonkeyPatch) -> None:
+    scaled: dict[str, int] = {"torch": 0, "mixprec": 0}
+    for name, cls in (("torch", torch.amp.GradScaler), ("mixprec", mixprec.GradScaler)):
+        original = cls.scale
+        monkeypatch.setattr(cls, "scale", lambda self, loss, original=original, name=name: (
+            scaled.__setitem__(name, scaled[name] + 1), original(self, loss))[1])  # fmt: skip
     report = run(BenchConfig(workloads=("mlp",), modes=("torch-amp", "mixprec"), steps=3, size="tiny", dtype="fp16"))
     assert report.dtype == "fp16"
     assert report.results["mlp"]["mixprec"].losses == report.results["mlp"]["torch-amp"].losses
+    assert scaled["torch"] >= 3 and scaled["mixprec"] >= 3  # each mode's every step scaled its loss
 
 
 def test_modes_registry_is_open() -> None:

@@ -85,7 +85,8 @@ def test_backward_only_nan_is_named_with_its_op() -> None:
     assert first is not None
     assert (first.module, first.module_type, first.pass_) == ("absval", "AbsViaSqrt", "backward")
     assert first.op in {"div", "mul", "sqrt"}
-    assert report.module("absval").nan + report.module("absval").inf == 0 or first.pass_ == "backward"
+    # the module's forward outputs are finite: only its backward makes NaN
+    assert report.module("absval").nan + report.module("absval").inf == 0
     assert all(m.activations.nan == 0 for m in report.modules)  # forward is clean
     # it is broken in fp32 too: no precision rule is offered, and bf16 would not help
     assert report.keep_fp32 == [] and report.bf16_avoids_it is False

@@ -182,14 +182,8 @@ def test_string_form_moves_ops() -> None:
 
 def test_repr_is_one_readable_line() -> None:
     policy = mixprec.get_policy("cuda").add("fp32", F.scaled_dot_product_attention).keep_modules(nn.LayerNorm, "head")
-    assert (
-        repr(policy)
-        == (
-            "Policy(cuda +fp32[scaled_dot_product_attention] -[scaled_dot_product_attention] "
-            "rules[LayerNorm, 'head' -> fp32])"
-        )
-        or repr(policy) == "Policy(cuda +fp32[scaled_dot_product_attention] rules[LayerNorm, 'head' -> fp32])"
-    )
+    # a move out of torch's lower list into fp32 shows once, as where the op is now
+    assert repr(policy) == "Policy(cuda +fp32[scaled_dot_product_attention] rules[LayerNorm, 'head' -> fp32])"
     assert "<built-in" not in repr(policy) and "\n" not in repr(policy)
 
 
