@@ -298,3 +298,51 @@ def test_opinfo_samples_through_mixprec_stand_in_kernels(info: Any, dtype: torch
             assert bitwise_equal(_flatten(e), _flatten(g)), info.name
         else:  # torch is not bitwise reproducible here (linalg.lstsq on some CPUs): dtypes only
             assert [t.dtype for t in _flatten(e)] == [t.dtype for t in _flatten(g)], info.name
+
+
+# --- the AutocastCUDA key, without a GPU ------------------------------------------------------------------
+
+autocast_module = __import__("conftest").autocast_module
+CUDA_OPS = {  # each op's call on a fake CUDA tensor, and its category on torch's CUDA list
+    "mm": (lambda x: torch.mm(x, x), torch.float16),
+    "addmm": (lambda x: torch.addmm(x, x, x), torch.float16),
+    "exp": (lambda x: torch.exp(x.half()), torch.float32),
+    "softmax": (lambda x: torch.softmax(x.half(), 0), torch.float32),
+    "mse_loss": (lambda x: torch.nn.functional.mse_loss(x.half(), x), torch.float32),
+    "addcmul": (lambda x: torch.addcmul(x.half(), x, x), torch.float32),  # promote
+}
+
+
+def test_kernels_at_the_autocast_cuda_key_on_fake_cuda_tensors() -> None:
+    # Fake tensors on a "cuda" device reach the AutocastCUDA key on a CPU-only machine: torch's CUDA
+    # kernels run there, and mixprec's, registered at that key, stand in for them and apply edits.
+    from torch._subclasses import FakeTensorMode
+
+    cuda = mixprec.get_policy("cuda")
+    moved = cuda.remove(*CUDA_OPS).add("lower", "exp").add("fp32", "mm")  # type: ignore[arg-type]
+    outside = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
+    with FakeTensorMode():
+        x = torch.empty(4, 4, device="cuda")
+        torch.set_autocast_enabled("cuda", True)
+        torch.set_autocast_dtype("cuda", torch.float16)
+        try:
+            torchs = {name: call(x).dtype for name, (call, _) in CUDA_OPS.items()}
+            assert torchs == {name: dtype for name, (_, dtype) in CUDA_OPS.items()}
+            keys = dispatch_module.acquire(moved, "cuda")  # registered, in force in no thread: stand-ins
+            try:
+                assert "aten::mm@cuda" in dispatch_module.registered()
+                assert {name: call(x).dtype for name, (call, _) in CUDA_OPS.items()} == torchs
+                autocast_module._push("cuda", moved, None)  # in force here: the edits apply
+                try:
+                    got = {name: call(x).dtype for name, (call, _) in CUDA_OPS.items()}
+                finally:
+                    autocast_module._pop()
+            finally:
+                dispatch_module.release(keys)
+        finally:
+            torch.set_autocast_enabled("cuda", outside[0])
+            torch.set_autocast_dtype("cuda", outside[1])
+    # mm moved to fp32; exp lowered; the ops removed from the lists run as their inputs are
+    assert got == {"mm": torch.float32, "addmm": torch.float32, "exp": torch.float16, "softmax": torch.float16,
+                   "mse_loss": torch.float32, "addcmul": torch.float32}  # fmt: skip
+    assert dispatch_module.registered() == []
