@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-slow lint typecheck pytest demo bench clean
+.PHONY: test test-slow lint typecheck pytest demo bench mutants clean
 
 $(STAMP): requirements-dev.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -13,8 +13,8 @@ $(STAMP): requirements-dev.txt pyproject.toml
 	touch $(STAMP)
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks tools
+	$(BIN)/ruff format --check src tests benchmarks tools
 
 typecheck: $(STAMP)
 	$(BIN)/mypy src
@@ -27,6 +27,13 @@ test-slow: $(STAMP)
 
 test: lint typecheck pytest
 
+# Mutation testing (not in CI: an hour or more): the curated mutants the default suite must kill, then
+# mutmut over the core modules listed in pyproject.toml, and its score.
+mutants: $(STAMP)
+	$(BIN)/python tools/mutants.py
+	$(BIN)/mutmut run --max-children $$(nproc)
+	$(BIN)/python tools/mutation_score.py
+
 demo: $(STAMP)
 	$(BIN)/mixprec bench
 
@@ -36,4 +43,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_monitor.py
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache .mypy_cache .ruff_cache mutants

@@ -15,7 +15,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import mixprec
-from conftest import bitwise_equal
+from conftest import HostSyncs, bitwise_equal
 
 stochastic_rounding = importlib.import_module("mixprec.stochastic_rounding")
 
@@ -736,3 +736,24 @@ def test_modules_kept_by_name_compute_in_fp32(level: str) -> None:
     model(torch.randn(2, 8))
     assert model.seen == (torch.bfloat16, torch.float32)
     assert model.big.weight.dtype is torch.float32
+
+
+@pytest.mark.parametrize("level", ["O2", "bf16-sr", "bf16-pure"])
+@pytest.mark.parametrize("cls", [torch.optim.SGD, torch.optim.AdamW], ids=["SGD", "AdamW"])
+def test_training_steps_read_no_device_data(
+    level: str, cls: type[torch.optim.Optimizer], host_syncs: HostSyncs
+) -> None:
+    # O2's copies and version checks, bf16-sr's seeds and write-back: nothing reads tensor data on the host.
+    # The only reads are of Adam's step counts, which torch and the fused bf16-sr step keep on the CPU.
+    model = _model()
+    model, opt = mixprec.prepare(model, cls(model.parameters(), lr=1e-2), level=level)  # type: ignore[call-arg]
+    for i, (x, y) in enumerate(_data(4)):
+        if i == 0:  # the first step compiles bf16-sr's fused kernel for these shapes: a one-time cost
+            _one_step(model, opt)
+            continue
+        with host_syncs:
+            opt.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+        steps = tuple(s["step"] for s in opt.state.values() if "step" in s)
+        assert host_syncs.names(ignore=steps) == []

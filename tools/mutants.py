@@ -1,0 +1,178 @@
+"""Curated mutants: deliberate bugs in what mixprec adds, each of which the default suite must catch.
+
+Each mutant replaces one piece of source text with a wrong one (the replaced text must be found,
+or the mutant is reported stale) in a copy of the repository, and runs the default-suite test
+files that cover it (``-m "not slow" -x``). A mutant is killed when those tests fail. Exit status 1
+if any survives or is stale.
+
+    python tools/mutants.py              # every mutant (a few minutes)
+    python tools/mutants.py --list       # the list
+    python tools/mutants.py scaler-never-skips promote-no-op
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutant:
+    name: str
+    what: str  # the bug, in words
+    path: str
+    old: str
+    new: str
+    tests: tuple[str, ...]
+
+
+MUTANTS = (
+    # --- the six the suite was first checked against -------------------------------------------------
+    Mutant("scaler-never-skips", "GradScaler steps even when the gradients hold inf/NaN",
+           "src/mixprec/scaler.py", "        if skipped:\n            logger.info(",
+           "        if False:\n            logger.info(",
+           ("tests/test_scaler.py",)),
+    Mutant("prepare-drops-norm-rule", "prepare keeps no module in fp32",
+           "src/mixprec/master_weights.py", "    _keep_in_fp32(kept_modules, device_type, state.handles)\n", "",
+           ("tests/test_master_weights.py",)),
+    Mutant("edits-are-no-ops", "a policy's edits register no kernels",
+           "src/mixprec/_dispatch.py", "    if device_type not in AUTOCAST_KEYS:\n        return ()",
+           "    if True:\n        return ()", ("tests/test_autocast_ops.py", "tests/test_drop_in.py")),
+    Mutant("weight-cast-cache-off", "edited-op kernels cast a weight again at every use (two casts, two gradients)",
+           "src/mixprec/_dispatch.py", "        and torch.is_autocast_cache_enabled()\n",
+           "        and torch.is_autocast_cache_enabled() and False\n", ("tests/test_autocast.py",)),
+    Mutant("promote-no-op", "the promote category casts nothing",
+           "src/mixprec/_dispatch.py",
+           "        args, kwargs = cast_all(args, kwargs, _promote_dtype(tensors, device_type), device_type)\n", "",
+           ("tests/test_autocast_ops.py",)),
+    Mutant("fused-step-syncs", "the fused-optimizer scaler step reads found_inf on the host every iteration",
+           "src/mixprec/scaler.py", "        optimizer.found_inf = found_tensor  # type: ignore[attr-defined]\n",
+           "        optimizer.found_inf = found_tensor  # type: ignore[attr-defined]\n        found_tensor.tolist()\n",
+           ("tests/test_scaler.py",)),
+    # --- kernels and casting ------------------------------------------------------------------------
+    Mutant("fp32-set-dtype-no-op", "ops in fp32_set_dtype run without dtype=fp32",
+           "src/mixprec/_dispatch.py",
+           "                    args = (*args[:dtype_index], _float32, *args[dtype_index + 1 :])",
+           "                    args = (*args[:dtype_index], None, *args[dtype_index + 1 :])",
+           ("tests/test_autocast_ops.py",)),
+    Mutant("replay-skips-policy", "checkpoint_context's recompute runs without the policy",
+           "src/mixprec/autocast.py", "            _push(device_type, policy, None)\n", "            pass\n",
+           ("tests/test_drop_in.py",)),
+    # --- module rules and prepare levels ------------------------------------------------------------
+    Mutant("kept-inputs-not-fp32", "a module kept in fp32 gets its low-precision inputs as they are",
+           "src/mixprec/master_weights.py",
+           "        return value.float() if eligible and value.device.type == device_type else value",
+           "        return value", ("tests/test_master_weights.py",)),
+    Mutant("o2-grad-lost", "O2's low-precision copy passes no gradient to the fp32 parameter",
+           "src/mixprec/master_weights.py", "        return grad.to(ctx.master_dtype), None",
+           "        return None, None",
+           ("tests/test_master_weights.py",)),
+    Mutant("o2-copies-stale", "O2's copies are not refreshed after optimizer.step()",
+           "src/mixprec/master_weights.py",
+           "            state.handles.append(optimizer.register_step_post_hook(lambda *_: copies.refresh()))",
+           "            pass", ("tests/test_master_weights.py",)),
+    Mutant("o2-writes-ignored", "O2's copies do not follow writes into the weights (version counters ignored)",
+           "src/mixprec/master_weights.py", "        if param._version != self.versions[id(param)] or",
+           "        if False and param._version != self.versions[id(param)] or", ("tests/test_master_weights.py",)),
+    Mutant("outputs-not-cast", "a prepared model's floating outputs come back in low precision",
+           "src/mixprec/master_weights.py",
+           "    return out if state.output_dtype is None else _cast_floating(out, state.output_dtype)",
+           "    return out", ("tests/test_master_weights.py",)),
+    Mutant("sr-rounds-to-nearest", "bf16-sr writes the weights back rounded to nearest",
+           "src/mixprec/stochastic_rounding.py", "    noise = ((index * _WEYL + seed) >> 16) & 0xFFFF",
+           "    noise = 0x8000 + 0 * index", ("tests/test_master_weights.py",)),
+    Mutant("sr-seed-not-saved", "the rounding counters are not restored from a state dict",
+           "src/mixprec/stochastic_rounding.py", "                group.setdefault(key, value)",
+           "                group[key] = value",
+           ("tests/test_master_weights.py",)),
+    # --- FSDP2 ------------------------------------------------------------------------------------------
+    Mutant("fsdp-unit-precision-unset", "FSDP2 units keep gathering fp32 at O2",
+           "src/mixprec/sharding.py",
+           "    unit.mp_policy = dataclasses.replace(current, param_dtype=param_dtype, reduce_dtype=reduce_dtype)",
+           "    pass", ("tests/test_sharding.py",)),
+    Mutant("fsdp-kept-gathered-low", "O2 under FSDP2 gathers the kept norms in low precision",
+           "src/mixprec/sharding.py", "    fsdp_param.param_dtype = None", "    pass", ("tests/test_sharding.py",)),
+    Mutant("sr-shard-offset-ignored", "a shard rounds as if it were the start of the tensor",
+           "src/mixprec/stochastic_rounding.py", "    return _int32(seed + offset * _WEYL)", "    return seed",
+           ("tests/test_sharding.py",)),
+    Mutant("sharded-after-prepare-unseen", "prepare then fully_shard trains without a word",
+           "src/mixprec/master_weights.py", "    if not state.sharded and sharding.fsdp_modules(model):",
+           "    if False:", ("tests/test_sharding.py",)),
+    # --- scaler and tune ----------------------------------------------------------------------------------
+    Mutant("scaler-ranks-disagree", "with process_group, each rank still skips on its own flags only",
+           "src/mixprec/scaler.py", "dist.all_reduce(found, op=dist.ReduceOp.SUM, group=self._process_group)",
+           "pass", ("tests/test_distributed.py",)),
+    Mutant("scaler-no-backoff", "an overflowing iteration does not shrink the loss scale",
+           "src/mixprec/scaler.py", "self._growth_factor, self._backoff_factor,\n",
+           "self._growth_factor, 1.0,\n",
+           ("tests/test_scaler.py",)),
+    Mutant("tune-ignores-loss", "tune's guard accepts any loss",
+           "src/mixprec/tune.py", "    if err > tol.loss_rtol:", "    if False:", ("tests/test_tune.py",)),
+    Mutant("memory-masters-as-parameters", "memory_report counts O2's fp32 masters as parameters",
+           "src/mixprec/memory.py", "            if id(p) in lowp:", "            if False:",
+           ("src/mixprec/memory.py", "docs/distributed.md")),
+)  # fmt: skip
+
+
+def _copy(into: Path) -> None:
+    for name in ("src", "tests", "docs", "pyproject.toml", "README.md"):
+        source = ROOT / name
+        if source.is_dir():
+            shutil.copytree(source, into / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        else:
+            shutil.copy2(source, into / name)
+
+
+def run(mutant: Mutant, python: str) -> tuple[str, float]:
+    """Apply ``mutant`` to a copy of the repository and run its tests: ``("killed" | "SURVIVED" | "STALE", s)``."""
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="mixprec-mutant-") as tmp:
+        copy = Path(tmp)
+        _copy(copy)
+        path = copy / mutant.path
+        text = path.read_text()
+        if text.count(mutant.old) != 1:
+            return "STALE", time.perf_counter() - start
+        path.write_text(text.replace(mutant.old, mutant.new))
+        env = {**os.environ, "PYTHONPATH": str(copy / "src")}
+        command = [python, "-m", "pytest", "-q", "-x", "-m", "not slow", "-p", "no:cacheprovider", *mutant.tests]
+        result = subprocess.run(command, cwd=copy, env=env, capture_output=True, text=True)
+    return ("killed" if result.returncode != 0 else "SURVIVED"), time.perf_counter() - start
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("names", nargs="*", help="mutants to run (default: all)")
+    parser.add_argument("--list", action="store_true", help="list the mutants and exit")
+    args = parser.parse_args(argv)
+    by_name = {m.name: m for m in MUTANTS}
+    if args.list:
+        for m in MUTANTS:
+            print(f"{m.name:32} {m.what}")
+        return 0
+    unknown = [n for n in args.names if n not in by_name]
+    if unknown:
+        print(f"unknown mutants: {', '.join(unknown)}; see --list", file=sys.stderr)
+        return 2
+    chosen = [by_name[n] for n in args.names] or list(MUTANTS)
+    outcomes = []
+    for mutant in chosen:
+        outcome, seconds = run(mutant, sys.executable)
+        outcomes.append(outcome)
+        print(f"{outcome:9} {seconds:5.0f} s  {mutant.name:32} {mutant.what}", flush=True)
+    killed = outcomes.count("killed")
+    print(f"{killed} of {len(chosen)} mutants killed")
+    return 0 if killed == len(chosen) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
