@@ -287,17 +287,25 @@ def test_opinfo_samples_through_mixprec_stand_in_kernels(info: Any, dtype: torch
                 results.append(type(error).__name__)
         return results
 
-    expected, again = run(), run()
+    expected = run()
     every = mixprec.get_policy("cpu")
     with _held_in_other_thread(every.remove(*every._table).add("lower", "exp")):  # type: ignore[attr-defined]
         got = run()
-    for e, e2, g in zip(expected, again, got, strict=True):
+    torch_runs = [run() for _ in range(3)]  # torch's own spread, for the samples it does not repeat bitwise
+    for index, (e, g) in enumerate(zip(expected, got, strict=True)):
         if isinstance(e, str):
             assert e == g
-        elif bitwise_equal(_flatten(e), _flatten(e2)):
-            assert bitwise_equal(_flatten(e), _flatten(g)), info.name
-        else:  # torch is not bitwise reproducible here (linalg.lstsq on some CPUs): dtypes only
-            assert [t.dtype for t in _flatten(e)] == [t.dtype for t in _flatten(g)], info.name
+            continue
+        if bitwise_equal(_flatten(e), _flatten(g)):
+            continue
+        others = [_flatten(r[index]) for r in torch_runs]
+        assert not all(bitwise_equal(_flatten(e), o) for o in others), f"{info.name}: torch repeats, mixprec differs"
+        # torch is not bitwise reproducible here (linalg.lstsq, some CPUs): as close as torch is to itself
+        for want, have, *repeats in zip(_flatten(e), _flatten(g), *others, strict=True):
+            assert want.dtype == have.dtype, info.name
+            if want.numel():
+                spread = max(float((want.double() - r.double()).abs().max()) for r in repeats)
+                assert float((want.double() - have.double()).abs().max()) <= 4 * spread + 1e-6, info.name
 
 
 # --- the AutocastCUDA key, without a GPU ------------------------------------------------------------------

@@ -53,6 +53,14 @@ def test_compiled_model_inside_eager_region() -> None:
     assert bitwise_equal(got, expected)
 
 
+def _compiled_step(model: nn.Module, x: torch.Tensor, fn: Any) -> Any:
+    """The loss and gradients of ``fn(x)`` compiled by inductor."""
+    model.zero_grad()
+    loss = torch.compile(fn, fullgraph=True)(x)
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+
+
 def test_inductor_training_step() -> None:
     model, x = _model(), torch.randn(4, 8)
 
@@ -64,17 +72,11 @@ def test_inductor_training_step() -> None:
         with torch.autocast("cpu"):
             return F.mse_loss(model(x), torch.zeros(4, 4))
 
-    def compiled_step(fn: Any) -> Any:
-        model.zero_grad()
-        loss = torch.compile(fn, fullgraph=True)(x)
-        loss.backward()
-        return loss.detach(), [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
-
-    got = compiled_step(loss_fn)
+    got = _compiled_step(model, x, loss_fn)
     assert got[0].dtype is torch.float32
     # inductor compiles torch's own region to the same kernels, bit for bit; fp32 rounds otherwise
-    assert bitwise_equal(got, compiled_step(torch_loss_fn))
-    assert not bitwise_equal(got, compiled_step(lambda x: F.mse_loss(model(x), torch.zeros(4, 4))))
+    assert bitwise_equal(got, _compiled_step(model, x, torch_loss_fn))
+    assert not bitwise_equal(got, _compiled_step(model, x, lambda x: F.mse_loss(model(x), torch.zeros(4, 4))))
 
 
 def _breaks_of_a_scaled_step(scaler_cls: type, autocast: object) -> tuple[int, int]:
@@ -228,12 +230,6 @@ def test_module_rules_inductor_training_step() -> None:
         with mixprec.autocast("cpu"):
             return model(x).square().mean()
 
-    def compiled_step(fn: Any) -> Any:
-        model.zero_grad()
-        loss = torch.compile(fn, fullgraph=True)(x)
-        loss.backward()
-        return loss.detach(), [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
-
-    got = compiled_step(loss_fn)
-    assert bitwise_equal(got, compiled_step(by_hand))
-    assert not bitwise_equal(got, compiled_step(without_rules))
+    got = _compiled_step(model, x, loss_fn)
+    assert bitwise_equal(got, _compiled_step(model, x, by_hand))
+    assert not bitwise_equal(got, _compiled_step(model, x, without_rules))

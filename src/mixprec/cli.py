@@ -127,12 +127,10 @@ def _bench(args: argparse.Namespace) -> int:
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
     except ValueError as exc:
-        print(f"mixprec bench: {exc}", file=sys.stderr)
-        return 2
+        return _refuse(str(exc))
     problem = _check_outputs(args.out, args.json)
     if problem:
-        print(f"mixprec bench: {problem}", file=sys.stderr)
-        return 2
+        return _refuse(problem)
     console = Console(stderr=False, quiet=False)
     runs = [
         (w, m) for w in config.workloads for m in config.modes if not (MODES[m].conv_only and not WORKLOADS[w].conv)
@@ -212,12 +210,10 @@ def _bench_sharded(args: argparse.Namespace, size: str) -> int:
                                        steps=args.steps, device=args.device,
                                        dtype="bf16" if args.dtype == "auto" else args.dtype)  # fmt: skip
     except ValueError as exc:
-        print(f"mixprec bench: {exc}", file=sys.stderr)
-        return 2
+        return _refuse(str(exc))
     problem = _check_outputs(args.out, args.json)
     if problem:
-        print(f"mixprec bench: {problem}", file=sys.stderr)
-        return 2
+        return _refuse(problem)
     print(f"mixprec bench: {len(workloads)} workload(s) x {len(modes)} modes, FSDP2 over {args.nproc} processes "
           f"and then 1, {config.total_steps} steps, size {size}, {config.dtype}", flush=True)  # fmt: skip
     try:
@@ -248,6 +244,12 @@ def _bench_sharded(args: argparse.Namespace, size: str) -> int:
         paths.append(pathlib.Path(args.json))
     print("wrote " + ", ".join(str(p) for p in paths) + f" in {report['seconds']:.0f} s")
     return 0
+
+
+def _refuse(problem: str) -> int:
+    """Say why ``mixprec bench`` cannot run; the exit status of bad input."""
+    print(f"mixprec bench: {problem}", file=sys.stderr)
+    return 2
 
 
 def _check_outputs(out: str, json_path: str | None) -> str | None:
