@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -10,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-autocast_module = importlib.import_module("mixprec.autocast")
-dispatch_module = importlib.import_module("mixprec._dispatch")
+from mixprec._src import autocast as autocast_module
+from mixprec._src import dispatch as dispatch_module
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -297,8 +297,9 @@ def test_checkpoint_context_composes_with_selective_checkpointing() -> None:
 def test_checkpoint_that_would_lose_the_policy_raises(name: str, reentrant: bool) -> None:
     model, policy = _mlp(), POLICIES[name]
     ckpt = functools.partial(checkpoint, use_reentrant=reentrant)
-    with pytest.raises(RuntimeError, match=r"context_fn=mixprec\.checkpoint_context"):
+    with pytest.raises(mixprec.CheckpointReplayError, match=r"context_fn=mixprec\.checkpoint_context") as raised:
         _train_grads(model, lambda: mixprec.autocast("cpu", policy=policy), ckpt)
+    assert isinstance(raised.value, RuntimeError)  # as raised before the error had its own type
 
 
 class _SwitchModel(nn.Module):

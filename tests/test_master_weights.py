@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import importlib
 import inspect
 import io
 from typing import Any
@@ -16,8 +15,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import mixprec
 from conftest import HostSyncs, bitwise_equal
-
-stochastic_rounding = importlib.import_module("mixprec.stochastic_rounding")
+from mixprec._src import stochastic_rounding
 
 
 def _model(seed: int = 0, norm: bool = True) -> nn.Module:
@@ -487,7 +485,7 @@ def test_o2_parameters_replaced_after_prepare_raise() -> None:
     model.load_state_dict(_model(seed=5).state_dict(), assign=True)  # new Parameter objects
     with pytest.raises(RuntimeError, match=r"replaced after mixprec.prepare .*no longer steps it"):
         model(_data(1)[0][0])
-    with pytest.raises(RuntimeError, match="no longer this model's parameters"):
+    with pytest.raises(mixprec.PrepareOrderError, match="no longer this model's parameters"):
         opt.step()
 
 

@@ -127,8 +127,9 @@ def test_string_form(spec: str, compute: torch.dtype | None, output: torch.dtype
     ],
 )
 def test_string_form_errors_list_valid_names(spec: str, match: str) -> None:
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(mixprec.PolicyError, match=match) as raised:
         mixprec.get_policy(spec)
+    assert isinstance(raised.value, ValueError) and isinstance(raised.value, mixprec.MixprecError)
 
 
 @given(
@@ -177,14 +178,81 @@ def test_string_form_moves_ops() -> None:
     policy = mixprec.get_policy("base=cpu,fp32=scaled_dot_product_attention+exp,none=stack")
     cpu = mixprec.get_policy("cpu")
     assert policy == cpu.add("fp32", "scaled_dot_product_attention", "exp").remove("stack")
-    assert repr(policy) == "Policy(cpu +fp32[exp, scaled_dot_product_attention] -[stack])"
+    assert str(policy) == "base=cpu,fp32=exp+scaled_dot_product_attention,none=stack"
 
 
 def test_repr_is_one_readable_line() -> None:
     policy = mixprec.get_policy("cuda").add("fp32", F.scaled_dot_product_attention).keep_modules(nn.LayerNorm, "head")
     # a move out of torch's lower list into fp32 shows once, as where the op is now
-    assert repr(policy) == "Policy(cuda +fp32[scaled_dot_product_attention] rules[LayerNorm, 'head' -> fp32])"
+    assert repr(policy) == "Policy(\"base=cuda,fp32=scaled_dot_product_attention,keep=LayerNorm+'head'\")"
     assert "<built-in" not in repr(policy) and "\n" not in repr(policy)
+
+
+class _LocalNorm(nn.LayerNorm):
+    pass
+
+
+_OPS = sorted({*mixprec.get_policy("cpu").op_table, *mixprec.get_policy("cuda").op_table, "exp", "log", "add"})
+_HINTS = st.one_of(st.none(), st.text(st.sampled_from("ab ,'\"+:=x"), min_size=1, max_size=12))
+_EDITS = st.one_of(
+    st.tuples(st.just("add"), st.sampled_from([c.value for c in OpCategory]),
+              st.lists(st.sampled_from(_OPS), min_size=1, max_size=3), _HINTS),
+    st.tuples(st.just("remove"), st.lists(st.sampled_from(_OPS), min_size=1, max_size=3)),
+    st.tuples(st.just("keep"), st.lists(st.sampled_from([nn.LayerNorm, nn.Linear, _LocalNorm, nn.BatchNorm1d]),
+              max_size=2, unique=True), st.lists(st.sampled_from(["head", "blocks.*.attn", "a+b", "x,y", "it's"]),
+              max_size=2, unique=True), st.sampled_from(["fp32", "bf16", "fp16"]), st.booleans()),
+)  # fmt: skip
+
+
+@given(base=st.sampled_from(["cpu", "cuda"]), compute=st.sampled_from([None, "bf16", "fp16"]),
+       output=st.sampled_from([None, "fp32", "bf16"]), edits=st.lists(_EDITS, max_size=5))  # fmt: skip
+def test_the_string_form_parses_back_exactly(base: str, compute: str | None, output: str | None, edits: list) -> None:
+    """``get_policy(str(p)) == p`` for any edits: moves, bans with any hint, rules of any type, name and dtype."""
+    policy = mixprec.get_policy(base)
+    changes = {"compute_dtype": compute and getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}[compute]),
+               "output_dtype": output and getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}[output])}  # fmt: skip
+    policy = dataclasses.replace(policy, **changes)
+    for edit in edits:
+        if edit[0] == "add":
+            policy = policy.add(edit[1], *edit[2], hint=edit[3])
+        elif edit[0] == "remove":
+            policy = policy.remove(*edit[1], missing_ok=True)
+        elif edit[1] or edit[2]:
+            types = [t for t in edit[1] if t is not _LocalNorm] + ([*mixprec.NORM_TYPES] if edit[4] else [])
+            if types or edit[2]:
+                policy = policy.keep_modules(types, edit[2], dtype=edit[3])
+    text = str(policy)
+    assert "\n" not in text and repr(policy) == f"Policy({text!r})"
+    again = mixprec.get_policy(text, device_type="cuda" if base == "cpu" else "cpu")  # base= is always written
+    assert again == policy
+    assert str(again) == text
+    assert again.banned == policy.banned and again.module_rules == policy.module_rules
+
+
+def test_the_string_form_names_importable_types_in_full() -> None:
+    from torch.nn.modules.normalization import RMSNorm
+
+    custom = mixprec.get_policy("cpu").keep_modules(torch.ao.nn.quantized.LayerNorm)
+    assert "keep=torch.ao.nn.quantized.modules.normalization.LayerNorm" in str(custom)
+    assert mixprec.get_policy(str(custom)) == custom
+    assert str(mixprec.get_policy("cpu").keep_modules(RMSNorm)) == "base=cpu,keep=RMSNorm"
+    local = mixprec.get_policy("cpu").keep_modules(_LocalNorm)  # importable: a module-level class of this test file
+    assert mixprec.get_policy(str(local)) == local
+
+
+def test_an_edited_policy_says_so_in_its_name() -> None:
+    cpu = mixprec.get_policy("cpu")
+    assert cpu.name == "cpu"
+    for edited in (
+        cpu.add("fp32", "exp"),
+        cpu.remove("mm"),
+        cpu.keep_modules(nn.LayerNorm),
+        cpu.add("fp32", "exp").remove("mm"),
+    ):
+        assert edited.name == "cpu (edited)"
+        assert edited.describe().startswith(f"Policy 'cpu (edited)': {edited}\n")
+    with pytest.raises(ValueError, match="policy 'cpu \\(edited\\)'"):
+        cpu.remove("mm").remove("mm")
 
 
 @pytest.mark.parametrize(

@@ -173,6 +173,23 @@ def test_injections_do_skip_and_back_off() -> None:
     assert scales == [1024.0, 512.0, 512.0, 512.0, 256.0, 256.0, 256.0, 128.0, 64.0, 64.0, 64.0, 128.0]
 
 
+def test_listeners_hear_skips_until_removed() -> None:
+    model, scaler = _model(), _scaler("mixprec")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    heard: list[str] = []
+    listener = heard.append
+    scaler.add_listener(lambda event: listener(event.kind))
+    other: list[Any] = []
+    scaler.add_listener(other.append)
+    _train_some(scaler, model, opt, range(3))  # an inf at step 1: one skip, one backoff
+    assert heard and other and len(heard) == len(other)
+    scaler.remove_listener(other.append)  # a bound method equal to the one added
+    scaler.remove_listener(other.append)  # again: ignored
+    before = len(other)
+    _train_some(scaler, model, opt, range(3, 5))  # NaN at step 4
+    assert len(other) == before and len(heard) > before
+
+
 # --- state dicts ---------------------------------------------------------------------
 
 
@@ -346,7 +363,9 @@ def test_hysteresis_tolerates_overflows() -> None:
 
 def test_fail_fast_explains_the_likely_causes() -> None:
     scaler = mixprec.GradScaler("cpu", init_scale=4.0, fail_after=5)
-    with pytest.raises(RuntimeError, match=r"the last 5 iterations all had inf/NaN.*bf16.*learning rate"):
+    with pytest.raises(
+        mixprec.LossScaleCollapseError, match=r"the last 5 iterations all had inf/NaN.*bf16.*learning rate"
+    ):
         _constant_run(scaler, lambda i: True, 20)
     assert scaler.stats().consecutive_skipped == 5
 

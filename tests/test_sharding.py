@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 import warnings
 from pathlib import Path
 from typing import Any
@@ -243,7 +242,8 @@ def _shard_rounding(world: int) -> list[torch.Tensor]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    sr = importlib.import_module("mixprec.stochastic_rounding")
+    from mixprec._src import stochastic_rounding as sr
+
     whole = torch.randn(7, 5, generator=torch.Generator().manual_seed(3))  # 7 rows: uneven shards
     seed = sr.tensor_seed(11, 1, 0)
     mesh = init_device_mesh("cpu", (world,))

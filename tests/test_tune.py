@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import importlib
 import time
 from collections.abc import Callable
 from typing import Any
@@ -15,7 +14,7 @@ from torch import nn
 
 import mixprec
 from conftest import Overflowing, square_loss
-from mixprec.tune import Recipe, Tolerance
+from mixprec._src.tune import Recipe, Tolerance
 
 
 class SmallConvNet(nn.Module):
@@ -126,7 +125,8 @@ def test_tune_respects_the_budget(monkeypatch: pytest.MonkeyPatch) -> None:
     # (at least 8 if it stops slow candidates), the profile 2 and round 3 more, so a whole search cannot fit
     # in 1 s anywhere, while round 1's first 6 steps (its accuracy checks) usually do: then the budget also
     # stops the search between rounds. A step past the budget is short everywhere.
-    tune_module = importlib.import_module("mixprec.tune")
+    from mixprec._src import tune as tune_module
+
     steps: list[tuple[float, float]] = []
     diagnoses: list[tuple[float, float]] = []
     monkeypatch.setattr(tune_module._Trial, "step", _timed(tune_module._Trial.step, steps))

@@ -5,7 +5,7 @@ autocast region); its precision policy is a value users can read and change
 (:class:`Policy`), applied at the dispatcher where it differs from torch's.
 """
 
-from mixprec.autocast import (
+from mixprec._src.autocast import (
     autocast,
     checkpoint_context,
     get_autocast_dtype,
@@ -13,29 +13,34 @@ from mixprec.autocast import (
     is_autocast_enabled,
     set_autocast_enabled,
 )
-from mixprec.custom_function import custom_bwd, custom_fwd, op
-from mixprec.diagnostics import DiagnosticReport, diagnose
-from mixprec.layout import to_channels_last
-from mixprec.master_weights import Level, export_fp32, master_params, prepare, state_bytes
-from mixprec.memory import MemoryReport, memory_report
-from mixprec.monitor import Incident, Monitor
-from mixprec.policy import (
-    NORM_TYPES,
-    ModuleRule,
-    OpCategory,
-    Policy,
-    builtin_policy,
-    default_policy,
-    get_policy,
-    op_name,
+from mixprec._src.custom_function import custom_bwd, custom_fwd, op
+from mixprec._src.diagnostics import DiagnosticReport, diagnose
+from mixprec._src.errors import (
+    CheckpointReplayError,
+    LossScaleCollapseError,
+    MixprecError,
+    PolicyError,
+    PrepareOrderError,
 )
-from mixprec.scaler import GradScaler, ScalerEvent, ScalerStats
-from mixprec.stochastic_rounding import stochastic_round
-from mixprec.tune import Applied, Measurement, Recipe, Tolerance, tune
+from mixprec._src.layout import to_channels_last
+from mixprec._src.master_weights import Level, export_fp32, master_params, prepare
+from mixprec._src.memory import MemoryReport, memory_report, state_bytes
+from mixprec._src.monitor import Incident, Monitor
+from mixprec._src.op_names import op_name
+from mixprec._src.policy import NORM_TYPES, ModuleRule, OpCategory, Policy
+from mixprec._src.policy_grammar import builtin_policy, default_policy, get_policy
+from mixprec._src.scaler import GradScaler, ScalerEvent, ScalerStats
+from mixprec._src.stochastic_rounding import stochastic_round
+from mixprec._src.tune import Applied, Measurement, Recipe, Tolerance, tune
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointReplayError",
+    "LossScaleCollapseError",
+    "MixprecError",
+    "PolicyError",
+    "PrepareOrderError",
     "Applied",
     "DiagnosticReport",
     "GradScaler",

@@ -318,7 +318,7 @@ def _diagnose(args: argparse.Namespace) -> int:
 
     from rich.console import Console
 
-    from mixprec.diagnostics import diagnose
+    from mixprec._src.diagnostics import diagnose
 
     try:
         targets: Any = None
@@ -396,7 +396,7 @@ def _user_task(args: argparse.Namespace, command: str) -> tuple[torch.nn.Module,
 
 
 def _tune(args: argparse.Namespace) -> int:
-    from mixprec.tune import tune
+    from mixprec._src.tune import tune
 
     def say(text: str) -> None:
         print(f"mixprec tune: {text}", flush=True)
@@ -404,12 +404,12 @@ def _tune(args: argparse.Namespace) -> int:
     try:
         optimizer = None
         if args.workload:
-            from mixprec.bench.runner import _optimizer, resolve_device
+            from mixprec.bench.runner import make_optimizer, resolve_device
 
             device = resolve_device("auto")
             task = WORKLOADS[args.workload].build(args.size, device)
             model, (inputs, targets) = task.model.to(device), task.batch(0)
-            optimizer = _optimizer(task, model.parameters())
+            optimizer = make_optimizer(task, model.parameters())
 
             def loss_fn(out: Any, targets: Any) -> torch.Tensor:
                 return task.loss_fn(out.float(), targets)
@@ -431,7 +431,7 @@ def _tune(args: argparse.Namespace) -> int:
 
 
 def _policy(args: argparse.Namespace) -> int:
-    from mixprec.policy import get_policy
+    from mixprec._src.policy_grammar import get_policy
 
     try:
         policy = get_policy(args.spec)

@@ -18,9 +18,9 @@ import torch
 from torch import nn
 
 import mixprec
+from mixprec._src.layout import to_channels_last
+from mixprec._src.tune import Recipe
 from mixprec.bench.workloads import Task
-from mixprec.layout import to_channels_last
-from mixprec.tune import Recipe
 
 Context = Callable[[str, torch.dtype], contextlib.AbstractContextManager[Any]]
 

@@ -34,9 +34,9 @@ from typing import Any
 import torch
 
 import mixprec
+from mixprec._src.memory import state_bytes
 from mixprec.bench.modes import MODES, Mode
 from mixprec.bench.workloads import SIZES, WORKLOADS, Task
-from mixprec.master_weights import state_bytes
 
 # Default steps per size; each mode of a workload runs the same number.
 DEFAULT_STEPS = {"tiny": 3, "quick": 10, "default": 24}
@@ -242,7 +242,8 @@ class _PeakMemory:
         return max(0, self._peak - self._base)
 
 
-def _optimizer(task: Task, params: Any) -> torch.optim.Optimizer:
+def make_optimizer(task: Task, params: Any) -> torch.optim.Optimizer:
+    """The task's optimizer over ``params``."""
     # Fused kernels: the same choice in every mode, and the fixed fp32 cost of a step stays small.
     if task.optimizer == "adam":
         return torch.optim.Adam(params, lr=task.lr, fused=True)
@@ -257,7 +258,7 @@ class _Run:
         self.workload, self.mode, self.config, self.device, self.dtype = workload, mode, config, device, dtype
         self.task = WORKLOADS[workload].build(config.size, device)
         self.model = mode.prepare_model(self.task.model.to(device))
-        self.optimizer = _optimizer(self.task, self.model.parameters())
+        self.optimizer = make_optimizer(self.task, self.model.parameters())
         if mode.setup is not None:
             self.model, self.optimizer = mode.setup(self.model, self.optimizer, dtype)
         self.state_model = self.model
@@ -330,7 +331,7 @@ def run_workload(workload: str, modes: list[Mode], config: BenchConfig, device: 
             task = WORKLOADS[workload].build(config.size, device)
             task.model.to(device)
             begin = time.perf_counter()
-            modes[i] = dataclasses.replace(mode.resolve(task, _optimizer(task, task.model.parameters()), dtype,
+            modes[i] = dataclasses.replace(mode.resolve(task, make_optimizer(task, task.model.parameters()), dtype,
                                                         config.tune_budget_s), resolve=None)  # fmt: skip
             settled[mode.name] = time.perf_counter() - begin
             del task
@@ -397,7 +398,7 @@ def run(config: BenchConfig, progress: Progress | None = None,
     images: dict[str, dict[str, torch.Tensor]] = {}
 
     def report(interrupted: bool) -> BenchReport:
-        name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
         return BenchReport(device.type, name, {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype],
                            torch.__version__, mixprec.__version__, config, results, images,
                            time.perf_counter() - start, interrupted)  # fmt: skip
@@ -415,7 +416,8 @@ def run(config: BenchConfig, progress: Progress | None = None,
     return report(False)
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
+    """The CPU's model name (from /proc/cpuinfo, else the platform's)."""
     try:
         with open("/proc/cpuinfo") as fh:
             for line in fh:

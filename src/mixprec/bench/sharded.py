@@ -442,9 +442,9 @@ def _as_dicts(results: dict[str, dict[str, ShardedResult]]) -> dict[str, dict[st
 
 
 def _report(config: ShardedConfig, device: torch.device, results: dict[str, Any], seconds: float) -> dict[str, Any]:
-    from mixprec.bench.runner import _cpu_name
+    from mixprec.bench.runner import cpu_name
 
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
     return {"device": device.type, "device_name": name, "dtype": config.dtype, "torch": torch.__version__,
             "mixprec": mixprec.__version__, "config": dataclasses.asdict(config), "seconds": seconds,
             "results": results}  # fmt: skip

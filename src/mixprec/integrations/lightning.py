@@ -15,10 +15,10 @@ from typing import Any
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 
-from mixprec.autocast import autocast
-from mixprec.master_weights import prepare
-from mixprec.policy import Policy
-from mixprec.scaler import GradScaler
+from mixprec._src.autocast import autocast
+from mixprec._src.master_weights import prepare
+from mixprec._src.policy import Policy
+from mixprec._src.scaler import GradScaler
 
 PRECISIONS = ("bf16-mixed", "16-mixed", "O2", "bf16-sr", "bf16-pure")
 

@@ -13,7 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec import sharding
+from mixprec._src import sharding
+from mixprec._src.master_weights import prepared_state
 
 __all__ = ["MemoryReport", "memory_report"]
 
@@ -80,10 +81,9 @@ def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
         >>> report.masters == 4 * (256 * 256 + 256), report.parameters == 2 * (256 * 256 + 256)
         (True, True)
     """
-    state: Any = getattr(model, "_mixprec", None)
-    copies = getattr(state, "copies", None)
-    o2 = state is not None and state.level.value == "O2"
-    lowp = {id(p) for p in state.lowp_params} if o2 else set()
+    state = prepared_state(model)
+    copies = state.copies if state is not None else None
+    lowp = {id(p) for p in state.lowp_params} if state is not None and state.level.value == "O2" else set()
     seen: set[int] = set()
     replicated = [0]
     parameters = masters = gradients = optimizer_state = 0
@@ -123,3 +123,8 @@ def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     return MemoryReport(parameters, masters, gradients, optimizer_state, replicated[0], rank, world)
+
+
+def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes this rank holds in parameters, their gradients, low-precision copies and optimizer state."""
+    return memory_report(model, optimizer).total

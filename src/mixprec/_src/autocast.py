@@ -9,7 +9,7 @@ at its speed.
 
 A policy that differs from torch's list for the device (ops moved, added or
 removed, an output dtype) gets kernels for the differing ops at the device's
-Autocast dispatch key while the region is open (see ``mixprec._dispatch``).
+Autocast dispatch key while the region is open (see ``mixprec._src.dispatch``).
 Per-module rules switch torch's autocast dtype/enabled state, and the policy in
 force, at module boundaries through global module hooks.
 
@@ -28,11 +28,11 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from mixprec import _dispatch
-from mixprec._dispatch import eligible as _eligible
-from mixprec._dispatch import state as _state
-from mixprec._dtypes import parse_dtype
-from mixprec.policy import _BY_TOKEN, ModuleRule, Policy, canonical, default_policy, get_policy
+from mixprec._src import casting, dispatch, interning
+from mixprec._src.dispatch import state as _state
+from mixprec._src.dtypes import parse_dtype
+from mixprec._src.policy import ModuleRule, Policy
+from mixprec._src.policy_grammar import default_policy, get_policy
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -54,7 +54,7 @@ TorchAutocast = torch.amp.autocast_mode.autocast
 def _needs_kernels(policy: Policy, device_type: str) -> bool:
     """Whether ``policy`` differs from torch's list for ``device_type`` (module rules aside)."""
     builtin = default_policy(device_type)
-    return policy.output_dtype is not None or policy._table != builtin._table  # type: ignore[attr-defined]
+    return policy.output_dtype is not None or policy.op_table != builtin.op_table
 
 
 # ----- entering and leaving: plain functions, so compiled code can call them as graph nodes ----
@@ -64,10 +64,10 @@ def _push(device_type: str, policy: Policy, torch_ctx: Any, traced: bool = False
     """Put ``policy`` in force on ``device_type``; ``torch_ctx`` is what :func:`_pop` restores of torch's."""
     st = _state()
     edited = _needs_kernels(policy, device_type)
-    plan = _dispatch.acquire(policy, device_type) if edited else ()
+    plan = dispatch.acquire(policy, device_type) if edited else ()
     table = st.traced_policy if traced else st.policy
     st.regions.append(
-        _dispatch.Region(device_type, torch_ctx, table.get(device_type), st.edited.get(device_type), plan, traced)
+        dispatch.Region(device_type, torch_ctx, table.get(device_type), st.edited.get(device_type), plan, traced)
     )
     table[device_type] = policy
     if edited:
@@ -90,7 +90,7 @@ def _pop() -> None:
             table.pop(device_type, None)
         else:
             table[device_type] = prev
-    _dispatch.release(region.plan)
+    dispatch.release(region.plan)
     if not st.regions:
         st.cache.clear()
         st.module_stack.clear()
@@ -128,7 +128,7 @@ def _enter_traced(device_type: str, dtype: torch.dtype, enabled: bool, cache_ena
     _unwind_on_failed_trace(len(_state().regions))
     torch_ctx = torch.amp.autocast_mode._UnmanagedAutocast(device_type, dtype, enabled, cache_enabled)
     torch_ctx.__enter__()  # type: ignore[no-untyped-call]
-    _push(device_type, _BY_TOKEN[token], torch_ctx, traced=True)
+    _push(device_type, interning.policy_for(token), torch_ctx, traced=True)
 
 
 @torch.fx.node.has_side_effect
@@ -185,7 +185,7 @@ class autocast:  # noqa: N801 - the name torch.autocast users type
         resolved = default_policy(device_type) if policy is None else get_policy(policy, device_type)
         compiling = torch.compiler.is_compiling()
         if not compiling:
-            resolved = canonical(resolved)
+            resolved = interning.canonical(resolved)
         if dtype is not None:
             # names are parsed here; a torch.dtype goes to torch as is (it warns and disables
             # autocast for one it cannot compute in, e.g. fp32 in the `dtype=amp_dtype` pattern)
@@ -223,7 +223,9 @@ class autocast:  # noqa: N801 - the name torch.autocast users type
             raise RuntimeError("this mixprec.autocast object is already active; create a new one to nest")
         self._entered = True
         if torch.compiler.is_compiling():
-            _enter_traced(self.device_type, self.fast_dtype, self._enabled, self._cache_enabled, self.policy._token)  # type: ignore[attr-defined]
+            _enter_traced(
+                self.device_type, self.fast_dtype, self._enabled, self._cache_enabled, self.policy.compile_token
+            )
             return self
         if self._torch is None:
             self._torch = TorchAutocast(
@@ -273,7 +275,7 @@ class autocast:  # noqa: N801 - the name torch.autocast users type
 
 
 @dataclasses.dataclass(frozen=True)
-class _Snapshot:
+class Snapshot:
     """What a replay needs of mixprec's state: the policies in force that differ from torch's
     lists, per device, and the module the code runs in (its children are named from it)."""
 
@@ -281,11 +283,11 @@ class _Snapshot:
     module: tuple[Any, str] | None
 
 
-def _snapshot() -> _Snapshot:
+def snapshot() -> Snapshot:
     st = _state()
     policies = {d: p for d, p in st.policy.items() if p.module_rules or _needs_kernels(p, d)}
     module = (st.module_stack[-1][0], st.module_stack[-1][1]) if st.module_stack and policies else None
-    return _Snapshot(policies, module)
+    return Snapshot(policies, module)
 
 
 @contextlib.contextmanager
@@ -299,7 +301,7 @@ def _capture() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _replay(snapshot: _Snapshot) -> Iterator[None]:
+def replay(snapshot: Snapshot) -> Iterator[None]:
     """Put a snapshot's policies back in force; torch's own autocast state is replayed by the caller."""
     st = _state()
     depth, stack_depth = len(st.regions), len(st.module_stack)
@@ -344,9 +346,9 @@ def checkpoint_context(
         >>> y.float().sum().backward()
     """
     if inner is None:
-        return _capture(), _replay(_snapshot())
+        return _capture(), replay(snapshot())
     forward, recompute = inner()
-    return _both(_capture(), forward), _both(_replay(_snapshot()), recompute)
+    return _both(_capture(), forward), _both(replay(snapshot()), recompute)
 
 
 @contextlib.contextmanager
@@ -376,7 +378,7 @@ class _CompiledWrapper:
         self.ident = ident
 
 
-def _count_rule_user(st: _dispatch.ThreadState, delta: int) -> None:
+def _count_rule_user(st: dispatch.ThreadState, delta: int) -> None:
     """A region with rules opens (+1) or closes (-1); the first installs the hooks, the last removes them."""
     global _hook_users
     st.rule_users += delta
@@ -394,7 +396,7 @@ def _count_rule_user(st: _dispatch.ThreadState, delta: int) -> None:
             del _module._global_forward_hooks_always_called[_HOOK_KEY]
 
 
-def _qualified_name(st: _dispatch.ThreadState, module: nn.Module) -> str:
+def _qualified_name(st: dispatch.ThreadState, module: nn.Module) -> str:
     if not st.module_stack:
         return ""
     parent, parent_name, _ = st.module_stack[-1]
@@ -434,7 +436,7 @@ def _rule_enter(device_type: str, dtype: torch.dtype) -> None:
     """Enter a kept module: autocast off (fp32) or on in ``dtype``, the policy without rules."""
     st = _state()
     policy = st.traced_policy.get(device_type) or st.policy[device_type]
-    _dispatch.check_checkpoint(st)
+    dispatch.check_checkpoint(st)
     if torch.compiler.is_compiling():
         _unwind_on_failed_trace(len(st.regions))
     outside = (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
@@ -443,7 +445,7 @@ def _rule_enter(device_type: str, dtype: torch.dtype) -> None:
     else:
         torch.set_autocast_enabled(device_type, True)
         torch.set_autocast_dtype(device_type, dtype)
-    _push(device_type, policy._without_rules, outside, traced=torch.compiler.is_compiling())  # type: ignore[attr-defined]
+    _push(device_type, policy.without_rules, outside, traced=torch.compiler.is_compiling())
 
 
 @torch.fx.node.has_side_effect
@@ -456,13 +458,13 @@ def _rule_exit(device_type: str) -> None:
 def _traced_policy_tokens() -> tuple[tuple[str, str], ...]:
     # Constant-folded while Dynamo traces: the regions it names were opened by the traced
     # code itself (their policies are arguments of its graph nodes, so already guarded).
-    return tuple((d, p._token) for d, p in _state().traced_policy.items())  # type: ignore[attr-defined]
+    return tuple((d, p.compile_token) for d, p in _state().traced_policy.items())
 
 
-def _policies_in_force(st: _dispatch.ThreadState) -> dict[str, Policy]:
+def _policies_in_force(st: dispatch.ThreadState) -> dict[str, Policy]:
     if not torch.compiler.is_compiling():
         return st.policy
-    return {**st.policy, **{d: _BY_TOKEN[token] for d, token in _traced_policy_tokens()}}
+    return {**st.policy, **{d: interning.policy_for(token) for d, token in _traced_policy_tokens()}}
 
 
 def _pre_hook(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
@@ -489,10 +491,7 @@ def _pre_hook(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | Non
             continue
         _rule_enter(device_type, rule.dtype)
         entered.append(device_type)
-        new_args = tuple(
-            a.to(rule.dtype) if _eligible(a, device_type) and a.dtype is not rule.dtype else a
-            for a in (args if new_args is None else new_args)
-        )
+        new_args = casting.cast_floating(args if new_args is None else new_args, rule.dtype, device_type)
     st.module_stack.append((module, name, tuple(entered)))
     return new_args
 
@@ -580,4 +579,4 @@ def set_autocast_enabled(
 # eagerly run frame calls, e.g. after it gave up on a region with a graph break inside): their
 # graph would keep the entry node and run it, or bake its effect in, apart from the region.
 for _func in (autocast.__init__, autocast.__enter__, autocast.__exit__, _pre_hook, _post_hook):
-    _dispatch.never_a_frame(_func)
+    dispatch.never_a_frame(_func)

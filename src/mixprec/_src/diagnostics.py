@@ -30,11 +30,12 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from mixprec._dtypes import parse_dtype, short_name
-from mixprec.autocast import autocast
-from mixprec.policy import ModuleRule, Policy, default_policy, get_policy
-
-LossFn = Callable[[Any], torch.Tensor]
+from mixprec._src import training
+from mixprec._src.autocast import autocast
+from mixprec._src.dtypes import parse_dtype, short_name
+from mixprec._src.policy import ModuleRule, Policy
+from mixprec._src.policy_grammar import default_policy, get_policy
+from mixprec._src.training import LossFn
 
 
 @dataclasses.dataclass
@@ -150,7 +151,7 @@ class DiagnosticReport:
     def policy(self, base: Policy | str = "cpu") -> Policy:
         """``base`` with :meth:`rules` added: pass it to ``mixprec.autocast(policy=...)``."""
         policy = get_policy(base)
-        return dataclasses.replace(policy, module_rules=(*policy.module_rules, *self.rules()))
+        return policy.with_rules((*policy.module_rules, *self.rules()))
 
     def overflowing(self) -> list[str]:
         """Modules whose activations overflow the dtype (or hold Inf), most affected first."""
@@ -273,53 +274,6 @@ class _FirstNonFinite(TorchDispatchMode):  # type: ignore[no-untyped-call]
         return out
 
 
-def _check_inputs(model: nn.Module, inputs: Any, loss_fn: LossFn | None) -> torch.device:
-    params = list(model.parameters())
-    if not params:
-        raise ValueError("diagnose needs a model with parameters: it compares low-precision weights against fp32")
-    device = params[0].device
-    for t in tree_flatten(inputs)[0]:
-        if isinstance(t, torch.Tensor) and t.device != device:
-            raise ValueError(f"an input or target is on {t.device} but the model is on {device}; "
-                             f"move them to {device}")  # fmt: skip
-    if loss_fn is not None and not callable(loss_fn):
-        raise TypeError("loss_fn must be a callable taking the model's output and returning a scalar loss")
-    return device
-
-
-def _loss(out: Any, loss_fn: LossFn | None) -> torch.Tensor:
-    if loss_fn is not None:
-        loss = loss_fn(out)
-    else:
-        tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
-        if not tensors:
-            raise ValueError("the model returned no floating tensor; pass loss_fn to turn its output into a loss")
-        loss = sum(t.float().square().mean() for t in tensors)  # type: ignore[assignment]
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-        raise ValueError(f"loss_fn must return a scalar tensor, got {shape}; reduce it (e.g. .mean()) first")
-    return loss.reshape(())
-
-
-def _with_targets(loss_fn: Callable[..., torch.Tensor], targets: Any, output: Any) -> torch.Tensor:
-    return loss_fn(output, targets)
-
-
-def _call(model: nn.Module, inputs: Any) -> Any:
-    if isinstance(inputs, dict):
-        return model(**inputs)
-    if isinstance(inputs, (tuple, list)):
-        try:
-            return model(*inputs)
-        except TypeError as exc:
-            if len(inputs) == 2 and "positional argument" in str(exc):
-                raise TypeError(f"{exc}: diagnose passes a tuple of inputs to the model as positional arguments; "
-                                "for an (inputs, targets) batch call diagnose(model, inputs, loss_fn, "
-                                "targets=targets), with loss_fn(output, targets)") from exc  # fmt: skip
-            raise
-    return model(inputs)
-
-
 class _Recorder:
     """Module hooks that record output statistics, gradients and (fp32 run) outputs."""
 
@@ -393,9 +347,9 @@ def _run(model: nn.Module, inputs: Any, loss_fn: LossFn | None, dtype: torch.dty
                 with tracer if tracer is not None else contextlib.nullcontext():
                     if low_precision:
                         with autocast(device_type, dtype=dtype, policy=policy):
-                            loss = _loss(_call(model, inputs), loss_fn)
+                            loss = training.scalar_loss(training.call_model(model, inputs), loss_fn)
                     else:
-                        loss = _loss(_call(model, inputs), loss_fn)
+                        loss = training.scalar_loss(training.call_model(model, inputs), loss_fn)
                     recorder.pass_ = "backward"
                     loss.backward()  # type: ignore[no-untyped-call]
                 loss_value = float(loss.detach())
@@ -473,12 +427,12 @@ def diagnose(
             message says to pass ``targets=``).
     """
     dtype = parse_dtype(dtype, what="diagnose dtype", allowed=(torch.float16, torch.bfloat16))
-    device = _check_inputs(model, (inputs, targets), loss_fn)
+    device = training.check_inputs(model, (inputs, targets), loss_fn)
     loss_of: LossFn | None = loss_fn
     if targets is not None:
         if loss_fn is None:
             raise ValueError("targets= needs loss_fn(output, targets) to compute the loss with them")
-        loss_of = functools.partial(_with_targets, loss_fn, targets)
+        loss_of = functools.partial(training.with_targets, loss_fn, targets)
 
     device_type = device.type
     notes: list[str] = []
@@ -521,7 +475,7 @@ def diagnose(
     for _ in range(3):
         if not keep:
             break
-        trial = dataclasses.replace(base, module_rules=(*base.module_rules, ModuleRule(names=tuple(keep))))
+        trial = base.with_rules((*base.module_rules, ModuleRule(names=tuple(keep))))
         check, found, _ = _run(model, inputs, loss_of, dtype, trial, device_type, True, True, False, steps)
         still = {id(m) for m in check.order if check.activations[id(m)].nan or check.activations[id(m)].inf}
         rules_fix_it = not still and (found is None or found.module in fp32_broken)

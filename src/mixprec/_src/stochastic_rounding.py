@@ -23,7 +23,7 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
-from mixprec import sharding
+from mixprec._src import sharding
 
 __all__ = ["SEED_KEY", "STEP_KEY", "add_counters", "draw_seed", "install", "stochastic_round"]
 

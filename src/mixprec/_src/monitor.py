@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib
 import logging
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -28,8 +27,9 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from mixprec.autocast import TorchAutocast
-from mixprec.scaler import GradScaler, ScalerEvent
+from mixprec._src import autocast
+from mixprec._src.autocast import TorchAutocast
+from mixprec._src.scaler import GradScaler, ScalerEvent
 
 logger = logging.getLogger("mixprec.monitor")
 
@@ -163,8 +163,8 @@ class Monitor:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        if self._scaler is not None and self._on_scaler_event in self._scaler._listeners:
-            self._scaler._listeners.remove(self._on_scaler_event)
+        if self._scaler is not None:
+            self._scaler.remove_listener(self._on_scaler_event)
 
 
 @dataclasses.dataclass
@@ -177,16 +177,15 @@ class _Forward:
 
 def _precision() -> dict[str, Any]:
     """The autocast settings in force (mixprec's and torch's), to replay a forward in them."""
-    policies = importlib.import_module("mixprec.autocast")._snapshot()
+    policies = autocast.snapshot()
     torch_on = {d: torch.get_autocast_dtype(d) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)}
     return {"policies": policies, "torch": torch_on}
 
 
 @contextlib.contextmanager
 def _restore_precision(precision: dict[str, Any]) -> Iterator[None]:
-    replay = importlib.import_module("mixprec.autocast")._replay
     with contextlib.ExitStack() as stack:
         for device_type, dtype in precision["torch"].items():
             stack.enter_context(TorchAutocast(device_type, dtype=dtype))
-        stack.enter_context(replay(precision["policies"]))
+        stack.enter_context(autocast.replay(precision["policies"]))
         yield

@@ -30,7 +30,11 @@ from typing import Any
 import torch
 from torch._C import DispatchKey, DispatchKeySet, _ExcludeDispatchKeyGuard
 
-from mixprec.policy import PYTHON_OPS, OpCategory, Policy, default_policy
+from mixprec._src.casting import eligible
+from mixprec._src.errors import CheckpointReplayError
+from mixprec._src.op_names import PYTHON_OPS
+from mixprec._src.policy import OpCategory, Policy
+from mixprec._src.policy_grammar import default_policy
 
 _LOWER = OpCategory.LOWER
 _FP32 = OpCategory.FP32
@@ -102,11 +106,6 @@ def state() -> ThreadState:
 # ----- casting, as torch's autocast kernels do ---------------------------------------
 
 
-def eligible(t: Any, device_type: str) -> bool:
-    """torch's rule: a floating tensor, not fp64, on the autocast device."""
-    return isinstance(t, _Tensor) and t.is_floating_point() and t.dtype is not _float64 and t.device.type == device_type
-
-
 def _cast_tensor(t: torch.Tensor, dtype: torch.dtype, st: ThreadState) -> torch.Tensor:
     # torch's cached_cast: low-precision copies of fp32 leaves that require grad (weights)
     # are made once per outermost region, so every use shares one cast and one grad.
@@ -148,7 +147,8 @@ def cast_all(args: tuple[Any, ...], kwargs: dict[str, Any], dtype: torch.dtype, 
     )
 
 
-def _tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+def tensors_in(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors an op call passes, directly or in a list or tuple."""
     found = []
     for value in (*args, *kwargs.values()):
         for t in value if isinstance(value, (list, tuple)) else (value,):
@@ -206,7 +206,7 @@ def apply_category(
         args, kwargs = cast_all(args, kwargs, _float32, device_type)
         return func(*args, **kwargs)
     if category is _PROMOTE:
-        tensors = _tensors(args, kwargs)
+        tensors = tensors_in(args, kwargs)
         args, kwargs = cast_all(args, kwargs, _promote_dtype(tensors, device_type), device_type)
         return func(*args, **kwargs)
     if category is _FP32_SET_DTYPE:
@@ -235,7 +235,7 @@ def check_checkpoint(st: ThreadState) -> None:
         return
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
     if hooks is not None and getattr(hooks[0], "__qualname__", "").startswith("_checkpoint_hook"):
-        raise RuntimeError(
+        raise CheckpointReplayError(
             "torch.utils.checkpoint is recomputing part of a mixprec.autocast region whose policy differs from "
             "torch's list (edited ops or module rules); torch replays only its own autocast state, so the "
             "recompute would run other ops in other dtypes. Pass context_fn=mixprec.checkpoint_context to "
@@ -249,7 +249,7 @@ def check_checkpoint(st: ThreadState) -> None:
             if frame is None:
                 break
             if frame.f_code is _CHECKPOINT_FORWARD:
-                raise RuntimeError(
+                raise CheckpointReplayError(
                     "reentrant torch.utils.checkpoint cannot carry a mixprec policy that differs from torch's "
                     "list (edited ops or module rules) into its recompute; use checkpoint(..., "
                     "use_reentrant=False, context_fn=mixprec.checkpoint_context)"
@@ -301,8 +301,8 @@ def _plan(policy: Policy, device_type: str) -> tuple[tuple[str, Any, str, OpCate
     if cached is not None:
         return cached
     key = AUTOCAST_KEYS[device_type]
-    builtin: dict[str, OpCategory] = default_policy(device_type)._table  # type: ignore[attr-defined]
-    table: dict[str, OpCategory] = policy._table  # type: ignore[attr-defined]
+    builtin = default_policy(device_type).op_table
+    table = policy.op_table
     names = {n for n in set(table) | set(builtin) if table.get(n) is not builtin.get(n)}
     if policy.output_dtype is not None:
         names |= {n for n, c in table.items() if c is _LOWER}
@@ -338,7 +338,7 @@ def _make_kernel(
         if policy is None:
             category = builtin
         else:
-            category = policy._table.get(name)  # type: ignore[attr-defined]
+            category = policy.op_table.get(name)
             check_checkpoint(st)
             if torch.compiler.is_compiling() and not any(r.traced for r in st.regions):
                 raise RuntimeError(

@@ -27,7 +27,6 @@ level becomes FSDP2's own mixed precision (see :mod:`mixprec.sharding`).
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
 import threading
@@ -38,10 +37,12 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from mixprec import sharding, stochastic_rounding
-from mixprec._dtypes import LOW_PRECISION, NamedEnum, parse_dtype
-from mixprec.autocast import autocast
-from mixprec.policy import NORM_TYPES, ModuleRule, default_policy
+from mixprec._src import casting, sharding, stochastic_rounding, training
+from mixprec._src.autocast import autocast
+from mixprec._src.dtypes import LOW_PRECISION, NamedEnum, parse_dtype
+from mixprec._src.errors import PrepareOrderError
+from mixprec._src.policy import NORM_TYPES, ModuleRule
+from mixprec._src.policy_grammar import default_policy
 
 
 class Level(NamedEnum):
@@ -57,8 +58,11 @@ class Level(NamedEnum):
         return "level", "levels"
 
 
+_ATTR = "_mixprec"  # where prepare keeps its state, on the model and on the optimizer
+
+
 @dataclasses.dataclass
-class _Prepared:
+class Prepared:
     level: Level
     dtype: torch.dtype
     device_type: str
@@ -72,6 +76,12 @@ class _Prepared:
     output_dtype: torch.dtype | None = torch.float32
     checked: bool = False  # the first forward looked for FSDP2 units added since
     fused: bool = False  # bf16-sr: Adam(W) steps the bf16 weights with the compiled fused kernel
+
+
+def prepared_state(obj: nn.Module | torch.optim.Optimizer) -> Prepared | None:
+    """What :func:`prepare` set up for this model or optimizer, or ``None`` if it was not prepared."""
+    state: Prepared | None = obj.__dict__.get(_ATTR)
+    return state
 
 
 def master_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -118,7 +128,7 @@ def prepare(
             "weights only after step(); use level 'O1' or 'bf16-pure' with LBFGS"
         )
     _check_wrapping(model)
-    if hasattr(model, "_mixprec"):
+    if prepared_state(model) is not None:
         raise ValueError("this model was already prepared; call mixprec.export_fp32(model) first to prepare it anew")
     sharded = bool(sharding.fsdp_modules(model))
     if sharded and sharding.lazily_initialized(model):
@@ -128,12 +138,12 @@ def prepare(
             "the first forward"
         )
     _check(model, optimizer, sharded)
-    device_type = _device_type(model)
+    device_type = training.device_type_of(model)
     kept_types: tuple[type[nn.Module], ...] = (keep_types,) if isinstance(keep_types, type) else tuple(keep_types)
     kept_names: tuple[str, ...] = (keep_names,) if isinstance(keep_names, str) else tuple(keep_names)
     rule = ModuleRule(types=kept_types, names=kept_names) if (kept_types or kept_names) else None
     kept_modules = _outermost(model, rule) if rule is not None else []
-    state = _Prepared(level, dtype, device_type, model.forward, [], [], kept_modules, [], sharded=sharded)
+    state = Prepared(level, dtype, device_type, model.forward, [], [], kept_modules, [], sharded=sharded)
     # Registered first, so it runs before any other step hook (bf16-sr's, the user's).
     state.handles.append(optimizer.register_step_pre_hook(functools.partial(_check_still_ours, model, state)))
     _keep_in_fp32(kept_modules, device_type, state.handles)
@@ -153,12 +163,11 @@ def prepare(
     model.forward = types.MethodType(_prepared_forward, model)  # type: ignore[method-assign]
     if not sharded:
         model._call_impl = types.MethodType(_prepared_call, model)  # type: ignore[method-assign]
-    model._mixprec = state  # type: ignore[assignment]
-    optimizer._mixprec = state  # type: ignore[attr-defined]
+    model.__dict__[_ATTR] = optimizer.__dict__[_ATTR] = state
     return model, optimizer
 
 
-def _lower(model: nn.Module, optimizer: torch.optim.Optimizer, state: _Prepared) -> None:
+def _lower(model: nn.Module, optimizer: torch.optim.Optimizer, state: Prepared) -> None:
     """Put the parameters and buffers of the modules not kept in fp32 at the level's precision."""
     level, dtype, kept_modules = state.level, state.dtype, state.kept_modules
     if state.sharded and level is Level.O2:  # every shard stays fp32: the kept ones are gathered in fp32
@@ -201,7 +210,7 @@ def export_fp32(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
 
     With ``optimizer``, its state is kept (in fp32), so training can go on in fp32.
     """
-    state: _Prepared | None = getattr(model, "_mixprec", None)
+    state = prepared_state(model)
     if state is None:
         raise ValueError("this model was not prepared by mixprec.prepare")
     for handle in state.handles:
@@ -223,18 +232,11 @@ def export_fp32(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
                 if isinstance(value, torch.Tensor) and value.dtype is torch.bfloat16 and key != "step":
                     group_state[key] = value.float()
         stochastic_rounding.remove_counters(optimizer)
-        optimizer.__dict__.pop("_mixprec", None)
+        optimizer.__dict__.pop(_ATTR, None)
     model.__dict__.pop("forward", None)
     model.__dict__.pop("_call_impl", None)
-    del model._mixprec
+    del model.__dict__[_ATTR]
     return model
-
-
-def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """Bytes this rank holds in parameters, their gradients, low-precision copies and optimizer state."""
-    from mixprec.memory import memory_report
-
-    return memory_report(model, optimizer).total
 
 
 # ----- checks --------------------------------------------------------------------------------
@@ -282,37 +284,36 @@ def _check(model: nn.Module, optimizer: torch.optim.Optimizer, sharded: bool) ->
 
 def _prepared_forward(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """A prepared model's forward: the original under the level's autocast region, outputs cast."""
-    state: _Prepared = model._mixprec  # type: ignore[assignment]
+    state = model.__dict__[_ATTR]
     if not state.checked:
         state.checked = True
         _check_not_sharded_since(model, state)
     with autocast(state.device_type, dtype=state.dtype, policy=default_policy(state.device_type)):
         out = state.original_forward(*args, **kwargs)
-    return out if state.output_dtype is None else _cast_floating(out, state.output_dtype)
+    return out if state.output_dtype is None else casting.cast_floating(out, state.output_dtype)
 
 
 def _prepared_call(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    state = model.__dict__.get("_mixprec")
+    state = prepared_state(model)
     if state is not None and not state.sharded and sharding.is_fsdp_module(model):
         _check_not_sharded_since(model, state)
     return type(model)._call_impl(model, *args, **kwargs)  # type: ignore[no-untyped-call]
 
 
-def _check_not_sharded_since(model: nn.Module, state: _Prepared) -> None:
+def _check_not_sharded_since(model: nn.Module, state: Prepared) -> None:
     if not state.sharded and sharding.fsdp_modules(model):
-        raise RuntimeError(
+        raise PrepareOrderError(
             "fully_shard was applied after mixprec.prepare, which set the model and optimizer up unsharded (a "
             "prepared optimizer would step tensors the model no longer uses); the order is: fully_shard, build the "
             "optimizer, then mixprec.prepare(model, optimizer, level=...)"
         )
 
 
-def _check_still_ours(model: nn.Module, state: _Prepared, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+def _check_still_ours(model: nn.Module, state: Prepared, optimizer: torch.optim.Optimizer, *_: Any) -> None:
     """Before each step: the optimizer still steps the model's parameters (a host-side check, no sync)."""
     _check_not_sharded_since(model, state)
-    params = {id(p) for p in model.parameters()}
-    if any(id(p) not in params for group in optimizer.param_groups for p in group["params"]):
-        raise RuntimeError(
+    if not training.holds_only_parameters_of(optimizer, model):
+        raise PrepareOrderError(
             "the prepared optimizer steps tensors that are no longer this model's parameters (they were replaced "
             "after mixprec.prepare: fully_shard, load_state_dict(assign=True), to_empty); set the model up first, "
             "then build the optimizer and call mixprec.prepare"
@@ -327,12 +328,6 @@ def _convert(param: nn.Parameter, dtype: torch.dtype) -> None:
         torch.utils.swap_tensors(param, converted)  # type: ignore[no-untyped-call]
     else:
         param.data = param.data.to(dtype)
-
-
-def _device_type(model: nn.Module) -> str:
-    for p in model.parameters():
-        return p.device.type
-    return "cpu"
 
 
 # ----- modules kept in fp32 ------------------------------------------------------------------
@@ -380,15 +375,6 @@ def _keep_exit(device_type: str) -> None:
         torch.set_autocast_dtype(device_type, outside[1])
 
 
-def _to_fp32(value: Any, device_type: str) -> Any:
-    if isinstance(value, torch.Tensor):
-        eligible = value.is_floating_point() and value.dtype not in (torch.float32, torch.float64)
-        return value.float() if eligible and value.device.type == device_type else value
-    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-        return type(value)(_to_fp32(v, device_type) for v in value)
-    return value
-
-
 def _keep_in_fp32(modules: Iterable[nn.Module], device_type: str, handles: list[Any]) -> None:
     """Hooks on each kept module: autocast off inside it, floating inputs cast to fp32.
 
@@ -401,7 +387,7 @@ def _keep_in_fp32(modules: Iterable[nn.Module], device_type: str, handles: list[
         _keep_enter(device_type)
         if not cast_inputs:
             return None
-        return _to_fp32(args, device_type), {k: _to_fp32(v, device_type) for k, v in kwargs.items()}
+        return casting.cast_floating((args, kwargs), torch.float32, device_type)
 
     def leave(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         _keep_exit(device_type)
@@ -534,23 +520,3 @@ def _replace_in_optimizer(optimizer: torch.optim.Optimizer, swap: dict[int, Any]
                 group["params"][i] = new
                 if p in optimizer.state:
                     optimizer.state[new] = optimizer.state.pop(p)
-
-
-def _cast_floating(out: Any, dtype: torch.dtype) -> Any:
-    """Floating tensors in ``out`` cast to ``dtype``; containers keep their type (ModelOutput, namedtuple)."""
-    if isinstance(out, torch.Tensor):
-        return out.to(dtype) if out.is_floating_point() and out.dtype is not torch.float64 else out
-    if isinstance(out, tuple):
-        items = [_cast_floating(o, dtype) for o in out]
-        return type(out)(*items) if hasattr(out, "_fields") else type(out)(items)
-    if isinstance(out, list):
-        return [_cast_floating(o, dtype) for o in out]
-    if isinstance(out, dict):
-        new = copy.copy(out)  # the same class: a ModelOutput stays one, its attributes too
-        for key, value in out.items():
-            new[key] = _cast_floating(value, dtype)
-        return new
-    if dataclasses.is_dataclass(out) and not isinstance(out, type):
-        fields = {f.name: _cast_floating(getattr(out, f.name), dtype) for f in dataclasses.fields(out) if f.init}
-        return dataclasses.replace(out, **fields)
-    return out

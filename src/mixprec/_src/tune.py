@@ -42,13 +42,16 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from mixprec._dtypes import parse_dtype, short_name
-from mixprec.autocast import autocast
-from mixprec.diagnostics import _call, _check_inputs, _loss, _with_targets, diagnose
-from mixprec.layout import to_channels_last
-from mixprec.master_weights import Level, prepare
-from mixprec.policy import Policy, default_policy, op_name
-from mixprec.scaler import GradScaler
+from mixprec._src import training
+from mixprec._src.autocast import autocast
+from mixprec._src.diagnostics import diagnose
+from mixprec._src.dtypes import parse_dtype, short_name
+from mixprec._src.layout import to_channels_last
+from mixprec._src.master_weights import Level, prepare, prepared_state
+from mixprec._src.op_names import op_name
+from mixprec._src.policy import Policy
+from mixprec._src.policy_grammar import default_policy
+from mixprec._src.scaler import GradScaler
 
 Progress = Callable[[str], None]
 
@@ -200,9 +203,9 @@ class Recipe:
         Raises:
             ValueError: a model already prepared by :func:`mixprec.prepare`, or a level prepare rejects.
         """
-        if hasattr(model, "_mixprec"):
+        if prepared_state(model) is not None:
             raise ValueError("this model was already prepared by mixprec.prepare; apply a recipe to an fp32 model")
-        device_type = next((p.device.type for p in model.parameters()), "cpu")
+        device_type = training.device_type_of(model)
         if self.layout == "channels_last":
             to_channels_last(model)
         region = self.autocast(device_type)
@@ -373,7 +376,7 @@ class _Trial:
         begin = time.perf_counter()
         self.run.optimizer.zero_grad(set_to_none=True)
         with self.run.autocast():
-            loss = self.loss_of(_call(self.run.model, self.inputs))
+            loss = self.loss_of(training.call_model(self.run.model, self.inputs))
         self.run.backward(loss)
         first = not self.losses
         if first:  # the gradients fp32's are compared with, before any update (scaled: cosine ignores it)
@@ -656,10 +659,10 @@ def tune(
     start = time.perf_counter()
     if not (isinstance(budget_s, (int, float)) and budget_s > 0 and math.isfinite(budget_s)):
         raise ValueError(f"budget_s must be a positive number of seconds, got {budget_s!r}")
-    if hasattr(model, "_mixprec"):
+    if prepared_state(model) is not None:
         raise ValueError("tune needs the fp32 model: this one was prepared by mixprec.prepare; "
                          "call mixprec.export_fp32(model) first, or tune before preparing")  # fmt: skip
-    found = _check_inputs(model, (batch, targets), loss_fn)
+    found = training.check_inputs(model, (batch, targets), loss_fn)
     if device is not None and torch.device(device).type != found.type:
         raise ValueError(f"device={device!r} but the model is on {found}; move the model and batch there first")
     if min_speedup < 1:
@@ -676,7 +679,7 @@ def tune(
         optimizer = torch.optim.AdamW(model.parameters())
     _check_optimizer(model, optimizer)
     with torch.no_grad():  # the loss must be a scalar: fail here, not inside a candidate (on a copy: BatchNorm)
-        loss_of(_call(copy.deepcopy(model), batch))
+        loss_of(training.call_model(copy.deepcopy(model), batch))
     device_type = found.type
     default_dtype = torch.get_autocast_dtype(device_type)
     search = _Search(model, optimizer, batch, loss_of, found, tol, start + budget_s, progress)
@@ -692,20 +695,18 @@ def tune(
 
 def _loss_of(loss_fn: Callable[..., torch.Tensor] | None, targets: Any) -> Callable[[Any], torch.Tensor]:
     if targets is None:
-        return functools.partial(_loss, loss_fn=loss_fn)
+        return functools.partial(training.scalar_loss, loss_fn=loss_fn)
     assert loss_fn is not None
-    return functools.partial(_loss, loss_fn=functools.partial(_with_targets, loss_fn, targets))
+    return functools.partial(training.scalar_loss, loss_fn=functools.partial(training.with_targets, loss_fn, targets))
 
 
 def _check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    if hasattr(optimizer, "_mixprec"):
+    if prepared_state(optimizer) is not None:
         raise ValueError("this optimizer was prepared by mixprec.prepare; tune the fp32 model and its fp32 optimizer")
-    params = {id(p) for p in model.parameters()}
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if id(p) not in params:
-                raise ValueError("the optimizer holds a tensor that is not a parameter of this model; "
-                                 "create it from model.parameters()")  # fmt: skip
+    if not training.holds_only_parameters_of(optimizer, model):
+        raise ValueError(
+            "the optimizer holds a tensor that is not a parameter of this model; create it from model.parameters()"
+        )
 
 
 def _run_search(search: _Search, model: nn.Module, batch: Any, loss_fn: Any, targets: Any,

@@ -46,6 +46,8 @@ from typing import Any, overload
 import torch
 from torch.amp.grad_scaler import OptState
 
+from mixprec._src.errors import LossScaleCollapseError
+
 logger = logging.getLogger("mixprec.scaler")
 
 # With no min_scale, a scale at or below this counts as "at the floor" for fail-fast.
@@ -609,6 +611,11 @@ class GradScaler:
         """Call ``callback(ScalerEvent)`` on skips, backoffs and growths (see ``on_event``)."""
         self._listeners.append(callback)
 
+    def remove_listener(self, callback: Any) -> None:
+        """Stop calling ``callback``; a callback not listening is ignored."""
+        if callback in self._listeners:
+            self._listeners.remove(callback)
+
     # ----- internals -------------------------------------------------------------------
 
     def _agree(self, found_per_device: dict[torch.device, torch.Tensor]) -> dict[torch.device, torch.Tensor]:
@@ -724,7 +731,7 @@ class GradScaler:
         scale = self.get_scale()
         if not math.isfinite(scale):
             # Set by update(new_scale) with a tensor: backing off cannot make inf or NaN finite.
-            raise RuntimeError(
+            raise LossScaleCollapseError(
                 f"mixprec.GradScaler: the last {consecutive} iterations all had inf/NaN gradients because the loss "
                 f"scale is {scale} (not finite), so every optimizer step was skipped and backing off cannot fix it. "
                 "Set a finite scale with scaler.update(new_scale=...) or load_state_dict, "
@@ -732,7 +739,7 @@ class GradScaler:
             )
         if scale > floor:
             return
-        raise RuntimeError(
+        raise LossScaleCollapseError(
             f"mixprec.GradScaler: the last {consecutive} iterations all had inf/NaN gradients with the loss "
             f"scale at its floor ({scale:g} <= {floor:g}), so every optimizer step was skipped. Scaling cannot "
             "fix this. Likely causes: the model overflows fp16 in the forward pass (a model trained in bf16, or "

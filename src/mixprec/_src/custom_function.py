@@ -13,22 +13,12 @@ from typing import Any, TypeVar
 
 import torch
 
-from mixprec import _dispatch
-from mixprec._dtypes import parse_dtype
-from mixprec.autocast import TorchAutocast, autocast, get_autocast_policy
-from mixprec.policy import PYTHON_OPS
+from mixprec._src import casting, dispatch
+from mixprec._src.autocast import TorchAutocast, autocast, get_autocast_policy
+from mixprec._src.dtypes import parse_dtype
+from mixprec._src.op_names import PYTHON_OPS
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-
-def _cast(value: Any, device_type: str, dtype: torch.dtype) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(dtype) if _dispatch.eligible(value, device_type) else value
-    if isinstance(value, (list, tuple)):
-        return type(value)(_cast(v, device_type, dtype) for v in value)
-    if isinstance(value, dict):
-        return {k: _cast(v, device_type, dtype) for k, v in value.items()}
-    return value
 
 
 def custom_fwd(fwd: F | None = None, *, device_type: str, cast_inputs: torch.dtype | str | None = None) -> Any:
@@ -57,7 +47,10 @@ def custom_fwd(fwd: F | None = None, *, device_type: str, cast_inputs: torch.dty
         ctx._mixprec_enabled = False
         if enabled:
             with TorchAutocast(device_type, enabled=False):
-                return fwd(*_cast(args, device_type, target), **_cast(kwargs, device_type, target))
+                return fwd(
+                    *casting.cast_floating(args, target, device_type),
+                    **casting.cast_floating(kwargs, target, device_type),
+                )
         return fwd(*args, **kwargs)
 
     return decorate_fwd
@@ -106,18 +99,18 @@ def op(func: F) -> F:
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        st = _dispatch.state()
+        st = dispatch.state()
         if st.policy:
-            for t in _dispatch._tensors(args, kwargs):
+            for t in dispatch.tensors_in(args, kwargs):
                 device_type = t.device.type
                 policy = st.policy.get(device_type)
                 if policy is None or not torch.is_autocast_enabled(device_type):
                     break
-                category = policy._table.get(name)  # type: ignore[attr-defined]
+                category = policy.op_table.get(name)
                 if category is None:
                     break
                 with TorchAutocast(device_type, enabled=False):
-                    return _dispatch.apply_category(category, func, args, kwargs, device_type, policy, name)
+                    return dispatch.apply_category(category, func, args, kwargs, device_type, policy, name)
         return func(*args, **kwargs)
 
     wrapper.__mixprec_op__ = name  # type: ignore[attr-defined]

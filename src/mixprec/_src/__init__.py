@@ -1,0 +1,1 @@
+"""mixprec's implementation. Import from ``mixprec``; nothing here is public."""
