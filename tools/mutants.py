@@ -133,6 +133,14 @@ MUTANTS = (
     Mutant("listener-not-removed", "remove_listener leaves the callback listening",
            "src/mixprec/_src/scaler.py", "            self._listeners.remove(callback)", "            pass",
            ("tests/test_scaler.py",)),
+    Mutant("keep-filter-ignored", "prepare keeps no module that PrepareConfig.keep_filter accepts",
+           "src/mixprec/_src/prepare_config.py",
+           "        return self.keep_filter is not None and bool(self.keep_filter(module, name))",
+           "        return False", ("tests/test_master_weights.py",)),
+    Mutant("config-policy-ignored", "the prepared forward runs the built-in lists whatever the config's policy",
+           "src/mixprec/_src/master_weights.py",
+           "    policy = state.config.policy if state.config.policy is not None else default_policy(state.device_type)",
+           "    policy = default_policy(state.device_type)", ("tests/test_master_weights.py",)),
 )  # fmt: skip
 
 

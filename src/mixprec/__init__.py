@@ -23,12 +23,13 @@ from mixprec._src.errors import (
     PrepareOrderError,
 )
 from mixprec._src.layout import to_channels_last
-from mixprec._src.master_weights import Level, export_fp32, master_params, prepare
+from mixprec._src.master_weights import export_fp32, master_params, prepare
 from mixprec._src.memory import MemoryReport, memory_report, state_bytes
 from mixprec._src.monitor import Incident, Monitor
 from mixprec._src.op_names import op_name
 from mixprec._src.policy import NORM_TYPES, ModuleRule, OpCategory, Policy
 from mixprec._src.policy_grammar import builtin_policy, default_policy, get_policy
+from mixprec._src.prepare_config import Level, PrepareConfig
 from mixprec._src.scaler import GradScaler, ScalerEvent, ScalerStats
 from mixprec._src.stochastic_rounding import stochastic_round
 from mixprec._src.tune import Applied, Measurement, Recipe, Tolerance, tune
@@ -53,6 +54,7 @@ __all__ = [
     "Monitor",
     "OpCategory",
     "Policy",
+    "PrepareConfig",
     "Recipe",
     "ScalerEvent",
     "ScalerStats",

@@ -22,7 +22,7 @@ forward runs under :func:`mixprec.autocast` (ops on the lists still run in fp32 
 should) and floating outputs are returned as fp32, in the output's own container type.
 
 Under FSDP2 (``fully_shard``), prepare after sharding and after building the optimizer: each
-level becomes FSDP2's own mixed precision (see :mod:`mixprec.sharding`).
+level becomes FSDP2's own mixed precision (see ``sharding.py``).
 """
 
 from __future__ import annotations
@@ -39,32 +39,19 @@ from torch import nn
 
 from mixprec._src import casting, sharding, stochastic_rounding, training
 from mixprec._src.autocast import autocast
-from mixprec._src.dtypes import LOW_PRECISION, NamedEnum, parse_dtype
 from mixprec._src.errors import PrepareOrderError
-from mixprec._src.policy import NORM_TYPES, ModuleRule
+from mixprec._src.policy import NORM_TYPES, Policy
 from mixprec._src.policy_grammar import default_policy
-
-
-class Level(NamedEnum):
-    """Precision levels of :func:`prepare`."""
-
-    O1 = "O1"
-    O2 = "O2"
-    BF16_SR = "bf16-sr"
-    BF16_PURE = "bf16-pure"
-
-    @classmethod
-    def _what(cls) -> tuple[str, str]:
-        return "level", "levels"
-
+from mixprec._src.prepare_config import Level, ModuleFilter, PrepareConfig
 
 _ATTR = "_mixprec"  # where prepare keeps its state, on the model and on the optimizer
 
 
 @dataclasses.dataclass
 class Prepared:
-    level: Level
-    dtype: torch.dtype
+    """What prepare set up for a model and its optimizer; kept on both."""
+
+    config: PrepareConfig
     device_type: str
     original_forward: Callable[..., Any]
     handles: list[Any]
@@ -73,9 +60,20 @@ class Prepared:
     buffers: list[tuple[nn.Module, str]]  # buffers prepare stored in dtype
     copies: _ComputeCopies | None = None  # O2, parameters FSDP2 does not manage
     sharded: bool = False  # FSDP2 units were set up for the level
-    output_dtype: torch.dtype | None = torch.float32
     checked: bool = False  # the first forward looked for FSDP2 units added since
     fused: bool = False  # bf16-sr: Adam(W) steps the bf16 weights with the compiled fused kernel
+
+    @property
+    def level(self) -> Level:
+        return self.config.level
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.config.dtype
+
+    @property
+    def output_dtype(self) -> torch.dtype | None:
+        return self.config.output_dtype
 
 
 def prepared_state(obj: nn.Module | torch.optim.Optimizer) -> Prepared | None:
@@ -92,14 +90,19 @@ def master_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 def prepare(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
-    level: Level | str = Level.O2,
+    level: Level | str | PrepareConfig = Level.O2,
     dtype: torch.dtype | str = torch.bfloat16,
     *,
     keep_types: type[nn.Module] | Iterable[type[nn.Module]] = NORM_TYPES,
     keep_names: str | Iterable[str] = (),
+    keep_filter: ModuleFilter | None = None,
     output_dtype: torch.dtype | None = torch.float32,
+    policy: Policy | str | None = None,
 ) -> tuple[nn.Module, torch.optim.Optimizer]:
     """Put ``model`` and ``optimizer`` at a precision level; returns them (changed in place).
+
+    ``prepare(model, optimizer, "O2", keep_names="head")`` and
+    ``prepare(model, optimizer, PrepareConfig(level="O2", keep_names=("head",)))`` are the same.
 
     Under FSDP2, call it after ``fully_shard`` and after building the optimizer, before the first
     forward; it is then collective (every rank calls it). Under DDP, call it before wrapping.
@@ -108,20 +111,30 @@ def prepare(
         model: an fp32 model, already on its device (and sharded, with FSDP2).
         optimizer: any ``torch.optim`` optimizer over the model's parameters, created after the
             model was moved (and sharded).
-        level: ``"O1"``, ``"O2"``, ``"bf16-sr"`` or ``"bf16-pure"``.
+        level: ``"O1"``, ``"O2"``, ``"bf16-sr"`` or ``"bf16-pure"``, or a whole
+            :class:`PrepareConfig` (then give no other option).
         dtype: the low precision (bf16 or fp16; the bf16 levels need bf16).
         keep_types, keep_names: modules kept in fp32, by type or qualified-name glob.
+        keep_filter: ``(module, qualified_name) -> bool``; modules it accepts are kept in fp32 too.
         output_dtype: floating outputs of the model's forward are cast to this (``None``: as computed).
+        policy: the autocast policy of the prepared forward (default: the device's built-in lists).
 
     Raises:
         ValueError: a model not in fp32, an optimizer holding tensors that are not this model's
             parameters or holding one twice, a prepared model, a model wrapped in DDP or the older
             FSDP, a sharded model that already ran a forward, a bad level or dtype.
+        TypeError: a PrepareConfig together with other options.
     """
-    level = Level.from_name(level)
-    dtype = parse_dtype(dtype, what="prepare dtype", allowed=LOW_PRECISION)
-    if level in (Level.BF16_SR, Level.BF16_PURE) and dtype is not torch.bfloat16:
-        raise ValueError(f"level {level.value!r} keeps weights in bf16; pass dtype=torch.bfloat16 (or use level 'O2')")
+    if isinstance(level, PrepareConfig):
+        given = (dtype is not torch.bfloat16, keep_types is not NORM_TYPES, keep_names != (), keep_filter is not None,
+                 output_dtype is not torch.float32, policy is not None)  # fmt: skip
+        if any(given):
+            raise TypeError("prepare takes a PrepareConfig or options, not both; put the options in the config "
+                            "(dataclasses.replace(config, ...))")  # fmt: skip
+        config = level
+    else:
+        config = PrepareConfig(level, dtype, keep_types, keep_names, keep_filter, output_dtype, policy)  # type: ignore[arg-type]
+    level, dtype = config.level, config.dtype
     if level in (Level.O2, Level.BF16_SR) and isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError(
             f"LBFGS re-evaluates the model inside step(), and level {level.value!r} updates the low-precision "
@@ -139,11 +152,8 @@ def prepare(
         )
     _check(model, optimizer, sharded)
     device_type = training.device_type_of(model)
-    kept_types: tuple[type[nn.Module], ...] = (keep_types,) if isinstance(keep_types, type) else tuple(keep_types)
-    kept_names: tuple[str, ...] = (keep_names,) if isinstance(keep_names, str) else tuple(keep_names)
-    rule = ModuleRule(types=kept_types, names=kept_names) if (kept_types or kept_names) else None
-    kept_modules = _outermost(model, rule) if rule is not None else []
-    state = Prepared(level, dtype, device_type, model.forward, [], [], kept_modules, [], sharded=sharded)
+    kept_modules = _outermost(model, config)
+    state = Prepared(config, device_type, model.forward, [], [], kept_modules, [], sharded=sharded)
     # Registered first, so it runs before any other step hook (bf16-sr's, the user's).
     state.handles.append(optimizer.register_step_pre_hook(functools.partial(_check_still_ours, model, state)))
     _keep_in_fp32(kept_modules, device_type, state.handles)
@@ -157,7 +167,6 @@ def prepare(
     else:  # the keys every level's checkpoint holds; nothing rounds stochastically here
         stochastic_rounding.add_counters(optimizer, 0, state.handles)
 
-    state.output_dtype = output_dtype
     # Bound to the model (a deep copy rebinds them to the copy). _call_impl runs before every
     # module hook, FSDP2's included: the place to refuse a model sharded after prepare.
     model.forward = types.MethodType(_prepared_forward, model)  # type: ignore[method-assign]
@@ -288,7 +297,8 @@ def _prepared_forward(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
     if not state.checked:
         state.checked = True
         _check_not_sharded_since(model, state)
-    with autocast(state.device_type, dtype=state.dtype, policy=default_policy(state.device_type)):
+    policy = state.config.policy if state.config.policy is not None else default_policy(state.device_type)
+    with autocast(state.device_type, dtype=state.dtype, policy=policy):
         out = state.original_forward(*args, **kwargs)
     return out if state.output_dtype is None else casting.cast_floating(out, state.output_dtype)
 
@@ -333,11 +343,11 @@ def _convert(param: nn.Parameter, dtype: torch.dtype) -> None:
 # ----- modules kept in fp32 ------------------------------------------------------------------
 
 
-def _outermost(model: nn.Module, rule: ModuleRule) -> list[nn.Module]:
-    """The modules ``rule`` keeps, without those inside another kept one."""
+def _outermost(model: nn.Module, config: PrepareConfig) -> list[nn.Module]:
+    """The modules ``config`` keeps, without those inside another kept one."""
     found: list[tuple[str, nn.Module]] = []
     for name, module in model.named_modules():
-        if rule.matches(module, name) and not any(name.startswith(f"{outer}.") or outer == "" for outer, _ in found):
+        if config.keeps(module, name) and not any(name.startswith(f"{outer}.") or outer == "" for outer, _ in found):
             found.append((name, module))
     return [m for _, m in found]
 

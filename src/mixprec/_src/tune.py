@@ -47,10 +47,11 @@ from mixprec._src.autocast import autocast
 from mixprec._src.diagnostics import diagnose
 from mixprec._src.dtypes import parse_dtype, short_name
 from mixprec._src.layout import to_channels_last
-from mixprec._src.master_weights import Level, prepare, prepared_state
+from mixprec._src.master_weights import prepare, prepared_state
 from mixprec._src.op_names import op_name
 from mixprec._src.policy import Policy
 from mixprec._src.policy_grammar import default_policy
+from mixprec._src.prepare_config import Level, PrepareConfig
 from mixprec._src.scaler import GradScaler
 
 Progress = Callable[[str], None]
@@ -187,6 +188,16 @@ class Recipe:
             policy = policy.keep_modules(names=self.keep_fp32)
         return policy
 
+    def prepare_config(self) -> PrepareConfig:
+        """What :meth:`apply` passes to :func:`mixprec.prepare` at levels other than O1.
+
+        Raises:
+            ValueError: an fp32 recipe (nothing to prepare).
+        """
+        if self.dtype is torch.float32:
+            raise ValueError("an fp32 recipe prepares nothing; apply it, or train the model as it is")
+        return PrepareConfig(level=Level.from_name(self.level), dtype=self.dtype, keep_names=self.keep_fp32)
+
     def autocast(self, device_type: str = "cpu") -> Callable[[], contextlib.AbstractContextManager[Any]]:
         """The region factory for the training loop: a :func:`mixprec.autocast` with :meth:`policy`,
         or a no-op for fp32 and for levels other than O1 (whose prepared forward opens its own)."""
@@ -210,7 +221,7 @@ class Recipe:
             to_channels_last(model)
         region = self.autocast(device_type)
         if self.dtype is not torch.float32 and self.level != "O1":  # prepare's forward opens its own region
-            model, optimizer = prepare(model, optimizer, level=self.level, dtype=self.dtype, keep_names=self.keep_fp32)
+            model, optimizer = prepare(model, optimizer, self.prepare_config())
         scaler = GradScaler(device_type, init_scale=self.loss_scale) if self.dtype is torch.float16 else None
         if self.compile:
             model = torch.compile(model)  # type: ignore[assignment]
