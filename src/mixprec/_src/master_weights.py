@@ -10,7 +10,7 @@
   dicts, clipping, ``torch.distributed.checkpoint`` and DDP see fp32 parameters.
 * ``"bf16-sr"``: weights and optimizer state in bf16 only, no master copy; the optimizer
   steps in fp32 and writes the weights back with stochastic rounding
-  (:mod:`mixprec.stochastic_rounding`), seeded from the optimizer's param groups, so a
+  (``stochastic_rounding.py``), seeded from the optimizer's param groups, so a
   checkpoint resumes bit for bit.
 * ``"bf16-pure"``: bf16 weights and state with round-to-nearest updates; the baseline that
   shows what stochastic rounding fixes.
