@@ -251,3 +251,23 @@ def test_cli_diagnose_finds_modules_in_the_current_folder(
     assert "--model cwd_models_for_test:forgot returned None; it must return the torch.nn.Module" in err
     assert cli.main(["diagnose", "--model", "test_diagnostics:returns_none", *args]) == 2
     monkeypatch.delitem(sys.modules, "cwd_models_for_test", raising=False)
+
+
+class _DictOutput(nn.Module):
+    """Returns a dict, as Hugging Face models return a ModelOutput."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"logits": self.lin(x)}
+
+
+def test_diagnose_on_a_model_returning_a_dict_warns_nothing() -> None:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        report = mixprec.diagnose(_DictOutput(), torch.randn(4, 8), lambda out: out["logits"].square().mean())
+    assert report.module("lin").gradients.numel == 32  # the submodule still reports its gradient

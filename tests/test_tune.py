@@ -264,3 +264,41 @@ def test_cli_tune_writes_the_recipe(tmp_path: Any, capsys: pytest.CaptureFixture
     assert "--model needs --batch" in capsys.readouterr().err
     assert cli.main(["tune", "--workload", "mlp", "--size", "tiny", "--levels", "O4"]) == 2
     assert "unknown level 'O4'" in capsys.readouterr().err
+
+
+class _FailsWithBf16Weights(nn.Module):
+    """Trains in fp32 and at O1/O2 (weights stay fp32 outside their own forward); raises at bf16 levels."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.lin.weight.dtype is torch.bfloat16:
+            raise AttributeError("'Tensor' object has no attribute 'loss'")  # what a broken candidate raises
+        return self.lin(x)
+
+
+def test_a_candidate_that_raises_is_rejected_with_its_reason_not_fatal() -> None:
+    torch.manual_seed(0)
+    recipe = mixprec.tune(_FailsWithBf16Weights(), torch.randn(16, 8), square_loss, dtypes=("bf16",),
+                          levels=("O1", "O2", "bf16-sr"), budget_s=60)  # fmt: skip
+    failed = [m for m in recipe.measurements if "bf16-sr" in m.name]
+    assert failed and all("AttributeError" in m.reason for m in failed), recipe.table()
+    assert recipe.level != "bf16-sr"
+
+
+def test_tune_prints_nothing_from_the_profiler(capfd: pytest.CaptureFixture[str]) -> None:
+    from mixprec._src.tune import _quiet_stderr
+
+    with _quiet_stderr():
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+            pass
+    torch.manual_seed(0)
+    mixprec.tune(_mlp(), torch.randn(32, 8), square_loss, dtypes=("bf16",), budget_s=30)
+    captured = capfd.readouterr()
+    assert "profiler_start" not in captured.err + captured.out
+    import sys
+
+    print("still here", file=sys.stderr)  # stderr works again afterwards
+    assert "still here" in capfd.readouterr().err

@@ -341,6 +341,9 @@ def _run(model: nn.Module, inputs: Any, loss_fn: LossFn | None, dtype: torch.dty
         with warnings.catch_warnings():
             # A module whose inputs need no grad still reports the gradient of its outputs: that is all we read.
             warnings.filterwarnings("ignore", message="Full backward hook is firing")
+            # A module returning a dict (a Hugging Face ModelOutput) gets no backward hook call; its
+            # submodules report the gradients, so the warning torch prints at every call says nothing new.
+            warnings.filterwarnings("ignore", message="For backward hooks to be called")
             for _ in range(steps):
                 model.zero_grad(set_to_none=True)
                 recorder.pass_ = "forward"

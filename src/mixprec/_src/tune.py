@@ -33,9 +33,11 @@ import dataclasses
 import functools
 import json
 import math
+import os
 import statistics
+import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -508,7 +510,7 @@ class _Search:
                     continue
                 try:
                     t.step()
-                except (RuntimeError, ValueError, TypeError) as exc:  # a candidate that cannot train here
+                except Exception as exc:  # a candidate that cannot train here: rejected with its reason, never fatal
                     if t is default or t is self.ref:
                         raise
                     t.stopped = t.failed = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
@@ -568,6 +570,20 @@ class _Search:
         return max(passed, key=speed, default=None)
 
 
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """File descriptor 2 sent to /dev/null (C++ writes there directly, past ``sys.stderr``)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def _profile(trial: _Trial, lower: frozenset[str]) -> dict[str, float]:
     """Seconds per op of ``lower`` (forward and its backward) in one step of ``trial``.
 
@@ -577,8 +593,14 @@ def _profile(trial: _Trial, lower: frozenset[str]) -> dict[str, float]:
     activities = [torch.profiler.ProfilerActivity.CPU]
     if trial.device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities) as prof:
+    prof = torch.profiler.profile(activities=activities)
+    with _quiet_stderr():  # the profiler's C++ side prints start/stop lines on the process's stderr
+        prof.__enter__()
+    try:
         trial.step()
+    finally:
+        with _quiet_stderr():
+            prof.__exit__(None, None, None)
     events = prof.events() or []
     backward = "autograd::engine::evaluate_function: "
     on_device = trial.device.type == "cuda"
