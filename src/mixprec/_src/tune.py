@@ -593,7 +593,7 @@ def _profile(trial: _Trial, lower: frozenset[str]) -> dict[str, float]:
     activities = [torch.profiler.ProfilerActivity.CPU]
     if trial.device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    prof = torch.profiler.profile(activities=activities)
+    prof: Any = torch.profiler.profile(activities=activities)
     with _quiet_stderr():  # the profiler's C++ side prints start/stop lines on the process's stderr
         prof.__enter__()
     try:
