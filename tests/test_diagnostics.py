@@ -117,6 +117,9 @@ def test_report_outputs(tmp_path: Any) -> None:
     assert "keep in fp32: big" in report.summary()
     report.plot(tmp_path / "diag.png")
     assert matplotlib.image.imread(tmp_path / "diag.png").shape[0] > 300
+    again = mixprec.DiagnosticReport.from_dict(data)  # plain data: JSON and back, equal
+    assert again.modules == report.modules and again.first_nonfinite == report.first_nonfinite  # loss may be NaN
+    assert json.dumps(again.to_dict()) == json.dumps(report.to_dict()) and again.summary() == report.summary()
 
 
 def test_model_state_is_left_as_found() -> None:

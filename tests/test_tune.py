@@ -14,7 +14,7 @@ from torch import nn
 
 import mixprec
 from conftest import Overflowing, square_loss
-from mixprec._src.tune import Recipe, Tolerance
+from mixprec._src.recipe import Recipe, Tolerance
 
 
 class SmallConvNet(nn.Module):

@@ -14,7 +14,8 @@ from mixprec._src.autocast import (
     set_autocast_enabled,
 )
 from mixprec._src.custom_function import custom_bwd, custom_fwd, op
-from mixprec._src.diagnostics import DiagnosticReport, diagnose
+from mixprec._src.diagnostic_report import DiagnosticReport
+from mixprec._src.diagnostics import diagnose
 from mixprec._src.errors import (
     CheckpointReplayError,
     LossScaleCollapseError,
@@ -30,9 +31,10 @@ from mixprec._src.op_names import op_name
 from mixprec._src.policy import NORM_TYPES, ModuleRule, OpCategory, Policy
 from mixprec._src.policy_grammar import builtin_policy, default_policy, get_policy
 from mixprec._src.prepare_config import Level, PrepareConfig
+from mixprec._src.recipe import Applied, Measurement, Recipe, Tolerance
 from mixprec._src.scaler import GradScaler, ScalerEvent, ScalerStats
 from mixprec._src.stochastic_rounding import stochastic_round
-from mixprec._src.tune import Applied, Measurement, Recipe, Tolerance, tune
+from mixprec._src.tune import tune
 
 __version__ = "0.1.0"
 
