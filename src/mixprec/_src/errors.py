@@ -26,3 +26,7 @@ class LossScaleCollapseError(MixprecError, RuntimeError):
 
 class PrepareOrderError(MixprecError, RuntimeError):
     """``prepare`` and ``fully_shard`` (or the optimizer) were set up in an order that cannot train right."""
+
+
+for _error in (MixprecError, PolicyError, CheckpointReplayError, LossScaleCollapseError, PrepareOrderError):
+    _error.__module__ = "mixprec"  # shown as mixprec.PolicyError, the name users import

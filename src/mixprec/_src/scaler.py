@@ -47,6 +47,7 @@ import torch
 from torch.amp.grad_scaler import OptState
 
 from mixprec._src.errors import LossScaleCollapseError
+from mixprec._src.loss_scale import LossScaleRule
 
 logger = logging.getLogger("mixprec.scaler")
 
@@ -633,20 +634,16 @@ class GradScaler:
             listener(event)
 
     def _host_events(self, overflow: bool) -> None:
-        # Mirrors the update rule on the host, from flags it already read: no extra sync, except
+        # The update rule again, on the host, from flags it already read: no extra sync, except
         # reading the new scale on a backoff or growth (rare) for the log.
-        if overflow:
-            self._host_good = 0
-            self._host_tolerated -= 1
-            if self._host_tolerated <= 0:
-                scale = self.get_scale()
-                logger.info("loss scale backed off to %g after inf/NaN gradients", scale)
-                self._emit("backoff", scale)
-            return
-        self._host_good += 1
-        if self._host_good == self._growth_interval:
-            self._host_good = 0
-            self._host_tolerated = self._hysteresis
+        self._host_good, self._host_tolerated, back_off, grow = self._rule().counters(
+            self._host_good, self._host_tolerated, overflow
+        )
+        if back_off:
+            scale = self.get_scale()
+            logger.info("loss scale backed off to %g after inf/NaN gradients", scale)
+            self._emit("backoff", scale)
+        elif grow:
             scale = self.get_scale()
             logger.debug("loss scale grew to %g after %d good iterations", scale, self._growth_interval)
             self._emit("growth", scale)
@@ -676,29 +673,14 @@ class GradScaler:
             raise ValueError("new_scale must be a float or a 1-element tensor that does not require grad")
         scale.copy_(new_scale.reshape(()))
 
+    def _rule(self) -> LossScaleRule:
+        return LossScaleRule(self._growth_factor, self._backoff_factor, self._growth_interval, self._hysteresis,
+                             self._min_scale, self._max_scale)  # fmt: skip
+
     def _apply_update(self, scale: torch.Tensor, found: torch.Tensor) -> None:
         growth, hysteresis = self._growth_tracker, self._hysteresis_tracker
         assert growth is not None and hysteresis is not None  # set with the scale
-        overflow = found > 0
-        if self._hysteresis == 1:
-            # torch's own kernel: the same scale as torch.amp.GradScaler, bit for bit.
-            torch._amp_update_scale_(scale, growth, found, self._growth_factor, self._backoff_factor,
-                                     self._growth_interval)  # fmt: skip
-        else:
-            # Megatron-LM's hysteresis, in tensor ops (no sync).
-            hysteresis.sub_(overflow.to(hysteresis.dtype))
-            back_off = overflow & (hysteresis <= 0)
-            counted = torch.where(overflow, torch.zeros_like(growth), growth + 1)
-            grow = counted >= self._growth_interval
-            grown = scale * self._growth_factor
-            new_scale = torch.where(
-                back_off, scale * self._backoff_factor, torch.where(grow & grown.isfinite(), grown, scale)
-            )
-            growth.copy_(torch.where(grow, torch.zeros_like(counted), counted))
-            hysteresis.copy_(torch.where(grow, torch.full_like(hysteresis, self._hysteresis), hysteresis))
-            scale.copy_(new_scale)
-        if self._min_scale is not None or self._max_scale is not None:
-            scale.clamp_(min=self._min_scale, max=self._max_scale)
+        self._rule().update_(scale, growth, hysteresis, found)
 
     def _count_skips(self, found: torch.Tensor) -> None:
         skips = self._skip_count
