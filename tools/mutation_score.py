@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import argparse
 import collections
+import re
 import subprocess
 import sys
+
+_MODULE = re.compile(r"^(.*?)\.x[ǁ_]")
 
 
 def main(argv: list[str]) -> int:
@@ -28,7 +31,8 @@ def main(argv: list[str]) -> int:
         name, _, status = line.strip().rpartition(": ")
         if not name:
             continue
-        module = name.split(".x")[0].split("__mutmut")[0].rsplit(".", 1)[0] if ".x" in name else name.rsplit(".", 1)[0]
+        found = _MODULE.match(name)  # mixprec._src.scaler.xǁGradScalerǁstep__mutmut_3, ....x_helper__mutmut_1
+        module = found.group(1) if found else name.rsplit(".", 1)[0]
         by_module[module][status] += 1
         if status == "survived":
             survivors.append(name)
