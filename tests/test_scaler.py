@@ -236,6 +236,30 @@ def test_state_dict_round_trips_every_field() -> None:
     assert clone.state_dict() == saved
 
 
+def test_pickle_refuses_mid_iteration_and_a_clone_trains_on_alike() -> None:
+    model, scaler = _model(), _scaler("mixprec", hysteresis=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    _train_some(scaler, model, opt, range(0, 5))
+    x, y = _batches(6)[5]
+    opt.zero_grad()
+    scaler.scale(_loss(model, x, y)).backward()
+    scaler.unscale_(opt)
+    with pytest.raises(RuntimeError, match="at the start of an iteration or after update"):
+        pickle.dumps(scaler)
+    scaler.step(opt)
+    with pytest.raises(RuntimeError, match="at the start of an iteration or after update"):
+        pickle.dumps(scaler)
+    scaler.update()
+    clone = pickle.loads(pickle.dumps(scaler))
+    assert clone.state_dict() == scaler.state_dict()  # the recent-scale history is not pickled
+    twin = copy.deepcopy(model)
+    # The original and the clone go on alike (plain SGD holds no state): every counter came along.
+    _train_some(scaler, model, opt, range(6, 12))
+    _train_some(clone, twin, torch.optim.SGD(twin.parameters(), lr=0.1), range(6, 12))
+    assert clone.state_dict() == scaler.state_dict()
+    assert bitwise_equal(list(model.parameters()), list(twin.parameters()))
+
+
 def test_load_state_dict_rejects_bad_dicts() -> None:
     scaler = mixprec.GradScaler("cpu")
     with pytest.raises(RuntimeError, match="disabled GradScaler"):

@@ -143,6 +143,9 @@ MUTANTS = (
            "src/mixprec/_src/master_weights.py",
            "    policy = state.config.policy if state.config.policy is not None else default_policy(state.device_type)",
            "    policy = default_policy(state.device_type)", ("tests/test_master_weights.py",)),
+    Mutant("pickle-mid-iteration", "a GradScaler pickles between scale() and update(), losing the iteration",
+           "src/mixprec/_src/scaler.py", "        if self._enabled and in_iteration and not self._failed:",
+           "        if False:", ("tests/test_scaler.py",)),
 )  # fmt: skip
 
 
