@@ -424,3 +424,17 @@ def test_cuda_training_step_matches_torch(dtype: torch.dtype) -> None:
         loss.backward()
         results.append((loss, [p.grad for p in model.parameters()]))
     assert bitwise_equal(results[0], results[1])
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_edited_policy_runs_without_grad(mode: str) -> None:
+    """Inference with an edited policy: no checkpoint is running, so nothing may refuse it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.GELU(), nn.Linear(8, 2))
+    x = torch.randn(4, 8)
+    policy = mixprec.get_policy("cpu").add("fp32", "exp").keep_modules(nn.LayerNorm)
+    with mixprec.autocast("cpu", policy=policy):
+        want = model(x).detach()
+    with getattr(torch, mode)(), mixprec.autocast("cpu", policy=policy):
+        got = model(x)
+    assert bitwise_equal(got, want)

@@ -146,6 +146,9 @@ MUTANTS = (
     Mutant("pickle-mid-iteration", "a GradScaler pickles between scale() and update(), losing the iteration",
            "src/mixprec/_src/scaler.py", "        if self._enabled and in_iteration and not self._failed:",
            "        if False:", ("tests/test_scaler.py",)),
+    Mutant("no-grad-refused", "an edited policy under no_grad is taken for a reentrant checkpoint and refused",
+           "src/mixprec/_src/dispatch.py", "            if frame.f_code is _CHECKPOINT_FORWARD:",
+           "            if frame.f_code is not _CHECKPOINT_FORWARD:", ("tests/test_autocast.py",)),
 )  # fmt: skip
 
 
