@@ -240,6 +240,56 @@ def test_only_floating_non_fp64_tensors_are_cast() -> None:
         assert torch.add(A, B).dtype is torch.bfloat16
 
 
+def test_fp32_set_dtype_edit_passes_fp32_unless_the_caller_chose() -> None:
+    """torch's fp32_set_opt_dtype, on CPU where torch's list has no such op: dtype=fp32 is added
+    only when the caller gave none and the first argument is eligible."""
+    x = torch.randn(6, 5)
+    policy = mixprec.get_policy("cpu").add("fp32_set_dtype", "softmax", "cumsum")
+    with mixprec.autocast("cpu", policy=policy):
+        low = x.bfloat16()
+        cases = {
+            "added": (torch.softmax(low, 0), torch.softmax(low, 0, dtype=torch.float32)),
+            "positional": (torch.softmax(low, 1, torch.float64), torch.softmax(low.double(), 1)),
+            "keyword": (torch.cumsum(low, 0, dtype=torch.float64), torch.cumsum(low.double(), 0)),
+            "fp64 input": (torch.softmax(x.double(), 0), torch.softmax(x.double(), 0)),
+        }
+    with torch.autocast("cpu", enabled=False):
+        want = {k: v[1] for k, v in cases.items()}
+    for key, (got, _) in cases.items():
+        assert got.dtype is want[key].dtype and bitwise_equal(got, want[key]), key
+
+
+def test_edited_ops_keep_their_keyword_arguments() -> None:
+    q, k, v = (torch.randn(2, 3, 4, 8) for _ in range(3))
+    policy = mixprec.get_policy("cpu").add("fp32", "scaled_dot_product_attention", "cumsum")
+    with mixprec.autocast("cpu", policy=policy):
+        scaled = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=0.5)
+        summed = torch.cumsum(q.bfloat16(), 0, dtype=torch.float64)
+    with torch.autocast("cpu", enabled=False):
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=0.5)
+    assert bitwise_equal(scaled, want)
+    assert not bitwise_equal(scaled, torch.nn.functional.scaled_dot_product_attention(q, k, v))  # scale reached it
+    assert summed.dtype is torch.float64
+    # an op taken out of every category, and one moved to promote, pass their keyword arguments on too
+    a, b, c = torch.randn(4, 4), torch.randn(4, 4).bfloat16(), torch.randn(4, 4).bfloat16()
+    other = mixprec.get_policy("cpu").remove("scaled_dot_product_attention").add("promote", "addcmul")
+    with mixprec.autocast("cpu", policy=other):
+        unlisted = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=0.5)
+        promoted = torch.addcmul(a, b, c, value=0.5)
+    assert bitwise_equal(unlisted, want)
+    assert bitwise_equal(promoted, torch.addcmul(a, b.float(), c.float(), value=0.5))
+
+
+def test_output_dtype_casts_each_floating_output_of_a_tuple() -> None:
+    x = torch.randn(5, 7)
+    policy = mixprec.get_policy("compute=bf16,output=fp32").add("lower", "max")
+    with mixprec.autocast("cpu", policy=policy):
+        values, indices = torch.max(x, 1)
+    want_values, want_indices = torch.max(x.bfloat16(), 1)
+    assert values.dtype is torch.float32 and bitwise_equal(values, want_values.float())
+    assert indices.dtype is torch.int64 and torch.equal(indices, want_indices)
+
+
 # --- torch's OpInfo database, for the listed ops (slow) ------------------------------------
 
 

@@ -149,6 +149,14 @@ MUTANTS = (
     Mutant("no-grad-refused", "an edited policy under no_grad is taken for a reentrant checkpoint and refused",
            "src/mixprec/_src/dispatch.py", "            if frame.f_code is _CHECKPOINT_FORWARD:",
            "            if frame.f_code is not _CHECKPOINT_FORWARD:", ("tests/test_autocast.py",)),
+    Mutant("fp32-kernel-drops-kwargs", "an op moved to fp32 loses its keyword arguments (scale=, dtype=)",
+           "src/mixprec/_src/dispatch.py",
+           "        args, kwargs = cast_all(args, kwargs, _float32, device_type)\n        return func(*args, **kwargs)",
+           "        args, kwargs = cast_all(args, kwargs, _float32, device_type)\n        return func(*args)",
+           ("tests/test_autocast_ops.py",)),
+    Mutant("output-tuple-not-cast", "output_dtype casts single outputs only, not a tuple's",
+           "src/mixprec/_src/dispatch.py", "        return tuple(_cast_output(o, dtype) for o in out)",
+           "        return out", ("tests/test_autocast_ops.py",)),
 )  # fmt: skip
 
 
