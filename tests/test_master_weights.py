@@ -818,3 +818,30 @@ def test_a_config_checks_itself_and_is_not_mixed_with_options() -> None:
     assert config.keep_types == (nn.LayerNorm,) and config.keep_names == ("5",)
     assert str(config) == "O2 bf16, keep=LayerNorm+'5', output=fp32"
     assert str(mixprec.PrepareConfig()) == "O2 bf16, keep=norm, output=fp32"
+
+
+def test_o2_refreshes_its_copies_once_per_step_in_one_fused_copy() -> None:
+    """The docs' claim: one fused copy after every optimizer.step(), none in the forwards that follow."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):  # type: ignore[no-untyped-call]
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = mixprec.prepare(model, opt, level="O2")
+    (x, y), _ = _data(2)
+    F.mse_loss(model(x), y).backward()
+    with Ops() as during_step:
+        opt.step()
+    with Ops() as during_forward:
+        model(x)
+        model(x)
+    assert during_step.names.count("_foreach_copy_") == 1
+    assert "copy_" not in during_forward.names and "_foreach_copy_" not in during_forward.names

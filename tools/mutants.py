@@ -60,10 +60,8 @@ MUTANTS = (
            ("tests/test_scaler.py",)),
     # --- kernels and casting ------------------------------------------------------------------------
     Mutant("fp32-set-dtype-no-op", "ops in fp32_set_dtype run without dtype=fp32",
-           "src/mixprec/_src/dispatch.py",
-           "                    args = (*args[:dtype_index], _float32, *args[dtype_index + 1 :])",
-           "                    args = (*args[:dtype_index], None, *args[dtype_index + 1 :])",
-           ("tests/test_autocast_ops.py",)),
+           "src/mixprec/_src/dispatch.py", '                kwargs = {**kwargs, "dtype": _float32}',
+           "                pass", ("tests/test_autocast_ops.py",)),
     Mutant("replay-skips-policy", "checkpoint_context's recompute runs without the policy",
            "src/mixprec/_src/autocast.py", "            _push(device_type, policy, None)\n", "            pass\n",
            ("tests/test_drop_in.py",)),
