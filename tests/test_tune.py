@@ -84,13 +84,20 @@ def test_recipe_round_trips_through_json_and_applies_to_a_fresh_model(
     assert recipe.name in recipe.table() and "vs torch.amp" in recipe.table()
 
 
-def test_a_candidate_outside_the_tolerance_is_rejected_with_its_reason() -> None:
+@pytest.mark.parametrize(
+    ("strict", "reason"),
+    [(Tolerance(loss_rtol=0.0, grad_cos=-1.0, update_cos=-1.0), "loss differs from fp32"),
+     (Tolerance(loss_rtol=1e9, grad_cos=1.0, update_cos=-1.0), "gradient cosine"),
+     (Tolerance(loss_rtol=1e9, grad_cos=-1.0, update_cos=1.0), "update cosine")],
+    ids=["loss", "gradients", "updates"],
+)  # fmt: skip
+def test_a_candidate_outside_the_tolerance_is_rejected_with_its_reason(strict: Tolerance, reason: str) -> None:
+    """Each guard on its own (the others wide open) rejects every low-precision candidate: only fp32 passes."""
     model, x = _mlp(), torch.randn(32, 8)
-    strict = Tolerance(loss_rtol=0.0, grad_cos=1.0, update_cos=1.0)  # only fp32 itself can pass
     recipe = mixprec.tune(model, x, square_loss, tolerance=strict, budget_s=30)
-    low = [m for m in recipe.measurements if not m.name.startswith("fp32")]
-    assert low and all(m.status == "rejected" for m in low)
-    assert all("differs from fp32" in m.reason or "cosine" in m.reason for m in low)
+    low = [m for m in recipe.measurements if not m.name.startswith("fp32") and m.status != "not measured"]
+    assert low and all(m.status == "rejected" for m in low), recipe.table()
+    assert all(reason in m.reason for m in low), recipe.table()
     assert recipe.dtype is torch.float32
     assert any("torch.amp's default fails the accuracy guard" in n for n in recipe.notes)
 
