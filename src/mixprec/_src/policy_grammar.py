@@ -131,7 +131,7 @@ def format_policy(policy: Policy) -> str:
         fields.append(f"output={short_name(policy.output_dtype)}")
     fields += moves
     for rule in policy.module_rules:
-        items = "+".join(_rule_items(rule))
+        items = "+".join(rule_items(rule))
         fields.append(f"keep={items}" if rule.dtype is torch.float32 else f"rule={items}:{short_name(rule.dtype)}")
     return ",".join(fields)
 
@@ -158,7 +158,8 @@ def _moves(policy: Policy, base: Policy) -> list[str]:
     return out
 
 
-def _rule_items(rule: ModuleRule) -> list[str]:
+def rule_items(rule: ModuleRule) -> list[str]:
+    """What a rule matches, as the string form writes it: ``norm``, type names, quoted name globs."""
     types = list(rule.types)
     items = []
     if tuple(types[: len(NORM_TYPES)]) == NORM_TYPES:

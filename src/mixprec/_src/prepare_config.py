@@ -17,7 +17,7 @@ from torch import nn
 
 from mixprec._src.dtypes import LOW_PRECISION, NamedEnum, parse_dtype, short_name
 from mixprec._src.policy import NORM_TYPES, ModuleRule, Policy
-from mixprec._src.policy_grammar import get_policy
+from mixprec._src.policy_grammar import get_policy, rule_items
 
 #: ``(module, qualified_name) -> bool``, as torchao's ``module_filter_fn``.
 ModuleFilter = Callable[[nn.Module, str], bool]
@@ -61,6 +61,8 @@ class PrepareConfig:
     keep_filter: ModuleFilter | None = None
     output_dtype: torch.dtype | None = torch.float32
     policy: Policy | None = None
+    # What keep_types and keep_names match, built once in __post_init__.
+    _rule: ModuleRule | None = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         level = Level.from_name(self.level)
@@ -81,28 +83,22 @@ class PrepareConfig:
             object.__setattr__(self, "policy", get_policy(self.policy))
         if self.keep_filter is not None and not callable(self.keep_filter):
             raise TypeError("keep_filter must be a callable (module, qualified_name) -> bool")
-        if self.keep_types or self.keep_names:
-            ModuleRule(types=self.keep_types, names=self.keep_names)  # checks the types are modules
+        rule = ModuleRule(self.keep_types, self.keep_names) if (self.keep_types or self.keep_names) else None
+        object.__setattr__(self, "_rule", rule)  # checks the types are modules
 
     def keeps(self, module: nn.Module, name: str) -> bool:
         """Whether ``module``, called ``name`` in the model, is kept in fp32."""
-        if (self.keep_types or self.keep_names) and ModuleRule(self.keep_types, self.keep_names).matches(module, name):
+        if self._rule is not None and self._rule.matches(module, name):
             return True
         return self.keep_filter is not None and bool(self.keep_filter(module, name))
 
     def __str__(self) -> str:
         """One line, e.g. ``O2 bf16, keep=norm, output=fp32``."""
-        kept = [self._kept_types(), *map(repr, self.keep_names)]
+        kept = rule_items(self._rule) if self._rule is not None else []
         if self.keep_filter is not None:
             kept.append(getattr(self.keep_filter, "__name__", "filter"))
-        parts = [f"{self.level.value} {short_name(self.dtype)}", f"keep={'+'.join(k for k in kept if k) or '-'}"]
+        parts = [f"{self.level.value} {short_name(self.dtype)}", f"keep={'+'.join(kept) or '-'}"]
         parts.append(f"output={short_name(self.output_dtype)}")
         if self.policy is not None:
             parts.append(f"policy={self.policy}")
         return ", ".join(parts)
-
-    def _kept_types(self) -> str:
-        types = list(self.keep_types)
-        head = "norm" if tuple(types[: len(NORM_TYPES)]) == NORM_TYPES else ""
-        rest = types[len(NORM_TYPES) :] if head else types
-        return "+".join([*([head] if head else []), *(t.__name__ for t in rest)])
