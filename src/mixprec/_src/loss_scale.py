@@ -5,7 +5,10 @@ runs on device tensors (GradScaler's update, no sync) and on Python numbers (the
 mirror that reports events from flags the host already read) alike, like jmp's
 ``DynamicLossScale.adjust``. The state is three values: the scale, the good iterations in a
 row, and the overflows still tolerated (Megatron-LM's hysteresis; ``hysteresis=1`` is
-torch.amp's rule, applied with torch's own kernel so the scale is torch's bit for bit).
+torch.amp's rule, applied with torch's own kernel so the scale is torch's bit for bit), plus
+two skip counters. :class:`LossScaleState` holds them as numbers (what a checkpoint or a
+pickle carries); :class:`DeviceLossScale` holds them as device tensors that the rule updates
+in place, without syncs.
 """
 
 from __future__ import annotations
@@ -64,3 +67,56 @@ class LossScaleRule:
             scale.copy_(new_scale)
         if self.min_scale is not None or self.max_scale is not None:
             scale.clamp_(min=self.min_scale, max=self.max_scale)
+
+
+@dataclasses.dataclass(frozen=True)
+class LossScaleState:
+    """The loss scale's state as plain numbers: what a checkpoint holds.
+
+    Attributes:
+        scale: the loss scale.
+        good: good iterations in a row toward the next growth (torch's ``_growth_tracker``).
+        tolerated: overflows still tolerated before a backoff (``_hysteresis_tracker``).
+        skipped: iterations skipped for inf/NaN gradients so far.
+        consecutive: how many of the latest iterations in a row were skipped.
+    """
+
+    scale: float
+    good: int = 0
+    tolerated: int = 1
+    skipped: int = 0
+    consecutive: int = 0
+
+
+class DeviceLossScale:
+    """The state as tensors on the device the loss lives on; nothing here syncs except :meth:`read`."""
+
+    def __init__(self, state: LossScaleState, device: torch.device) -> None:
+        self.scale = torch.full((), state.scale, dtype=torch.float32, device=device)
+        self.good = torch.full((), state.good, dtype=torch.int32, device=device)
+        self.tolerated = torch.full((), state.tolerated, dtype=torch.int32, device=device)
+        self.skips = torch.tensor((state.skipped, state.consecutive), dtype=torch.int64, device=device)
+
+    def read(self) -> LossScaleState:
+        """The state as numbers. Syncs."""
+        skipped, consecutive = self.skips.tolist()
+        return LossScaleState(
+            float(self.scale.item()), int(self.good.item()), int(self.tolerated.item()), int(skipped), int(consecutive)
+        )
+
+    def load(self, state: LossScaleState) -> None:
+        """Overwrite the tensors in place with ``state`` (tensors captured elsewhere see it)."""
+        self.scale.fill_(state.scale)
+        self.good.fill_(state.good)
+        self.tolerated.fill_(state.tolerated)
+        self.skips.copy_(torch.tensor((state.skipped, state.consecutive)))
+
+    def count_skips(self, found: torch.Tensor) -> None:
+        """Count an iteration whose summed inf/NaN flags are ``found`` (> 0: skipped). No sync."""
+        counted = (found > 0).to(self.skips.dtype)
+        self.skips[0] += counted  # skipped iterations
+        self.skips[1] = (self.skips[1] + 1) * counted  # consecutive skipped iterations
+
+    def update(self, rule: LossScaleRule, found: torch.Tensor) -> None:
+        """Apply ``rule`` for an iteration whose summed inf/NaN flags are ``found``. No sync."""
+        rule.update_(self.scale, self.good, self.tolerated, found)

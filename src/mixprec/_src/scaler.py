@@ -27,17 +27,17 @@ except for optimizers that take ``grad_scale``/``found_inf`` themselves (torch's
 fused Adam, AdamW, SGD), where it does not sync. ``scale``, ``unscale_`` and
 ``update`` never sync. ``get_scale``, ``state_dict``, ``stats``, ``unscale``
 (MegEngine style) and ``skipped`` on a fused optimizer do.
+
+The pieces live apart: the rule and its state in ``loss_scale``, unscaling and the
+cross-rank agreement in ``unscaling``, events and counters in ``scaler_events``, the
+fail-fast check in ``fail_fast``, argument checks in ``scaler_settings``. This module
+keeps torch's API and the bookkeeping of one iteration.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import inspect
-import itertools
-import logging
-import math
-import numbers
 import warnings
 from collections import abc, defaultdict
 from collections.abc import Iterable
@@ -46,15 +46,12 @@ from typing import Any, overload
 import torch
 from torch.amp.grad_scaler import OptState
 
-from mixprec._src.errors import LossScaleCollapseError
-from mixprec._src.loss_scale import LossScaleRule
+from mixprec._src import fail_fast, scaler_settings, unscaling
+from mixprec._src.loss_scale import DeviceLossScale, LossScaleRule, LossScaleState
+from mixprec._src.scaler_events import EventLog, ScalerEvent, ScalerStats, logger
+from mixprec._src.scaler_settings import checked
 
-logger = logging.getLogger("mixprec.scaler")
-
-# With no min_scale, a scale at or below this counts as "at the floor" for fail-fast.
-_DEFAULT_FLOOR = 1.0
-# Fused optimizers report found_inf only on the device: the fail-fast check reads it this often.
-_FUSED_CHECK_INTERVAL = 100
+__all__ = ["GradScaler", "ScalerEvent", "ScalerStats"]
 
 
 def _refresh_per_optimizer_state() -> dict[str, Any]:
@@ -63,38 +60,37 @@ def _refresh_per_optimizer_state() -> dict[str, Any]:
     return {"stage": OptState.READY, "found_inf_per_device": {}}
 
 
-@dataclasses.dataclass(frozen=True)
-class ScalerEvent:
-    """Something the scaler did: ``kind`` is ``"skip"`` (an optimizer step skipped for inf/NaN),
-    ``"backoff"`` (the scale shrank) or ``"growth"`` (it grew); ``update`` counts updates so far."""
+class _Iteration:
+    """What one iteration has seen so far, from its first ``scale()`` to its ``update()``."""
 
-    kind: str
-    update: int
-    scale: float | None
-    optimizer: str | None = None
+    def __init__(self) -> None:
+        # Torch's name and layout: code written against torch.amp.GradScaler reaches into it.
+        self.per_optimizer: defaultdict[int, dict[str, Any]] = defaultdict(_refresh_per_optimizer_state)
+        self.host_skipped: dict[int, bool] = {}  # per optimizer, read on the host by a syncing step()
+        self.manual_found: list[torch.Tensor] = []  # from unscale(), MegEngine style
+        self.manual_flags: list[bool | None] = []
+        self.failed: set[int] = set()  # optimizers whose step() raised: the iteration is abandoned
 
+    def in_progress(self) -> bool:
+        return any(s["found_inf_per_device"] for s in self.per_optimizer.values()) or bool(self.manual_found)
 
-@dataclasses.dataclass(frozen=True)
-class ScalerStats:
-    """Counters for logging; reading them syncs with the device.
+    def found_infs(self, device: torch.device) -> list[torch.Tensor]:
+        """Every inf/NaN flag recorded, on ``device``. No sync."""
+        recorded = [f for s in self.per_optimizer.values() for f in s["found_inf_per_device"].values()]
+        return [found.to(device=device, non_blocking=True) for found in recorded + self.manual_found]
 
-    Attributes:
-        scale: the current scale.
-        updates: ``update()`` calls so far.
-        skipped_iterations: updates whose iteration had inf/NaN gradients.
-        consecutive_skipped: how many of the latest updates in a row had them.
-        history: the latest scale changes as ``(update index, old scale, new scale)``.
-    """
-
-    scale: float
-    updates: int
-    skipped_iterations: int
-    consecutive_skipped: int
-    history: tuple[tuple[int, float, float], ...]
+    def host_flags(self) -> list[bool | None]:
+        """Overflow flags the host already read (ordinary step(), unscale()): ``None`` for a fused optimizer's."""
+        stepped = [key for key, state in self.per_optimizer.items() if state["found_inf_per_device"]]
+        return [self.host_skipped.get(key) for key in stepped] + self.manual_flags
 
 
 class GradScaler:
     """Dynamic loss scaling; torch.amp.GradScaler's arguments and methods, plus more.
+
+    The class is long because it is torch's whole API surface (every public method, and the
+    private ones torch's fused optimizers and tests call) plus MegEngine's; each method checks
+    its arguments and the iteration's stage, then delegates to the modules named above.
 
     Args:
         device: ``"cuda"`` or ``"cpu"``; with ``"cuda"`` and no CUDA it warns and disables
@@ -149,38 +145,26 @@ class GradScaler:
             warnings.warn("mixprec.GradScaler: device 'cuda' but CUDA is not available; disabling", stacklevel=2)
             self._enabled = False
         # Checked even when disabled: a typo should not wait for the GPU run to surface.
-        self._init_scale: float = _checked("scale", init_scale, "init_scale")
-        self._growth_factor: float = _checked("growth_factor", growth_factor)
-        self._backoff_factor: float = _checked("backoff_factor", backoff_factor)
-        self._growth_interval: int = _checked("growth_interval", growth_interval)
-        self._min_scale: float | None = _checked("min_scale", min_scale)
-        self._max_scale: float | None = _checked("max_scale", max_scale)
-        _check_bounds(self._min_scale, self._max_scale, ("min_scale", "max_scale"))
-        self._hysteresis: int = _checked("hysteresis", hysteresis)
-        self._fail_after: int | None = _checked("fail_after", fail_after)
-        history = _checked("history", history)
+        self._rule = LossScaleRule(
+            growth_factor=checked("growth_factor", growth_factor),
+            backoff_factor=checked("backoff_factor", backoff_factor),
+            growth_interval=checked("growth_interval", growth_interval),
+            hysteresis=checked("hysteresis", hysteresis),
+            min_scale=checked("min_scale", min_scale),
+            max_scale=checked("max_scale", max_scale),
+        )
+        scaler_settings.check_bounds(self._rule.min_scale, self._rule.max_scale, ("min_scale", "max_scale"))
+        self._fail_after: int | None = checked("fail_after", fail_after)
         if on_event is not None and not callable(on_event):
             raise TypeError(f"on_event must be a callable taking a ScalerEvent, or None; got {on_event!r}")
-        self._init_growth_tracker = 0
-        self._init_hysteresis_tracker = self._hysteresis
-        self._scale: torch.Tensor | None = None
-        self._growth_tracker: torch.Tensor | None = None
-        self._hysteresis_tracker: torch.Tensor | None = None
-        self._skip_count: torch.Tensor | None = None  # (skipped iterations, consecutive skipped)
-        self._init_skip_count = (0, 0)
-        # Torch's name and layout: code written against torch.amp.GradScaler reaches into it.
-        self._per_optimizer_states: defaultdict[int, dict[str, Any]] = defaultdict(_refresh_per_optimizer_state)
-        self._host_skipped: dict[int, bool] = {}  # per optimizer, read on the host by a syncing step()
-        self._manual_found: list[torch.Tensor] = []  # from unscale(), MegEngine style
-        self._manual_flags: list[bool | None] = []
+        # The state as numbers until the first scale() puts it on the loss's device.
+        self._initial = LossScaleState(checked("scale", init_scale, "init_scale"), 0, self._rule.hysteresis)
+        self._device_state: DeviceLossScale | None = None
+        self._iteration = _Iteration()
         self._last_skipped: dict[int, bool | torch.Tensor] = {}
-        self._failed: set[int] = set()  # optimizers whose step() raised: the iteration is abandoned
         self._updates = 0
-        self._history: collections.deque[tuple[int, torch.Tensor]] = collections.deque(maxlen=max(2, history + 1))
-        self._listeners: list[Any] = [on_event] if on_event is not None else []
+        self._events = EventLog(on_event, self._rule.hysteresis, checked("history", history))
         self._process_group = process_group
-        self._host_good = 0  # good iterations in a row, as far as the host has seen them
-        self._host_tolerated = self._hysteresis
 
     # ----- torch.amp.GradScaler's API ----------------------------------------------------
 
@@ -206,8 +190,8 @@ class GradScaler:
         """
         if not self._enabled:
             return outputs
-        if self._failed:
-            self._reset_iteration()
+        if self._iteration.failed:
+            self._iteration = _Iteration()
         if isinstance(outputs, torch.Tensor):
             scale = self._lazy_init(outputs.device)
             return outputs * scale.to(device=outputs.device, non_blocking=True)
@@ -239,7 +223,7 @@ class GradScaler:
         if not self._enabled:
             return
         scale = self._require_scale("unscale_")
-        state = self._per_optimizer_states[id(optimizer)]
+        state = self._iteration.per_optimizer[id(optimizer)]
         self._check_not_failed(optimizer, "unscale_")
         if state["stage"] is OptState.UNSCALED:
             raise RuntimeError(
@@ -253,8 +237,8 @@ class GradScaler:
             )
         found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
         # allow_fp16: low-precision gradients are unscaled in fp32 math (torch's refuses fp16 ones).
-        found = self._unscale_grads_(optimizer, _inverse(scale), found_inf, True)
-        state["found_inf_per_device"] = self._agree(found)
+        found = self._unscale_grads_(optimizer, unscaling.inverse(scale), found_inf, True)
+        state["found_inf_per_device"] = unscaling.agree(found, self._process_group)
         state["stage"] = OptState.UNSCALED
 
     @torch.compiler.disable  # type: ignore[untyped-decorator]  # run eagerly, as torch.amp's are
@@ -282,7 +266,7 @@ class GradScaler:
                 "closure use is not supported with an enabled GradScaler; compute the loss before step()"
             )
         scale = self._require_scale("step")
-        state = self._per_optimizer_states[id(optimizer)]
+        state = self._iteration.per_optimizer[id(optimizer)]
         self._check_not_failed(optimizer, "step")
         if state["stage"] is OptState.STEPPED:
             raise RuntimeError(
@@ -318,26 +302,21 @@ class GradScaler:
         if not self._enabled:
             return
         scale = self._require_scale("update")
-        if self._failed:
+        device_state = self._device_state
+        assert device_state is not None  # made with the scale
+        iteration = self._iteration
+        if iteration.failed:
             if new_scale is not None:
-                self._set_scale(scale, new_scale)
-            self._reset_iteration()
+                _set_scale(scale, new_scale)
+            self._iteration = _Iteration()
             return
-        found_infs = [
-            found.to(device=scale.device, non_blocking=True)
-            for state in self._per_optimizer_states.values()
-            for found in state["found_inf_per_device"].values()
-        ] + [found.to(device=scale.device, non_blocking=True) for found in self._manual_found]
-        # Overflow flags the host already read (ordinary step(), unscale()): fused optimizers give None.
-        host_flags = [
-            self._host_skipped.get(key) for key, state in self._per_optimizer_states.items()
-            if state["found_inf_per_device"]
-        ] + self._manual_flags  # fmt: skip
+        found_infs = iteration.found_infs(scale.device)
+        host_flags = iteration.host_flags()
         if new_scale is not None:
-            self._set_scale(scale, new_scale)
+            _set_scale(scale, new_scale)
             if found_infs:  # a scale set by hand still counts skipped steps, for fail_after
-                self._count_skips(sum(found_infs[1:], found_infs[0]))
-            self._reset_iteration()
+                device_state.count_skips(sum(found_infs[1:], found_infs[0]))
+            self._iteration = _Iteration()
             if found_infs:
                 self._maybe_fail_fast(host_flags)
             return
@@ -349,41 +328,41 @@ class GradScaler:
         found = found_infs[0]
         for other in found_infs[1:]:
             found = found + other
-        self._count_skips(found)
-        self._apply_update(scale, found)
+        device_state.count_skips(found)
+        device_state.update(self._rule, found)
         self._updates += 1
-        self._history.append((self._updates, scale.clone()))
-        self._reset_iteration()
+        self._events.record(self._updates, scale)
+        self._iteration = _Iteration()
         if all(flag is not None for flag in host_flags):
-            self._host_events(any(host_flags))
+            self._events.updated(self._rule, any(host_flags), self._updates, self.get_scale)
         self._maybe_fail_fast(host_flags)
 
     def get_scale(self) -> float:
         """The current scale as a Python float (1.0 when disabled). Syncs."""
         if not self._enabled:
             return 1.0
-        return self._init_scale if self._scale is None else float(self._scale.item())
+        return self._initial.scale if self._device_state is None else float(self._device_state.scale.item())
 
     def get_growth_factor(self) -> float:
-        return self._growth_factor
+        return self._rule.growth_factor
 
     def set_growth_factor(self, new_factor: float) -> None:
         """Raises ValueError or TypeError for a value that cannot work, as the constructor does."""
-        self._growth_factor = _checked("growth_factor", new_factor, "new_factor")
+        self._set_rule(growth_factor=checked("growth_factor", new_factor, "new_factor"))
 
     def get_backoff_factor(self) -> float:
-        return self._backoff_factor
+        return self._rule.backoff_factor
 
     def set_backoff_factor(self, new_factor: float) -> None:
         """Raises ValueError or TypeError for a value that cannot work, as the constructor does."""
-        self._backoff_factor = _checked("backoff_factor", new_factor, "new_factor")
+        self._set_rule(backoff_factor=checked("backoff_factor", new_factor, "new_factor"))
 
     def get_growth_interval(self) -> int:
-        return self._growth_interval
+        return self._rule.growth_interval
 
     def set_growth_interval(self, new_interval: int) -> None:
         """Raises ValueError or TypeError for a value that cannot work, as the constructor does."""
-        self._growth_interval = _checked("growth_interval", new_interval, "new_interval")
+        self._set_rule(growth_interval=checked("growth_interval", new_interval, "new_interval"))
 
     def is_enabled(self) -> bool:
         return self._enabled
@@ -395,29 +374,13 @@ class GradScaler:
         """
         if not self._enabled:
             return {}
-        skipped, consecutive = self._skip_counts()
-        return {
-            "scale": self.get_scale(),
-            "growth_factor": self._growth_factor,
-            "backoff_factor": self._backoff_factor,
-            "growth_interval": self._growth_interval,
-            "_growth_tracker": self._get_growth_tracker(),
-            "min_scale": self._min_scale,
-            "max_scale": self._max_scale,
-            "hysteresis": self._hysteresis,
-            "_hysteresis_tracker": _item(self._hysteresis_tracker, self._init_hysteresis_tracker),
-            "fail_after": self._fail_after,
-            "updates": self._updates,
-            "skipped_iterations": skipped,
-            "consecutive_skipped": consecutive,
-        }
-
-    _TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+        return scaler_settings.to_state_dict(self._rule, self._fail_after, self._updates, self._current())
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict from this class or from torch.amp.GradScaler (a no-op when disabled).
 
         Every entry is checked before anything is loaded; a bad one leaves the scaler unchanged.
+        Settings a torch state dict lacks (``min_scale``, ``hysteresis``, ...) keep this scaler's.
 
         Raises:
             RuntimeError: an empty dict (saved from a disabled scaler).
@@ -427,76 +390,20 @@ class GradScaler:
         """
         if not self._enabled:
             return
-        if not isinstance(state_dict, abc.Mapping):
-            raise TypeError(f"load_state_dict takes the dict from state_dict(), got {type(state_dict).__name__}")
-        if not state_dict:
-            raise RuntimeError(
-                "the state dict is empty, probably saved from a disabled GradScaler; nothing to resume from"
-            )
-        missing = [k for k in self._TORCH_KEYS if k not in state_dict]
-        unknown = sorted(map(str, set(state_dict) - set(self._TORCH_KEYS) - set(self._defaults_for_extras())))
-        if missing or unknown:
-            raise ValueError(
-                f"not a GradScaler state dict: missing {missing}, unknown {unknown}; "
-                f"expected {list(self._TORCH_KEYS)} and optionally {list(self._defaults_for_extras())}"
-            )
-        values = {**self._defaults_for_extras(), **state_dict}
-        if "_hysteresis_tracker" not in state_dict:
-            values["_hysteresis_tracker"] = values["hysteresis"]
-        checked = {key: _checked(key, value, f"state_dict[{key!r}]") for key, value in values.items()}
-        _check_bounds(
-            checked["min_scale"], checked["max_scale"], ("state_dict['min_scale']", "state_dict['max_scale']")
-        )
-        self._init_scale = checked["scale"]
-        self._growth_factor = checked["growth_factor"]
-        self._backoff_factor = checked["backoff_factor"]
-        self._growth_interval = checked["growth_interval"]
-        self._init_growth_tracker = checked["_growth_tracker"]
-        self._min_scale, self._max_scale = checked["min_scale"], checked["max_scale"]
-        self._hysteresis = checked["hysteresis"]
-        self._init_hysteresis_tracker = checked["_hysteresis_tracker"]
-        self._fail_after = checked["fail_after"]
-        self._updates = checked["updates"]
-        self._init_skip_count = (checked["skipped_iterations"], checked["consecutive_skipped"])
-        if self._scale is not None:
-            self._scale.fill_(self._init_scale)
-            self._growth_tracker.fill_(self._init_growth_tracker)  # type: ignore[union-attr]
-            self._hysteresis_tracker.fill_(self._init_hysteresis_tracker)  # type: ignore[union-attr]
-            self._skip_count.copy_(torch.tensor(self._init_skip_count))  # type: ignore[union-attr]
-
-    def _defaults_for_extras(self) -> dict[str, Any]:
-        # What a torch.amp.GradScaler state dict lacks: keep this scaler's own settings.
-        return {
-            "min_scale": self._min_scale,
-            "max_scale": self._max_scale,
-            "hysteresis": self._hysteresis,
-            "_hysteresis_tracker": self._hysteresis,
-            "fail_after": self._fail_after,
-            "updates": 0,
-            "skipped_iterations": 0,
-            "consecutive_skipped": 0,
-        }
+        loaded = scaler_settings.from_state_dict(state_dict, self._rule, self._fail_after)
+        self._rule, self._fail_after, self._updates, self._initial = loaded
+        if self._device_state is not None:
+            self._device_state.load(self._initial)
 
     def __getstate__(self) -> dict[str, Any]:
-        in_iteration = any(s["found_inf_per_device"] for s in self._per_optimizer_states.values()) or self._manual_found
-        if self._enabled and in_iteration and not self._failed:
+        if self._enabled and self._iteration.in_progress() and not self._iteration.failed:
             raise RuntimeError("pickle a GradScaler at the start of an iteration or after update(), not in between")
         state = self.__dict__.copy()
         if self._enabled:
-            state["_init_scale"] = self.get_scale()
-            state["_init_growth_tracker"] = self._get_growth_tracker()
-            state["_init_hysteresis_tracker"] = _item(self._hysteresis_tracker, self._init_hysteresis_tracker)
-            state["_init_skip_count"] = self._skip_counts()
-            for name in ("_scale", "_growth_tracker", "_hysteresis_tracker", "_skip_count"):
-                state[name] = None
-        state["_per_optimizer_states"] = defaultdict(_refresh_per_optimizer_state)
-        state["_host_skipped"] = {}
-        state["_manual_found"] = []
-        state["_manual_flags"] = []
-        state["_failed"] = set()
+            state["_initial"] = self._current()
+            state["_device_state"] = None
+        state["_iteration"] = _Iteration()
         state["_last_skipped"] = {}
-        state["_history"] = collections.deque(maxlen=self._history.maxlen)
-        state["_listeners"] = []
         state["_process_group"] = None  # groups do not pickle; pass it again after unpickling
         return state
 
@@ -535,10 +442,8 @@ class GradScaler:
 
     def stats(self) -> ScalerStats:
         """Counters for logging: scale, updates, skipped iterations, recent scale changes. Syncs."""
-        skipped, consecutive = self._skip_counts() if self._enabled else (0, 0)
-        points = [(i, float(s.item())) for i, s in self._history]
-        changes = tuple((i, a, b) for (_, a), (i, b) in itertools.pairwise(points) if a != b)
-        return ScalerStats(self.get_scale(), self._updates, skipped, consecutive, changes)
+        state = self._current() if self._enabled else LossScaleState(1.0)
+        return ScalerStats(self.get_scale(), self._updates, state.skipped, state.consecutive, self._events.changes())
 
     @property
     def scale_factor(self) -> float:
@@ -555,31 +460,17 @@ class GradScaler:
         """
         if not self._enabled:
             return False
-        if self._failed:
-            self._reset_iteration()
-        sources = _grads_source(params)
+        if self._iteration.failed:
+            self._iteration = _Iteration()
+        sources = unscaling.manual_sources(params)
         # The manual style may multiply the loss's gradient by scale_factor without scale():
         # start the scale on the gradients' device then.
-        scale = self._scale if self._scale is not None else self._lazy_init(_first_device(sources))
-        owners: list[torch.Tensor] = []
-        grads: list[torch.Tensor] = []
-        for tensor in sources:
-            if tensor.requires_grad and tensor.is_leaf:
-                if tensor.grad is not None:
-                    owners.append(tensor)
-                    grads.append(tensor.grad)
-            else:
-                grads.append(tensor)
-        found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
-        found_per_device = self._agree(_unscale_and_check(grads, _inverse(scale), found_inf))
-        found = sum(found_per_device.values(), torch.zeros((), device=scale.device))
-        self._manual_found.append(found)
-        overflow = bool(found.item())
-        self._manual_flags.append(overflow)
+        scale = self._scale if self._scale is not None else self._lazy_init(unscaling.first_device(sources))
+        found, overflow, dropped = unscaling.unscale_manually(sources, scale, self._process_group)
+        self._iteration.manual_found.append(found)
+        self._iteration.manual_flags.append(overflow)
         if overflow:
-            for owner in owners:
-                owner.grad = None
-            logger.info("unscale(): gradients hold inf/NaN; dropped %d gradients", len(owners))
+            logger.info("unscale(): gradients hold inf/NaN; dropped %d gradients", dropped)
         return overflow
 
     def backward(
@@ -610,125 +501,39 @@ class GradScaler:
 
     def add_listener(self, callback: Any) -> None:
         """Call ``callback(ScalerEvent)`` on skips, backoffs and growths (see ``on_event``)."""
-        self._listeners.append(callback)
+        self._events.listeners.append(callback)
 
     def remove_listener(self, callback: Any) -> None:
         """Stop calling ``callback``; a callback not listening is ignored."""
-        if callback in self._listeners:
-            self._listeners.remove(callback)
+        if callback in self._events.listeners:
+            self._events.listeners.remove(callback)
 
     # ----- internals -------------------------------------------------------------------
 
-    def _agree(self, found_per_device: dict[torch.device, torch.Tensor]) -> dict[torch.device, torch.Tensor]:
-        """Sum the inf/NaN flags over the process group (no host sync: the all-reduce is queued)."""
-        if self._process_group is not None:
-            import torch.distributed as dist
+    def _current(self) -> LossScaleState:
+        """The state as numbers (syncs once it lives on a device)."""
+        return self._initial if self._device_state is None else self._device_state.read()
 
-            for found in found_per_device.values():
-                dist.all_reduce(found, op=dist.ReduceOp.SUM, group=self._process_group)
-        return found_per_device
-
-    def _emit(self, kind: str, scale: float | None, optimizer: str | None = None) -> None:
-        event = ScalerEvent(kind, self._updates, scale, optimizer)
-        for listener in list(self._listeners):
-            listener(event)
-
-    def _host_events(self, overflow: bool) -> None:
-        # The update rule again, on the host, from flags it already read: no extra sync, except
-        # reading the new scale on a backoff or growth (rare) for the log.
-        self._host_good, self._host_tolerated, back_off, grow = self._rule().counters(
-            self._host_good, self._host_tolerated, overflow
-        )
-        if back_off:
-            scale = self.get_scale()
-            logger.info("loss scale backed off to %g after inf/NaN gradients", scale)
-            self._emit("backoff", scale)
-        elif grow:
-            scale = self.get_scale()
-            logger.debug("loss scale grew to %g after %d good iterations", scale, self._growth_interval)
-            self._emit("growth", scale)
+    def _set_rule(self, **changes: Any) -> None:
+        self._rule = LossScaleRule(**{**vars(self._rule), **changes})
 
     def _lazy_init(self, device: torch.device) -> torch.Tensor:
-        if self._scale is None:
-            self._scale = torch.full((), self._init_scale, dtype=torch.float32, device=device)
-            self._growth_tracker = torch.full((), self._init_growth_tracker, dtype=torch.int32, device=device)
-            self._hysteresis_tracker = torch.full((), self._init_hysteresis_tracker, dtype=torch.int32, device=device)
-            self._skip_count = torch.tensor(self._init_skip_count, dtype=torch.int64, device=device)
-            self._history.append((self._updates, self._scale.clone()))
-        return self._scale
+        if self._device_state is None:
+            self._device_state = DeviceLossScale(self._initial, device)
+            self._events.record(self._updates, self._device_state.scale)
+        return self._device_state.scale
 
     def _require_scale(self, caller: str) -> torch.Tensor:
-        if self._scale is None:
+        if self._device_state is None:
             raise RuntimeError(
                 f"{caller}() was called before scale(): use scaler.scale(loss).backward() earlier in the iteration"
             )
-        return self._scale
-
-    def _set_scale(self, scale: torch.Tensor, new_scale: float | torch.Tensor) -> None:
-        if not isinstance(new_scale, torch.Tensor):
-            # A tensor's value is not checked (that would sync): fail_after catches a non-finite one.
-            scale.fill_(_checked("scale", new_scale, "new_scale"))
-            return
-        if not isinstance(new_scale, torch.Tensor) or new_scale.numel() != 1 or new_scale.requires_grad:
-            raise ValueError("new_scale must be a float or a 1-element tensor that does not require grad")
-        scale.copy_(new_scale.reshape(()))
-
-    def _rule(self) -> LossScaleRule:
-        return LossScaleRule(self._growth_factor, self._backoff_factor, self._growth_interval, self._hysteresis,
-                             self._min_scale, self._max_scale)  # fmt: skip
-
-    def _apply_update(self, scale: torch.Tensor, found: torch.Tensor) -> None:
-        growth, hysteresis = self._growth_tracker, self._hysteresis_tracker
-        assert growth is not None and hysteresis is not None  # set with the scale
-        self._rule().update_(scale, growth, hysteresis, found)
-
-    def _count_skips(self, found: torch.Tensor) -> None:
-        skips = self._skip_count
-        assert skips is not None  # set with the scale
-        counted = (found > 0).to(skips.dtype)
-        skips[0] += counted  # skipped iterations
-        skips[1] = (skips[1] + 1) * counted  # consecutive skipped iterations
+        return self._device_state.scale
 
     def _maybe_fail_fast(self, host_flags: list[bool | None]) -> None:
-        if self._fail_after is None:
-            return
-        if all(flag is not None for flag in host_flags):
-            if any(host_flags):  # only overflowing iterations can trip it; no extra sync otherwise
-                self._check_fail_fast()
-        elif self._updates % _FUSED_CHECK_INTERVAL == 0:
-            self._check_fail_fast()
-
-    def _skip_counts(self) -> tuple[int, int]:
-        if self._skip_count is None:
-            return self._init_skip_count
-        skipped, consecutive = self._skip_count.tolist()
-        return int(skipped), int(consecutive)
-
-    def _check_fail_fast(self) -> None:
-        assert self._fail_after is not None
-        _, consecutive = self._skip_counts()
-        if consecutive < self._fail_after:
-            return
-        floor = self._min_scale if self._min_scale is not None else _DEFAULT_FLOOR
-        scale = self.get_scale()
-        if not math.isfinite(scale):
-            # Set by update(new_scale) with a tensor: backing off cannot make inf or NaN finite.
-            raise LossScaleCollapseError(
-                f"mixprec.GradScaler: the last {consecutive} iterations all had inf/NaN gradients because the loss "
-                f"scale is {scale} (not finite), so every optimizer step was skipped and backing off cannot fix it. "
-                "Set a finite scale with scaler.update(new_scale=...) or load_state_dict, "
-                "or pass fail_after=None to keep skipping instead."
-            )
-        if scale > floor:
-            return
-        raise LossScaleCollapseError(
-            f"mixprec.GradScaler: the last {consecutive} iterations all had inf/NaN gradients with the loss "
-            f"scale at its floor ({scale:g} <= {floor:g}), so every optimizer step was skipped. Scaling cannot "
-            "fix this. Likely causes: the model overflows fp16 in the forward pass (a model trained in bf16, or "
-            "activations past 65504: run it in bf16, or keep the overflowing modules in fp32 with a module rule); "
-            "the loss or learning rate diverged (check the loss before the first skip; lower the learning rate); "
-            "or NaN inputs. Pass fail_after=None to keep skipping instead."
-        )
+        if self._fail_after is not None and fail_fast.due(host_flags, self._updates):
+            consecutive = self._current().consecutive
+            fail_fast.check(consecutive, self._fail_after, self._rule.min_scale, self.get_scale)
 
     def _fused_step(self, optimizer: torch.optim.Optimizer, state: dict[str, Any], scale: torch.Tensor,
                     *args: Any, **kwargs: Any) -> Any:  # fmt: skip
@@ -744,15 +549,15 @@ class GradScaler:
             )
             result = self._run_optimizer_step(optimizer, *args, **{**kwargs, "grad_scaler": self})
             state["stage"] = OptState.STEPPED
-            if state["found_inf_per_device"]:
-                found = sum(f.to(scale.device, non_blocking=True) for f in state["found_inf_per_device"].values())
+            found = unscaling.summed(state["found_inf_per_device"], scale.device)
+            if found is not None:
                 self._last_skipped[id(optimizer)] = found > 0
             return result
         # The optimizer unscales and skips by itself, reading grad_scale and found_inf: no sync.
         if state["stage"] is OptState.READY:
             self._check_inf_per_device(optimizer)
-        found = sum(f.to(scale.device, non_blocking=True) for f in state["found_inf_per_device"].values())
-        found_tensor = found if isinstance(found, torch.Tensor) else torch.zeros_like(scale)
+        found = unscaling.summed(state["found_inf_per_device"], scale.device)
+        found_tensor = found if found is not None else torch.zeros_like(scale)
         previous = getattr(optimizer, "grad_scale", None)
         # After unscale_ the gradients are already unscaled: pass only a user's own grad_scale.
         if state["stage"] is OptState.UNSCALED:
@@ -774,12 +579,12 @@ class GradScaler:
             return optimizer.step(*args, **kwargs)
         except BaseException:
             # The iteration is abandoned: the next scale() starts afresh, update() becomes optional.
-            self._failed.add(id(optimizer))
+            self._iteration.failed.add(id(optimizer))
             raise
 
     def _check_not_failed(self, optimizer: torch.optim.Optimizer, caller: str) -> None:
         # Its gradients may be unscaled already, or its parameters half updated: no retry in this iteration.
-        if id(optimizer) in self._failed:
+        if id(optimizer) in self._iteration.failed:
             raise RuntimeError(
                 f"{caller}(): optimizer.step() raised an exception earlier in this iteration, so the iteration "
                 "was abandoned (the scale did not move). Start the next iteration: optimizer.zero_grad(), "
@@ -787,14 +592,27 @@ class GradScaler:
                 "Calling scaler.update() after the failed step is optional."
             )
 
-    def _reset_iteration(self) -> None:
-        self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
-        self._host_skipped = {}
-        self._manual_found = []
-        self._manual_flags = []
-        self._failed = set()
-
     # ----- torch.amp.GradScaler's private members, for code written against torch's -----------
+
+    @property
+    def _scale(self) -> torch.Tensor | None:
+        return None if self._device_state is None else self._device_state.scale
+
+    @property
+    def _growth_tracker(self) -> torch.Tensor | None:
+        return None if self._device_state is None else self._device_state.good
+
+    @property
+    def _init_growth_tracker(self) -> int:
+        return self._initial.good
+
+    @_init_growth_tracker.setter
+    def _init_growth_tracker(self, value: int) -> None:
+        self._initial = dataclasses.replace(self._initial, good=value)
+
+    @property
+    def _per_optimizer_states(self) -> defaultdict[int, dict[str, Any]]:
+        return self._iteration.per_optimizer
 
     def _unscale_grads_(
         self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool
@@ -806,17 +624,16 @@ class GradScaler:
             ValueError: an fp16 gradient with ``allow_fp16=False`` (torch's rule for its own ``unscale_``).
         """
         with torch.no_grad():
-            return _unscale_and_check(_grads_of(optimizer, allow_fp16), inv_scale, found_inf)
+            return unscaling.unscale_and_check(unscaling.grads_of(optimizer, allow_fp16), inv_scale, found_inf)
 
     def _maybe_opt_step(self, optimizer: torch.optim.Optimizer, optimizer_state: dict[str, Any],
                         *args: Any, **kwargs: Any) -> Any:  # fmt: skip
         """Run ``optimizer.step`` unless the recorded checks found inf/NaN. Syncs once per device."""
         skipped = bool(sum(v.item() for v in optimizer_state["found_inf_per_device"].values()))  # the sync
-        self._host_skipped[id(optimizer)] = skipped
+        self._iteration.host_skipped[id(optimizer)] = skipped
         self._last_skipped[id(optimizer)] = skipped
         if skipped:
-            logger.info("skipped optimizer.step() for %s: gradients hold inf/NaN", _describe(optimizer))
-            self._emit("skip", None, _describe(optimizer))
+            self._events.skipped(_describe(optimizer), self._updates)
             return None
         return self._run_optimizer_step(optimizer, *args, **kwargs)
 
@@ -826,13 +643,13 @@ class GradScaler:
         scale, _ = self._check_scale_growth_tracker("_check_inf_per_device")
         dummy_inv_scale = torch.ones((), dtype=torch.float32, device=scale.device)
         found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
-        found = self._agree(self._unscale_grads_(optimizer, dummy_inv_scale, found_inf, True))
-        self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = found
+        found = unscaling.agree(self._unscale_grads_(optimizer, dummy_inv_scale, found_inf, True), self._process_group)
+        self._iteration.per_optimizer[id(optimizer)]["found_inf_per_device"] = found
         return found
 
     def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
         """The inf/NaN flags recorded for ``optimizer`` in this iteration, by device. Does not sync."""
-        found: dict[torch.device, torch.Tensor] = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+        found: dict[torch.device, torch.Tensor] = self._iteration.per_optimizer[id(optimizer)]["found_inf_per_device"]
         return found
 
     def _get_scale_async(self) -> torch.Tensor | None:
@@ -843,133 +660,32 @@ class GradScaler:
         """Good iterations in a row toward the next growth (0 when disabled). Syncs."""
         if not self._enabled:
             return 0
-        return _item(self._growth_tracker, self._init_growth_tracker)
+        return self._initial.good if self._device_state is None else int(self._device_state.good.item())
 
     def _check_scale_growth_tracker(self, funcname: str) -> tuple[torch.Tensor, torch.Tensor]:
         scale = self._require_scale(funcname)
-        assert self._growth_tracker is not None  # created with the scale
-        return scale, self._growth_tracker
+        assert self._device_state is not None  # made with the scale
+        return scale, self._device_state.good
 
     def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
         self._lazy_init(dev)
 
 
-# What each setting and state-dict entry may hold: (integer?, None allowed?, test, what is valid).
-_RULES: dict[str, tuple[bool, bool, Any, str]] = {
-    "scale": (False, False, lambda v: 0 < v < math.inf, "positive and finite (the loss scale)"),
-    "growth_factor": (False, False, lambda v: 1 < v < math.inf, "> 1.0 and finite (the scale grows by it)"),
-    "backoff_factor": (False, False, lambda v: 0 < v < 1, "in (0, 1) (the scale shrinks by it)"),
-    "growth_interval": (True, False, lambda v: v >= 1, "a positive number of iterations"),
-    "_growth_tracker": (True, False, lambda v: v >= 0, "a count of good iterations, >= 0"),
-    "min_scale": (False, True, lambda v: 0 < v < math.inf, "positive and finite, or None (no floor)"),
-    "max_scale": (False, True, lambda v: v > 0, "positive, or None (no ceiling)"),
-    "hysteresis": (True, False, lambda v: v >= 1, ">= 1 (1 backs off at the first overflow)"),
-    "_hysteresis_tracker": (True, False, lambda v: True, "an integer (overflows still tolerated)"),
-    "fail_after": (True, True, lambda v: v >= 1, "a positive count or None"),
-    "history": (True, False, lambda v: v >= 0, "a count of scale changes, >= 0"),
-    "updates": (True, False, lambda v: v >= 0, "a count, >= 0"),
-    "skipped_iterations": (True, False, lambda v: v >= 0, "a count, >= 0"),
-    "consecutive_skipped": (True, False, lambda v: v >= 0, "a count, >= 0"),
-}
-
-
-def _checked(key: str, value: Any, label: str | None = None) -> Any:
-    """``value`` as a float or int (or None where allowed) if it is valid for ``key``.
+def _set_scale(scale: torch.Tensor, new_scale: float | torch.Tensor) -> None:
+    """Set the scale by hand (``update(new_scale)``).
 
     Raises:
-        TypeError: not a number (bools are not numbers here); the message names ``label`` and what is valid.
-        ValueError: a number out of range, NaN, or a non-integer where a count is needed.
+        ValueError: a number that is not positive and finite, or a tensor with more than one
+            element or that requires grad.
     """
-    integer, optional, test, valid = _RULES[key]
-    label = label or key
-    if value is None and optional:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{label} must be {valid}, got {value!r} ({type(value).__name__})")
-    number = float(value)
-    if integer and not number.is_integer():
-        raise ValueError(f"{label} must be {valid}, got {value!r} (not an integer)")
-    if math.isnan(number) or not test(number):
-        raise ValueError(f"{label} must be {valid}, got {value!r}")
-    return int(number) if integer else number
-
-
-def _check_bounds(min_scale: float | None, max_scale: float | None, labels: tuple[str, str]) -> None:
-    if min_scale is not None and max_scale is not None and min_scale > max_scale:
-        raise ValueError(f"{labels[0]} ({min_scale}) must not exceed {labels[1]} ({max_scale})")
-
-
-def _inverse(scale: torch.Tensor) -> torch.Tensor:
-    # fp32 division can be inexact under some compile options: take the reciprocal in fp64.
-    return scale.double().reciprocal().float()
-
-
-def _item(tensor: torch.Tensor | None, default: int) -> int:
-    return default if tensor is None else int(tensor.item())
+    if not isinstance(new_scale, torch.Tensor):
+        # A tensor's value is not checked (that would sync): fail_after catches a non-finite one.
+        scale.fill_(checked("scale", new_scale, "new_scale"))
+        return
+    if new_scale.numel() != 1 or new_scale.requires_grad:
+        raise ValueError("new_scale must be a float or a 1-element tensor that does not require grad")
+    scale.copy_(new_scale.reshape(()))
 
 
 def _describe(optimizer: torch.optim.Optimizer) -> str:
     return f"{type(optimizer).__name__} at {id(optimizer):#x}"
-
-
-def _grads_source(params: torch.optim.Optimizer | Iterable[torch.Tensor]) -> list[torch.Tensor]:
-    if isinstance(params, torch.optim.Optimizer):
-        return [p for group in params.param_groups for p in group["params"]]
-    if isinstance(params, torch.Tensor):
-        return [params]
-    items = list(params)
-    for item in items:
-        if not isinstance(item, torch.Tensor):
-            raise TypeError(f"unscale() takes an optimizer, parameters or gradient tensors, got {type(item).__name__}")
-    return items
-
-
-def _first_device(tensors: list[torch.Tensor]) -> torch.device:
-    for tensor in tensors:
-        grad = tensor.grad if tensor.requires_grad and tensor.is_leaf else tensor
-        if grad is not None:
-            return grad.device
-    return torch.device("cpu")
-
-
-def _grads_of(optimizer: torch.optim.Optimizer, allow_fp16: bool = True) -> list[torch.Tensor]:
-    grads = []
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            grad = param.grad
-            if grad is None:
-                continue
-            if not allow_fp16 and grad.dtype is torch.float16:
-                raise ValueError(
-                    "Attempting to unscale FP16 gradients with allow_fp16=False; pass allow_fp16=True "
-                    "(mixprec's unscale_ does: it unscales fp16 gradients in fp32 math)"
-                )
-            if grad.is_sparse:
-                # Coalescing sums duplicate indices; in fp16 that can overflow, so check the result.
-                if grad.dtype is torch.float16:
-                    param.grad = grad = grad.coalesce()
-                grads.append(grad._values())
-            else:
-                grads.append(grad)
-    return grads
-
-
-def _unscale_and_check(
-    grads: list[torch.Tensor], inv_scale: torch.Tensor, found_inf: torch.Tensor
-) -> dict[torch.device, torch.Tensor]:
-    """Unscale in place and flag inf/NaN with torch's fused kernel, one call per device and dtype.
-
-    The flags go into a copy of ``found_inf`` per device (torch's ``_unscale_grads_`` does the same).
-    fp16 and bf16 gradients are unscaled too: the kernel computes in fp32 and rounds once.
-    """
-    groups: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(lambda: defaultdict(list))
-    for grad in grads:
-        groups[grad.device][grad.dtype].append(grad)
-    found_per_device: dict[torch.device, torch.Tensor] = {}
-    with torch.no_grad():
-        for device, by_dtype in groups.items():
-            found = found_per_device[device] = found_inf.to(device=device, non_blocking=True, copy=True)
-            device_inv = inv_scale.to(device=device, non_blocking=True, copy=True)
-            for same_dtype in by_dtype.values():
-                torch._amp_foreach_non_finite_check_and_unscale_(same_dtype, found, device_inv)
-    return found_per_device
