@@ -14,6 +14,7 @@ from torch.testing._internal.autocast_test_lists import AutocastCPUTestLists
 import mixprec
 from conftest import bitwise_equal, dispatch_module
 from mixprec import OpCategory
+from mixprec._src import region as region_module
 
 DTYPES = [torch.bfloat16, torch.float16]
 _LISTS = AutocastCPUTestLists(torch.device("cpu"))
@@ -360,7 +361,6 @@ def test_opinfo_samples_through_mixprec_stand_in_kernels(info: Any, dtype: torch
 
 # --- the AutocastCUDA key, without a GPU ------------------------------------------------------------------
 
-autocast_module = __import__("conftest").autocast_module
 CUDA_OPS = {  # each op's call on a fake CUDA tensor, and its category on torch's CUDA list
     "mm": (lambda x: torch.mm(x, x), torch.float16),
     "addmm": (lambda x: torch.addmm(x, x, x), torch.float16),
@@ -390,11 +390,11 @@ def test_kernels_at_the_autocast_cuda_key_on_fake_cuda_tensors() -> None:
             try:
                 assert "aten::mm@cuda" in dispatch_module.registered()
                 assert {name: call(x).dtype for name, (call, _) in CUDA_OPS.items()} == torchs
-                autocast_module._push("cuda", moved, None)  # in force here: the edits apply
+                region_module.push("cuda", moved, None)  # in force here: the edits apply
                 try:
                     got = {name: call(x).dtype for name, (call, _) in CUDA_OPS.items()}
                 finally:
-                    autocast_module._pop()
+                    region_module.pop()
             finally:
                 dispatch_module.release(keys)
         finally:

@@ -63,7 +63,8 @@ MUTANTS = (
            "src/mixprec/_src/dispatch.py", '                kwargs = {**kwargs, "dtype": _float32}',
            "                pass", ("tests/test_autocast_ops.py",)),
     Mutant("replay-skips-policy", "checkpoint_context's recompute runs without the policy",
-           "src/mixprec/_src/autocast.py", "            _push(device_type, policy, None)\n", "            pass\n",
+           "src/mixprec/_src/checkpoint_replay.py", "            region.push(device_type, policy, None)\n",
+           "            pass\n",
            ("tests/test_drop_in.py",)),
     # --- module rules and prepare levels ------------------------------------------------------------
     Mutant("kept-inputs-not-fp32", "a module kept in fp32 gets its low-precision inputs as they are",

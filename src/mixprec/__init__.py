@@ -7,12 +7,12 @@ autocast region); its precision policy is a value users can read and change
 
 from mixprec._src.autocast import (
     autocast,
-    checkpoint_context,
     get_autocast_dtype,
     get_autocast_policy,
     is_autocast_enabled,
     set_autocast_enabled,
 )
+from mixprec._src.checkpoint_replay import checkpoint_context
 from mixprec._src.custom_function import custom_bwd, custom_fwd, op
 from mixprec._src.diagnostic_report import DiagnosticReport
 from mixprec._src.diagnostics import diagnose

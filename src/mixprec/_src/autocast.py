@@ -9,36 +9,36 @@ at its speed.
 
 A policy that differs from torch's list for the device (ops moved, added or
 removed, an output dtype) gets kernels for the differing ops at the device's
-Autocast dispatch key while the region is open (see ``mixprec._src.dispatch``).
-Per-module rules switch torch's autocast dtype/enabled state, and the policy in
-force, at module boundaries through global module hooks.
+Autocast dispatch key while the region is open (``region`` puts it in force,
+``dispatch`` holds the kernels). Per-module rules switch torch's autocast
+dtype/enabled state, and the policy in force, at module boundaries
+(``module_rules``). This module holds the user's side: the region object, the
+queries and the on/off switch.
 
 Nothing here syncs with the device.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import functools
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
-from torch import nn
 
-from mixprec._src import casting, dispatch, interning
+from mixprec._src import dispatch, interning, region
+
+# module_rules is imported for its effect: it gives regions their rule hooks.
+from mixprec._src import module_rules as module_rules
 from mixprec._src.dispatch import state as _state
 from mixprec._src.dtypes import parse_dtype
-from mixprec._src.policy import ModuleRule, Policy
+from mixprec._src.policy import Policy
 from mixprec._src.policy_grammar import default_policy, get_policy
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 __all__ = [
     "autocast",
-    "checkpoint_context",
     "get_autocast_dtype",
     "get_autocast_policy",
     "is_autocast_enabled",
@@ -48,93 +48,6 @@ __all__ = [
 _FLOATING = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 # torch's class, held here: code that swaps torch.autocast for mixprec's must not make it recurse.
 TorchAutocast = torch.amp.autocast_mode.autocast
-
-
-@functools.lru_cache(maxsize=256)
-def _needs_kernels(policy: Policy, device_type: str) -> bool:
-    """Whether ``policy`` differs from torch's list for ``device_type`` (module rules aside)."""
-    builtin = default_policy(device_type)
-    return policy.output_dtype is not None or policy.op_table != builtin.op_table
-
-
-# ----- entering and leaving: plain functions, so compiled code can call them as graph nodes ----
-
-
-def _push(device_type: str, policy: Policy, torch_ctx: Any, traced: bool = False) -> None:
-    """Put ``policy`` in force on ``device_type``; ``torch_ctx`` is what :func:`_pop` restores of torch's."""
-    st = _state()
-    edited = _needs_kernels(policy, device_type)
-    plan = dispatch.acquire(policy, device_type) if edited else ()
-    table = st.traced_policy if traced else st.policy
-    st.regions.append(
-        dispatch.Region(device_type, torch_ctx, table.get(device_type), st.edited.get(device_type), plan, traced)
-    )
-    table[device_type] = policy
-    if edited:
-        st.edited[device_type] = policy
-    else:
-        st.edited.pop(device_type, None)
-    if policy.module_rules:
-        _count_rule_user(st, +1)
-
-
-def _pop() -> None:
-    st = _state()
-    region = st.regions.pop()
-    device_type, torch_ctx = region.device_type, region.torch_state
-    policies = st.traced_policy if region.traced else st.policy
-    if policies[device_type].module_rules:
-        _count_rule_user(st, -1)
-    for table, prev in ((policies, region.prev_policy), (st.edited, region.prev_edited)):
-        if prev is None:
-            table.pop(device_type, None)
-        else:
-            table[device_type] = prev
-    dispatch.release(region.plan)
-    if not st.regions:
-        st.cache.clear()
-        st.module_stack.clear()
-    if isinstance(torch_ctx, tuple):  # a kept module: torch's state outside it
-        torch.set_autocast_enabled(device_type, torch_ctx[0])
-        torch.set_autocast_dtype(device_type, torch_ctx[1])
-    elif torch_ctx is not None:
-        torch_ctx.__exit__(None, None, None)
-
-
-def _unwind_on_failed_trace(depth: int) -> None:
-    """While Dynamo traces, close what a trace that stops early would leave open."""
-    from torch._dynamo.symbolic_convert import InstructionTranslator
-
-    try:
-        tx = InstructionTranslator.current_tx()
-    except AttributeError:  # no Dynamo trace in this thread
-        tx = None
-    if tx is None:  # AOTAutograd's trace: it runs the whole graph, exits included
-        return
-    tx.output.add_cleanup_hook(functools.partial(_pop_to, depth))
-
-
-def _pop_to(depth: int) -> None:
-    """Close the regions opened after the stack was ``depth`` deep."""
-    while len(_state().regions) > depth:
-        _pop()
-
-
-@torch.fx.node.has_side_effect
-@torch._dynamo.allow_in_graph  # type: ignore[untyped-decorator]
-def _enter_traced(device_type: str, dtype: torch.dtype, enabled: bool, cache_enabled: bool, token: str) -> None:
-    # Under torch.compile this is a node of the graph: Dynamo and AOTAutograd run it while
-    # tracing (so the ops traced after it see the region), compiled code no longer needs it.
-    _unwind_on_failed_trace(len(_state().regions))
-    torch_ctx = torch.amp.autocast_mode._UnmanagedAutocast(device_type, dtype, enabled, cache_enabled)
-    torch_ctx.__enter__()  # type: ignore[no-untyped-call]
-    _push(device_type, interning.policy_for(token), torch_ctx, traced=True)
-
-
-@torch.fx.node.has_side_effect
-@torch._dynamo.allow_in_graph  # type: ignore[untyped-decorator]
-def _exit_traced(device_type: str) -> None:
-    _pop()
 
 
 class autocast:  # noqa: N801 - the name torch.autocast users type
@@ -202,9 +115,6 @@ class autocast:  # noqa: N801 - the name torch.autocast users type
         self.policy = resolved
         self._args = (device_type, dtype, enabled, cache_enabled, policy)
         self._torch: Any = None
-        # A module whose forward this region runs inside (set by mixprec.prepare): modules called
-        # in the region are named from it, as when the region encloses the module's call.
-        self._naming_root: nn.Module | None = None
         self._stack_depth = 0
         if not compiling:
             # torch validates and warns here, as it does for its own regions.
@@ -223,7 +133,7 @@ class autocast:  # noqa: N801 - the name torch.autocast users type
             raise RuntimeError("this mixprec.autocast object is already active; create a new one to nest")
         self._entered = True
         if torch.compiler.is_compiling():
-            _enter_traced(
+            region.enter_traced(
                 self.device_type, self.fast_dtype, self._enabled, self._cache_enabled, self.policy.compile_token
             )
             return self
@@ -233,14 +143,11 @@ class autocast:  # noqa: N801 - the name torch.autocast users type
             )
         self._torch.__enter__()
         try:
-            _push(self.device_type, self.policy, self._torch)
+            region.push(self.device_type, self.policy, self._torch)
         except BaseException:
             self._torch.__exit__(None, None, None)
             raise
-        st = _state()
-        self._stack_depth = len(st.module_stack)
-        if self._naming_root is not None and not st.module_stack:
-            st.module_stack.append((self._naming_root, "", ()))
+        self._stack_depth = len(_state().module_stack)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -248,10 +155,10 @@ class autocast:  # noqa: N801 - the name torch.autocast users type
             raise RuntimeError("mixprec.autocast.__exit__ called without __enter__")
         self._entered = False
         if torch.compiler.is_compiling():
-            _exit_traced(self.device_type)
+            region.exit_traced(self.device_type)
             return
         del _state().module_stack[self._stack_depth :]
-        _pop()
+        region.pop()
         self._torch = None  # spent: entering this object again makes a fresh one
 
     def __call__(self, func: F) -> F:
@@ -269,243 +176,6 @@ class autocast:  # noqa: N801 - the name torch.autocast users type
                 return func(*args, **kwargs)
 
         return wrapper  # type: ignore[return-value]
-
-
-# ----- checkpointing -----------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Snapshot:
-    """What a replay needs of mixprec's state: the policies in force that differ from torch's
-    lists, per device, and the module the code runs in (its children are named from it)."""
-
-    policies: dict[str, Policy]
-    module: tuple[Any, str] | None
-
-
-def snapshot() -> Snapshot:
-    st = _state()
-    policies = {d: p for d, p in st.policy.items() if p.module_rules or _needs_kernels(p, d)}
-    module = (st.module_stack[-1][0], st.module_stack[-1][1]) if st.module_stack and policies else None
-    return Snapshot(policies, module)
-
-
-@contextlib.contextmanager
-def _capture() -> Iterator[None]:
-    st = _state()
-    st.captured += 1
-    try:
-        yield
-    finally:
-        st.captured -= 1
-
-
-@contextlib.contextmanager
-def replay(snapshot: Snapshot) -> Iterator[None]:
-    """Put a snapshot's policies back in force; torch's own autocast state is replayed by the caller."""
-    st = _state()
-    depth, stack_depth = len(st.regions), len(st.module_stack)
-    st.captured += 1
-    try:
-        for device_type, policy in snapshot.policies.items():
-            _push(device_type, policy, None)
-        if snapshot.module is not None:  # modules called in the replay are named from here
-            st.module_stack.append((*snapshot.module, ()))
-        yield
-    finally:
-        del st.module_stack[stack_depth:]
-        _pop_to(depth)
-        st.captured -= 1
-
-
-def checkpoint_context(
-    inner: Callable[[], tuple[contextlib.AbstractContextManager[Any], contextlib.AbstractContextManager[Any]]]
-    | None = None,
-) -> tuple[contextlib.AbstractContextManager[None], contextlib.AbstractContextManager[None]]:
-    """A ``context_fn`` for ``torch.utils.checkpoint`` that replays the mixprec policy in its recompute.
-
-    torch's checkpoint replays torch's autocast state (enabled, dtype) but knows
-    nothing of a mixprec policy's edited ops or module rules. Pass this function
-    as ``checkpoint(fn, *args, use_reentrant=False, context_fn=mixprec.checkpoint_context)``
-    (Hugging Face: ``model.activation_checkpointing_enable(activation_checkpointing_kwargs=
-    {"use_reentrant": False, "context_fn": mixprec.checkpoint_context})``, before transformers 5
-    ``gradient_checkpointing_enable(gradient_checkpointing_kwargs=...)``). Without it, checkpointing a
-    region whose policy differs from torch's raises instead of computing other
-    gradients. With a built-in policy it is not needed (and harmless). To combine it with
-    another ``context_fn`` (selective checkpointing), pass that one as ``inner``:
-    ``context_fn=functools.partial(mixprec.checkpoint_context, inner=other_context_fn)``.
-
-    Example:
-        >>> import torch, mixprec
-        >>> from torch.utils.checkpoint import checkpoint
-        >>> net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
-        >>> policy = mixprec.get_policy("cpu").keep_modules(torch.nn.LayerNorm)
-        >>> x = torch.randn(2, 4, requires_grad=True)
-        >>> with mixprec.autocast("cpu", policy=policy):
-        ...     y = checkpoint(net, x, use_reentrant=False, context_fn=mixprec.checkpoint_context)
-        >>> y.float().sum().backward()
-    """
-    if inner is None:
-        return _capture(), replay(snapshot())
-    forward, recompute = inner()
-    return _both(_capture(), forward), _both(replay(snapshot()), recompute)
-
-
-@contextlib.contextmanager
-def _both(
-    first: contextlib.AbstractContextManager[Any], second: contextlib.AbstractContextManager[Any]
-) -> Iterator[None]:
-    with first, second:
-        yield
-
-
-# ----- module rules ---------------------------------------------------------------
-
-_hooks_lock = threading.Lock()
-_hook_users = 0
-# The hooks sit in torch's global hook dicts under a fixed key rather than behind a
-# RemovableHandle: creating a handle bumps a class counter, which Dynamo cannot trace,
-# while dict stores it can, so a region with rules can open inside a compiled function.
-_HOOK_KEY = -0x6D69787072  # negative: never one of torch's handle ids
-_module = nn.modules.module
-_OptimizedModule = torch._dynamo.eval_frame.OptimizedModule
-
-
-class _CompiledWrapper:
-    """Stands in for a torch.compile wrapper module on the module stack."""
-
-    def __init__(self, ident: int) -> None:
-        self.ident = ident
-
-
-def _count_rule_user(st: dispatch.ThreadState, delta: int) -> None:
-    """A region with rules opens (+1) or closes (-1); the first installs the hooks, the last removes them."""
-    global _hook_users
-    st.rule_users += delta
-    with _hooks_lock:
-        _hook_users += delta
-        if delta > 0 and _HOOK_KEY not in _module._global_forward_pre_hooks:
-            _module._global_forward_pre_hooks[_HOOK_KEY] = _pre_hook
-            _module._global_forward_hooks[_HOOK_KEY] = _post_hook
-            _module._global_forward_hooks_always_called[_HOOK_KEY] = True
-        # While compiling, the hooks stay (the compiled frame's guards read them after tracing);
-        # they do nothing while no region with rules is open, and the next eager exit removes them.
-        elif delta < 0 and _hook_users == 0 and not torch.compiler.is_compiling():
-            del _module._global_forward_pre_hooks[_HOOK_KEY]
-            del _module._global_forward_hooks[_HOOK_KEY]
-            del _module._global_forward_hooks_always_called[_HOOK_KEY]
-
-
-def _qualified_name(st: dispatch.ThreadState, module: nn.Module) -> str:
-    if not st.module_stack:
-        return ""
-    parent, parent_name, _ = st.module_stack[-1]
-    if isinstance(parent, _CompiledWrapper):  # torch.compile's wrapper runs only its _orig_mod: same name
-        return str(parent_name)
-    compiling = torch.compiler.is_compiling()  # then names are worked out once, at trace time
-    # Names are cached per parent and the parent's name: a module reached from another root
-    # (a submodule called on its own) has another qualified name.
-    names = None if compiling else st.module_names.setdefault(parent, {})
-    key = (parent_name, id(module))
-    name = None if names is None else names.get(key)
-    if name is not None:
-        return name
-    for child_name, child in parent.named_modules():
-        if child is module and child_name:
-            if "_orig_mod" in child_name:  # under a torch.compile wrapper: name it as the plain model does
-                child_name = ".".join(part for part in child_name.split(".") if part != "_orig_mod")
-            name = f"{parent_name}.{child_name}" if parent_name else child_name
-            break
-    else:
-        name = f"{parent_name}.<{type(module).__name__}>" if parent_name else f"<{type(module).__name__}>"
-    if names is not None:
-        names[key] = name
-    return name
-
-
-def _match_rule(rules: tuple[ModuleRule, ...], module: nn.Module, name: str) -> ModuleRule | None:
-    for rule in rules:
-        if rule.matches(module, name):
-            return rule
-    return None
-
-
-@torch.fx.node.has_side_effect
-@torch._dynamo.allow_in_graph  # type: ignore[untyped-decorator]
-def _rule_enter(device_type: str, dtype: torch.dtype) -> None:
-    """Enter a kept module: autocast off (fp32) or on in ``dtype``, the policy without rules."""
-    st = _state()
-    policy = st.traced_policy.get(device_type) or st.policy[device_type]
-    dispatch.check_checkpoint(st)
-    if torch.compiler.is_compiling():
-        _unwind_on_failed_trace(len(st.regions))
-    outside = (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
-    if dtype is torch.float32:
-        torch.set_autocast_enabled(device_type, False)
-    else:
-        torch.set_autocast_enabled(device_type, True)
-        torch.set_autocast_dtype(device_type, dtype)
-    _push(device_type, policy.without_rules, outside, traced=torch.compiler.is_compiling())
-
-
-@torch.fx.node.has_side_effect
-@torch._dynamo.allow_in_graph  # type: ignore[untyped-decorator]
-def _rule_exit(device_type: str) -> None:
-    _pop()
-
-
-@torch._dynamo.assume_constant_result  # type: ignore[untyped-decorator]
-def _traced_policy_tokens() -> tuple[tuple[str, str], ...]:
-    # Constant-folded while Dynamo traces: the regions it names were opened by the traced
-    # code itself (their policies are arguments of its graph nodes, so already guarded).
-    return tuple((d, p.compile_token) for d, p in _state().traced_policy.items())
-
-
-def _policies_in_force(st: dispatch.ThreadState) -> dict[str, Policy]:
-    if not torch.compiler.is_compiling():
-        return st.policy
-    return {**st.policy, **{d: interning.policy_for(token) for d, token in _traced_policy_tokens()}}
-
-
-def _pre_hook(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
-    st = _state()
-    if not torch.compiler.is_compiling() and st.rule_users == 0:
-        return None
-    in_force = _policies_in_force(st)
-    if not any(p.module_rules for p in in_force.values()):
-        return None
-    name = _qualified_name(st, module)
-    if isinstance(module, _OptimizedModule):
-        # torch.compile's wrapper: its _orig_mod runs the hooks again and takes this name,
-        # found here, eagerly. The stack holds a stand-in: Dynamo must not reach the
-        # module it traces through another path.
-        st.module_stack.append((_CompiledWrapper(id(module)), name, None))
-        return None
-    entered: list[str] = []
-    new_args = None
-    for device_type, policy in in_force.items():
-        if not policy.module_rules or not torch.is_autocast_enabled(device_type):
-            continue
-        rule = _match_rule(policy.module_rules, module, name)
-        if rule is None:
-            continue
-        _rule_enter(device_type, rule.dtype)
-        entered.append(device_type)
-        new_args = casting.cast_floating(args if new_args is None else new_args, rule.dtype, device_type)
-    st.module_stack.append((module, name, tuple(entered)))
-    return new_args
-
-
-def _post_hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-    st = _state()
-    if not st.module_stack:
-        return
-    top = st.module_stack[-1][0]
-    if top is not module and not (isinstance(top, _CompiledWrapper) and top.ident == id(module)):
-        return
-    _, _, entered = st.module_stack.pop()
-    for device_type in reversed(entered or ()):
-        _rule_exit(device_type)
 
 
 # ----- queries and the global switch ----------------------------------------------
@@ -578,5 +248,5 @@ def set_autocast_enabled(
 # calls them. Dynamo must never compile them as frames of their own (it does for functions an
 # eagerly run frame calls, e.g. after it gave up on a region with a graph break inside): their
 # graph would keep the entry node and run it, or bake its effect in, apart from the region.
-for _func in (autocast.__init__, autocast.__enter__, autocast.__exit__, _pre_hook, _post_hook):
+for _func in (autocast.__init__, autocast.__enter__, autocast.__exit__):
     dispatch.never_a_frame(_func)

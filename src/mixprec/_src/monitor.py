@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from mixprec._src import autocast
+from mixprec._src import checkpoint_replay
 from mixprec._src.autocast import TorchAutocast
 from mixprec._src.scaler import GradScaler, ScalerEvent
 
@@ -177,7 +177,7 @@ class _Forward:
 
 def _precision() -> dict[str, Any]:
     """The autocast settings in force (mixprec's and torch's), to replay a forward in them."""
-    policies = autocast.snapshot()
+    policies = checkpoint_replay.snapshot()
     torch_on = {d: torch.get_autocast_dtype(d) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)}
     return {"policies": policies, "torch": torch_on}
 
@@ -187,5 +187,5 @@ def _restore_precision(precision: dict[str, Any]) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         for device_type, dtype in precision["torch"].items():
             stack.enter_context(TorchAutocast(device_type, dtype=dtype))
-        stack.enter_context(autocast.replay(precision["policies"]))
+        stack.enter_context(checkpoint_replay.replay(precision["policies"]))
         yield
