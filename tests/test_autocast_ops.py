@@ -12,8 +12,9 @@ import torch
 from torch.testing._internal.autocast_test_lists import AutocastCPUTestLists
 
 import mixprec
-from conftest import bitwise_equal, dispatch_module
+from helpers import bitwise_equal
 from mixprec import OpCategory
+from mixprec._src import dispatch as dispatch_module
 from mixprec._src import region as region_module
 
 DTYPES = [torch.bfloat16, torch.float16]

@@ -11,7 +11,7 @@ from torch import nn
 from torch._dynamo.testing import CompileCounter, CompileCounterWithBackend
 
 import mixprec
-from conftest import bitwise_equal
+from helpers import bitwise_equal
 
 
 @pytest.fixture(autouse=True)

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import mixprec
-from conftest import Overflowing, square_loss
+from helpers import Overflowing, square_loss
 
 
 class Underflowing(nn.Module):

@@ -15,7 +15,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import mixprec
-from conftest import init_process_group, spawn
+from helpers import init_process_group, spawn
 
 WORLD = 2
 STEPS = 6

@@ -16,7 +16,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import mixprec
-from conftest import bitwise_equal, dispatch_module, requires_cuda
+from helpers import bitwise_equal, requires_cuda
+from mixprec._src import dispatch as dispatch_module
 
 DTYPES = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")]
 # Every op torch's CPU list lowers, moved to fp32: a region with it must compute what fp32 computes, bit

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conftest import bitwise_equal
+from helpers import bitwise_equal
 
 # The frameworks warn about CPU-only runs, worker counts and logging: not ours to fix here.
 pytestmark = [

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mixprec
-from conftest import HostSyncs
+from helpers import HostSyncs
 
 
 class Blowup(nn.Module):

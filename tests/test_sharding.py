@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mixprec
-from conftest import bitwise_equal, init_process_group, spawn
+from helpers import bitwise_equal, init_process_group, spawn
 from mixprec.bench.workloads import TinyLM
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")

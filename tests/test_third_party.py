@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import mixprec
-from conftest import bitwise_equal
+from helpers import bitwise_equal
 
 transformers = pytest.importorskip("transformers")
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mixprec
-from conftest import bitwise_equal
+from helpers import bitwise_equal
 
 
 def _mlp() -> nn.Module:

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import mixprec
-from conftest import Overflowing, square_loss
+from helpers import Overflowing, square_loss
 from mixprec._src.recipe import Recipe, Tolerance
 
 
