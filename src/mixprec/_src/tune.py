@@ -57,6 +57,8 @@ _ACCURACY_STEPS = 2  # steps compared with fp32; the first is also the warm-up, 
 _STEPS = 4  # steps per candidate per round: 3 timed, their median is the candidate's time
 _SLOW = 1.5  # a candidate this much slower than the default after its checked steps cannot win: stopped
 _COLD_SLOW = 10.0  # ... or this much slower on its first (cold) step than the first round's: an emulated dtype
+_FINALISTS = 3  # the fastest candidates raced again, head to head, before choosing
+_DIAGNOSE_STEPS = 4  # diagnose costs about this many training steps (fp32 and low-precision passes with hooks)
 
 
 class _Trial:
@@ -163,6 +165,7 @@ class _Search:
         self.out_of_time = False
         self.ref: _Trial | None = None  # fp32, for accuracy
         self.cold_s: float | None = None  # the default's first step in the first round
+        self.setup_s = 0.0  # the longest a candidate took to set up (a deep copy, prepare)
 
     def say(self, text: str) -> None:
         if self.progress is not None:
@@ -179,7 +182,10 @@ class _Search:
         return self.fits(0.0)
 
     def trial(self, recipe: Recipe) -> _Trial:
-        return _Trial(recipe, self.model, self.optimizer, self.inputs, self.loss_of, self.device)
+        begin = time.perf_counter()
+        trial = _Trial(recipe, self.model, self.optimizer, self.inputs, self.loss_of, self.device)
+        self.setup_s = max(self.setup_s, time.perf_counter() - begin)
+        return trial
 
     def round(self, default: _Trial, recipes: list[Recipe], label: str) -> list[str]:
         """Race ``recipes`` against ``default`` if their checked steps fit in the budget; returns their names.
@@ -187,7 +193,7 @@ class _Search:
         Copying a large model for every candidate takes seconds: a round that cannot finish is not started.
         """
         step_s = default.median_s() or default.expected_s(default)
-        if not self.fits(step_s * (len(recipes) + 1) * _ACCURACY_STEPS):
+        if not self.fits(self.setup_s * len(recipes) + step_s * (len(recipes) + 1) * _ACCURACY_STEPS):
             for r in recipes:
                 self.recipes[r.name] = r
                 self.results[r.name] = Measurement(r.name, "not measured", reason="the budget ran out")
@@ -260,6 +266,65 @@ class _Search:
         if not why and t.stopped:  # checked and timed: it passed, and was stopped only to save the budget
             why = f"slower: {t.stopped} (stopped early)"
         self.results[t.name] = Measurement(t.name, status, ms, vs, err, gcos, ucos, why)
+
+    def final_round(
+        self, default_recipe: Recipe, dtypes: list[torch.dtype], min_speedup: float, notes: list[str]
+    ) -> list[str] | None:
+        """Race the finalists and torch.amp's default again, together, for figures that compare.
+
+        Rounds run minutes apart on a shared machine: a step's time moves between them. The finalists
+        are the fastest passed candidates and the simplest within ``min_speedup`` of the fastest. Their
+        ``ms/step`` and ``x default`` become this round's; the others keep their own round's ratio
+        and lose their ``ms/step`` (not comparable). Returns the finalists' names, or ``None`` when
+        there are none or the round does not fit in the budget.
+        """
+        passed = sorted(
+            (n for n, m in self.results.items() if m.status == "passed" and m.vs_default is not None
+             and n != default_recipe.name and self.recipes[n].dtype in dtypes),
+            key=lambda n: -(self.results[n].vs_default or 0.0),
+        )  # fmt: skip
+        if not passed:
+            return None
+        fastest = self.results[passed[0]].vs_default or 0.0
+        near = [n for n in passed if (self.results[n].vs_default or 0.0) * min_speedup >= fastest]
+        simplest = min(near, key=lambda n: _changes(self.recipes[n]))
+        finalists = list(dict.fromkeys([*passed[:_FINALISTS], simplest]))
+        steps = [m.step_ms / 1e3 for n in (*finalists, default_recipe.name)
+                 if (m := self.results.get(n)) is not None and m.step_ms is not None]  # fmt: skip
+        if not self.fits((self.setup_s + max(steps, default=0.0) * _STEPS) * (len(finalists) + 1)):
+            notes.append("no head-to-head round for the finalists (the budget would run out): "
+                         "ms/step come from rounds measured apart")  # fmt: skip
+            return None
+        self.say(f"final round (head to head): {', '.join(finalists)}")
+        default = self.trial(default_recipe)
+        trials = [self.trial(self.recipes[n]) for n in finalists]
+        everyone = [default, *trials]
+        for step in range(_STEPS):
+            for t in everyone if step % 2 == 0 else reversed(everyone):
+                if t.stopped or time.perf_counter() + t.expected_s(default) > self.deadline:
+                    self.out_of_time = True
+                    continue
+                try:
+                    t.step()
+                except Exception as exc:  # it trained in its own round: leave its figures as they were
+                    if t is default:
+                        return None
+                    t.stopped = f"failed: {type(exc).__name__}"
+        base = default.median_s()
+        if base is None:
+            return None
+        timed = {t.name: t.median_s() for t in trials if not t.stopped}
+        for name, result in list(self.results.items()):
+            mine = base if name == default_recipe.name else timed.get(name)
+            if mine is not None:
+                self.results[name] = dataclasses.replace(result, step_ms=mine * 1e3, vs_default=base / mine)
+            elif result.status in ("passed", "rejected") and result.step_ms is not None:
+                self.results[name] = dataclasses.replace(result, step_ms=None)
+        for name in (default_recipe.name, *finalists):
+            self.say(f"  {name}: {line(self.results[name])}")
+        notes.append("ms/step: the finalists and torch.amp's default raced head to head in a final round; "
+                     "the others' speed is against the default in their own round")  # fmt: skip
+        return [n for n in finalists if n in timed]
 
     def best(self, names: Sequence[str]) -> str | None:
         passed = [n for n in names if n in self.results and self.results[n].status == "passed"]
@@ -469,7 +534,7 @@ def _run_search(search: _Search, model: nn.Module, batch: Any, loss_fn: Any, tar
             result is None
             or result.status != "rejected"
             or result.reason.startswith("slower")
-            or not search.time_left()
+            or not search.fits(_DIAGNOSE_STEPS * (default.expected_s(default) + search.ref.expected_s(default)))
         ):
             continue
         search.say(f"diagnose in {short_name(dtype)}: which modules leave its range")
@@ -523,7 +588,10 @@ def _run_search(search: _Search, model: nn.Module, batch: Any, loss_fn: Any, tar
             names = search.round(default, [base(dtype, level=lv, layout=layout) for lv in levels], "round 3 (levels)")
             best_low = search.best([best_low, *names])
         best = search.best([n for n in (best, best_low) if n is not None])
-    return _choose(search, best, torch_default, dtypes, min_speedup, notes)
+    finalists = search.final_round(torch_default, dtypes, min_speedup, notes)
+    if finalists is not None:
+        best = search.best([*finalists, *([torch_default.name] if torch_default.dtype in dtypes else [])])
+    return _choose(search, best, torch_default, dtypes, min_speedup, notes, finalists)
 
 
 def _changes(recipe: Recipe) -> int:
@@ -534,7 +602,7 @@ def _changes(recipe: Recipe) -> int:
 
 
 def _choose(search: _Search, best: str | None, torch_default: Recipe, dtypes: list[torch.dtype], min_speedup: float,
-            notes: list[str]) -> Recipe:  # fmt: skip
+            notes: list[str], finalists: list[str] | None) -> Recipe:  # fmt: skip
     if search.out_of_time:
         notes.append("the budget ran out before the search finished: the best recipe measured so far")
     default_result = search.results.get(torch_default.name)
@@ -548,7 +616,7 @@ def _choose(search: _Search, best: str | None, torch_default: Recipe, dtypes: li
         # moved back to fp32, no op moves rather than some.
         near = [n for n, m in search.results.items() if m.status == "passed" and m.vs_default is not None
                 and m.vs_default * min_speedup >= speed and n != torch_default.name
-                and search.recipes[n].dtype in dtypes]  # fmt: skip
+                and search.recipes[n].dtype in dtypes and (finalists is None or n in finalists)]  # fmt: skip
         simplest: str = min(
             near, key=lambda n: (_changes(search.recipes[n]), -(search.results[n].vs_default or 0.0)), default=best
         )
