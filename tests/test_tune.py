@@ -138,6 +138,8 @@ def test_tune_respects_the_budget(monkeypatch: pytest.MonkeyPatch) -> None:
     diagnoses: list[tuple[float, float]] = []
     monkeypatch.setattr(tune_module._Trial, "step", _timed(tune_module._Trial.step, steps))
     monkeypatch.setattr(tune_module, "diagnose", _timed(tune_module.diagnose, diagnoses))
+    # As on a CPU with bf16 and fp16 instructions: the candidates run, so the budget is what stops them.
+    monkeypatch.setattr(tune_module, "_matmul_slowdown", lambda dtype, device: 1.0)
 
     def slow_loss(out: torch.Tensor) -> torch.Tensor:
         time.sleep(0.1)
@@ -321,3 +323,24 @@ def test_the_finalists_race_head_to_head_before_the_choice() -> None:
         assert m.vs_default == pytest.approx(default.step_ms / m.step_ms, rel=1e-9), recipe.table()
     chosen = next(m for m in recipe.measurements if m.status == "chosen")
     assert chosen.step_ms is not None, recipe.table()  # the choice is made on the head-to-head figures
+
+
+def test_a_dtype_emulated_here_is_rejected_without_spending_the_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    # On a CPU without bf16/fp16 instructions torch emulates them, 10-100x slower than fp32: one step of a
+    # real model can take minutes. tune measures a matmul in each dtype first and does not start a step
+    # that would end past the budget. (Planted here: the probe reports a 1000x slowdown for low dtypes.)
+    from mixprec._src import tune as tune_module
+
+    monkeypatch.setattr(tune_module, "_matmul_slowdown", lambda dtype, device: 1000.0)
+
+    def slow_loss(out: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.02)  # a forward of 20 ms: a low-precision step would take about a minute
+        return square_loss(out)
+
+    start = time.perf_counter()
+    recipe = mixprec.tune(_mlp(), torch.randn(32, 8), slow_loss, budget_s=5)
+    assert time.perf_counter() - start < 5, recipe.table()
+    assert recipe.dtype is torch.float32, recipe.table()
+    low = [m for m in recipe.measurements if m.name.startswith(("bf16", "fp16"))]
+    assert low and all("emulated on this device" in m.reason for m in low), recipe.table()
+    assert any(n.startswith("torch.amp's default is too slow here") for n in recipe.notes), recipe.notes

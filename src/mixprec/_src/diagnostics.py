@@ -119,7 +119,7 @@ class _Recorder:
 
 
 def _run(model: nn.Module, inputs: Any, loss_fn: LossFn | None, dtype: torch.dtype, policy: Policy | None,
-         device_type: str, low_precision: bool, trace: bool, keep_outputs: bool,
+         device_type: str, *, low_precision: bool, trace: bool, keep_outputs: bool,
          steps: int) -> tuple[_Recorder, NonFinite | None, float]:  # fmt: skip
     recorder = _Recorder(model, dtype, keep_outputs)
     tracer = _FirstNonFinite(recorder.where) if trace else None
@@ -229,8 +229,30 @@ def diagnose(
     base = get_policy(policy, device_type) if policy is not None else default_policy(device_type)
     was_training = model.training
     try:
-        ref, ref_first, loss_fp32 = _run(model, inputs, loss_of, dtype, base, device_type, False, True, True, steps)
-        low, first, loss_low = _run(model, inputs, loss_of, dtype, base, device_type, True, True, True, steps)
+        ref, ref_first, loss_fp32 = _run(
+            model,
+            inputs,
+            loss_of,
+            dtype,
+            base,
+            device_type,
+            low_precision=False,
+            trace=True,
+            keep_outputs=True,
+            steps=steps,
+        )
+        low, first, loss_low = _run(
+            model,
+            inputs,
+            loss_of,
+            dtype,
+            base,
+            device_type,
+            low_precision=True,
+            trace=True,
+            keep_outputs=True,
+            steps=steps,
+        )
     finally:
         model.train(was_training)
     reports = []
@@ -266,7 +288,18 @@ def diagnose(
         if not keep:
             break
         trial = base.with_rules((*base.module_rules, ModuleRule(names=tuple(keep))))
-        check, found, _ = _run(model, inputs, loss_of, dtype, trial, device_type, True, True, False, steps)
+        check, found, _ = _run(
+            model,
+            inputs,
+            loss_of,
+            dtype,
+            trial,
+            device_type,
+            low_precision=True,
+            trace=True,
+            keep_outputs=False,
+            steps=steps,
+        )
         still = {id(m) for m in check.order if check.activations[id(m)].nan or check.activations[id(m)].inf}
         rules_fix_it = not still and (found is None or found.module in fp32_broken)
         if rules_fix_it:

@@ -56,7 +56,7 @@ AUTOCAST_KEYS = {
 
 
 @dataclasses.dataclass
-class Region:
+class OpenRegion:
     """One open region (or kept module) on a thread's stack, with what closing it restores."""
 
     device_type: str
@@ -79,7 +79,7 @@ class ThreadState:
         # device type -> the policy the registered kernels apply (absent: torch's list)
         self.edited: dict[str, Policy] = {}
         # open regions and kept modules, innermost last
-        self.regions: list[Region] = []
+        self.regions: list[OpenRegion] = []
         # id(fp32 leaf) -> (weakref to it, its low-precision copy, grad mode at cast)
         self.cache: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor, bool]] = {}
         self.switched_on: dict[str, Any] = {}

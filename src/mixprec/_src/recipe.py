@@ -173,7 +173,7 @@ class Recipe:
         or a no-op for fp32 and for levels other than O1 (whose prepared forward opens its own)."""
         if self.dtype is torch.float32 or self.level != "O1":
             return contextlib.nullcontext
-        return _Region(device_type, self.dtype, self.policy(device_type))
+        return _RegionFactory(device_type, self.dtype, self.policy(device_type))
 
     def apply(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Applied:
         """Set ``model`` and ``optimizer`` up for this recipe (in place); returns what the loop needs.
@@ -241,7 +241,7 @@ class Recipe:
         return reporting.recipe_table(self)
 
 
-class _Region:
+class _RegionFactory:
     """A printable factory of the recipe's autocast regions."""
 
     def __init__(self, device_type: str, dtype: torch.dtype, policy: Policy) -> None:

@@ -46,7 +46,7 @@ def push(device_type: str, policy: Policy, torch_ctx: Any, traced: bool = False)
     plan = dispatch.acquire(policy, device_type) if edited else ()
     table = st.traced_policy if traced else st.policy
     st.regions.append(
-        dispatch.Region(device_type, torch_ctx, table.get(device_type), st.edited.get(device_type), plan, traced)
+        dispatch.OpenRegion(device_type, torch_ctx, table.get(device_type), st.edited.get(device_type), plan, traced)
     )
     table[device_type] = policy
     if edited:

@@ -80,6 +80,7 @@ class _Trial:
         self.update: torch.Tensor | None = None
         self.stopped = ""  # why it stopped early, if it did
         self.failed = ""  # the error it raised, if it did
+        self.first_estimate_s = 0.0  # what its first step should take, before it took one (see _first_step_s)
 
     def step(self) -> None:
         # Every candidate draws the same random numbers (dropout) at the same step; the caller's RNG is left alone.
@@ -115,8 +116,10 @@ class _Trial:
         return statistics.median(timed) if timed else None
 
     def expected_s(self, default: _Trial) -> float:
-        """How long the next step should take: its last one, else the default's."""
-        return self.times[-1] if self.times else (default.times[-1] if default.times else 0.0)
+        """How long the next step should take: its last one, else the default's (or its own estimate)."""
+        if self.times:
+            return self.times[-1]
+        return max(default.times[-1] if default.times else 0.0, self.first_estimate_s)
 
 
 def _sync(device: torch.device) -> None:
@@ -166,6 +169,7 @@ class _Search:
         self.ref: _Trial | None = None  # fp32, for accuracy
         self.cold_s: float | None = None  # the default's first step in the first round
         self.setup_s = 0.0  # the longest a candidate took to set up (a deep copy, prepare)
+        self.first_step_s: dict[torch.dtype, float] = {}  # a first step's estimate, by dtype (see _first_step_s)
 
     def say(self, text: str) -> None:
         if self.progress is not None:
@@ -185,6 +189,7 @@ class _Search:
         begin = time.perf_counter()
         trial = _Trial(recipe, self.model, self.optimizer, self.inputs, self.loss_of, self.device)
         self.setup_s = max(self.setup_s, time.perf_counter() - begin)
+        trial.first_estimate_s = self.first_step_s.get(recipe.dtype, 0.0)
         return trial
 
     def round(self, default: _Trial, recipes: list[Recipe], label: str) -> list[str]:
@@ -210,6 +215,11 @@ class _Search:
         self.say(f"{label}: {', '.join(t.name for t in trials)}")
         for step in range(_STEPS):
             for t in everyone if step % 2 == 0 else reversed(everyone):
+                if not t.times and t.first_estimate_s and time.perf_counter() + t.first_estimate_s > self.deadline:
+                    t.stopped = t.stopped or (
+                        f"a step would take about {t.first_estimate_s:.0f} s, past the budget "
+                        f"({short_name(t.recipe.dtype)} matmuls are emulated on this device)"
+                    )
                 # Skip a step that would end past the deadline: the budget is the user's.
                 if t.stopped or not self.time_left() or time.perf_counter() + t.expected_s(default) > self.deadline:
                     if not t.stopped:
@@ -252,7 +262,8 @@ class _Search:
             return
         if t.stopped and not t.checked:
             why = f"slower: {t.stopped} (stopped early)"
-            self.results[t.name] = Measurement(t.name, "rejected", t.times[0] * 1e3, None, reason=why)
+            first_ms = t.times[0] * 1e3 if t.times else None
+            self.results[t.name] = Measurement(t.name, "rejected", first_ms, None, reason=why)
             return
         if not t.checked or mine is None:
             self.results[t.name] = Measurement(t.name, "not measured", ms, vs, reason="the budget ran out")
@@ -404,6 +415,37 @@ def _profile(trial: _Trial, lower: frozenset[str]) -> dict[str, float]:
     return totals
 
 
+def _matmul_slowdown(dtype: torch.dtype, device: torch.device) -> float:
+    """How many times slower a matmul runs in ``dtype`` than in fp32 here (best of three, 256x256).
+
+    Where a CPU has no instructions for a dtype, torch emulates it, often 10-100x slower than fp32.
+    """
+
+    def best(dt: torch.dtype) -> float:
+        a = torch.full((256, 256), 0.5, device=device, dtype=dt)  # values do not matter; the RNG is the caller's
+        times = []
+        for _ in range(3):
+            _sync(device)
+            begin = time.perf_counter()
+            a @ a
+            _sync(device)
+            times.append(time.perf_counter() - begin)
+        return min(times)
+
+    return best(dtype) / max(best(torch.float32), 1e-9)
+
+
+def _first_step_s(forward_s: float, dtypes: list[torch.dtype], device: torch.device) -> dict[torch.dtype, float]:
+    """A first step's cost by dtype, before any ran: three fp32 forwards (forward, backward, step), slowed
+    by the dtype's matmul slowdown where that is large (an emulated dtype; otherwise 0: not needed)."""
+    estimates = {}
+    for dtype in dtypes:
+        slowdown = 1.0 if dtype is torch.float32 else _matmul_slowdown(dtype, device)
+        if slowdown >= _COLD_SLOW:
+            estimates[dtype] = 3 * forward_s * slowdown
+    return estimates
+
+
 def _has_conv_weights(model: nn.Module) -> bool:
     return any(p.dim() in (4, 5) for p in model.parameters())
 
@@ -478,10 +520,17 @@ def tune(
         optimizer = torch.optim.AdamW(model.parameters())
     _check_optimizer(model, optimizer)
     with torch.no_grad():  # the loss must be a scalar: fail here, not inside a candidate (on a copy: BatchNorm)
-        loss_of(training.call_model(copy.deepcopy(model), batch))
+        copied = copy.deepcopy(model)
+        _sync(found)
+        begin = time.perf_counter()
+        loss_of(training.call_model(copied, batch))
+        _sync(found)
+        forward_s = time.perf_counter() - begin
+        del copied
     device_type = found.type
     default_dtype = torch.get_autocast_dtype(device_type)
     search = _Search(model, optimizer, batch, loss_of, found, tol, start + budget_s, progress)
+    search.first_step_s = _first_step_s(forward_s, [*searched, default_dtype], found)
     notes: list[str] = ["torch.compile is not searched: compiling takes longer than a tuning budget"]
     # The caller's random state is left as it was (bf16-sr draws its rounding seed from it).
     with torch.random.fork_rng(devices=[found] if found.type == "cuda" else []):
@@ -608,7 +657,10 @@ def _choose(search: _Search, best: str | None, torch_default: Recipe, dtypes: li
     default_result = search.results.get(torch_default.name)
     default_ok = torch_default.dtype in dtypes and default_result is not None and default_result.status == "passed"
     if default_result is not None and default_result.status == "rejected":
-        notes.append(f"torch.amp's default fails the accuracy guard: {default_result.reason}")
+        if default_result.reason.startswith("slower"):
+            notes.append(f"torch.amp's default is too slow here: {default_result.reason}")
+        else:
+            notes.append(f"torch.amp's default fails the accuracy guard: {default_result.reason}")
     winner = search.recipes.get(best) if best is not None else None
     speed = search.results[best].vs_default if best is not None else None
     if best is not None and winner is not None and speed is not None:

@@ -59,6 +59,8 @@ class MixprecAccelerator(Accelerator):  # type: ignore[misc]
         finally:
             self.native_amp = native_amp
         if self.mixprec_dtype is not None and not hasattr(model, "_mixprec_forward"):
+            # Accelerate's own wrapping (autocast around forward, outputs to fp32), with mixprec's region: the
+            # numbers stay Accelerate's. mixprec.prepare would keep norms in fp32 and change them.
             forward = model.forward
 
             @functools.wraps(forward)
