@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 from torch import nn
 
@@ -140,6 +140,7 @@ _EDITS = st.one_of(
 
 @given(base=st.sampled_from(["cpu", "cuda"]), compute=st.sampled_from([None, "bf16", "fp16"]),
        output=st.sampled_from([None, "fp32", "bf16"]), edits=st.lists(_EDITS, max_size=5))  # fmt: skip
+@example(base="cpu", compute=None, output=None, edits=[("add", "banned", ["mm"], "use 'matmul', x:=1")])  # always tried
 def test_the_string_form_parses_back_exactly(base: str, compute: str | None, output: str | None, edits: list) -> None:
     """``get_policy(str(p)) == p`` for any edits: moves, bans with any hint, rules of any type, name and dtype."""
     policy = mixprec.get_policy(base)
