@@ -26,7 +26,7 @@ def test_builtin_tables_are_the_ops_torch_registered(device_type: str, key: str)
     has = torch._C._dispatch_has_kernel_for_dispatch_key
     registered = {n.split("::")[1].split(".")[0] for n in torch._C._dispatch_get_all_op_names() if has(n, key)}
     policy = mixprec.get_policy(device_type)
-    assert set(policy._table) == registered  # type: ignore[attr-defined]
+    assert set(policy.op_table) == registered
 
 
 def _cases() -> list[Any]:
@@ -42,7 +42,7 @@ def _cases() -> list[Any]:
 # A policy that moves every op on torch's CPU list: while a thread holds it, mixprec's kernels stand in
 # for all of torch's, and where no mixprec policy is in force they must do what torch's do.
 _EVERY = mixprec.get_policy("cpu")
-_EVERY_OP_MOVED = _EVERY.remove(*_EVERY._table).add("lower", "exp")  # type: ignore[attr-defined]
+_EVERY_OP_MOVED = _EVERY.remove(*_EVERY.op_table).add("lower", "exp")
 
 
 def _call(region: Any, fn: Any, args: Any, kwargs: Any) -> Any:
@@ -298,7 +298,7 @@ def test_output_dtype_casts_each_floating_output_of_a_tuple() -> None:
 def _listed_opinfos() -> list[Any]:
     from torch.testing._internal.common_methods_invocations import op_db
 
-    listed = set(mixprec.get_policy("cpu")._table)  # type: ignore[attr-defined]
+    listed = set(mixprec.get_policy("cpu").op_table)
     found = []
     for info in op_db:
         aten = getattr(info, "aten_name", None) or info.name.split(".")[-1]
@@ -341,7 +341,8 @@ def test_opinfo_samples_through_mixprec_stand_in_kernels(info: Any, dtype: torch
 
     expected = run()
     every = mixprec.get_policy("cpu")
-    with _held_in_other_thread(every.remove(*every._table).add("lower", "exp")):  # type: ignore[attr-defined]
+    stand_ins = every.remove(*every.op_table).add("lower", "exp")
+    with _held_in_other_thread(stand_ins):
         got = run()
     torch_runs = [run() for _ in range(3)]  # torch's own spread, for the samples it does not repeat bitwise
     for index, (e, g) in enumerate(zip(expected, got, strict=True)):
@@ -351,7 +352,15 @@ def test_opinfo_samples_through_mixprec_stand_in_kernels(info: Any, dtype: torch
         if bitwise_equal(_flatten(e), _flatten(g)):
             continue
         others = [_flatten(r[index]) for r in torch_runs]
-        assert not all(bitwise_equal(_flatten(e), o) for o in others), f"{info.name}: torch repeats, mixprec differs"
+        if all(bitwise_equal(_flatten(e), o) for o in others):
+            # torch repeated itself four times; a kernel that differs does so every time, while an op that is
+            # only rarely not reproducible (linalg.lstsq on some CPUs) gives torch's result again
+            with _held_in_other_thread(stand_ins):
+                again = [run()[index] for _ in range(3)]
+            assert any(bitwise_equal(_flatten(e), _flatten(a)) for a in again), (
+                f"{info.name}: torch repeats, mixprec differs"
+            )
+            continue
         # torch is not bitwise reproducible here (linalg.lstsq, some CPUs): as close as torch is to itself
         for want, have, *repeats in zip(_flatten(e), _flatten(g), *others, strict=True):
             assert want.dtype == have.dtype, info.name
