@@ -213,6 +213,20 @@ class _Search:
         for t in everyone:
             t.times = []
         self.say(f"{label}: {', '.join(t.name for t in trials)}")
+        self._lockstep(default, everyone, stop_slow=True)
+        base = default.median_s()
+        for t in trials:
+            self.record(t, default, base)
+        for t in trials:
+            self.say(f"  {self.results[t.name].name}: {line(self.results[t.name])}")
+
+    def _lockstep(self, default: _Trial, everyone: list[_Trial], *, stop_slow: bool) -> None:
+        """``_STEPS`` steps of each, in alternating order, none past the deadline.
+
+        Raises:
+            Exception: what a step of ``default`` or of the fp32 reference raised (a candidate's is its
+                rejection, recorded in ``stopped`` and ``failed``).
+        """
         for step in range(_STEPS):
             for t in everyone if step % 2 == 0 else reversed(everyone):
                 if not t.times and t.first_estimate_s and time.perf_counter() + t.first_estimate_s > self.deadline:
@@ -231,12 +245,8 @@ class _Search:
                     if t is default or t is self.ref:
                         raise
                     t.stopped = t.failed = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
-            self._stop_slow(default, everyone)
-        base = default.median_s()
-        for t in trials:
-            self.record(t, default, base)
-        for t in trials:
-            self.say(f"  {self.results[t.name].name}: {line(self.results[t.name])}")
+            if stop_slow:
+                self._stop_slow(default, everyone)
 
     def _stop_slow(self, default: _Trial, trials: list[_Trial]) -> None:
         base = default.median_s()
@@ -309,18 +319,10 @@ class _Search:
         self.say(f"final round (head to head): {', '.join(finalists)}")
         default = self.trial(default_recipe)
         trials = [self.trial(self.recipes[n]) for n in finalists]
-        everyone = [default, *trials]
-        for step in range(_STEPS):
-            for t in everyone if step % 2 == 0 else reversed(everyone):
-                if t.stopped or time.perf_counter() + t.expected_s(default) > self.deadline:
-                    self.out_of_time = True
-                    continue
-                try:
-                    t.step()
-                except Exception as exc:  # it trained in its own round: leave its figures as they were
-                    if t is default:
-                        return None
-                    t.stopped = f"failed: {type(exc).__name__}"
+        try:
+            self._lockstep(default, [default, *trials], stop_slow=False)
+        except Exception:  # the default trained in round 1: leave every figure as it was
+            return None
         base = default.median_s()
         if base is None:
             return None
