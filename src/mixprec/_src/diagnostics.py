@@ -15,7 +15,6 @@ Everything here syncs with the device: it is a diagnosis, not a training step.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import warnings
@@ -119,10 +118,10 @@ class _Recorder:
 
 
 def _run(model: nn.Module, inputs: Any, loss_fn: LossFn | None, dtype: torch.dtype, policy: Policy | None,
-         device_type: str, *, low_precision: bool, trace: bool, keep_outputs: bool,
+         device_type: str, *, low_precision: bool, keep_outputs: bool,
          steps: int) -> tuple[_Recorder, NonFinite | None, float]:  # fmt: skip
     recorder = _Recorder(model, dtype, keep_outputs)
-    tracer = _FirstNonFinite(recorder.where) if trace else None
+    tracer = _FirstNonFinite(recorder.where)
     loss_value = math.nan
     try:
         with warnings.catch_warnings():
@@ -134,7 +133,7 @@ def _run(model: nn.Module, inputs: Any, loss_fn: LossFn | None, dtype: torch.dty
             for _ in range(steps):
                 model.zero_grad(set_to_none=True)
                 recorder.pass_ = "forward"
-                with tracer if tracer is not None else contextlib.nullcontext():
+                with tracer:
                     if low_precision:
                         with autocast(device_type, dtype=dtype, policy=policy):
                             loss = training.scalar_loss(training.call_model(model, inputs), loss_fn)
@@ -146,7 +145,7 @@ def _run(model: nn.Module, inputs: Any, loss_fn: LossFn | None, dtype: torch.dty
     finally:
         recorder.remove()
         model.zero_grad(set_to_none=True)
-    return recorder, (tracer.found if tracer is not None else None), loss_value
+    return recorder, tracer.found, loss_value
 
 
 def _rel_error(low: list[torch.Tensor], ref: list[torch.Tensor]) -> float | None:
@@ -237,7 +236,6 @@ def diagnose(
             base,
             device_type,
             low_precision=False,
-            trace=True,
             keep_outputs=True,
             steps=steps,
         )
@@ -249,7 +247,6 @@ def diagnose(
             base,
             device_type,
             low_precision=True,
-            trace=True,
             keep_outputs=True,
             steps=steps,
         )
@@ -296,7 +293,6 @@ def diagnose(
             trial,
             device_type,
             low_precision=True,
-            trace=True,
             keep_outputs=False,
             steps=steps,
         )

@@ -99,10 +99,15 @@ class DeviceLossScale:
 
     def read(self) -> LossScaleState:
         """The state as numbers. Syncs."""
-        skipped, consecutive = self.skips.tolist()
+        skipped, consecutive = self.skip_counts()
         return LossScaleState(
-            float(self.scale.item()), int(self.good.item()), int(self.tolerated.item()), int(skipped), int(consecutive)
+            float(self.scale.item()), int(self.good.item()), int(self.tolerated.item()), skipped, consecutive
         )
+
+    def skip_counts(self) -> tuple[int, int]:
+        """(skipped iterations, consecutive skipped iterations). Syncs once."""
+        skipped, consecutive = self.skips.tolist()
+        return int(skipped), int(consecutive)
 
     def load(self, state: LossScaleState) -> None:
         """Overwrite the tensors in place with ``state`` (tensors captured elsewhere see it)."""

@@ -442,8 +442,8 @@ class GradScaler:
 
     def stats(self) -> ScalerStats:
         """Counters for logging: scale, updates, skipped iterations, recent scale changes. Syncs."""
-        state = self._current() if self._enabled else LossScaleState(1.0)
-        return ScalerStats(self.get_scale(), self._updates, state.skipped, state.consecutive, self._events.changes())
+        skipped, consecutive = self._skip_counts() if self._enabled else (0, 0)
+        return ScalerStats(self.get_scale(), self._updates, skipped, consecutive, self._events.changes())
 
     @property
     def scale_factor(self) -> float:
@@ -514,6 +514,12 @@ class GradScaler:
         """The state as numbers (syncs once it lives on a device)."""
         return self._initial if self._device_state is None else self._device_state.read()
 
+    def _skip_counts(self) -> tuple[int, int]:
+        """(skipped, consecutive skipped) iterations; one sync once the state lives on a device."""
+        if self._device_state is None:
+            return self._initial.skipped, self._initial.consecutive
+        return self._device_state.skip_counts()
+
     def _set_rule(self, **changes: Any) -> None:
         self._rule = LossScaleRule(**{**vars(self._rule), **changes})
 
@@ -532,7 +538,7 @@ class GradScaler:
 
     def _maybe_fail_fast(self, host_flags: list[bool | None]) -> None:
         if self._fail_after is not None and fail_fast.due(host_flags, self._updates):
-            consecutive = self._current().consecutive
+            _, consecutive = self._skip_counts()
             fail_fast.check(consecutive, self._fail_after, self._rule.min_scale, self.get_scale)
 
     def _fused_step(self, optimizer: torch.optim.Optimizer, state: dict[str, Any], scale: torch.Tensor,

@@ -532,7 +532,7 @@ def tune(
     device_type = found.type
     default_dtype = torch.get_autocast_dtype(device_type)
     search = _Search(model, optimizer, batch, loss_of, found, tol, start + budget_s, progress)
-    search.first_step_s = _first_step_s(forward_s, [*searched, default_dtype], found)
+    search.first_step_s = _first_step_s(forward_s, list(dict.fromkeys([*searched, default_dtype])), found)
     notes: list[str] = ["torch.compile is not searched: compiling takes longer than a tuning budget"]
     # The caller's random state is left as it was (bf16-sr draws its rounding seed from it).
     with torch.random.fork_rng(devices=[found] if found.type == "cuda" else []):
