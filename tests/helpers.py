@@ -42,6 +42,12 @@ def bitwise_equal(a: object, b: object) -> bool:
     return bool(a == b)
 
 
+def sqnr(x: torch.Tensor, reference: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio of ``x`` against ``reference``, in dB (torchao's ``compute_error``)."""
+    x, reference = x.double(), reference.double()
+    return float(20 * torch.log10(reference.norm() / (x - reference).norm()))
+
+
 def square_loss(out: torch.Tensor) -> torch.Tensor:
     return out.float().square().mean()
 

@@ -23,6 +23,8 @@ from mixprec._src.errors import (
     PolicyError,
     PrepareOrderError,
 )
+from mixprec._src.fp8_config import AmaxAlgo, Fp8Config, Fp8Recipe
+from mixprec._src.fp8_layers import Fp8Layers, fp8_layers
 from mixprec._src.layout import to_channels_last
 from mixprec._src.master_weights import export_fp32, master_params, prepare
 from mixprec._src.memory import MemoryReport, memory_report, state_bytes
@@ -44,8 +46,12 @@ __all__ = [
     "MixprecError",
     "PolicyError",
     "PrepareOrderError",
+    "AmaxAlgo",
     "Applied",
     "DiagnosticReport",
+    "Fp8Config",
+    "Fp8Layers",
+    "Fp8Recipe",
     "GradScaler",
     "Incident",
     "Level",
@@ -70,6 +76,7 @@ __all__ = [
     "default_policy",
     "diagnose",
     "export_fp32",
+    "fp8_layers",
     "get_autocast_dtype",
     "get_autocast_policy",
     "get_policy",

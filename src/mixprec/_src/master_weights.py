@@ -37,12 +37,14 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from mixprec._src import casting, sharding, stochastic_rounding, training
+from mixprec._src import casting, fp8_layers, sharding, stochastic_rounding, training
 from mixprec._src.autocast import autocast
 from mixprec._src.errors import PrepareOrderError
-from mixprec._src.policy import NORM_TYPES, Policy
+from mixprec._src.fp8_config import Fp8Config
+from mixprec._src.fp8_linear import Fp8Scaling
+from mixprec._src.policy import NORM_TYPES, ModuleFilter, Policy
 from mixprec._src.policy_grammar import default_policy
-from mixprec._src.prepare_config import Level, ModuleFilter, PrepareConfig
+from mixprec._src.prepare_config import Level, PrepareConfig
 
 _ATTR = "_mixprec"  # where prepare keeps its state, on the model and on the optimizer
 
@@ -98,6 +100,7 @@ def prepare(
     keep_filter: ModuleFilter | None = None,
     output_dtype: torch.dtype | None = torch.float32,
     policy: Policy | str | None = None,
+    fp8: Fp8Config | str | None = None,
 ) -> tuple[nn.Module, torch.optim.Optimizer]:
     """Put ``model`` and ``optimizer`` at a precision level; returns them (changed in place).
 
@@ -118,6 +121,9 @@ def prepare(
         keep_filter: ``(module, qualified_name) -> bool``; modules it accepts are kept in fp32 too.
         output_dtype: floating outputs of the model's forward are cast to this (``None``: as computed).
         policy: the autocast policy of the prepared forward (default: the device's built-in lists).
+        fp8: linears computed in fp8: a recipe (``"tensorwise"``, ``"rowwise"``,
+            ``"rowwise_with_gw_hp"``, ``"delayed"``) or an :class:`Fp8Config` choosing layers and
+            scaling; ``mixprec.fp8_layers(model)`` lists the layers converted and those left out.
 
     Raises:
         ValueError: a model not in fp32, an optimizer holding tensors that are not this model's
@@ -127,13 +133,13 @@ def prepare(
     """
     if isinstance(level, PrepareConfig):
         given = (dtype is not torch.bfloat16, keep_types is not NORM_TYPES, keep_names != (), keep_filter is not None,
-                 output_dtype is not torch.float32, policy is not None)  # fmt: skip
+                 output_dtype is not torch.float32, policy is not None, fp8 is not None)  # fmt: skip
         if any(given):
             raise TypeError("prepare takes a PrepareConfig or options, not both; put the options in the config "
                             "(dataclasses.replace(config, ...))")  # fmt: skip
         config = level
     else:
-        config = PrepareConfig(level, dtype, keep_types, keep_names, keep_filter, output_dtype, policy)  # type: ignore[arg-type]
+        config = PrepareConfig(level, dtype, keep_types, keep_names, keep_filter, output_dtype, policy, fp8)  # type: ignore[arg-type]
     level, dtype = config.level, config.dtype
     if level in (Level.O2, Level.BF16_SR) and isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError(
@@ -157,6 +163,13 @@ def prepare(
     # Registered first, so it runs before any other step hook (bf16-sr's, the user's).
     state.handles.append(optimizer.register_step_pre_hook(functools.partial(_check_still_ours, model, state)))
     _keep_in_fp32(kept_modules, device_type, state.handles)
+    if config.fp8 is not None:
+        inside_kept = {id(m) for k in kept_modules for m in k.modules()}
+        layers = fp8_layers.convert(model, config.fp8, inside_kept)
+        group = sharding.process_group(model) if sharded else None
+        state.handles.append(optimizer.register_step_post_hook(lambda *_: fp8_layers.advance(layers, group)))
+    # Every prepared model loads checkpoints of the same model under another fp8 recipe, or none.
+    state.handles.append(model.register_load_state_dict_pre_hook(fp8_layers.drop_foreign_fp8_state))  # type: ignore[no-untyped-call]
 
     if level is not Level.O1:
         _lower(model, optimizer, state)
@@ -209,6 +222,8 @@ def _lower(model: nn.Module, optimizer: torch.optim.Optimizer, state: Prepared) 
             _convert(param, dtype)
     for module in converted:
         for name, buffer in module.named_buffers(recurse=False):
+            if isinstance(module, Fp8Scaling):  # amax histories stay fp32
+                continue
             if buffer is not None and buffer.is_floating_point() and buffer.dtype is not dtype:
                 module._buffers[name] = buffer.to(dtype)
                 state.buffers.append((module, name))
@@ -242,6 +257,7 @@ def export_fp32(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
                     group_state[key] = value.float()
         stochastic_rounding.remove_counters(optimizer)
         optimizer.__dict__.pop(_ATTR, None)
+    fp8_layers.revert(model)
     model.__dict__.pop("forward", None)
     model.__dict__.pop("_call_impl", None)
     del model.__dict__[_ATTR]

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import textwrap
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType
 from typing import Any
 
@@ -64,6 +64,10 @@ NORM_TYPES: tuple[type[nn.Module], ...] = (
     nn.LocalResponseNorm,
     *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()),
 )
+
+
+#: ``(module, qualified_name) -> bool``, as torchao's ``module_filter_fn``.
+ModuleFilter = Callable[[nn.Module, str], bool]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,18 +9,15 @@ fields: the one place a model's conversion is described.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
 from mixprec._src.dtypes import LOW_PRECISION, NamedEnum, parse_dtype, short_name
-from mixprec._src.policy import NORM_TYPES, ModuleRule, Policy
+from mixprec._src.fp8_config import Fp8Config, as_fp8_config
+from mixprec._src.policy import NORM_TYPES, ModuleFilter, ModuleRule, Policy
 from mixprec._src.policy_grammar import get_policy, rule_items
-
-#: ``(module, qualified_name) -> bool``, as torchao's ``module_filter_fn``.
-ModuleFilter = Callable[[nn.Module, str], bool]
 
 
 class Level(NamedEnum):
@@ -49,6 +46,8 @@ class PrepareConfig:
         output_dtype: the model's floating outputs are cast to this (``None``: as computed).
         policy: the autocast policy the prepared forward runs under (a :class:`Policy` or a
             policy string); ``None``: the device's built-in lists.
+        fp8: linears that compute in fp8 (a recipe name or an :class:`Fp8Config`); ``None``: none.
+            Modules kept in fp32 stay out of fp8.
 
     Raises:
         ValueError: a bad level or dtype, or a bf16 level with another dtype (at construction).
@@ -61,6 +60,7 @@ class PrepareConfig:
     keep_filter: ModuleFilter | None = None
     output_dtype: torch.dtype | None = torch.float32
     policy: Policy | None = None
+    fp8: Fp8Config | None = None
     # What keep_types and keep_names match, built once in __post_init__.
     _rule: ModuleRule | None = dataclasses.field(init=False, repr=False, compare=False)
 
@@ -81,6 +81,7 @@ class PrepareConfig:
             object.__setattr__(self, "output_dtype", parse_dtype(self.output_dtype, what="output dtype"))
         if self.policy is not None:
             object.__setattr__(self, "policy", get_policy(self.policy))
+        object.__setattr__(self, "fp8", as_fp8_config(self.fp8))  # type: ignore[arg-type]
         if self.keep_filter is not None and not callable(self.keep_filter):
             raise TypeError("keep_filter must be a callable (module, qualified_name) -> bool")
         rule = ModuleRule(self.keep_types, self.keep_names) if (self.keep_types or self.keep_names) else None
@@ -101,4 +102,6 @@ class PrepareConfig:
         parts.append(f"output={short_name(self.output_dtype)}")
         if self.policy is not None:
             parts.append(f"policy={self.policy}")
+        if self.fp8 is not None:
+            parts.append(str(self.fp8))
         return ", ".join(parts)

@@ -1,0 +1,150 @@
+"""Turning a model's linears into fp8 layers: which ones, which not and why, and their step.
+
+:func:`convert` is what :func:`mixprec.prepare` calls with ``PrepareConfig.fp8``; it applies
+CUDA's rules on every device (a layer whose features are not multiples of 16 is left out, with
+the reason), so a recipe tested on a CPU runs on a GPU. :func:`mixprec.fp8_layers` lists what was
+converted and what was left out. With delayed scaling, :func:`advance` ends an optimizer step: the
+layers' pending amaxes are all-reduced (max) across ranks in one collective, then join their
+histories, so every rank holds the same scaling state (a checkpoint saves it once).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import types
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mixprec._src import fp8_gemm
+from mixprec._src.fp8_config import Fp8Config, Fp8Recipe
+from mixprec._src.fp8_linear import Fp8Scaling, fp8_forward
+
+_ATTR = "_mixprec_fp8"  # the Fp8Layers of a converted model, on the model
+logger = logging.getLogger("mixprec.fp8")
+
+
+@dataclasses.dataclass
+class Fp8Layers:
+    """The fp8 layers of a model: converted (by qualified name) and left out (name, reason).
+
+    Attributes:
+        config: the fp8 config applied.
+        converted: qualified names of the linears that compute in fp8.
+        skipped: ``(qualified name, reason)`` of each linear left in its dtype.
+    """
+
+    config: Fp8Config
+    converted: list[str]
+    skipped: list[tuple[str, str]]
+    modules: dict[str, nn.Linear] = dataclasses.field(repr=False, default_factory=dict)
+
+    def __str__(self) -> str:
+        lines = [f"{self.config}: {len(self.converted)} linear(s) in fp8, {len(self.skipped)} left out"]
+        lines += [f"  {name or '<model>'}: {reason}" for name, reason in self.skipped]
+        return "\n".join(lines)
+
+    def scalings(self) -> list[tuple[str, Fp8Scaling]]:
+        """``(name, Fp8Scaling)`` of each converted layer."""
+        return [(name, module.fp8) for name, module in self.modules.items()]  # type: ignore[misc]
+
+
+def fp8_layers(model: nn.Module) -> Fp8Layers | None:
+    """What fp8 conversion did to ``model`` (converted and skipped layers), or ``None`` if none ran."""
+    layers: Fp8Layers | None = model.__dict__.get(_ATTR)
+    return layers
+
+
+def _reason_to_skip(module: nn.Linear, name: str, config: Fp8Config, kept: bool, head: str | None) -> str | None:
+    if not config.selects(module, name):
+        return "not selected by the fp8 names or filter"
+    if kept:
+        return "kept in fp32 by the prepare config"
+    if name == head and not config.convert_head:
+        return "the output head (the last linear; Fp8Config(convert_head=True) converts it)"
+    features = (("in_features", module.in_features), ("out_features", module.out_features))
+    misaligned = [f"{what} {n}" for what, n in features if n % fp8_gemm.ALIGN]
+    if misaligned:
+        return f"{' and '.join(misaligned)} not a multiple of {fp8_gemm.ALIGN}, which fp8 GEMMs on CUDA need"
+    return None
+
+
+def _check_device(model: nn.Module, config: Fp8Config) -> None:
+    param = next(model.parameters(), None)
+    if param is None or param.device.type != "cuda":
+        return
+    major, minor = torch.cuda.get_device_capability(param.device)
+    rowwise = config.recipe in (Fp8Recipe.ROWWISE, Fp8Recipe.ROWWISE_WITH_GW_HP)
+    need = (9, 0) if rowwise else (8, 9)
+    if (major, minor) < need:
+        raise ValueError(
+            f"fp8 recipe {config.recipe.value!r} needs a GPU of compute capability {need[0]}.{need[1]} or newer "
+            f"(this one is {major}.{minor}); use recipe 'tensorwise' (8.9+) or train without fp8"
+        )
+
+
+def convert(model: nn.Module, config: Fp8Config, kept: set[int]) -> Fp8Layers:
+    """Give the chosen linears of ``model`` an fp8 forward (in place); ``kept``: ids of modules kept in fp32."""
+    _check_device(model, config)
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    head = linears[-1][0] if linears else None
+    layers = Fp8Layers(config, [], [])
+    for name, module in linears:
+        reason = _reason_to_skip(module, name, config, id(module) in kept, head)
+        if reason is not None:
+            layers.skipped.append((name, reason))
+            continue
+        module.fp8 = Fp8Scaling(config, module.weight.device)
+        module.forward = types.MethodType(fp8_forward, module)  # type: ignore[method-assign]
+        layers.converted.append(name)
+        layers.modules[name] = module
+    model.__dict__[_ATTR] = layers
+    logger.info("%s", layers)
+    return layers
+
+
+def revert(model: nn.Module) -> None:
+    """Undo :func:`convert`: the linears compute as ``nn.Linear`` again; the fp8 state is dropped."""
+    layers = model.__dict__.pop(_ATTR, None)
+    if layers is None:
+        return
+    for module in layers.modules.values():
+        del module.fp8
+        module.__dict__.pop("forward", None)
+
+
+def advance(layers: Fp8Layers, group: Any = None) -> None:
+    """End of an optimizer step (delayed scaling): all-reduce the pending amaxes (max), roll the histories.
+
+    One collective for all layers where a process group of more than one rank is up; no sync.
+    """
+    scalings = [s for _, s in layers.scalings() if s.config.delayed]
+    if not scalings:
+        return
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        pending = torch.stack([s.pending for s in scalings])
+        dist.all_reduce(pending, op=dist.ReduceOp.MAX, group=group)
+        for s, row in zip(scalings, pending, strict=True):
+            s.pending.copy_(row)
+    for s in scalings:
+        s.advance()
+
+
+def drop_foreign_fp8_state(model: nn.Module, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
+    """A load-state-dict pre-hook: fp8 amax histories of layers that are not fp8 here are ignored.
+
+    A checkpoint of a delayed-scaling recipe then loads into a bf16 (or dynamic fp8) recipe of the
+    same model; its weights are the same full-precision tensors.
+    """
+    for key in [k for k in state_dict if k.endswith((".fp8.history", ".fp8.pending"))]:
+        if not key.startswith(prefix):
+            continue
+        try:
+            target = model.get_submodule(key[len(prefix) :].rsplit(".", 2)[0])
+        except AttributeError:  # not this model's layer: strict loading reports it
+            continue
+        if not isinstance(getattr(target, "fp8", None), Fp8Scaling) or not target.fp8.config.delayed:  # type: ignore[union-attr]
+            del state_dict[key]

@@ -1,0 +1,202 @@
+"""An ``nn.Linear`` that computes its three GEMMs in fp8, and its scaling state.
+
+:func:`mixprec.prepare` converts a linear in place: its ``forward`` becomes :func:`fp8_forward`
+and it gains a child ``fp8`` (:class:`Fp8Scaling`). Parameters, their names and the state dict of
+the dynamic recipes stay those of the ``nn.Linear`` (an fp8 checkpoint is a bf16 one);
+delayed scaling adds two fp32 buffers, ``fp8.history`` and ``fp8.pending``.
+
+Delayed scaling (Transformer Engine's algorithm)::
+
+    scale[t]   = fp8_max / algo(history[t]) / 2**margin   # algo: max, or most recent; first step: current amax
+    pending   <- max(pending, amax of this call's tensor)  # each forward and backward of step t
+    at the optimizer step: history <- [pending, history[:-1]]; pending <- 0
+
+Recording is a max, so a recompute (activation checkpointing) or a second micro-batch
+neither advances the history nor changes the scale used within a step; the history advances
+once per optimizer step (a hook prepare installs), after the amax is all-reduced across ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec._src import fp8_gemm
+from mixprec._src.autocast import get_autocast_policy
+from mixprec._src.fp8_config import AmaxAlgo, Fp8Config
+from mixprec._src.policy import OpCategory
+
+INPUT, WEIGHT, GRAD_OUTPUT = 0, 1, 2
+ROLES = ("input", "weight", "grad_output")
+
+
+@dataclasses.dataclass
+class CastStats:
+    """One cast of one tensor of an fp8 layer (tensors, read only when shown: no sync until then).
+
+    Attributes:
+        amax: largest magnitude (per-row amaxes: their max).
+        scale: the scale applied before the cast (per-row: their min).
+        saturated: fraction of values past the format's max after scaling (clamped to it).
+        flushed: fraction of non-zero values that became zero (underflow).
+    """
+
+    amax: torch.Tensor
+    scale: torch.Tensor
+    saturated: torch.Tensor
+    flushed: torch.Tensor
+
+    @staticmethod
+    def of(t: torch.Tensor, amax: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> CastStats:
+        with torch.no_grad():
+            scaled = t.float() * scale
+            limit = fp8_gemm.fp8_max(dtype)
+            q = scaled.clamp(-limit, limit).to(dtype)
+            saturated = (scaled.abs() > limit).float().mean()
+            flushed = ((t != 0) & (q == 0)).float().mean()
+        return CastStats(amax.max(), scale.min(), saturated, flushed)
+
+    def as_floats(self) -> dict[str, float]:
+        """Host numbers (syncs with the device)."""
+        return {f.name: float(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+
+class Fp8Scaling(nn.Module):
+    """An fp8 linear's recipe and, with delayed scaling, its amax history (fp32 buffers).
+
+    ``stats`` holds the last call's :class:`CastStats` per role (``input``, ``weight``,
+    ``grad_output``) while ``recording`` is on (diagnose and the monitor turn it on).
+    """
+
+    history: torch.Tensor  # (3, history_len) fp32: per role, the amax of past steps, newest first
+    pending: torch.Tensor  # (3,) fp32: per role, the largest amax seen in this step
+
+    def __init__(self, config: Fp8Config, device: torch.device) -> None:
+        super().__init__()
+        self.config = config
+        self.recording = False
+        self.stats: dict[str, CastStats] = {}
+        if config.delayed:
+            self.register_buffer("history", torch.zeros(3, config.history_len, device=device))
+            self.register_buffer("pending", torch.zeros(3, device=device))
+
+    def extra_repr(self) -> str:
+        return str(self.config).removeprefix("fp8 ")
+
+    @torch.no_grad()
+    def advance(self) -> None:
+        """End of an optimizer step: the pending amax joins the history (delayed scaling; in place, no sync)."""
+        if self.config.delayed:
+            self.history.copy_(torch.roll(self.history, 1, dims=1))
+            self.history[:, 0] = self.pending
+            self.pending.zero_()
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        missing: list[str] = args[2]
+        super()._load_from_state_dict(state_dict, prefix, *args)
+        # A checkpoint of a recipe without an amax history (bf16, a dynamic fp8 recipe) starts one afresh.
+        absent = {prefix + "history", prefix + "pending"} - state_dict.keys()
+        missing[:] = [key for key in missing if key not in absent]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Delayed:
+    margin: int
+    algo: AmaxAlgo
+
+
+def _delayed_scale(history: torch.Tensor, pending: torch.Tensor, role: int, t: torch.Tensor, dtype: torch.dtype,
+                   delayed: _Delayed) -> torch.Tensor:  # fmt: skip
+    """The scale of ``role`` from past steps (the current amax before any), and record the current amax."""
+    now = t.detach().abs().amax().float()
+    past = history[role].amax() if delayed.algo is AmaxAlgo.MAX else history[role, 0]
+    amax = torch.where(past > 0, past, now)
+    with torch.no_grad():  # a non-finite amax (an overflowed step GradScaler skips) is not recorded
+        pending[role] = torch.maximum(pending[role], torch.where(now.isfinite(), now, 0.0))
+    return fp8_gemm.scale_from_amax(amax, dtype, power_of_two=False, margin=delayed.margin)
+
+
+class _Fp8Matmul(torch.autograd.Function):
+    """``x @ weight.T`` with the output and both gradient GEMMs in fp8, as the recipe says."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, config: Fp8Config, delayed: _Delayed | None,
+                history: torch.Tensor | None, pending: torch.Tensor | None, scaling: Fp8Scaling | None,
+                ) -> torch.Tensor:  # fmt: skip
+        ops = config.operands
+        x2 = x.reshape(-1, x.shape[-1])
+        scale_x = scale_w = None
+        if delayed is not None:
+            assert history is not None and pending is not None
+            scale_x = _delayed_scale(history, pending, INPUT, x2, ops.input.dtype, delayed)  # type: ignore[arg-type]
+            scale_w = _delayed_scale(history, pending, WEIGHT, weight, ops.weight.dtype, delayed)  # type: ignore[arg-type]
+        record: list[Any] | None = [] if scaling is not None and scaling.recording else None
+        out = fp8_gemm.gemm(x2, ops.input, weight.t(), ops.weight, x.dtype, fast_accum=True,
+                            power_of_two=ops.power_of_two_scales, scale_a=scale_x, scale_b=scale_w,
+                            record=record)  # fmt: skip
+        if record:
+            _keep_stats(scaling, record, ("input", "weight"))
+        # Delayed scaling: the backward casts the input and weight with the forward's scales.
+        ctx.save_for_backward(x, weight, *((scale_x, scale_w) if delayed is not None else ()))
+        ctx.config, ctx.delayed, ctx.state, ctx.scaling = config, delayed, (history, pending), scaling
+        return out.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, weight, *forward_scales = ctx.saved_tensors
+        scale_x, scale_w = forward_scales or (None, None)
+        ops, delayed = ctx.config.operands, ctx.delayed
+        power = ops.power_of_two_scales
+        with torch.autocast(grad.device.type, enabled=False):
+            go = grad.reshape(-1, grad.shape[-1])
+            scale_go = None
+            if delayed is not None:
+                history, pending = ctx.state
+                scale_go = _delayed_scale(history, pending, GRAD_OUTPUT, go, ops.grad_output.dtype, delayed)
+            record: list[Any] | None = [] if ctx.scaling is not None and ctx.scaling.recording else None
+            grad_x = fp8_gemm.gemm(go, ops.grad_output, weight, ops.weight_for_grad_input, x.dtype, power_of_two=power,
+                                   scale_a=scale_go, scale_b=scale_w, record=record)  # fmt: skip
+            if record:
+                _keep_stats(ctx.scaling, record[:1], ("grad_output",))
+            grad_w = fp8_gemm.gemm(go.t(), ops.grad_output_for_grad_weight, x.reshape(-1, x.shape[-1]),
+                                   ops.input_for_grad_weight, weight.dtype, power_of_two=power, scale_a=scale_go,
+                                   scale_b=scale_x)  # fmt: skip
+        return grad_x.reshape(x.shape), grad_w, None, None, None, None, None
+
+
+def _keep_stats(scaling: Fp8Scaling | None, record: list[Any], roles: tuple[str, ...]) -> None:
+    assert scaling is not None
+    for role, (t, amax, scale, dtype) in zip(roles, record, strict=False):
+        scaling.stats[role] = CastStats.of(t, amax, scale, dtype)
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype ``nn.Linear`` would compute in here: autocast's for ``linear`` (policy and rules), else ``x``'s."""
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        category = get_autocast_policy(device_type).category_of("linear")
+        if category is OpCategory.LOWER:
+            return torch.get_autocast_dtype(device_type)
+        if category is OpCategory.FP32:
+            return torch.float32
+    return x.dtype
+
+
+def fp8_forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
+    """The forward of a converted linear (bound to it by prepare)."""
+    scaling: Fp8Scaling = self.fp8  # type: ignore[assignment]
+    config = scaling.config
+    dtype = compute_dtype(input)
+    delayed = _Delayed(config.margin, config.amax_algo) if config.delayed else None
+    history = scaling.history if delayed is not None else None
+    pending = scaling.pending if delayed is not None else None
+    with torch.autocast(input.device.type, enabled=False):  # the GEMMs' dtypes are the recipe's, not autocast's
+        recorder = scaling if scaling.recording else None
+        args = (input.to(dtype), self.weight, config, delayed, history, pending, recorder)
+        out = _Fp8Matmul.apply(*args)  # type: ignore[no-untyped-call]
+        if self.bias is not None:
+            out = out + self.bias.to(out.dtype)
+    return out  # type: ignore[no-any-return]
