@@ -1,0 +1,255 @@
+"""What fp8 linears buy over bf16: per GEMM shape, and per training step of the bench's transformer.
+
+1. One linear layer, forward and backward (its three GEMMs): an ``nn.Linear(K, N, bias=False)``
+   with bf16 weights on a bf16 input of M tokens, plain, and converted to fp8 with each recipe
+   (``fp8_layers.convert``, the head included). Delayed scaling's history is filled once in warm-up.
+2. Training steps (AdamW) of the bench's ``transformer`` workload under ``mixprec.prepare(model,
+   opt, "O1", fp8=recipe)`` against ``mixprec.prepare(model, opt, "O1")`` (bf16 only).
+
+Modes alternate window by window in rotating order in one process; a time is the median window
+(CUDA events on a GPU), a speed-up the median over rounds of bf16's time / fp8's (>1: fp8 faster).
+On a CPU ``torch._scaled_mm`` emulates fp8 in fp32: the times there only show that the script runs.
+Run: python benchmarks/bench_fp8.py [--quick] [--device cuda] [--recipes tensorwise,delayed] [--json F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+import mixprec
+from mixprec._src import fp8_layers
+from mixprec.bench.runner import make_optimizer
+from mixprec.bench.workloads import WORKLOADS, Task
+
+RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed")
+Shape = tuple[int, int, int]
+SHAPES: dict[tuple[str, bool], tuple[Shape, ...]] = {  # (device type, quick) -> (M, K, N) of each linear
+    ("cuda", False): ((4096, 4096, 4096), (8192, 8192, 8192), (4096, 4096, 14336), (2048, 1024, 1024),
+                      (1024, 256, 256)),
+    ("cuda", True): ((2048, 2048, 2048), (4096, 4096, 4096)),
+    ("cpu", False): ((256, 256, 256), (512, 512, 512), (1024, 1024, 1024)),
+    ("cpu", True): ((256, 256, 256), (512, 512, 512)),
+}  # fmt: skip
+CPU_NOTE = "fp8 GEMMs are emulated in fp32 on a CPU (torch._scaled_mm): these times say nothing about GPU speed"
+
+
+@dataclasses.dataclass
+class GemmRow:
+    m: int
+    k: int
+    n: int
+    ms: dict[str, float]  # median forward+backward per mode ("bf16" and each recipe that ran)
+    speedup: dict[str, float]  # per recipe: median over rounds of bf16's time / the recipe's (>1: faster)
+    tflops: dict[str, float]  # per mode: 6*M*K*N flops (three GEMMs) over the median time
+    errors: dict[str, str]  # per recipe that could not run: why
+
+
+@dataclasses.dataclass
+class StepRow:
+    workload: str
+    size: str
+    ms: dict[str, float]  # median training step per mode
+    speedup: dict[str, float]
+    converted: dict[str, int]  # per recipe: linears in fp8 (and left out, below)
+    skipped: dict[str, int]
+    last_loss: dict[str, float]
+    errors: dict[str, str]
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"{torch.cuda.get_device_name(device)} (sm_{major}{minor})"
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
+    except OSError:
+        model = "unknown"
+    return f"CPU {model}, {torch.get_num_threads()} threads"
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _window(fn: Callable[[], None], calls: int, device: torch.device) -> float:
+    """Milliseconds per call of ``calls`` back-to-back calls."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        return float(start.elapsed_time(end)) / calls
+    begin = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - begin) * 1e3 / calls
+
+
+def lockstep(fns: dict[str, Callable[[], None]], windows: int, calls: int,
+             device: torch.device) -> tuple[dict[str, float], dict[str, float]]:  # fmt: skip
+    """Median ms per call of each fn, and the median per-round ratio of the first fn's time to each one's."""
+    names = list(fns)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    _sync(device)
+    for w in range(windows):
+        for name in names[w % len(names) :] + names[: w % len(names)]:  # each mode first equally often
+            times[name].append(_window(fns[name], calls, device))
+    ref = times[names[0]]
+    ms = {name: statistics.median(t) for name, t in times.items()}
+    return ms, {name: statistics.median(r / t for r, t in zip(ref, ts, strict=True)) for name, ts in times.items()}
+
+
+def _fwd_bwd(layer: nn.Linear, called: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> Callable[[], None]:
+    def run() -> None:
+        layer.weight.grad = x.grad = None
+        called(x).backward(grad)
+
+    return run
+
+
+def _train_step(task: Task, model: nn.Module, optimizer: torch.optim.Optimizer,
+                losses: list[torch.Tensor]) -> Callable[[], None]:  # fmt: skip
+    def step() -> None:
+        inputs, targets = task.batch(len(losses))
+        optimizer.zero_grad(set_to_none=True)
+        loss = task.loss_fn(model(inputs), targets)
+        loss.backward()  # type: ignore[no-untyped-call]
+        optimizer.step()
+        losses.append(loss.detach())
+
+    return step
+
+
+def _error(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+
+
+def bench_gemm(shape: Shape, recipes: list[str], device: torch.device, compile: bool, windows: int,
+               calls: int) -> GemmRow:  # fmt: skip
+    m, k, n = shape
+    torch.manual_seed(0)
+    base = nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)
+    x = torch.randn(m, k, device=device, dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(m, n, device=device, dtype=torch.bfloat16)
+    fns: dict[str, Callable[[], None]] = {}
+    errors: dict[str, str] = {}
+    for mode in ("bf16", *recipes):
+        layer = copy.deepcopy(base)
+        try:
+            layers = None
+            if mode != "bf16":
+                layers = fp8_layers.convert(layer, mixprec.Fp8Config(mixprec.Fp8Recipe(mode), convert_head=True), set())
+            called: nn.Module = torch.compile(layer) if compile else layer  # type: ignore[assignment]
+            fn = _fwd_bwd(layer, called, x, grad)
+            for _ in range(3):  # warm-up (and compilation); delayed scaling: a history to scale from
+                fn()
+                if layers is not None:
+                    fp8_layers.advance(layers)
+            fns[mode] = fn
+        except Exception as exc:  # a recipe this GPU lacks, a compile failure: reported, the rest goes on
+            if mode == "bf16":
+                raise
+            errors[mode] = _error(exc)
+    ms, ratios = lockstep(fns, windows, calls, device)
+    flops = 6.0 * m * k * n
+    tflops = {mode: flops / (t * 1e-3) / 1e12 for mode, t in ms.items()}
+    return GemmRow(m, k, n, ms, {r: ratios[r] for r in recipes if r in ratios}, tflops, errors)
+
+
+def bench_steps(recipes: list[str], device: torch.device, size: str, steps: int, compile: bool) -> StepRow:
+    fns: dict[str, Callable[[], None]] = {}
+    losses: dict[str, list[torch.Tensor]] = {}
+    converted: dict[str, int] = {}
+    skipped: dict[str, int] = {}
+    errors: dict[str, str] = {}
+    for mode in ("bf16", *recipes):
+        task = WORKLOADS["transformer"].build(size, device)  # seeded: the same model and data in every mode
+        model = task.model.to(device)
+        try:
+            optimizer = make_optimizer(task, model.parameters())
+            model, optimizer = mixprec.prepare(model, optimizer, "O1", fp8=None if mode == "bf16" else mode)
+            if (layers := mixprec.fp8_layers(model)) is not None:
+                converted[mode], skipped[mode] = len(layers.converted), len(layers.skipped)
+            called: nn.Module = torch.compile(model) if compile else model  # type: ignore[assignment]
+            step = _train_step(task, called, optimizer, losses.setdefault(mode, []))
+            for _ in range(2):  # warm-up (and compilation)
+                step()
+            fns[mode] = step
+        except Exception as exc:
+            if mode == "bf16":
+                raise
+            errors[mode] = _error(exc)
+    ms, ratios = lockstep(fns, steps, 1, device)
+    last = {mode: float(losses[mode][-1]) for mode in fns}
+    speedup = {r: ratios[r] for r in recipes if r in ratios}
+    return StepRow("transformer", size, ms, speedup, converted, skipped, last, errors)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--quick", action="store_true", help="small shapes, the tiny transformer, few steps")
+    parser.add_argument("--recipes", default=",".join(RECIPES), help="comma-separated fp8 recipes")
+    parser.add_argument("--shapes", help="comma-separated MxKxN (default: per device, smaller with --quick)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the layer and the model")
+    parser.add_argument("--steps", type=int, help="timed training steps per mode (default 20, --quick 3)")
+    parser.add_argument("--json", help="also write the rows to this JSON file")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    recipes = [r for r in args.recipes.split(",") if r]
+    if unknown := sorted(set(recipes) - set(RECIPES)):
+        parser.error(f"unknown recipe(s) {', '.join(unknown)}; valid: {', '.join(RECIPES)}")
+    shapes = SHAPES[(device.type, args.quick)]
+    if args.shapes:
+        shapes = tuple(tuple(int(d) for d in s.split("x")) for s in args.shapes.split(","))  # type: ignore[misc]
+    steps = args.steps or (3 if args.quick else 20)
+    windows, calls = (3, 1) if args.quick else (7, 10 if device.type == "cuda" else 2)
+    size = "tiny" if args.quick else "default" if device.type == "cuda" else "quick"
+
+    print(f"device: {device_name(device)}; torch {torch.__version__}, bf16{', compiled' if args.compile else ''}")
+    if device.type == "cpu":
+        print(CPU_NOTE)
+    width = max(len(r) for r in recipes) if recipes else 0
+    cell = max(width, 16)
+    print(f"\nlinear forward+backward, median ms (speed-up over bf16), {windows} windows of {calls} call(s)")
+    print(f"  {'M x K x N':<20} {'bf16':>9} " + " ".join(f"{r:>{cell}}" for r in recipes))
+    gemm_rows = []
+    for shape in shapes:
+        row = bench_gemm(shape, recipes, device, args.compile, windows, calls)
+        gemm_rows.append(row)
+        cells = [f"{row.ms[r]:.3f} ({row.speedup[r]:.2f}x)" if r in row.ms else "error" for r in recipes]
+        print(f"  {'x'.join(map(str, shape)):<20} {row.ms['bf16']:>9.3f} " + " ".join(f"{c:>{cell}}" for c in cells))
+        for recipe, error in row.errors.items():
+            print(f"    {recipe}: {error}")
+
+    step_row = bench_steps(recipes, device, size, steps, args.compile)
+    print(f"\ntraining step, transformer ({size}), O1 bf16 vs O1 + fp8, median of {steps} steps per mode")
+    print(f"  {'mode':<{cell}} {'ms/step':>9} {'vs bf16':>8} {'fp8 linears':>12} {'last loss':>10}")
+    for mode, ms in step_row.ms.items():
+        ratio = f"{step_row.speedup[mode]:.2f}x" if mode in step_row.speedup else ""
+        linears = f"{step_row.converted[mode]} (+{step_row.skipped[mode]} out)" if mode in step_row.converted else ""
+        print(f"  {mode:<{cell}} {ms:>9.2f} {ratio:>8} {linears:>12} {step_row.last_loss[mode]:>10.4f}")
+    for recipe, error in step_row.errors.items():
+        print(f"  {recipe}: {error}")
+    if args.json:
+        with open(args.json, "w") as f:
+            gemm = [dataclasses.asdict(r) for r in gemm_rows]
+            result = {"device": device_name(device), "torch": torch.__version__, "compile": args.compile}
+            json.dump({**result, "gemm": gemm, "steps": dataclasses.asdict(step_row)}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

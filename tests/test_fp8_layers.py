@@ -1,0 +1,182 @@
+"""fp8 through prepare: which layers, every level, GradScaler, checkpoints that resume and move between recipes."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from torch import nn
+
+import mixprec
+from helpers import bitwise_equal, regression_data
+from mixprec._src.fp8_linear import Fp8Scaling
+
+# DCP says it saves and loads in one process: what these tests mean to do.
+ONE_PROCESS_DCP = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+RECIPES = ["tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed"]
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(16, 64)
+        self.norm = nn.LayerNorm(64)
+        self.mlp = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64))
+        self.odd = nn.Linear(64, 40)  # 40 is not a multiple of 16
+        self.kept = nn.Linear(40, 32)
+        self.head = nn.Linear(32, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(F.gelu(self.inp(x)))
+        return self.head(F.gelu(self.kept(self.odd(h + self.mlp(h)))))
+
+
+def prepared(recipe: str | mixprec.Fp8Config | None, level: str = "O2", **options: Any) -> tuple[Net, Any]:
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    mixprec.prepare(model, opt, level, fp8=recipe, keep_names="kept", **options)
+    return model, opt
+
+
+def train(model: nn.Module, opt: torch.optim.Optimizer, steps: range, scaler: Any = None) -> list[float]:
+    losses = []
+    for i, (x, y) in enumerate(regression_data(steps.stop)):
+        if i not in steps:
+            continue
+        loss = F.mse_loss(model(x).float(), y)
+        opt.zero_grad()
+        if scaler is None:
+            loss.backward()
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        losses.append(loss.item())
+    return losses
+
+
+def test_prepare_lists_the_layers_converted_and_those_left_out_with_reasons() -> None:
+    model, _ = prepared("tensorwise")
+    layers = mixprec.fp8_layers(model)
+    assert layers is not None and layers.converted == ["inp", "mlp.0", "mlp.2"]
+    reasons = dict(layers.skipped)
+    assert reasons.keys() == {"odd", "kept", "head"}
+    assert "out_features 40 not a multiple of 16" in reasons["odd"]
+    assert "kept in fp32" in reasons["kept"] and "output head" in reasons["head"]
+    assert "3 linear(s) in fp8, 3 left out" in str(layers) and "odd: out_features 40" in str(layers)
+    assert isinstance(model.inp.fp8, Fp8Scaling) and not hasattr(model.head, "fp8")
+
+
+def test_names_filter_and_head_choose_the_layers() -> None:
+    config = mixprec.Fp8Config("rowwise", names="mlp.*", filter=lambda m, name: m.out_features > 64,
+                               convert_head=True)  # fmt: skip
+    model, _ = prepared(config)
+    assert mixprec.fp8_layers(model).converted == ["mlp.0"]  # type: ignore[union-attr]
+    assert "not selected" in dict(mixprec.fp8_layers(model).skipped)["inp"]  # type: ignore[union-attr]
+    assert str(config) == "fp8 rowwise names=mlp.* filter=<lambda> +head"
+    assert "fp8 delayed(history=1024, margin=0, max)" in str(mixprec.PrepareConfig(fp8="delayed"))
+
+
+def test_export_fp32_reverts_the_conversion() -> None:
+    model, opt = prepared("delayed")
+    mixprec.export_fp32(model, opt)
+    assert mixprec.fp8_layers(model) is None and "forward" not in model.inp.__dict__
+    assert model.state_dict().keys() == Net().state_dict().keys()
+
+
+def test_bad_fp8_options_say_what_is_valid() -> None:
+    with pytest.raises(ValueError, match="valid fp8 recipes: tensorwise, rowwise"):
+        mixprec.Fp8Config("blockwise")
+    with pytest.raises(ValueError, match="history_len"):
+        mixprec.Fp8Config("delayed", history_len=0)
+    with pytest.raises(TypeError, match="recipe name, an Fp8Config"):
+        mixprec.PrepareConfig(fp8=3)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "bf16-sr"])
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_level_trains_with_every_recipe(level: str, recipe: str) -> None:
+    model, opt = prepared(recipe, level)
+    seen: dict[str, torch.dtype] = {}
+    model.mlp[0].register_forward_hook(lambda m, a, out: seen.update(dtype=out.dtype))
+    losses = train(model, opt, range(30))
+    assert seen["dtype"] == torch.bfloat16  # autocast's dtype, from the fp8 GEMM's output
+    assert losses[-1] < 0.5 * losses[0], losses
+    fp32_params = level in ("O1", "O2")
+    assert (model.mlp[0].weight.dtype == torch.float32) == fp32_params
+    if recipe == "delayed":
+        assert model.mlp[0].fp8.history.dtype == torch.float32 and model.mlp[0].fp8.history[:, 29].all()
+
+
+def test_fp16_grad_scaler_skips_overflow_and_keeps_the_history_finite() -> None:
+    model, opt = prepared("delayed", "O1", dtype=torch.float16)
+    scaler = mixprec.GradScaler("cpu", init_scale=2.0**20)  # the first steps overflow fp16 gradients
+    train(model, opt, range(16), scaler)
+    assert scaler.stats().skipped_iterations >= 1
+    history = model.mlp[0].fp8.history
+    assert torch.isfinite(history).all() and history[2, 0] > 0
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_resume_from_state_dict_is_bitwise(recipe: str, tmp_path: Path) -> None:
+    model, opt = prepared(recipe)
+    train(model, opt, range(4))
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, tmp_path / "ckpt.pt")
+    train(model, opt, range(4, 8))
+    again, opt2 = prepared(recipe)
+    saved = torch.load(tmp_path / "ckpt.pt")
+    again.load_state_dict(saved["model"])
+    opt2.load_state_dict(saved["opt"])
+    train(again, opt2, range(4, 8))
+    assert bitwise_equal(model.state_dict(), again.state_dict())
+    if recipe == "delayed":
+        assert {"inp.fp8.history", "inp.fp8.pending"} <= saved["model"].keys()
+
+
+@ONE_PROCESS_DCP
+def test_resume_through_distributed_checkpoint_is_bitwise(tmp_path: Path) -> None:
+    model, opt = prepared("delayed")
+    train(model, opt, range(3))
+    dcp.save({"model": model.state_dict()}, checkpoint_id=tmp_path)
+    again, _ = prepared("delayed")
+    state = {"model": again.state_dict()}
+    dcp.load(state, checkpoint_id=tmp_path)
+    again.load_state_dict(state["model"])
+    assert bitwise_equal(model.state_dict(), again.state_dict()) and model.inp.fp8.history.any()
+
+
+@ONE_PROCESS_DCP
+def test_checkpoints_move_between_fp8_and_bf16_recipes(tmp_path: Path) -> None:
+    fp8_model, fp8_opt = prepared("delayed")
+    train(fp8_model, fp8_opt, range(3))
+    bf16_model, bf16_opt = prepared(None)
+    bf16_model.load_state_dict(fp8_model.state_dict())  # strict: the amax histories are ignored
+    assert all(torch.equal(a, b) for a, b in zip(bf16_model.parameters(), fp8_model.parameters(), strict=True))
+    assert fp8_model.inp.weight.dtype == torch.float32  # weights are saved at full precision
+    train(bf16_model, bf16_opt, range(3, 5))
+    back, _ = prepared("delayed")
+    back.load_state_dict(bf16_model.state_dict())  # strict: the histories start afresh
+    assert all(torch.equal(a, b) for a, b in zip(back.parameters(), bf16_model.parameters(), strict=True))
+    assert not back.inp.fp8.history.any()
+    dynamic, _ = prepared("rowwise")
+    dynamic.load_state_dict(fp8_model.state_dict())
+    # Through DCP: the checkpoint of the fp8 recipe holds more than a bf16 model asks for.
+    dcp.save({"model": fp8_model.state_dict()}, checkpoint_id=tmp_path)
+    plain = {"model": prepared(None)[0].state_dict()}
+    dcp.load(plain, checkpoint_id=tmp_path)
+    assert torch.equal(plain["model"]["inp.weight"], fp8_model.inp.weight)
+
+
+def test_strict_loading_still_reports_keys_of_another_model() -> None:
+    model, _ = prepared(None)
+    state = copy.deepcopy(prepared("delayed")[0].state_dict())
+    state["nothere.fp8.history"] = torch.zeros(1)
+    with pytest.raises(RuntimeError, match="nothere.fp8.history"):
+        model.load_state_dict(state)
