@@ -2,7 +2,7 @@
 
 1. One linear layer, forward and backward (its three GEMMs): an ``nn.Linear(K, N, bias=False)``
    with bf16 weights on a bf16 input of M tokens, plain, and converted to fp8 with each recipe
-   (``fp8_layers.convert``, the head included). Delayed scaling's history is filled once in warm-up.
+   (``fp8_conversion.convert``, the head included). Delayed scaling's history is filled once in warm-up.
 2. Training steps (AdamW) of the bench's ``transformer`` workload under ``mixprec.prepare(model,
    opt, "O1", fp8=recipe)`` against ``mixprec.prepare(model, opt, "O1")`` (bf16 only).
 
@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 import mixprec
-from mixprec._src import fp8_layers
+from mixprec._src import fp8_conversion
 from mixprec.bench.runner import make_optimizer
 from mixprec.bench.workloads import WORKLOADS, Task
 
@@ -151,13 +151,14 @@ def bench_gemm(shape: Shape, recipes: list[str], device: torch.device, compile: 
         try:
             layers = None
             if mode != "bf16":
-                layers = fp8_layers.convert(layer, mixprec.Fp8Config(mixprec.Fp8Recipe(mode), convert_head=True), set())
+                config = mixprec.Fp8Config(mixprec.Fp8Recipe(mode), convert_head=True)
+                layers = fp8_conversion.convert(layer, config, set())
             called: nn.Module = torch.compile(layer) if compile else layer  # type: ignore[assignment]
             fn = _fwd_bwd(layer, called, x, grad)
             for _ in range(3):  # warm-up (and compilation); delayed scaling: a history to scale from
                 fn()
                 if layers is not None:
-                    fp8_layers.advance(layers)
+                    fp8_conversion.advance(layers)
             fns[mode] = fn
         except Exception as exc:  # a recipe this GPU lacks, a compile failure: reported, the rest goes on
             if mode == "bf16":

@@ -178,5 +178,5 @@ def test_strict_loading_still_reports_keys_of_another_model() -> None:
     model, _ = prepared(None)
     state = copy.deepcopy(prepared("delayed")[0].state_dict())
     state["nothere.fp8.history"] = torch.zeros(1)
-    with pytest.raises(RuntimeError, match="nothere.fp8.history"):
+    with pytest.raises(RuntimeError, match=r"nothere\.fp8\.history"):
         model.load_state_dict(state)

@@ -14,7 +14,7 @@ from torch.utils.checkpoint import checkpoint
 
 import mixprec
 from helpers import bitwise_equal, sqnr
-from mixprec._src import fp8_layers
+from mixprec._src import fp8_conversion
 
 RECIPES = ["tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed"]
 # Floors per recipe (dB) against a bf16 reference at the layer below; measured 28.6-29.1 (output),
@@ -29,7 +29,7 @@ def fp8_model(recipe: str | mixprec.Fp8Config, *sizes: int, dtype: torch.dtype =
         layers += [nn.Linear(sizes[i], sizes[i + 1]), nn.ReLU()]
     model = nn.Sequential(*layers[:-1]).to(dtype)
     config = recipe if isinstance(recipe, mixprec.Fp8Config) else mixprec.Fp8Config(recipe, convert_head=True)
-    fp8_layers.convert(model, config, set())
+    fp8_conversion.convert(model, config, set())
     return model
 
 
@@ -58,7 +58,7 @@ def _torchao_model(recipe: str, model: nn.Module) -> nn.Module:
         warnings.simplefilter("ignore")
         float8 = pytest.importorskip("torchao.float8")
     theirs = copy.deepcopy(model)
-    fp8_layers.revert(theirs)
+    fp8_conversion.revert(theirs)
     float8.convert_to_float8_training(theirs, config=float8.Float8LinearConfig.from_recipe_name(recipe))
     return theirs
 
@@ -110,7 +110,7 @@ def test_delayed_scaling_equals_a_plain_reference_step_by_step(history_len: int,
     model = fp8_model(config, 32, 16)
     layer = model[0]
     ref = DelayedReference(layer.weight, layer.bias, history_len, margin, algo)
-    layers = fp8_layers.fp8_layers(model)
+    layers = fp8_conversion.fp8_layers(model)
     torch.manual_seed(1)
     for step in range(7):
         x = torch.randn(16, 32) * (1 + 4 * (step % 3))  # amax jumps: the history must lag
@@ -120,7 +120,7 @@ def test_delayed_scaling_equals_a_plain_reference_step_by_step(history_len: int,
         assert torch.equal(grads[0], ref_gw), step
         layers.modules["0"].weight.grad = None  # type: ignore[union-attr]
         layers.modules["0"].bias.grad = None  # type: ignore[union-attr]
-        fp8_layers.advance(layers)  # type: ignore[arg-type]
+        fp8_conversion.advance(layers)  # type: ignore[arg-type]
     assert layer.fp8.history[:, :history_len].flatten().tolist() == pytest.approx(
         [v for role in ("x", "w", "g") for v in ref.history[role]]
     )
@@ -167,7 +167,7 @@ def test_layers_seeing_different_dtypes_train_together() -> None:
         loss.backward()
         opt.step()
         opt.zero_grad()
-        fp8_layers.advance(fp8_layers.fp8_layers(model))  # type: ignore[arg-type]
+        fp8_conversion.advance(fp8_conversion.fp8_layers(model))  # type: ignore[arg-type]
     assert torch.isfinite(loss) and all(m.fp8.history[:, 0].all() for m in model if hasattr(m, "fp8"))
 
 

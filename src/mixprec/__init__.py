@@ -24,7 +24,7 @@ from mixprec._src.errors import (
     PrepareOrderError,
 )
 from mixprec._src.fp8_config import AmaxAlgo, Fp8Config, Fp8Recipe
-from mixprec._src.fp8_layers import Fp8Layers, fp8_layers
+from mixprec._src.fp8_conversion import Fp8Layers, fp8_layers
 from mixprec._src.layout import to_channels_last
 from mixprec._src.master_weights import export_fp32, master_params, prepare
 from mixprec._src.memory import MemoryReport, memory_report, state_bytes

@@ -137,9 +137,7 @@ class Fp8Config:
         return self.recipe is Fp8Recipe.DELAYED
 
     def selects(self, module: nn.Module, name: str) -> bool:
-        """Whether ``module`` (called ``name``) is asked for: a linear matching names and filter."""
-        if type(module) is not nn.Linear and not _is_sharded_linear(module):
-            return False
+        """Whether ``module`` (called ``name``) is asked for by ``names`` and ``filter``."""
         if not any(fnmatch.fnmatchcase(name, pattern) for pattern in self.names):
             return False
         return self.filter is None or bool(self.filter(module, name))
@@ -154,6 +152,11 @@ class Fp8Config:
         if self.filter is not None:
             text += f" filter={getattr(self.filter, '__name__', 'filter')}"
         return text + (" +head" if self.convert_head else "")
+
+
+def is_plain_linear(module: nn.Module) -> bool:
+    """An ``nn.Linear`` itself, or one ``fully_shard`` made its own unit (class ``FSDPLinear``); no subclass."""
+    return type(module) is nn.Linear or _is_sharded_linear(module)
 
 
 def _is_sharded_linear(module: nn.Module) -> bool:

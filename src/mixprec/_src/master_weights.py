@@ -37,7 +37,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from mixprec._src import casting, fp8_layers, sharding, stochastic_rounding, training
+from mixprec._src import casting, fp8_conversion, sharding, stochastic_rounding, training
 from mixprec._src.autocast import autocast
 from mixprec._src.errors import PrepareOrderError
 from mixprec._src.fp8_config import Fp8Config
@@ -165,11 +165,11 @@ def prepare(
     _keep_in_fp32(kept_modules, device_type, state.handles)
     if config.fp8 is not None:
         inside_kept = {id(m) for k in kept_modules for m in k.modules()}
-        layers = fp8_layers.convert(model, config.fp8, inside_kept)
+        layers = fp8_conversion.convert(model, config.fp8, inside_kept)
         group = sharding.process_group(model) if sharded else None
-        state.handles.append(optimizer.register_step_post_hook(lambda *_: fp8_layers.advance(layers, group)))
+        state.handles.append(optimizer.register_step_post_hook(lambda *_: fp8_conversion.advance(layers, group)))
     # Every prepared model loads checkpoints of the same model under another fp8 recipe, or none.
-    state.handles.append(model.register_load_state_dict_pre_hook(fp8_layers.drop_foreign_fp8_state))  # type: ignore[no-untyped-call]
+    state.handles.append(model.register_load_state_dict_pre_hook(fp8_conversion.drop_foreign_fp8_state))  # type: ignore[no-untyped-call]
 
     if level is not Level.O1:
         _lower(model, optimizer, state)
@@ -257,7 +257,7 @@ def export_fp32(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
                     group_state[key] = value.float()
         stochastic_rounding.remove_counters(optimizer)
         optimizer.__dict__.pop(_ATTR, None)
-    fp8_layers.revert(model)
+    fp8_conversion.revert(model)
     model.__dict__.pop("forward", None)
     model.__dict__.pop("_call_impl", None)
     del model.__dict__[_ATTR]

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mixprec._src import fp8_gemm
-from mixprec._src.fp8_config import Fp8Config, Fp8Recipe
+from mixprec._src.fp8_config import Fp8Config, Fp8Recipe, is_plain_linear
 from mixprec._src.fp8_linear import Fp8Scaling, fp8_forward
 
 _ATTR = "_mixprec_fp8"  # the Fp8Layers of a converted model, on the model
@@ -59,6 +59,9 @@ def fp8_layers(model: nn.Module) -> Fp8Layers | None:
 
 
 def _reason_to_skip(module: nn.Linear, name: str, config: Fp8Config, kept: bool, head: str | None) -> str | None:
+    if not is_plain_linear(module):
+        return (f"a subclass of nn.Linear ({type(module).__name__}), whose owner may use its weight without "
+                "calling it (nn.MultiheadAttention's out_proj does)")  # fmt: skip
     if not config.selects(module, name):
         return "not selected by the fp8 names or filter"
     if kept:
