@@ -111,6 +111,32 @@ class ModuleReport:
                    rel_error=data["rel_error"])  # fmt: skip
 
 
+@dataclasses.dataclass
+class Fp8LayerReport:
+    """One fp8 layer: its SQNR (dB) and, per cast role, ``amax``, ``scale``, ``saturated``, ``flushed``."""
+
+    name: str
+    sqnr: float
+    casts: dict[str, dict[str, float]]
+
+    def worst_saturation(self) -> float:
+        return max((c["saturated"] for c in self.casts.values()), default=0.0)
+
+    def worst_flush(self) -> float:
+        return max((c["flushed"] for c in self.casts.values()), default=0.0)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "sqnr": self.sqnr, "casts": self.casts}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Fp8LayerReport:
+        return cls(data["name"], float(data["sqnr"]), {k: dict(v) for k, v in data["casts"].items()})
+
+    def __str__(self) -> str:
+        return (f"{self.name}: {self.sqnr:.1f} dB, saturated {self.worst_saturation():.2%}, "
+                f"flushed {self.worst_flush():.2%}")  # fmt: skip
+
+
 @dataclasses.dataclass(frozen=True)
 class NonFinite:
     """Where the first NaN or Inf came from finite inputs."""
@@ -141,6 +167,11 @@ class DiagnosticReport:
     notes: list[str]
     loss: float | None
     loss_fp32: float | None
+    fp8: list[Fp8LayerReport] = dataclasses.field(default_factory=list)  # worst SQNR first
+
+    def fp8_worst(self, n: int = 3) -> list[str]:
+        """The fp8 layers that lose most (lowest SQNR), at most ``n``."""
+        return [r.name for r in self.fp8[:n]]
 
     def rules(self) -> tuple[ModuleRule, ...]:
         """Per-module rules that keep the flagged modules in fp32, for a Policy or autocast."""
@@ -180,6 +211,7 @@ class DiagnosticReport:
             "loss": self.loss,
             "loss_fp32": self.loss_fp32,
             "modules": [m.to_dict() for m in self.modules],
+            "fp8": [r.to_dict() for r in self.fp8],
         }
 
     def to_json(self, path: str | pathlib.Path) -> None:
@@ -201,6 +233,8 @@ class DiagnosticReport:
         lines.append(f"suggested initial loss scale: {self.suggested_loss_scale:g}")
         if self.bf16_avoids_it is not None:
             lines.append("bf16 would avoid it" if self.bf16_avoids_it else "bf16 would not avoid it")
+        if self.fp8:
+            lines.append(f"fp8 loses most in: {'; '.join(str(r) for r in self.fp8[:3])}")
         return "\n".join(lines + self.notes)
 
     def plot(self, path: str | pathlib.Path) -> None:
@@ -224,4 +258,5 @@ class DiagnosticReport:
             notes=list(data["notes"]),
             loss=data["loss"],
             loss_fp32=data["loss_fp32"],
+            fp8=[Fp8LayerReport.from_dict(r) for r in data.get("fp8", [])],
         )

@@ -26,10 +26,11 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from mixprec._src import training
+from mixprec._src import fp8_diagnostics, training
 from mixprec._src.autocast import autocast
 from mixprec._src.diagnostic_report import DiagnosticReport, ModuleReport, NonFinite, TensorStats
 from mixprec._src.dtypes import parse_dtype
+from mixprec._src.fp8_config import Fp8Config, as_fp8_config
 from mixprec._src.policy import ModuleRule, Policy
 from mixprec._src.policy_grammar import default_policy, get_policy
 from mixprec._src.training import LossFn
@@ -181,6 +182,7 @@ def diagnose(
     policy: Policy | str | None = None,
     steps: int = 1,
     rel_error_limit: float | None = None,
+    fp8: Fp8Config | str | None = None,
 ) -> DiagnosticReport:
     """Run ``model`` on ``inputs`` in fp32 and in ``dtype`` and report where low precision breaks it.
 
@@ -208,6 +210,9 @@ def diagnose(
         steps: forward/backward passes per run (statistics accumulate).
         rel_error_limit: also keep modules whose output differs from fp32 by more than this
             (relative L2); default: only overflow and NaN/Inf.
+        fp8: also run a copy of the model with these fp8 layers (a recipe name or an
+            :class:`Fp8Config`) and report per fp8 layer its SQNR and cast statistics
+            (``report.fp8``, worst first; ``report.fp8_worst()`` names the layers that lose most).
 
     Raises:
         ValueError: a model without parameters, inputs or targets on another device, a loss that is not
@@ -321,4 +326,10 @@ def diagnose(
     bf16_avoids: bool | None = None
     if dtype is torch.float16 and fp16_trouble:
         bf16_avoids = not fp32_broken and big < torch.finfo(torch.bfloat16).max
-    return DiagnosticReport(dtype, reports, first, keep, rules_fix_it, scale, bf16_avoids, notes, loss_low, loss_fp32)
+    fp8_reports = []
+    fp8_config = as_fp8_config(fp8)
+    if fp8_config is not None:
+        fp8_reports = fp8_diagnostics.fp8_layer_reports(model, inputs, loss_of, fp8_config, dtype=dtype, policy=base,
+                                                        device_type=device_type)  # fmt: skip
+    return DiagnosticReport(dtype, reports, first, keep, rules_fix_it, scale, bf16_avoids, notes, loss_low, loss_fp32,
+                            fp8_reports)  # fmt: skip

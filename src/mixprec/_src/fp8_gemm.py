@@ -10,6 +10,8 @@ for rowwise scales), so what runs here runs on a GPU. Nothing here syncs with th
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -23,6 +25,12 @@ ALIGN = 16
 
 def fp8_max(dtype: torch.dtype) -> float:
     return float(torch.finfo(dtype).max)
+
+
+def saturation_threshold(dtype: torch.dtype) -> float:
+    """Where the clamp starts to matter: past ``max`` plus half a step, round-to-nearest would overflow."""
+    info = torch.finfo(dtype)
+    return info.max + 2.0 ** math.floor(math.log2(info.max)) * info.eps / 2
 
 
 def amax_of(t: torch.Tensor, operand: Operand, side: str) -> torch.Tensor:

@@ -40,7 +40,7 @@ class CastStats:
     Attributes:
         amax: largest magnitude (per-row amaxes: their max).
         scale: the scale applied before the cast (per-row: their min).
-        saturated: fraction of values past the format's max after scaling (clamped to it).
+        saturated: fraction of values that overflow the format after scaling (clamped to its max).
         flushed: fraction of non-zero values that became zero (underflow).
     """
 
@@ -55,7 +55,7 @@ class CastStats:
             scaled = t.float() * scale
             limit = fp8_gemm.fp8_max(dtype)
             q = scaled.clamp(-limit, limit).to(dtype)
-            saturated = (scaled.abs() > limit).float().mean()
+            saturated = (scaled.abs() > fp8_gemm.saturation_threshold(dtype)).float().mean()
             flushed = ((t != 0) & (q == 0)).float().mean()
         return CastStats(amax.max(), scale.min(), saturated, flushed)
 

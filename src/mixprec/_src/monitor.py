@@ -13,6 +13,10 @@ The backward replay differentiates the sum of the model's floating outputs (the 
 not know the loss), which finds NaN made by a module's backward (0/0, sqrt at 0) but not one
 that only the true loss's gradient would trigger. Inputs changed in place after the forward
 are replayed as they are then.
+
+With ``fp8_stats=True`` the fp8 layers of a model prepared with ``fp8=`` record, at every call,
+the amax, scale and saturated and flushed fractions of each tensor they cast (a few element-wise
+ops per cast, no sync); :meth:`Monitor.fp8_stats` reads the latest ones.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from mixprec._src import checkpoint_replay
+from mixprec._src import checkpoint_replay, fp8_diagnostics
 from mixprec._src.autocast import TorchAutocast
 from mixprec._src.scaler import GradScaler, ScalerEvent
 
@@ -56,6 +60,7 @@ class Monitor:
         model: the model; hooks go on its leaf modules (and are removed by :meth:`close`).
         scaler: a GradScaler whose skipped steps trigger an inspection.
         callback: called with each :class:`Incident` (also logged on ``mixprec.monitor`` at WARNING).
+        fp8_stats: record per fp8 layer cast statistics, read by :meth:`fp8_stats`.
 
     Example:
         >>> import torch, mixprec
@@ -68,7 +73,7 @@ class Monitor:
     """
 
     def __init__(self, model: nn.Module, scaler: GradScaler | None = None, *,
-                 callback: Callable[[Incident], None] | None = None) -> None:  # fmt: skip
+                 callback: Callable[[Incident], None] | None = None, fp8_stats: bool = False) -> None:  # fmt: skip
         self.callback = callback
         self.incidents: list[Incident] = []
         self._model = model
@@ -78,6 +83,9 @@ class Monitor:
         self._replaying = False
         self._handles = [model.register_forward_pre_hook(self._remember, with_kwargs=True)]
         self._scaler = scaler
+        self._fp8_stats = fp8_stats
+        if fp8_stats:
+            fp8_diagnostics.set_recording(model, True)
         if scaler is not None:
             scaler.add_listener(self._on_scaler_event)
 
@@ -158,11 +166,22 @@ class Monitor:
     def _incident(self, reason: str, module_id: int, pass_: str) -> Incident:
         return Incident(reason, self._names.get(module_id, "?"), self._types.get(module_id, "?"), pass_)
 
+    def fp8_stats(self) -> dict[str, dict[str, dict[str, float]]]:
+        """Per fp8 layer and cast role (``input``, ``weight``, ``grad_output``) of the latest step: ``amax``,
+        ``scale``, ``saturated``, ``flushed`` (reading them syncs). Needs ``Monitor(..., fp8_stats=True)``."""
+        if not self._fp8_stats:
+            raise ValueError(
+                "this monitor does not record fp8 statistics; create it with Monitor(model, fp8_stats=True)"
+            )
+        return fp8_diagnostics.cast_stats(self._model)
+
     def close(self) -> None:
-        """Remove the hooks and stop listening to the scaler."""
+        """Remove the hooks, stop listening to the scaler and recording fp8 statistics."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        if self._fp8_stats:
+            fp8_diagnostics.set_recording(self._model, False)
         if self._scaler is not None:
             self._scaler.remove_listener(self._on_scaler_event)
 
