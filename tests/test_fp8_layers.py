@@ -11,6 +11,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.checkpoint.api import CheckpointException
 
 import mixprec
 from helpers import bitwise_equal, regression_data
@@ -168,10 +170,17 @@ def test_checkpoints_move_between_fp8_and_bf16_recipes(tmp_path: Path) -> None:
     dynamic, _ = prepared("rowwise")
     dynamic.load_state_dict(fp8_model.state_dict())
     # Through DCP: the checkpoint of the fp8 recipe holds more than a bf16 model asks for.
-    dcp.save({"model": fp8_model.state_dict()}, checkpoint_id=tmp_path)
+    dcp.save({"model": fp8_model.state_dict()}, checkpoint_id=tmp_path / "fp8")
     plain = {"model": prepared(None)[0].state_dict()}
-    dcp.load(plain, checkpoint_id=tmp_path)
+    dcp.load(plain, checkpoint_id=tmp_path / "fp8")
     assert torch.equal(plain["model"]["inp.weight"], fp8_model.inp.weight)
+    # The other way, DCP asks for the histories a bf16 checkpoint does not hold: a partial load.
+    dcp.save({"model": bf16_model.state_dict()}, checkpoint_id=tmp_path / "bf16")
+    delayed = {"model": prepared("delayed")[0].state_dict()}
+    with pytest.raises(CheckpointException, match=r"Missing key in checkpoint state_dict: model\.inp\.fp8\.history"):
+        dcp.load(delayed, checkpoint_id=tmp_path / "bf16")
+    dcp.load(delayed, checkpoint_id=tmp_path / "bf16", planner=DefaultLoadPlanner(allow_partial_load=True))
+    assert torch.equal(delayed["model"]["inp.weight"], bf16_model.inp.weight)
 
 
 def test_strict_loading_still_reports_keys_of_another_model() -> None:
@@ -180,3 +189,17 @@ def test_strict_loading_still_reports_keys_of_another_model() -> None:
     state["nothere.fp8.history"] = torch.zeros(1)
     with pytest.raises(RuntimeError, match=r"nothere\.fp8\.history"):
         model.load_state_dict(state)
+
+
+def test_a_recipe_with_fp8_applies_it_and_round_trips() -> None:
+    recipe = mixprec.Recipe(dtype="bf16", fp8="rowwise", fp32_ops=("softmax",))
+    assert recipe.name == "bf16 O1 +fp32[softmax] fp8[rowwise]" and not recipe.is_torch_default
+    assert mixprec.Recipe.from_json(recipe.to_json()) == recipe
+    model = Net()
+    run = recipe.apply(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert mixprec.fp8_layers(run.model).converted == ["inp", "mlp.0", "mlp.2"]  # type: ignore[union-attr]
+    with run.autocast():  # a no-op: the prepared forward opens the recipe's region
+        assert not torch.is_autocast_enabled("cpu")
+    assert run.model(torch.randn(4, 16)).dtype == torch.float32
+    with pytest.raises(ValueError, match="fp8 linears train beside a low-precision recipe"):
+        mixprec.Recipe(dtype="fp32", fp8="tensorwise")

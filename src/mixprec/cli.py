@@ -187,6 +187,8 @@ def _bench(args: argparse.Namespace) -> int:
         console.print(table)
     else:
         print(text, flush=True)
+    if report_module.fp8_emulated(report):
+        print(report_module.FP8_EMULATED, flush=True)
     paths = report_module.write(report, args.out, args.json)
     if "png" not in paths:
         print(report_module.PLOT_SKIPPED.format(name="bench.png"), file=sys.stderr)

@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_map
 from mixprec._src import training
 from mixprec._src.autocast import autocast
 from mixprec._src.dtypes import parse_dtype, short_name
+from mixprec._src.fp8_config import Fp8Recipe, as_fp8_config
 from mixprec._src.layout import to_channels_last
 from mixprec._src.master_weights import prepare, prepared_state
 from mixprec._src.op_names import op_name
@@ -83,6 +84,9 @@ class Recipe:
         layout: ``"contiguous"`` or ``"channels_last"`` (weights and 4-D/5-D inputs).
         level: a :func:`mixprec.prepare` level; ``"O1"`` is autocast alone.
         compile: whether to ``torch.compile`` the model (never chosen by the search; see the module docstring).
+        fp8: the fp8 recipe of the model's linears (``"tensorwise"``, ``"rowwise"``,
+            ``"rowwise_with_gw_hp"``, ``"delayed"``; :class:`Fp8Config`'s default choice of layers),
+            or ``None``. With fp8, :meth:`apply` goes through :func:`mixprec.prepare` at every level.
         loss_scale: the GradScaler's initial scale for fp16.
         measurements: every candidate :func:`tune` measured (empty for a hand-made recipe).
         notes: what the search found, in sentences.
@@ -96,6 +100,7 @@ class Recipe:
     layout: str = "contiguous"
     level: str = "O1"
     compile: bool = False
+    fp8: str | None = None
     loss_scale: float = 2.0**16
     measurements: tuple[Measurement, ...] = ()
     notes: tuple[str, ...] = ()
@@ -109,6 +114,10 @@ class Recipe:
         object.__setattr__(self, "level", Level.from_name(self.level).value)
         object.__setattr__(self, "measurements", tuple(self.measurements))
         object.__setattr__(self, "notes", tuple(self.notes))
+        if self.fp8 is not None:
+            object.__setattr__(self, "fp8", Fp8Recipe.from_name(self.fp8).value)
+            if self.dtype is torch.float32:
+                raise ValueError("fp8 linears train beside a low-precision recipe; use dtype bf16 (or fp16) with fp8")
         if self.layout not in LAYOUTS:
             raise ValueError(f"unknown layout {self.layout!r}; valid: {', '.join(LAYOUTS)}")
         if self.dtype is torch.float32 and (self.level != "O1" or self.fp32_ops or self.keep_fp32):
@@ -133,6 +142,8 @@ class Recipe:
             parts.append(f"keep[{', '.join(self.keep_fp32)}]")
         if self.layout != "contiguous":
             parts.append(self.layout)
+        if self.fp8 is not None:
+            parts.append(f"fp8[{self.fp8}]")
         if self.compile:
             parts.append("compile")
         return " ".join(parts)
@@ -146,6 +157,7 @@ class Recipe:
             and not self.keep_fp32
             and self.layout == "contiguous"
             and not self.compile
+            and self.fp8 is None
             and self.dtype is not torch.float32
         )
 
@@ -158,20 +170,28 @@ class Recipe:
             policy = policy.keep_modules(names=self.keep_fp32)
         return policy
 
-    def prepare_config(self) -> PrepareConfig:
-        """What :meth:`apply` passes to :func:`mixprec.prepare` at levels other than O1.
+    def prepare_config(self, device_type: str = "cpu") -> PrepareConfig:
+        """What :meth:`apply` passes to :func:`mixprec.prepare` (at levels other than O1, and with fp8).
 
         Raises:
             ValueError: an fp32 recipe (nothing to prepare).
         """
         if self.dtype is torch.float32:
             raise ValueError("an fp32 recipe prepares nothing; apply it, or train the model as it is")
-        return PrepareConfig(level=Level.from_name(self.level), dtype=self.dtype, keep_names=self.keep_fp32)
+        level = Level.from_name(self.level)
+        policy = self.policy(device_type) if level is Level.O1 else None  # O1: prepare's region is the recipe's
+        return PrepareConfig(
+            level=level, dtype=self.dtype, keep_names=self.keep_fp32, policy=policy, fp8=as_fp8_config(self.fp8)
+        )
+
+    @property
+    def _prepares(self) -> bool:
+        return self.dtype is not torch.float32 and (self.level != "O1" or self.fp8 is not None)
 
     def autocast(self, device_type: str = "cpu") -> Callable[[], contextlib.AbstractContextManager[Any]]:
         """The region factory for the training loop: a :func:`mixprec.autocast` with :meth:`policy`,
-        or a no-op for fp32 and for levels other than O1 (whose prepared forward opens its own)."""
-        if self.dtype is torch.float32 or self.level != "O1":
+        or a no-op for fp32 and where the model is prepared (its prepared forward opens its own)."""
+        if self.dtype is torch.float32 or self._prepares:
             return contextlib.nullcontext
         return _RegionFactory(device_type, self.dtype, self.policy(device_type))
 
@@ -190,8 +210,8 @@ class Recipe:
         if self.layout == "channels_last":
             to_channels_last(model)
         region = self.autocast(device_type)
-        if self.dtype is not torch.float32 and self.level != "O1":  # prepare's forward opens its own region
-            model, optimizer = prepare(model, optimizer, self.prepare_config())
+        if self._prepares:  # prepare's forward opens its own region
+            model, optimizer = prepare(model, optimizer, self.prepare_config(device_type))
         scaler = GradScaler(device_type, init_scale=self.loss_scale) if self.dtype is torch.float16 else None
         if self.compile:
             model = torch.compile(model)  # type: ignore[assignment]

@@ -58,6 +58,7 @@ class Mode:
         dtypes: the bench dtypes it runs with.
         resolve: ``(task, optimizer, dtype, budget_s) -> Mode``: the mode to train a workload with,
             settled on a fresh copy of it before training (its time is reported apart).
+        fp8: whether its linears compute in fp8 (emulated in fp32 on a CPU: reports say so).
     """
 
     name: str
@@ -73,6 +74,7 @@ class Mode:
     )
     dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
     resolve: Callable[[Task, torch.optim.Optimizer, torch.dtype, float], Mode] | None = None
+    fp8: bool = False
 
 
 def _channels_last_input(x: torch.Tensor) -> torch.Tensor:
@@ -111,6 +113,18 @@ register_mode(Mode("bf16-pure", "bf16 weights and state, round-to-nearest update
 register_mode(Mode("mixprec-cl", "mixprec with the model and inputs in channels_last", _mixprec_autocast,
                    scaler=lambda device: mixprec.GradScaler(device), prepare_model=to_channels_last,
                    prepare_input=_channels_last_input, conv_only=True))  # fmt: skip
+
+
+def _fp8(recipe: str) -> Callable[[nn.Module, torch.optim.Optimizer, torch.dtype], tuple[nn.Module, Any]]:
+    def setup(model: nn.Module, optimizer: torch.optim.Optimizer, dtype: torch.dtype) -> tuple[nn.Module, Any]:
+        return mixprec.prepare(model, optimizer, level="O1", dtype=dtype, fp8=recipe)
+
+    return setup
+
+
+for _recipe, _name in (("tensorwise", "fp8"), ("rowwise", "fp8-rowwise"), ("delayed", "fp8-delayed")):
+    register_mode(Mode(_name, f"mixprec.prepare O1 with fp8 linears ({_recipe} scaling), bf16 elsewhere",
+                       setup=_fp8(_recipe), dtypes=(torch.bfloat16,), fp8=True))  # fmt: skip
 
 
 def recipe_mode(recipe: Recipe, name: str = "mixprec-tuned") -> Mode:

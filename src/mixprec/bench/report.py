@@ -7,6 +7,7 @@ import math
 import pathlib
 from typing import Any
 
+from mixprec.bench.modes import MODES
 from mixprec.bench.runner import BenchReport
 
 
@@ -40,6 +41,17 @@ def table_rows(report: BenchReport) -> list[list[str]]:
 HEADER = ["workload", "mode", "steps/s", "vs fp32", "vs torch-amp", "peak mem", "state", "final loss", "loss vs fp32",
           "tuning"]  # fmt: skip
 _LEFT = ("workload", "mode")
+
+
+#: What a CPU run of an fp8 mode measures.
+FP8_EMULATED = ("fp8 modes: fp8 GEMMs are emulated in fp32 on a CPU (torch._scaled_mm), so their steps/s say "
+                "nothing about fp8 speed on a GPU; their losses are those of real fp8 numerics")  # fmt: skip
+
+
+def fp8_emulated(report: BenchReport) -> bool:
+    """Whether fp8 modes ran here on a CPU."""
+    ran = {m for modes in report.results.values() for m in modes}
+    return report.device.startswith("cpu") and any(MODES[m].fp8 for m in ran if m in MODES)
 
 
 def title(report: BenchReport) -> str:
@@ -89,6 +101,7 @@ def markdown(report: BenchReport) -> str:
         "(bench.png plots it at every step). Tuning: the seconds mixprec.tune took on the workload before "
         "training (not counted in steps/s).",
         "",
+        *([FP8_EMULATED + ".", ""] if fp8_emulated(report) else []),
         *_recipes(report),
         "![bench](bench.png)",
         "",
