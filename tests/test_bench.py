@@ -327,3 +327,18 @@ def test_cli_sharded_bench_over_two_processes(capsys: pytest.CaptureFixture[str]
     assert two["O2"]["memory"]["masters"] > 0 and two["O1"]["memory"]["masters"] == 0
     assert "transformer  O2" in printed and "wrote" in printed
     assert cli.main(["bench", "--nproc", "0", "--out", str(out)]) == 2  # bad input, before any process starts
+
+
+def test_fp8_modes_train_and_say_they_are_emulated_on_a_cpu(
+    capsys: pytest.CaptureFixture[str], tmp_path: pathlib.Path
+) -> None:
+    assert cli.main(["bench", "--workloads", "mlp", "--modes", "mixprec,fp8,fp8-delayed", "--size", "tiny",
+                     "--steps", "3", "--quiet", "--out", str(tmp_path)]) == 0  # fmt: skip
+    shown = capsys.readouterr().out
+    assert "fp8 GEMMs are emulated in fp32 on a CPU" in shown
+    assert "fp8 GEMMs are emulated in fp32 on a CPU" in (tmp_path / "report.md").read_text()
+    modes = json.loads((tmp_path / "report.json").read_text())["workloads"]["mlp"]
+    assert modes["fp8"]["losses"] != modes["mixprec"]["losses"]  # fp8 numerics, not bf16's
+    assert (
+        abs(modes["fp8-delayed"]["final_loss"] - modes["mixprec"]["final_loss"]) < 0.1 * modes["mixprec"]["final_loss"]
+    )

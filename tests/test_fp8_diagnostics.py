@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -67,3 +69,12 @@ def test_monitor_reads_fp8_statistics_during_training() -> None:
     assert not model[0].fp8.recording and not model[0].fp8.stats
     with pytest.raises(ValueError, match="fp8_stats=True"):
         mixprec.Monitor(model).fp8_stats()
+
+
+def test_cli_diagnose_reports_fp8_layers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from mixprec import cli
+
+    assert cli.main(["diagnose", "--workload", "mlp", "--dtype", "bf16", "--fp8", "delayed",
+                     "--out", str(tmp_path)]) == 0  # fmt: skip
+    assert "fp8 loses most in:" in capsys.readouterr().out
+    assert json.loads((tmp_path / "report.json").read_text())["fp8"]

@@ -1,4 +1,11 @@
-"""A real training run: the bench's transformer with fp8 linears ends within 1% of bf16's final loss."""
+"""Real training runs with fp8 linears against bf16: the bench's MLP regression, where the linears are the model.
+
+The bench's transformer LM is not the check here: at the sizes a CPU trains in minutes it sits near
+its unigram plateau, where even frozen MLP weights end within 1% of bf16 (measured); its figures
+come from ``benchmarks/fp8_convergence.py`` (docs/fp8.md). On the MLP, fp8 ends 1.0-1.4% above bf16
+after 300 steps (measured; the gap is fp8's quantization noise against a small residual), a run
+whose fp8 layers learn nothing ends far above.
+"""
 
 from __future__ import annotations
 
@@ -16,16 +23,16 @@ assert _spec is not None and _spec.loader is not None
 convergence = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(convergence)
 
-STEPS = 150
+STEPS = 300
 
 
 @pytest.fixture(scope="module")
 def bf16_loss() -> float:
-    return float(convergence.final(convergence.train(None, "tiny", STEPS)))
+    return float(convergence.final(convergence.train_workload(None, "mlp", "tiny", STEPS)))
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed"])
-def test_fp8_ends_within_one_percent_of_bf16(recipe: str, bf16_loss: float) -> None:
-    losses = convergence.train(recipe, "tiny", STEPS)
-    assert losses[-1] < 0.7 * losses[0]  # it learned
-    assert abs(convergence.final(losses) - bf16_loss) / bf16_loss < 0.01
+def test_fp8_ends_within_three_percent_of_bf16(recipe: str, bf16_loss: float) -> None:
+    losses = convergence.train_workload(recipe, "mlp", "tiny", STEPS)
+    assert convergence.final(losses) < 0.2 * losses[0]  # it learned (a run whose fp8 layers do not: above 0.5)
+    assert abs(convergence.final(losses) - bf16_loss) / bf16_loss < 0.03

@@ -46,6 +46,8 @@ SCALER_TESTS = (
 PREPARE_TESTS = ("tests/test_master_weights.py", "tests/test_stochastic_rounding.py", "tests/test_prepare_config.py")
 POLICY_TESTS = ("tests/test_policy.py", "tests/test_policy_grammar.py")
 AUTOCAST_TESTS = ("tests/test_autocast.py", "tests/test_module_rules.py")
+FP8_TESTS = ("tests/test_fp8_gemm.py", "tests/test_fp8_linear.py", "tests/test_fp8_layers.py",
+             "tests/test_fp8_diagnostics.py")  # fmt: skip
 
 MUTANTS = (
     # --- the six the suite was first checked against -------------------------------------------------
@@ -172,6 +174,38 @@ MUTANTS = (
     Mutant("output-tuple-not-cast", "output_dtype casts single outputs only, not a tuple's",
            "src/mixprec/_src/dispatch.py", "        return tuple(_cast_output(o, dtype) for o in out)",
            "        return out", ("tests/test_autocast_ops.py",)),
+    # --- fp8 linears ----------------------------------------------------------------------------------
+    Mutant("fp8-records-non-finite-amax", "delayed scaling records the inf amax of an overflowed fp16 step",
+           "src/mixprec/_src/fp8_linear.py", "torch.where(now.isfinite(), now, 0.0)", "now", FP8_TESTS),
+    Mutant("fp8-no-amax-all-reduce", "delayed scaling's amax histories are not all-reduced across ranks",
+           "src/mixprec/_src/fp8_conversion.py", "dist.get_world_size(group) > 1", "dist.get_world_size(group) > 99",
+           ("tests/test_fp8_sharding.py",)),
+    Mutant("fp8-recompute-advances", "each call of a delayed layer (a recompute too) rolls the history",
+           "src/mixprec/_src/fp8_linear.py",
+           "        pending[role] = torch.maximum(pending[role], torch.where(now.isfinite(), now, 0.0))",
+           "        pending[role] = torch.maximum(pending[role], torch.where(now.isfinite(), now, 0.0))\n"
+           "        history.copy_(torch.roll(history, 1, dims=1))", FP8_TESTS),
+    Mutant("fp8-no-cuda-shape-rule", "misaligned linears are converted (CUDA would reject their GEMMs)",
+           "src/mixprec/_src/fp8_conversion.py", "    if misaligned:\n", "    if False:\n", FP8_TESTS),
+    Mutant("fp8-no-padding", "the weight gradient's token dim is not padded to 16",
+           "src/mixprec/_src/fp8_gemm.py", "    extra = -a.shape[1] % ALIGN", "    extra = 0", FP8_TESTS),
+    Mutant("fp8-head-converted", "the output head is converted by default",
+           "src/mixprec/_src/fp8_conversion.py", "if name == head and not config.convert_head:",
+           "if name == head and config.convert_head:", FP8_TESTS),
+    Mutant("fp8-ignores-autocast", "an fp8 layer computes in its input's dtype under autocast",
+           "src/mixprec/_src/fp8_linear.py", "    if torch.is_autocast_enabled(device_type):\n        category",
+           "    if False:\n        category", FP8_TESTS),
+    Mutant("fp8-bf16-history", "O2 stores the amax histories in bf16",
+           "src/mixprec/_src/master_weights.py",
+           "            if isinstance(module, Fp8Scaling):  # amax histories stay fp32\n                continue\n",
+           "", FP8_TESTS),
+    Mutant("fp8-drops-foreign-state-never", "a bf16 model cannot load a delayed-scaling checkpoint",
+           "src/mixprec/_src/fp8_conversion.py", "            del state_dict[key]", "            pass", FP8_TESTS),
+    Mutant("fp8-stats-unsorted", "diagnose lists fp8 layers in model order, not worst first",
+           "src/mixprec/_src/fp8_diagnostics.py", "    return sorted(reports, key=lambda r: r.sqnr)",
+           "    return reports", FP8_TESTS),
+    Mutant("fp8-rowwise-no-power-of-two", "rowwise scales are not rounded to powers of two",
+           "src/mixprec/_src/fp8_gemm.py", "    if power_of_two:  #", "    if False:  #", FP8_TESTS),
 )  # fmt: skip
 
 

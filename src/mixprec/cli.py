@@ -86,6 +86,8 @@ def _parser() -> argparse.ArgumentParser:
     _add_target_arguments(diagnose, "a bench workload (tiny size)", ", as diagnose(targets=)")
     diagnose.add_argument("--dtype", default="fp16", choices=["fp16", "bf16"])
     diagnose.add_argument("--policy", help="the autocast policy to check, e.g. cpu, cuda, 'compute=fp16,keep=norm'")
+    diagnose.add_argument("--fp8", choices=["tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed"],
+                          help="also report per fp8 layer its SQNR, saturation and flush-to-zero")  # fmt: skip
     diagnose.add_argument("--out", default="mixprec-diagnose", help="folder for report.json and diagnose.png")
 
     tune = sub.add_parser(
@@ -349,7 +351,7 @@ def _diagnose(args: argparse.Namespace) -> int:
                     raise ValueError(f"--batch must return (inputs, targets) when --loss is given: --loss is called "
                                      f"as loss(output, targets); {args.batch} returned {_what(batch)}")  # fmt: skip
                 inputs, targets = batch
-        report = diagnose(model, inputs, loss_fn, targets=targets, dtype=args.dtype, policy=args.policy)
+        report = diagnose(model, inputs, loss_fn, targets=targets, dtype=args.dtype, policy=args.policy, fp8=args.fp8)
     except (ValueError, TypeError) as exc:
         print(f"mixprec diagnose: {exc}", file=sys.stderr)
         return 2

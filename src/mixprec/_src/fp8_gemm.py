@@ -103,10 +103,11 @@ def gemm(a: torch.Tensor, a_op: Operand, b: torch.Tensor, b_op: Operand, out_dty
     a_q = a_q.contiguous()
     b_q = b_q.t().contiguous().t()
     rows, cols = a_q.shape[0], b_q.shape[1]
-    if a_op.rowwise and not b_op.rowwise:  # one granularity per GEMM: the tensorwise scale, repeated
-        sb = sb.reshape(1, 1).expand(1, cols)
+    # One granularity per GEMM: the tensorwise scale, repeated (a real tensor: CUDA takes no stride-0 scales).
+    if a_op.rowwise and not b_op.rowwise:
+        sb = sb.reshape(1, 1).repeat(1, cols)
     elif b_op.rowwise and not a_op.rowwise:
-        sa = sa.reshape(1, 1).expand(rows, 1)
+        sa = sa.reshape(1, 1).repeat(rows, 1)
     rowwise = a_op.rowwise or b_op.rowwise
     gemm_dtype = torch.bfloat16 if rowwise else out_dtype
     inv_a, inv_b = sa.reciprocal(), sb.reciprocal()

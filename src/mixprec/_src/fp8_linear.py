@@ -18,6 +18,7 @@ once per optimizer step (a hook prepare installs), after the amax is all-reduced
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any
 
@@ -150,7 +151,7 @@ class _Fp8Matmul(torch.autograd.Function):
         scale_x, scale_w = forward_scales or (None, None)
         ops, delayed = ctx.config.operands, ctx.delayed
         power = ops.power_of_two_scales
-        with torch.autocast(grad.device.type, enabled=False):
+        with _autocast_off(grad.device.type):
             go = grad.reshape(-1, grad.shape[-1])
             scale_go = None
             if delayed is not None:
@@ -165,6 +166,17 @@ class _Fp8Matmul(torch.autograd.Function):
                                    ops.input_for_grad_weight, weight.dtype, power_of_two=power, scale_a=scale_go,
                                    scale_b=scale_x)  # fmt: skip
         return grad_x.reshape(x.shape), grad_w, None, None, None, None, None
+
+
+def _autocast_off(device_type: str) -> contextlib.AbstractContextManager[Any]:
+    """Autocast off around the backward's casts and GEMMs, where ``backward()`` runs inside a region.
+
+    Under torch.compile the backward is traced with the forward, which already runs with autocast
+    off; Dynamo refuses an autocast context inside a traced backward, so none is opened there.
+    """
+    if torch.compiler.is_compiling():
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, enabled=False)
 
 
 def _keep_stats(scaling: Fp8Scaling | None, record: list[Any], roles: tuple[str, ...]) -> None:
