@@ -306,6 +306,7 @@ def test_cli_output_piped_into_head_ends_quietly() -> None:
     assert done.returncode == 0
 
 
+@pytest.mark.slow  # two spawned processes, half a minute
 def test_cli_sharded_bench_over_two_processes(capsys: pytest.CaptureFixture[str], tmp_path: pathlib.Path) -> None:
     from mixprec.bench import sharded
 

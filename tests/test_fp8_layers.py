@@ -102,9 +102,14 @@ def test_bad_fp8_options_say_what_is_valid() -> None:
         mixprec.PrepareConfig(fp8=3)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("level", ["O1", "O2", "bf16-sr"])
-@pytest.mark.parametrize("recipe", RECIPES)
-def test_every_level_trains_with_every_recipe(level: str, recipe: str) -> None:
+# Every recipe at O2 and every level with delayed scaling in the default suite; the whole grid in the slow one.
+LEVEL_CASES = [pytest.param(recipe, level, marks=() if level == "O2" or recipe == "delayed" else pytest.mark.slow,
+                            id=f"{recipe}-{level}")
+               for recipe in RECIPES for level in ("O1", "O2", "bf16-sr")]  # fmt: skip
+
+
+@pytest.mark.parametrize(("recipe", "level"), LEVEL_CASES)
+def test_every_level_trains_with_every_recipe(recipe: str, level: str) -> None:
     model, opt = prepared(recipe, level)
     seen: dict[str, torch.dtype] = {}
     model.mlp[0].register_forward_hook(lambda m, a, out: seen.update(dtype=out.dtype))

@@ -187,9 +187,14 @@ def _compare_compiled(recipe: str, backend: str, region: bool) -> tuple[Any, Any
     return results[0], results[1], eager, compiled_model
 
 
+# Two cases in the default suite (a dynamic and the stateful recipe, under a region), all in the slow one.
+COMPILE_CASES = [pytest.param(recipe, region, marks=() if region and recipe in ("tensorwise", "delayed")
+                              else pytest.mark.slow, id=f"{recipe}-{'under-autocast' if region else 'fp32'}")
+                 for recipe in RECIPES for region in (False, True)]  # fmt: skip
+
+
 @COMPILE_WARNING
-@pytest.mark.parametrize("region", [False, True], ids=["fp32", "under-autocast"])
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize(("recipe", "region"), COMPILE_CASES)
 def test_compiled_fullgraph_equals_eager(recipe: str, region: bool) -> None:
     want, got, eager, compiled = _compare_compiled(recipe, "aot_eager", region)
     assert bitwise_equal(want, got)
