@@ -251,3 +251,16 @@ def test_cuda_runs_what_the_cpu_ran(recipe: str) -> None:
     x = torch.randn(4, 30, 256, dtype=torch.bfloat16)  # 120 tokens: padded on both devices
     got, want = forward_backward(gpu, x.cuda()), forward_backward(cpu, x)
     assert sqnr(got[0].cpu(), want[0]) > 35 and sqnr(got[2][0].cpu(), want[2][0]) > 30
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_a_non_finite_gradient_is_not_recorded(bad: float) -> None:
+    """An overflowed fp16 step (GradScaler skips it) must not poison the amax history for history_len steps."""
+    model = fp8_model(mixprec.Fp8Config("delayed", convert_head=True, history_len=4), 32, 32)
+    out = model(torch.randn(16, 32))
+    grad = torch.ones_like(out)
+    grad[0, 0] = bad
+    out.backward(grad)
+    scaling = model[0].fp8
+    assert scaling.pending[2] == 0.0 and torch.isfinite(scaling.pending).all()
+    assert torch.isnan(model[0].weight.grad).any() or torch.isinf(model[0].weight.grad).any()  # GradScaler sees it
