@@ -176,6 +176,7 @@ COMPILE_WARNING = pytest.mark.filterwarnings("ignore:.*should not be instantiate
 
 
 def _compare_compiled(recipe: str, backend: str, region: bool) -> tuple[Any, Any, nn.Module, nn.Module]:
+    torch._dynamo.reset()  # each case compiles a new model: no recompile limit shared across cases
     eager = fp8_model(recipe, 64, 64, 32)
     compiled_model = copy.deepcopy(eager)
     compiled = torch.compile(compiled_model, fullgraph=True, backend=backend)
