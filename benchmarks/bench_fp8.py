@@ -199,6 +199,30 @@ def bench_steps(recipes: list[str], device: torch.device, size: str, steps: int,
     return StepRow("transformer", size, ms, speedup, converted, skipped, last, errors)
 
 
+def sqnr_table(recipes: list[str]) -> dict[str, dict[str, float]]:
+    """SQNR (dB) of one fp8 linear 256 -> 512 on 256 bf16 tokens against the same layer in bf16, per recipe
+    (the layer and batch of tests/test_fp8_linear.py::test_sqnr_against_bf16_reference); numerics, any device."""
+    from mixprec._src.fp8_diagnostics import sqnr
+
+    table = {}
+    for recipe in recipes:
+        torch.manual_seed(0)
+        layer = nn.Linear(256, 512).bfloat16()
+        reference = copy.deepcopy(layer)
+        fp8_conversion.convert(layer, mixprec.Fp8Config(mixprec.Fp8Recipe(recipe), convert_head=True), set())
+        x = torch.randn(4, 64, 256, dtype=torch.bfloat16)
+        runs = []
+        for module in (layer, reference):
+            given = x.clone().requires_grad_()
+            out = module(given)
+            out.float().square().sum().backward()
+            runs.append((out.detach(), module.weight.grad, given.grad))
+        (out, gw, gx), (ref_out, ref_gw, ref_gx) = runs
+        table[recipe] = {"output": sqnr(out, ref_out), "weight gradient": sqnr(gw, ref_gw),
+                         "input gradient": sqnr(gx, ref_gx)}  # fmt: skip
+    return table
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -208,6 +232,7 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="torch.compile the layer and the model")
     parser.add_argument("--steps", type=int, help="timed training steps per mode (default 20, --quick 3)")
     parser.add_argument("--json", help="also write the rows to this JSON file")
+    parser.add_argument("--sqnr-only", action="store_true", help="only the SQNR of each recipe against bf16")
     args = parser.parse_args()
     device = torch.device(args.device)
     recipes = [r for r in args.recipes.split(",") if r]
@@ -220,6 +245,11 @@ def main() -> None:
     windows, calls = (3, 1) if args.quick else (7, 10 if device.type == "cuda" else 2)
     size = "tiny" if args.quick else "default" if device.type == "cuda" else "quick"
 
+    print("SQNR against bf16, one linear 256 -> 512 on 256 tokens (dB): output, weight gradient, input gradient")
+    for recipe, row in sqnr_table(recipes).items():
+        print(f"  {recipe:<20} " + "  ".join(f"{v:5.1f}" for v in row.values()))
+    if args.sqnr_only:
+        return
     print(f"device: {device_name(device)}; torch {torch.__version__}, bf16{', compiled' if args.compile else ''}")
     if device.type == "cpu":
         print(CPU_NOTE)

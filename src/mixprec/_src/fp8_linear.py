@@ -202,6 +202,9 @@ def fp8_forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
     scaling: Fp8Scaling = self.fp8  # type: ignore[assignment]
     config = scaling.config
     dtype = compute_dtype(input)
+    if input.numel() == 0:  # no tokens: nothing to scale (an amax of nothing is undefined), nothing recorded
+        return torch.nn.functional.linear(input.to(dtype), self.weight.to(dtype),
+                                          None if self.bias is None else self.bias.to(dtype))  # fmt: skip
     delayed = _Delayed(config.margin, config.amax_algo) if config.delayed else None
     history = scaling.history if delayed is not None else None
     pending = scaling.pending if delayed is not None else None
