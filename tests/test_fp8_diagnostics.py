@@ -78,3 +78,18 @@ def test_cli_diagnose_reports_fp8_layers(tmp_path: Path, capsys: pytest.CaptureF
                      "--out", str(tmp_path)]) == 0  # fmt: skip
     assert "fp8 loses most in:" in capsys.readouterr().out
     assert json.loads((tmp_path / "report.json").read_text())["fp8"]
+
+
+def test_diagnose_takes_a_model_with_fp8_layers_and_says_what_to_pass_for_fp8() -> None:
+    model = model_with_an_outlier()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    mixprec.prepare(model, opt, "O1", fp8="tensorwise")
+    report = mixprec.diagnose(model, torch.randn(8, 32), dtype="bf16")  # fp8 tensors are not checked for inf/NaN
+    assert report.first_nonfinite is None
+    with pytest.raises(ValueError, match=r"before mixprec\.prepare"):
+        mixprec.diagnose(model, torch.randn(8, 32), dtype="bf16", fp8="tensorwise")
+
+
+def test_monitor_asks_for_fp8_layers() -> None:
+    with pytest.raises(ValueError, match="needs a model with fp8 layers"):
+        mixprec.Monitor(nn.Linear(4, 4), fp8_stats=True)

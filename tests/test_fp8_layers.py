@@ -208,3 +208,60 @@ def test_a_recipe_with_fp8_applies_it_and_round_trips() -> None:
     assert run.model(torch.randn(4, 16)).dtype == torch.float32
     with pytest.raises(ValueError, match="fp8 linears train beside a low-precision recipe"):
         mixprec.Recipe(dtype="fp32", fp8="tensorwise")
+
+
+@pytest.mark.filterwarnings("ignore:.*should not be instantiated:DeprecationWarning")  # Dynamo's own, any Function
+def test_a_prepared_fp8_model_compiles_into_one_graph() -> None:
+    """O1 with delayed scaling (no module kept in fp32: the keep hooks do not trace in one graph yet)."""
+    torch._dynamo.reset()
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 1))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        models.append(mixprec.prepare(model, opt, "O1", fp8="delayed", keep_types=()))
+    (eager, eager_opt), (compiled_model, opt) = models
+    train(eager, eager_opt, range(2))
+    train(torch.compile(compiled_model, fullgraph=True, backend="aot_eager"), opt, range(2))
+    assert bitwise_equal(eager.state_dict(), compiled_model.state_dict()) and eager[0].fp8.history[:, 1].all()
+
+
+def test_names_match_the_modules_holding_a_linear_as_keep_names_does() -> None:
+    model, _ = prepared(mixprec.Fp8Config("tensorwise", names="mlp"))
+    assert mixprec.fp8_layers(model).converted == ["mlp.0", "mlp.2"]  # type: ignore[union-attr]
+
+
+def test_converting_nothing_warns() -> None:
+    with pytest.warns(UserWarning, match=r"no linear was converted \(6 left out\)"):
+        prepared(mixprec.Fp8Config("tensorwise", names="block.*"))  # a typo: the model has no "block"
+
+
+def test_options_that_would_do_nothing_are_refused() -> None:
+    with pytest.raises(ValueError, match="use recipe 'delayed' with them"):
+        mixprec.Fp8Config("tensorwise", margin=2)
+    with pytest.raises(TypeError, match="convert_head is True or False"):
+        mixprec.Fp8Config(convert_head="yes")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="qualified-name globs"):
+        mixprec.Fp8Config(names=5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"PrepareConfig\(fp8=mixprec\.Fp8Config"):
+        mixprec.Recipe(fp8=mixprec.Fp8Config("delayed"))  # type: ignore[arg-type]
+
+
+def test_a_history_of_another_length_loads_its_newest_entries() -> None:
+    short, opt = prepared(mixprec.Fp8Config("delayed", history_len=4))
+    train(short, opt, range(6))
+    longer, _ = prepared(mixprec.Fp8Config("delayed", history_len=8))
+    longer.load_state_dict(short.state_dict())
+    assert torch.equal(longer.inp.fp8.history[:, :4], short.inp.fp8.history) and not longer.inp.fp8.history[:, 4:].any()
+    shorter, _ = prepared(mixprec.Fp8Config("delayed", history_len=2))
+    shorter.load_state_dict(short.state_dict())
+    assert torch.equal(shorter.inp.fp8.history, short.inp.fp8.history[:, :2])
+
+
+def test_an_evaluation_under_no_grad_records_nothing() -> None:
+    model, opt = prepared("delayed")
+    train(model, opt, range(2))
+    before = model.inp.fp8.pending.clone()
+    with torch.no_grad():
+        model(torch.randn(8, 16) * 100)
+    assert torch.equal(model.inp.fp8.pending, before)

@@ -36,6 +36,11 @@ from mixprec._src.policy_grammar import default_policy, get_policy
 from mixprec._src.training import LossFn
 
 
+def _checkable(t: Any) -> bool:
+    """A floating tensor ``isfinite`` takes: not fp8 (an fp8 layer's casts saturate; its GEMM output is checked)."""
+    return isinstance(t, torch.Tensor) and t.is_floating_point() and t.element_size() > 1
+
+
 class _FirstNonFinite(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Finds the first op that makes a NaN or Inf out of finite inputs (syncs on every op)."""
 
@@ -47,11 +52,11 @@ class _FirstNonFinite(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         if self.found is None:
-            outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
+            outputs = [t for t in tree_flatten(out)[0] if _checkable(t)]
             bad = [t for t in outputs if t.numel() and not bool(torch.isfinite(t).all())]
             if bad:
                 leaves = tree_flatten((args, kwargs))[0]
-                inputs = [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
+                inputs = [t for t in leaves if _checkable(t) and t.numel()]
                 # Infinities asked for are not a fault: attention masks are torch.full(-inf) or masked_fill(-inf).
                 deliberate = not inputs or any(isinstance(v, float) and not math.isfinite(v) for v in leaves)
                 if not deliberate and all(bool(torch.isfinite(t).all()) for t in inputs):

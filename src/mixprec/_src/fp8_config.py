@@ -96,7 +96,8 @@ class Fp8Config:
 
     Attributes:
         recipe: ``"tensorwise"``, ``"rowwise"``, ``"rowwise_with_gw_hp"`` or ``"delayed"``.
-        names: qualified-name globs of the linears to convert (``"blocks.*.mlp.*"``).
+        names: qualified-name globs of the linears to convert, or of modules holding them (as
+            ``keep_names``): ``"blocks.*.mlp"``, ``"blocks.0"``.
         filter: ``(module, qualified_name) -> bool``, as torchao's ``module_filter_fn``.
         convert_head: convert the last linear too (the output head; fp8 there costs accuracy).
         history_len: delayed scaling: steps of amax history per tensor (TE's default 1024).
@@ -104,7 +105,9 @@ class Fp8Config:
         amax_algo: delayed scaling: ``"max"`` of the history or the ``"most_recent"`` amax.
 
     Raises:
-        ValueError: an unknown recipe or amax algorithm, a history shorter than 1, a negative margin.
+        ValueError: an unknown recipe or amax algorithm, a history shorter than 1, a negative margin,
+            delayed-scaling options with another recipe.
+        TypeError: names that are not strings, a filter that is not callable, a non-bool convert_head.
     """
 
     recipe: Fp8Recipe = Fp8Recipe.TENSORWISE
@@ -119,13 +122,22 @@ class Fp8Config:
         names: Any = self.names
         object.__setattr__(self, "recipe", Fp8Recipe.from_name(self.recipe))
         object.__setattr__(self, "amax_algo", AmaxAlgo.from_name(self.amax_algo))
-        object.__setattr__(self, "names", (names,) if isinstance(names, str) else tuple(names))
+        names = (names,) if isinstance(names, str) else names
+        if not isinstance(names, (tuple, list)) or not all(isinstance(n, str) for n in names):
+            raise TypeError(f"fp8 names are qualified-name globs (a string or a tuple of them), got {names!r}")
+        object.__setattr__(self, "names", tuple(names))
+        if not isinstance(self.convert_head, bool):
+            raise TypeError(f"fp8 convert_head is True or False, got {self.convert_head!r}")
         if self.filter is not None and not callable(self.filter):
             raise TypeError("fp8 filter must be a callable (module, qualified_name) -> bool")
         if not isinstance(self.history_len, int) or self.history_len < 1:
             raise ValueError(f"fp8 history_len must be a positive int, got {self.history_len!r}")
         if not isinstance(self.margin, int) or self.margin < 0:
             raise ValueError(f"fp8 margin must be a non-negative int, got {self.margin!r}")
+        defaults = (1024, 0, AmaxAlgo.MAX)
+        if not self.delayed and (self.history_len, self.margin, self.amax_algo) != defaults:
+            raise ValueError(f"history_len, margin and amax_algo set delayed scaling; recipe {self.recipe.value!r} "
+                             "scales by each tensor's current amax: use recipe 'delayed' with them")  # fmt: skip
 
     @property
     def operands(self) -> RecipeOperands:
@@ -138,7 +150,9 @@ class Fp8Config:
 
     def selects(self, module: nn.Module, name: str) -> bool:
         """Whether ``module`` (called ``name``) is asked for by ``names`` and ``filter``."""
-        if not any(fnmatch.fnmatchcase(name, pattern) for pattern in self.names):
+        parts = name.split(".")
+        holders = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]  # the layer and the modules holding it
+        if not any(fnmatch.fnmatchcase(held, pattern) for held in holders for pattern in self.names):
             return False
         return self.filter is None or bool(self.filter(module, name))
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import types
+import warnings
 from typing import Any
 
 import torch
@@ -60,8 +61,9 @@ def fp8_layers(model: nn.Module) -> Fp8Layers | None:
 
 def _reason_to_skip(module: nn.Linear, name: str, config: Fp8Config, kept: bool, head: str | None) -> str | None:
     if not is_plain_linear(module):
-        return (f"a subclass of nn.Linear ({type(module).__name__}), whose owner may use its weight without "
-                "calling it (nn.MultiheadAttention's out_proj does)")  # fmt: skip
+        return (f"{type(module).__name__} is a subclass of nn.Linear: only nn.Linear itself is converted (a "
+                "subclass may compute otherwise, or its owner use the weight without calling it, as "
+                "nn.MultiheadAttention does with its out_proj)")  # fmt: skip
     if not config.selects(module, name):
         return "not selected by the fp8 names or filter"
     if kept:
@@ -106,6 +108,9 @@ def convert(model: nn.Module, config: Fp8Config, kept: set[int]) -> Fp8Layers:
         layers.modules[name] = module
     model.__dict__[_ATTR] = layers
     logger.info("%s", layers)
+    if not layers.converted:
+        warnings.warn(f"fp8 was asked for but no linear was converted ({len(layers.skipped)} left out); "
+                      "mixprec.fp8_layers(model) lists them with the reasons", UserWarning, stacklevel=3)  # fmt: skip
     return layers
 
 

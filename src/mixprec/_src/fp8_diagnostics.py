@@ -20,6 +20,7 @@ from mixprec._src import fp8_conversion, training
 from mixprec._src.autocast import autocast
 from mixprec._src.diagnostic_report import Fp8LayerReport
 from mixprec._src.fp8_config import Fp8Config
+from mixprec._src.master_weights import prepared_state
 from mixprec._src.policy import Policy
 from mixprec._src.training import LossFn
 
@@ -50,7 +51,14 @@ def set_recording(model: nn.Module, on: bool) -> None:
 
 def fp8_layer_reports(model: nn.Module, inputs: Any, loss_fn: LossFn | None, config: Fp8Config, *,
                       dtype: torch.dtype, policy: Policy, device_type: str) -> list[Fp8LayerReport]:  # fmt: skip
-    """One forward and backward of a copy of ``model`` with ``config``'s fp8 layers, worst SQNR first."""
+    """One forward and backward of a copy of ``model`` with ``config``'s fp8 layers, worst SQNR first.
+
+    Raises:
+        ValueError: a model :func:`mixprec.prepare` set up (its copy would share the original's state).
+    """
+    if prepared_state(model) is not None:
+        raise ValueError("diagnose(fp8=...) measures fp8 on a copy of the model as it was before mixprec.prepare; "
+                         "pass that model (or mixprec.export_fp32(model) of this one)")  # fmt: skip
     trial = copy.deepcopy(model)
     fp8_conversion.revert(trial)
     layers = fp8_conversion.convert(trial, config, set())

@@ -97,6 +97,13 @@ class Fp8Scaling(nn.Module):
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
         missing: list[str] = args[2]
+        saved = state_dict.get(prefix + "history")
+        if self.config.delayed and saved is not None and saved.shape != self.history.shape:
+            # A history of another length: its newest entries, as many as this one holds (zeros after).
+            resized = torch.zeros_like(self.history)
+            keep = min(saved.shape[-1], resized.shape[-1])
+            resized[:, :keep] = saved[:, :keep]
+            state_dict[prefix + "history"] = resized
         super()._load_from_state_dict(state_dict, prefix, *args)
         # A checkpoint of a recipe without an amax history (bf16, a dynamic fp8 recipe) starts one afresh.
         absent = {prefix + "history", prefix + "pending"} - state_dict.keys()
@@ -107,16 +114,18 @@ class Fp8Scaling(nn.Module):
 class _Delayed:
     margin: int
     algo: AmaxAlgo
+    record: bool  # the forward records amaxes (grad mode on: training, not an evaluation under no_grad)
 
 
 def _delayed_scale(history: torch.Tensor, pending: torch.Tensor, role: int, t: torch.Tensor, dtype: torch.dtype,
-                   delayed: _Delayed) -> torch.Tensor:  # fmt: skip
-    """The scale of ``role`` from past steps (the current amax before any), and record the current amax."""
+                   delayed: _Delayed, record: bool = True) -> torch.Tensor:  # fmt: skip
+    """The scale of ``role`` from past steps (the current amax before any); ``record``: note the current amax."""
     now = t.detach().abs().amax().float()
     past = history[role].amax() if delayed.algo is AmaxAlgo.MAX else history[role, 0]
     amax = torch.where(past > 0, past, now)
-    with torch.no_grad():  # a non-finite amax (an overflowed step GradScaler skips) is not recorded
-        pending[role] = torch.maximum(pending[role], torch.where(now.isfinite(), now, 0.0))
+    if record:
+        with torch.no_grad():  # a non-finite amax (an overflowed step GradScaler skips) is not recorded
+            pending[role] = torch.maximum(pending[role], torch.where(now.isfinite(), now, 0.0))
     return fp8_gemm.scale_from_amax(amax, dtype, power_of_two=False, margin=delayed.margin)
 
 
@@ -132,8 +141,10 @@ class _Fp8Matmul(torch.autograd.Function):
         scale_x = scale_w = None
         if delayed is not None:
             assert history is not None and pending is not None
-            scale_x = _delayed_scale(history, pending, INPUT, x2, ops.input.dtype, delayed)  # type: ignore[arg-type]
-            scale_w = _delayed_scale(history, pending, WEIGHT, weight, ops.weight.dtype, delayed)  # type: ignore[arg-type]
+            scale_x = _delayed_scale(history, pending, INPUT, x2, ops.input.dtype, delayed,  # type: ignore[arg-type]
+                                     delayed.record)  # fmt: skip
+            scale_w = _delayed_scale(history, pending, WEIGHT, weight, ops.weight.dtype, delayed,  # type: ignore[arg-type]
+                                     delayed.record)  # fmt: skip
         record: list[Any] | None = [] if scaling is not None and scaling.recording else None
         out = fp8_gemm.gemm(x2, ops.input, weight.t(), ops.weight, x.dtype, fast_accum=True,
                             power_of_two=ops.power_of_two_scales, scale_a=scale_x, scale_b=scale_w,
@@ -185,14 +196,22 @@ def _keep_stats(scaling: Fp8Scaling | None, record: list[Any], roles: tuple[str,
         scaling.stats[role] = CastStats.of(t, amax, scale, dtype)
 
 
+@torch._dynamo.assume_constant_result  # type: ignore[untyped-decorator]
+def _linear_category(device_type: str) -> str | None:
+    """The policy's category for ``linear`` in the region in force (a constant to torch.compile: the
+    region's own graph nodes carry its policy; reading the per-thread stack would guard on it)."""
+    category = get_autocast_policy(device_type).category_of("linear")
+    return None if category is None else category.value
+
+
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype ``nn.Linear`` would compute in here: autocast's for ``linear`` (policy and rules), else ``x``'s."""
     device_type = x.device.type
     if torch.is_autocast_enabled(device_type):
-        category = get_autocast_policy(device_type).category_of("linear")
-        if category is OpCategory.LOWER:
+        category = _linear_category(device_type)
+        if category == OpCategory.LOWER.value:
             return torch.get_autocast_dtype(device_type)
-        if category is OpCategory.FP32:
+        if category == OpCategory.FP32.value:
             return torch.float32
     return x.dtype
 
@@ -205,7 +224,7 @@ def fp8_forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
     if input.numel() == 0:  # no tokens: nothing to scale (an amax of nothing is undefined), nothing recorded
         return torch.nn.functional.linear(input.to(dtype), self.weight.to(dtype),
                                           None if self.bias is None else self.bias.to(dtype))  # fmt: skip
-    delayed = _Delayed(config.margin, config.amax_algo) if config.delayed else None
+    delayed = _Delayed(config.margin, config.amax_algo, torch.is_grad_enabled()) if config.delayed else None
     history = scaling.history if delayed is not None else None
     pending = scaling.pending if delayed is not None else None
     with torch.autocast(input.device.type, enabled=False):  # the GEMMs' dtypes are the recipe's, not autocast's

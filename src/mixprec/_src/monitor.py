@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from mixprec._src import checkpoint_replay, fp8_diagnostics
+from mixprec._src import checkpoint_replay, fp8_conversion, fp8_diagnostics
 from mixprec._src.autocast import TorchAutocast
 from mixprec._src.scaler import GradScaler, ScalerEvent
 
@@ -85,6 +85,9 @@ class Monitor:
         self._scaler = scaler
         self._fp8_stats = fp8_stats
         if fp8_stats:
+            if fp8_conversion.fp8_layers(model) is None:
+                raise ValueError("fp8_stats=True needs a model with fp8 layers: mixprec.prepare(model, optimizer, "
+                                 "level, fp8=...) first")  # fmt: skip
             fp8_diagnostics.set_recording(model, True)
         if scaler is not None:
             scaler.add_listener(self._on_scaler_event)

@@ -115,6 +115,10 @@ class Recipe:
         object.__setattr__(self, "measurements", tuple(self.measurements))
         object.__setattr__(self, "notes", tuple(self.notes))
         if self.fp8 is not None:
+            if not isinstance(self.fp8, str):
+                raise TypeError("Recipe.fp8 is a recipe name ('tensorwise', 'rowwise', 'rowwise_with_gw_hp', "
+                                "'delayed'), data a JSON file holds; to choose layers or set delayed scaling, pass "
+                                "PrepareConfig(fp8=mixprec.Fp8Config(...)) to mixprec.prepare")  # fmt: skip
             object.__setattr__(self, "fp8", Fp8Recipe.from_name(self.fp8).value)
             if self.dtype is torch.float32:
                 raise ValueError("fp8 linears train beside a low-precision recipe; use dtype bf16 (or fp16) with fp8")
