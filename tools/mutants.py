@@ -179,9 +179,9 @@ MUTANTS = (
            "src/mixprec/_src/fp8_linear.py", "torch.where(now.isfinite(), now, 0.0)", "now", FP8_TESTS),
     Mutant("fp8-recompute-advances", "each call of a delayed layer (a recompute too) rolls the history",
            "src/mixprec/_src/fp8_linear.py",
-           "        pending[role] = torch.maximum(pending[role], torch.where(now.isfinite(), now, 0.0))",
-           "        pending[role] = torch.maximum(pending[role], torch.where(now.isfinite(), now, 0.0))\n"
-           "        history.copy_(torch.roll(history, 1, dims=1))", FP8_TESTS),
+           "            pending[role] = torch.maximum(pending[role], torch.where(now.isfinite(), now, 0.0))",
+           "            pending[role] = torch.maximum(pending[role], torch.where(now.isfinite(), now, 0.0))\n"
+           "            history.copy_(torch.roll(history, 1, dims=1))", FP8_TESTS),
     Mutant("fp8-no-cuda-shape-rule", "misaligned linears are converted (CUDA would reject their GEMMs)",
            "src/mixprec/_src/fp8_conversion.py", "    if misaligned:\n", "    if False:\n", FP8_TESTS),
     Mutant("fp8-no-padding", "the weight gradient's token dim is not padded to 16",
