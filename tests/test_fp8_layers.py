@@ -243,6 +243,10 @@ def test_options_that_would_do_nothing_are_refused() -> None:
         mixprec.Fp8Config(convert_head="yes")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="qualified-name globs"):
         mixprec.Fp8Config(names=5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="scales weights per row: use tensorwise or delayed"):
+        mixprec.Fp8Config("rowwise", all_gather=True)
+    with pytest.raises(ValueError, match="no fully_shard units: shard it first"):
+        prepared(mixprec.Fp8Config("tensorwise", all_gather=True))
     with pytest.raises(TypeError, match=r"PrepareConfig\(fp8=mixprec\.Fp8Config"):
         mixprec.Recipe(fp8=mixprec.Fp8Config("delayed"))  # type: ignore[arg-type]
 

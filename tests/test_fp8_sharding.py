@@ -22,7 +22,7 @@ from mixprec.bench.workloads import TinyLM
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed")]
 
-RECIPES = ("tensorwise", "delayed")
+RECIPES = ("tensorwise", "delayed", "tensorwise-all-gather", "delayed-all-gather")
 STEPS, SAVE_AT, BATCH = 4, 2, 8
 
 
@@ -36,7 +36,10 @@ def _build(recipe: str, world: int) -> tuple[nn.Module, torch.optim.Optimizer]:
             fully_shard(layer)
         fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    mixprec.prepare(model, opt, "O2", fp8=mixprec.Fp8Config(recipe, history_len=8))
+    name, _, gather = recipe.partition("-")
+    gather_fp8 = bool(gather) and world > 1  # one process: the same recipe, nothing to gather
+    config = mixprec.Fp8Config(name, all_gather=gather_fp8, **({"history_len": 8} if name == "delayed" else {}))
+    mixprec.prepare(model, opt, "O2", fp8=config)
     return model, opt
 
 
@@ -64,6 +67,24 @@ def _full(model: nn.Module) -> list[torch.Tensor]:
     return [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for p in model.parameters()]
 
 
+def _gathered_weight_is_the_full_weights_fp8(model: nn.Module, rank: int, world: int) -> bool:
+    """The weight a layer's forward sees, cast to e4m3 with its own amax, is the fp32 weight's cast with its own."""
+    from mixprec._src import fp8_gemm
+
+    layer = model.blocks.layers[0].linear1  # type: ignore[union-attr,index]
+    seen: list[torch.Tensor] = []
+    handle = layer.register_forward_pre_hook(lambda m, a: seen.append(m.weight.detach().float().clone()))
+    model(torch.randint(0, 64, (2, 16)))
+    handle.remove()
+    full = layer.weight.full_tensor().float() if world > 1 else layer.weight.detach().float()
+
+    def fp8(t: torch.Tensor) -> torch.Tensor:
+        scale = fp8_gemm.scale_from_amax(t.abs().amax(), torch.float8_e4m3fn, power_of_two=False)
+        return fp8_gemm.quantize(t, scale, torch.float8_e4m3fn).float()
+
+    return bool(torch.equal(fp8(seen[0]), fp8(full)))
+
+
 def _worker(rank: int, world: int, port: int, results: Any, where: str) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -72,6 +93,7 @@ def _worker(rank: int, world: int, port: int, results: Any, where: str) -> None:
     out: dict[str, Any] = {}
     for recipe in RECIPES:
         model, opt = _build(recipe, world)
+        same_fp8 = _gathered_weight_is_the_full_weights_fp8(model, rank, world)
         losses = _train(model, opt, range(SAVE_AT), rank, world)
         model_state, opt_state = get_state_dict(model, opt)
         dcp.save({"model": model_state, "optim": opt_state}, checkpoint_id=Path(where) / recipe)
@@ -82,8 +104,11 @@ def _worker(rank: int, world: int, port: int, results: Any, where: str) -> None:
         dcp.load(state, checkpoint_id=Path(where) / recipe)
         set_state_dict(resumed, opt2, model_state_dict=state["model"], optim_state_dict=state["optim"])
         _train(resumed, opt2, range(SAVE_AT, STEPS), rank, world)
-        out[recipe] = {"losses": losses, "histories": _histories(model), "full": _full(model),
-                       "resumed": _full(resumed), "resumed_histories": _histories(resumed),
+        gathered = {fp._module_info.param_name: fp.all_gather_outputs[0].dtype
+                    for unit in mixprec._src.sharding.fsdp_units(model) for fp in unit.fsdp_params
+                    if hasattr(fp._module_info.module, "fp8")}  # fmt: skip
+        out[recipe] = {"losses": losses, "histories": _histories(model), "full": _full(model), "gathered": gathered,
+                       "same_fp8": same_fp8, "resumed": _full(resumed), "resumed_histories": _histories(resumed),
                        "converted": mixprec.fp8_layers(model).converted}  # type: ignore[union-attr]  # fmt: skip
     results[rank] = out
     dist.destroy_process_group()
@@ -105,8 +130,22 @@ def test_fp8_under_fsdp2_trains_as_one_process(recipe: str, ranks: list[dict[str
     assert max(abs(a - b) / b for a, b in zip(sharded, single, strict=True)) < 0.02, (sharded, single)
 
 
-def test_delayed_histories_agree_across_ranks(ranks: list[dict[str, Any]]) -> None:
-    first, second = ranks[0]["delayed"]["histories"], ranks[1]["delayed"]["histories"]
+@pytest.mark.parametrize("recipe", ["tensorwise-all-gather", "delayed-all-gather"])
+def test_fp8_all_gather_moves_bytes_and_trains_as_the_bf16_gather(recipe: str, ranks: list[dict[str, Any]]) -> None:
+    got, plain = ranks[0][recipe], ranks[0][recipe.removesuffix("-all-gather")]
+    assert got["gathered"] == {
+        "weight": torch.uint8,
+        "bias": torch.bfloat16,
+    }  # weights in fp8 bytes, biases in O2's bf16
+    assert plain["gathered"] == {"weight": torch.bfloat16, "bias": torch.bfloat16}
+    assert got["same_fp8"] and ranks[1][recipe]["same_fp8"]  # one scale across the shards: the whole weight's
+    # The same fp8 weights, but cast from the fp32 shard rather than from its bf16 copy: close, not equal.
+    assert max(abs(a - b) / b for a, b in zip(got["losses"], plain["losses"], strict=True)) < 0.01
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "delayed-all-gather"])
+def test_delayed_histories_agree_across_ranks(recipe: str, ranks: list[dict[str, Any]]) -> None:
+    first, second = ranks[0][recipe]["histories"], ranks[1][recipe]["histories"]
     assert first and bitwise_equal(first, second)
     assert all(h[:, :STEPS].all() for h in first.values())  # one entry per optimizer step, none before
 

@@ -103,6 +103,8 @@ class Fp8Config:
         history_len: delayed scaling: steps of amax history per tensor (TE's default 1024).
         margin: delayed scaling: scales are divided by ``2**margin`` (headroom for growth).
         amax_algo: delayed scaling: ``"max"`` of the history or the ``"most_recent"`` amax.
+        all_gather: under FSDP2, all-gather the converted layers' weights in fp8 (tensorwise and
+            delayed recipes: one scale per weight).
 
     Raises:
         ValueError: an unknown recipe or amax algorithm, a history shorter than 1, a negative margin,
@@ -117,6 +119,7 @@ class Fp8Config:
     history_len: int = 1024
     margin: int = 0
     amax_algo: AmaxAlgo = AmaxAlgo.MAX
+    all_gather: bool = False
 
     def __post_init__(self) -> None:
         names: Any = self.names
@@ -126,8 +129,12 @@ class Fp8Config:
         if not isinstance(names, (tuple, list)) or not all(isinstance(n, str) for n in names):
             raise TypeError(f"fp8 names are qualified-name globs (a string or a tuple of them), got {names!r}")
         object.__setattr__(self, "names", tuple(names))
-        if not isinstance(self.convert_head, bool):
-            raise TypeError(f"fp8 convert_head is True or False, got {self.convert_head!r}")
+        for flag in ("convert_head", "all_gather"):
+            if not isinstance(getattr(self, flag), bool):
+                raise TypeError(f"fp8 {flag} is True or False, got {getattr(self, flag)!r}")
+        if self.all_gather and self.operands.weight.rowwise:
+            raise ValueError(f"all_gather=True casts each weight shard with one scale per weight; recipe "
+                             f"{self.recipe.value!r} scales weights per row: use tensorwise or delayed")  # fmt: skip
         if self.filter is not None and not callable(self.filter):
             raise TypeError("fp8 filter must be a callable (module, qualified_name) -> bool")
         if not isinstance(self.history_len, int) or self.history_len < 1:
@@ -165,7 +172,7 @@ class Fp8Config:
             text += f" names={'+'.join(self.names)}"
         if self.filter is not None:
             text += f" filter={getattr(self.filter, '__name__', 'filter')}"
-        return text + (" +head" if self.convert_head else "")
+        return text + (" +head" if self.convert_head else "") + (" +all_gather" if self.all_gather else "")
 
 
 def is_plain_linear(module: nn.Module) -> bool:

@@ -37,7 +37,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from mixprec._src import casting, fp8_conversion, sharding, stochastic_rounding, training
+from mixprec._src import casting, fp8_all_gather, fp8_conversion, sharding, stochastic_rounding, training
 from mixprec._src.autocast import autocast
 from mixprec._src.errors import PrepareOrderError
 from mixprec._src.fp8_config import Fp8Config
@@ -163,7 +163,11 @@ def prepare(
     # Registered first, so it runs before any other step hook (bf16-sr's, the user's).
     state.handles.append(optimizer.register_step_pre_hook(functools.partial(_check_still_ours, model, state)))
     _keep_in_fp32(kept_modules, device_type, state.handles)
+    layers = None
     if config.fp8 is not None:
+        if config.fp8.all_gather and not sharded:
+            raise ValueError("Fp8Config(all_gather=True) sets FSDP2's all-gather of the fp8 weights; this model has no "
+                             "fully_shard units: shard it first, or leave all_gather off")  # fmt: skip
         inside_kept = {id(m) for k in kept_modules for m in k.modules()}
         layers = fp8_conversion.convert(model, config.fp8, inside_kept)
         group = sharding.process_group(model) if sharded else None
@@ -179,6 +183,8 @@ def prepare(
         state.fused = stochastic_rounding.install(optimizer, state.lowp_params, state.handles)
     else:  # the keys every level's checkpoint holds; nothing rounds stochastically here
         stochastic_rounding.add_counters(optimizer, 0, state.handles)
+    if layers is not None and layers.config.all_gather:  # on the shards as _lower left them
+        fp8_all_gather.install(model, layers)
 
     # Bound to the model (a deep copy rebinds them to the copy). _call_impl runs before every
     # module hook, FSDP2's included: the place to refuse a model sharded after prepare.
