@@ -32,25 +32,42 @@ RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed")
 SEQ, BATCH, VOCAB = 64, 16, 256
 
 
-def train(recipe: str | None, dim: int, steps: int, on_step: Callable[[], None] = lambda: None) -> list[float]:
-    """Losses of ``steps`` steps of a ``dim``-wide TinyLM (``recipe=None``: bf16 only)."""
-    torch.manual_seed(0)
-    model = TinyLM(VOCAB, dim, layers=2, heads=max(1, dim // 32))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def _losses(model: torch.nn.Module, optimizer: torch.optim.Optimizer, recipe: str | None,
+            batch: Callable[[int], Batch], loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+            steps: int, on_step: Callable[[], None]) -> list[float]:  # fmt: skip
+    """Prepare at O1 (with ``fp8=recipe``) and train ``steps`` steps; the loss of each."""
     model, optimizer = mixprec.prepare(model, optimizer, "O1", fp8=recipe)
-    text = markov_text(100_000, VOCAB)
     losses = []
     for step in range(steps):
-        starts = torch.randint(0, len(text) - SEQ - 1, (BATCH,), generator=torch.Generator().manual_seed(step))
-        window = torch.stack([text[s : s + SEQ + 1] for s in starts.tolist()])
-        logits = model(window[:, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1), window[:, 1:].flatten())
+        inputs, targets = batch(step)
+        loss = loss_fn(model(inputs), targets)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
         losses.append(float(loss.detach()))
         on_step()
     return losses
+
+
+def train(recipe: str | None, dim: int, steps: int, on_step: Callable[[], None] = lambda: None) -> list[float]:
+    """Losses of ``steps`` steps of a ``dim``-wide TinyLM (``recipe=None``: bf16 only)."""
+    torch.manual_seed(0)
+    model = TinyLM(VOCAB, dim, layers=2, heads=max(1, dim // 32))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    text = markov_text(100_000, VOCAB)
+
+    def batch(step: int) -> Batch:
+        starts = torch.randint(0, len(text) - SEQ - 1, (BATCH,), generator=torch.Generator().manual_seed(step))
+        window = torch.stack([text[s : s + SEQ + 1] for s in starts.tolist()])
+        return window[:, :-1], window[:, 1:]
+
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    return _losses(model, optimizer, recipe, batch, loss_fn, steps, on_step)
 
 
 def train_workload(recipe: str | None, workload: str, size: str, steps: int,
@@ -58,17 +75,7 @@ def train_workload(recipe: str | None, workload: str, size: str, steps: int,
     """Losses of ``steps`` steps of a bench workload at ``size`` (``recipe=None``: bf16 only)."""
     task = WORKLOADS[workload].build(size, torch.device("cpu"))
     optimizer = make_optimizer(task, task.model.parameters())
-    model, optimizer = mixprec.prepare(task.model, optimizer, "O1", fp8=recipe)
-    losses = []
-    for step in range(steps):
-        inputs, targets = task.batch(step)
-        loss = task.loss_fn(model(inputs), targets)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(float(loss.detach()))
-        on_step()
-    return losses
+    return _losses(task.model, optimizer, recipe, task.batch, task.loss_fn, steps, on_step)
 
 
 def final(losses: Sequence[float]) -> float:
