@@ -269,3 +269,12 @@ def test_an_evaluation_under_no_grad_records_nothing() -> None:
     with torch.no_grad():
         model(torch.randn(8, 16) * 100)
     assert torch.equal(model.inp.fp8.pending, before)
+
+
+def test_a_refused_fp8_prepare_leaves_the_model_as_it_was() -> None:
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="no fully_shard units"):
+        mixprec.prepare(model, opt, "O2", fp8=mixprec.Fp8Config(all_gather=True))
+    assert not model.norm._forward_pre_hooks and not opt._optimizer_step_pre_hooks
+    mixprec.prepare(model, opt, "O2", fp8="tensorwise")  # and it can be prepared right after

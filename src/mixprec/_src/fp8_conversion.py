@@ -77,7 +77,8 @@ def _reason_to_skip(module: nn.Linear, name: str, config: Fp8Config, kept: bool,
     return None
 
 
-def _check_device(model: nn.Module, config: Fp8Config) -> None:
+def check_device(model: nn.Module, config: Fp8Config) -> None:
+    """Raise where the model's GPU has no fp8 GEMMs for ``config``'s recipe (host-side, no sync)."""
     param = next(model.parameters(), None)
     if param is None or param.device.type != "cuda":
         return
@@ -93,7 +94,7 @@ def _check_device(model: nn.Module, config: Fp8Config) -> None:
 
 def convert(model: nn.Module, config: Fp8Config, kept: set[int]) -> Fp8Layers:
     """Give the chosen linears of ``model`` an fp8 forward (in place); ``kept``: ids of modules kept in fp32."""
-    _check_device(model, config)
+    check_device(model, config)
     linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     head = linears[-1][0] if linears else None
     layers = Fp8Layers(config, [], [])

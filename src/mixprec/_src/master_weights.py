@@ -157,6 +157,11 @@ def prepare(
             "the first forward"
         )
     _check(model, optimizer, sharded)
+    if config.fp8 is not None:  # before anything is installed: a refusal leaves the model as it was
+        fp8_conversion.check_device(model, config.fp8)
+        if config.fp8.all_gather and not sharded:
+            raise ValueError("Fp8Config(all_gather=True) sets FSDP2's all-gather of the fp8 weights; this model has no "
+                             "fully_shard units: shard it first, or leave all_gather off")  # fmt: skip
     device_type = training.device_type_of(model)
     kept_modules = _outermost(model, config)
     state = Prepared(config, device_type, model.forward, [], [], kept_modules, [], sharded=sharded)
@@ -165,9 +170,6 @@ def prepare(
     _keep_in_fp32(kept_modules, device_type, state.handles)
     layers = None
     if config.fp8 is not None:
-        if config.fp8.all_gather and not sharded:
-            raise ValueError("Fp8Config(all_gather=True) sets FSDP2's all-gather of the fp8 weights; this model has no "
-                             "fully_shard units: shard it first, or leave all_gather off")  # fmt: skip
         inside_kept = {id(m) for k in kept_modules for m in k.modules()}
         layers = fp8_conversion.convert(model, config.fp8, inside_kept)
         group = sharding.process_group(model) if sharded else None
