@@ -343,3 +343,11 @@ def test_fp8_modes_train_and_say_they_are_emulated_on_a_cpu(
     assert (
         abs(modes["fp8-delayed"]["final_loss"] - modes["mixprec"]["final_loss"]) < 0.1 * modes["mixprec"]["final_loss"]
     )
+
+
+def test_fp8_modes_skip_conv_workloads() -> None:
+    assert MODES["fp8"].trains(conv=False) and not MODES["fp8"].trains(conv=True)
+    assert MODES["mixprec-cl"].trains(conv=True) and not MODES["mixprec-cl"].trains(conv=False)
+    assert MODES["mixprec"].trains(conv=True) and MODES["mixprec"].trains(conv=False)
+    report = run(BenchConfig(workloads=("checkerboard",), modes=("mixprec", "fp8"), steps=2, warmup=1, size="tiny"))
+    assert set(report.results["checkerboard"]) == {"mixprec"}

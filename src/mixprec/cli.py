@@ -134,9 +134,7 @@ def _bench(args: argparse.Namespace) -> int:
     if problem:
         return _refuse(problem)
     console = Console(stderr=False, quiet=False)
-    runs = [
-        (w, m) for w in config.workloads for m in config.modes if not (MODES[m].conv_only and not WORKLOADS[w].conv)
-    ]
+    runs = [(w, m) for w in config.workloads for m in config.modes if MODES[m].trains(WORKLOADS[w].conv)]
     if dtype is torch.float16 and device.type == "cpu":
         print("mixprec bench: warning: fp16 has no fast path on most CPUs (it is emulated, often 10-100x slower "
               "than fp32); use --dtype bf16 (or auto) on a CPU", file=sys.stderr, flush=True)  # fmt: skip

@@ -76,6 +76,13 @@ class Mode:
     resolve: Callable[[Task, torch.optim.Optimizer, torch.dtype, float], Mode] | None = None
     fp8: bool = False
 
+    def trains(self, conv: bool) -> bool:
+        """Whether it trains a workload with (``conv``) or without convolutions: channels_last modes only
+        the first, fp8 modes only the second (fp8 converts linears; a conv net's only linear is its head)."""
+        if self.conv_only:
+            return conv
+        return not (self.fp8 and conv)
+
 
 def _channels_last_input(x: torch.Tensor) -> torch.Tensor:
     return to_channels_last(x) if x.dim() in (4, 5) else x

@@ -430,7 +430,7 @@ def cpu_name() -> str:
 
 def _modes_for(workload: str, config: BenchConfig, dtype: torch.dtype) -> list[Mode]:
     return [MODES[m] for m in config.modes
-            if not (MODES[m].conv_only and not WORKLOADS[workload].conv) and dtype in MODES[m].dtypes]  # fmt: skip
+            if MODES[m].trains(WORKLOADS[workload].conv) and dtype in MODES[m].dtypes]  # fmt: skip
 
 
 def _compare(by_mode: dict[str, ModeResult]) -> None:
