@@ -238,28 +238,11 @@ def diagnose(
     base = get_policy(policy, device_type) if policy is not None else default_policy(device_type)
     was_training = model.training
     try:
-        ref, ref_first, loss_fp32 = _run(
-            model,
-            inputs,
-            loss_of,
-            dtype,
-            base,
-            device_type,
-            low_precision=False,
-            keep_outputs=True,
-            steps=steps,
-        )
-        low, first, loss_low = _run(
-            model,
-            inputs,
-            loss_of,
-            dtype,
-            base,
-            device_type,
-            low_precision=True,
-            keep_outputs=True,
-            steps=steps,
-        )
+        (ref, ref_first, loss_fp32), (low, first, loss_low) = [
+            _run(model, inputs, loss_of, dtype, base, device_type, low_precision=low_precision, keep_outputs=True,
+                 steps=steps)
+            for low_precision in (False, True)
+        ]  # fmt: skip
     finally:
         model.train(was_training)
     reports = []

@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 
 from mixprec._src import fp8_gemm, sharding
-from mixprec._src.fp8_config import E4M3, AmaxAlgo
+from mixprec._src.fp8_config import E4M3
 from mixprec._src.fp8_conversion import Fp8Layers
-from mixprec._src.fp8_linear import WEIGHT, Fp8Scaling
+from mixprec._src.fp8_linear import WEIGHT, Fp8Scaling, scale_from_history
 
 
 def install(model: torch.nn.Module, layers: Fp8Layers) -> int:
@@ -46,9 +46,7 @@ def _weight_scale(shard: torch.Tensor, scaling: Fp8Scaling, group: Any) -> torch
     config = scaling.config
     if not config.delayed:
         return fp8_gemm.scale_from_amax(now, E4M3, power_of_two=False)
-    row = scaling.history[WEIGHT]
-    past = row.amax() if config.amax_algo is AmaxAlgo.MAX else row[0]
-    return fp8_gemm.scale_from_amax(torch.where(past > 0, past, now), E4M3, False, config.margin)
+    return scale_from_history(scaling.history[WEIGHT], now, E4M3, config.amax_algo, config.margin)
 
 
 def _attach(fsdp_param: Any, scaling: Fp8Scaling) -> None:

@@ -117,16 +117,21 @@ class _Delayed:
     record: bool  # the forward records amaxes (grad mode on: training, not an evaluation under no_grad)
 
 
+def scale_from_history(row: torch.Tensor, now: torch.Tensor, dtype: torch.dtype, algo: AmaxAlgo,
+                       margin: int) -> torch.Tensor:  # fmt: skip
+    """Delayed scaling's scale from one tensor's amax history (``now``, its amax, while the history is empty)."""
+    past = row.amax() if algo is AmaxAlgo.MAX else row[0]
+    return fp8_gemm.scale_from_amax(torch.where(past > 0, past, now), dtype, power_of_two=False, margin=margin)
+
+
 def _delayed_scale(history: torch.Tensor, pending: torch.Tensor, role: int, t: torch.Tensor, dtype: torch.dtype,
                    delayed: _Delayed, record: bool = True) -> torch.Tensor:  # fmt: skip
     """The scale of ``role`` from past steps (the current amax before any); ``record``: note the current amax."""
     now = t.detach().abs().amax().float()
-    past = history[role].amax() if delayed.algo is AmaxAlgo.MAX else history[role, 0]
-    amax = torch.where(past > 0, past, now)
     if record:
         with torch.no_grad():  # a non-finite amax (an overflowed step GradScaler skips) is not recorded
             pending[role] = torch.maximum(pending[role], torch.where(now.isfinite(), now, 0.0))
-    return fp8_gemm.scale_from_amax(amax, dtype, power_of_two=False, margin=delayed.margin)
+    return scale_from_history(history[role], now, dtype, delayed.algo, delayed.margin)
 
 
 class _Fp8Matmul(torch.autograd.Function):
