@@ -107,7 +107,7 @@ def test_nothing_beats_the_default_returns_torch_default() -> None:
     recipe = mixprec.tune(model, x, square_loss, dtypes=("bf16",), min_speedup=100.0, budget_s=30)
     assert recipe.is_torch_default and recipe == Recipe(dtype=torch.bfloat16, measurements=recipe.measurements,
                                                         notes=recipe.notes, measured_on=recipe.measured_on,
-                                                        tuning_s=recipe.tuning_s)  # fmt: skip
+                                                        tuning_s=recipe.tuning_s, layers=recipe.layers)  # fmt: skip
     assert any(n.startswith("nothing beat torch.amp's default") for n in recipe.notes)
     assert "(torch.amp's default)" in recipe.table()
     assert not any("bf16-pure" in m.name for m in recipe.measurements)  # searched only when asked for

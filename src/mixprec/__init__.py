@@ -25,6 +25,9 @@ from mixprec._src.errors import (
 )
 from mixprec._src.fp8_config import AmaxAlgo, Fp8Config, Fp8Recipe
 from mixprec._src.fp8_conversion import Fp8Layers, fp8_layers
+from mixprec._src.guard import Guard, GuardThresholds, LayerMove
+from mixprec._src.layer_plan import LayerChoice
+from mixprec._src.layer_precision import layer_precision, set_layer_precision
 from mixprec._src.layout import to_channels_last
 from mixprec._src.master_weights import export_fp32, master_params, prepare
 from mixprec._src.memory import MemoryReport, memory_report, state_bytes
@@ -53,7 +56,11 @@ __all__ = [
     "Fp8Layers",
     "Fp8Recipe",
     "GradScaler",
+    "Guard",
+    "GuardThresholds",
     "Incident",
+    "LayerChoice",
+    "LayerMove",
     "Level",
     "Measurement",
     "MemoryReport",
@@ -81,12 +88,14 @@ __all__ = [
     "get_autocast_policy",
     "get_policy",
     "is_autocast_enabled",
+    "layer_precision",
     "master_params",
     "memory_report",
     "op",
     "op_name",
     "prepare",
     "set_autocast_enabled",
+    "set_layer_precision",
     "state_bytes",
     "stochastic_round",
     "to_channels_last",

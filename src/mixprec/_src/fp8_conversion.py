@@ -59,7 +59,7 @@ def fp8_layers(model: nn.Module) -> Fp8Layers | None:
     return layers
 
 
-def _reason_to_skip(module: nn.Linear, name: str, config: Fp8Config, kept: bool, head: str | None) -> str | None:
+def reason_to_skip(module: nn.Linear, name: str, config: Fp8Config, kept: bool, head: str | None) -> str | None:
     if not is_plain_linear(module):
         return (f"{type(module).__name__} is a subclass of nn.Linear: only nn.Linear itself is converted (a "
                 "subclass may compute otherwise, or its owner use the weight without calling it, as "
@@ -99,7 +99,7 @@ def convert(model: nn.Module, config: Fp8Config, kept: set[int]) -> Fp8Layers:
     head = linears[-1][0] if linears else None
     layers = Fp8Layers(config, [], [])
     for name, module in linears:
-        reason = _reason_to_skip(module, name, config, id(module) in kept, head)
+        reason = reason_to_skip(module, name, config, id(module) in kept, head)
         if reason is not None:
             layers.skipped.append((name, reason))
             continue
@@ -113,6 +113,62 @@ def convert(model: nn.Module, config: Fp8Config, kept: set[int]) -> Fp8Layers:
         warnings.warn(f"fp8 was asked for but no linear was converted ({len(layers.skipped)} left out); "
                       "mixprec.fp8_layers(model) lists them with the reasons", UserWarning, stacklevel=3)  # fmt: skip
     return layers
+
+
+def is_converted(module: nn.Module) -> bool:
+    """Whether ``module`` is a linear with an fp8 forward."""
+    forward = module.__dict__.get("forward")
+    return isinstance(forward, types.MethodType) and forward.__func__ is fp8_forward
+
+
+def scaling_of(module: nn.Module) -> Fp8Scaling | None:
+    """The :class:`Fp8Scaling` of a converted linear, else ``None``."""
+    scaling = module._modules.get("fp8")
+    return scaling if isinstance(scaling, Fp8Scaling) and is_converted(module) else None
+
+
+def set_layer(model: nn.Module, name: str, config: Fp8Config | None) -> None:
+    """Convert one linear of ``model`` with ``config`` (another recipe: its scaling state starts afresh),
+    or, with ``None``, give it back its ``nn.Linear`` forward (in place).
+
+    Raises:
+        ValueError: a layer fp8 cannot convert (not an ``nn.Linear``, a subclass, features not multiples
+            of 16), or a model whose fp8 weights are all-gathered in fp8 (their gather is set per layer).
+    """
+    module = model.get_submodule(name)
+    layers = fp8_layers(model)
+    if layers is not None and layers.config.all_gather:
+        raise ValueError("the fp8 layers of this model are all-gathered in fp8 (Fp8Config(all_gather=True)); "
+                         "a layer's fp8 recipe cannot change there: prepare without all_gather")  # fmt: skip
+    if config is None:
+        if layers is not None and name in layers.modules:
+            revert_layer(layers, name, "moved out of fp8")
+        return
+    if not isinstance(module, nn.Linear):
+        raise ValueError(f"{name!r} is a {type(module).__name__}; fp8 converts nn.Linear layers")
+    reason = reason_to_skip(module, name, dataclasses.replace(config, names=("*",), filter=None), False, None)
+    if reason is not None:
+        raise ValueError(f"{name!r} cannot compute in fp8: {reason}")
+    if layers is None:
+        layers = model.__dict__[_ATTR] = Fp8Layers(config, [], [])
+    old = scaling_of(module)
+    scaling = Fp8Scaling(config, module.weight.device)  # type: ignore[arg-type]
+    scaling.recording = old is not None and old.recording
+    module.fp8 = scaling
+    module.forward = types.MethodType(fp8_forward, module)  # type: ignore[method-assign]
+    layers.skipped = [(n, r) for n, r in layers.skipped if n != name]
+    if name not in layers.modules:
+        layers.converted.append(name)
+    layers.modules[name] = module  # type: ignore[assignment]
+
+
+def revert_layer(layers: Fp8Layers, name: str, reason: str) -> None:
+    """One converted layer computes as ``nn.Linear`` again, listed as left out for ``reason``."""
+    module = layers.modules.pop(name)
+    del module.fp8
+    module.__dict__.pop("forward", None)
+    layers.converted.remove(name)
+    layers.skipped.append((name, reason))
 
 
 def revert(model: nn.Module) -> None:

@@ -18,10 +18,11 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from mixprec._src import training
+from mixprec._src import layer_plan, training
 from mixprec._src.autocast import autocast
 from mixprec._src.dtypes import parse_dtype, short_name
 from mixprec._src.fp8_config import Fp8Recipe, as_fp8_config
+from mixprec._src.layer_plan import LayerChoice
 from mixprec._src.layout import to_channels_last
 from mixprec._src.master_weights import prepare, prepared_state
 from mixprec._src.op_names import op_name
@@ -87,7 +88,11 @@ class Recipe:
         fp8: the fp8 recipe of the model's linears (``"tensorwise"``, ``"rowwise"``,
             ``"rowwise_with_gw_hp"``, ``"delayed"``; :class:`Fp8Config`'s default choice of layers),
             or ``None``. With fp8, :meth:`apply` goes through :func:`mixprec.prepare` at every level.
-        loss_scale: the GradScaler's initial scale for fp16.
+        layers: the per-layer plan (:func:`tune` with ``per_layer=True``): each linear and convolution
+            with what each precision cost there and its choice; a layer whose choice is not ``dtype``
+            computes in its own precision (``"fp32"``, ``"bf16"``, ``"fp16"``, ``"fp8-tensorwise"``,
+            ``"fp8-rowwise"``), whatever the region around it.
+        loss_scale: the GradScaler's initial scale for fp16 (and for layers planned in fp16).
         measurements: every candidate :func:`tune` measured (empty for a hand-made recipe).
         notes: what the search found, in sentences.
         measured_on: the device and torch version the measurements come from.
@@ -101,6 +106,7 @@ class Recipe:
     level: str = "O1"
     compile: bool = False
     fp8: str | None = None
+    layers: tuple[LayerChoice, ...] = ()
     loss_scale: float = 2.0**16
     measurements: tuple[Measurement, ...] = ()
     notes: tuple[str, ...] = ()
@@ -114,6 +120,9 @@ class Recipe:
         object.__setattr__(self, "level", Level.from_name(self.level).value)
         object.__setattr__(self, "measurements", tuple(self.measurements))
         object.__setattr__(self, "notes", tuple(self.notes))
+        layers = tuple(c if isinstance(c, LayerChoice) else LayerChoice(**c) for c in self.layers)
+        object.__setattr__(self, "layers", layers)
+        layer_plan.check_choices(layers)
         if self.fp8 is not None:
             if not isinstance(self.fp8, str):
                 raise TypeError("Recipe.fp8 is a recipe name ('tensorwise', 'rowwise', 'rowwise_with_gw_hp', "
@@ -148,9 +157,18 @@ class Recipe:
             parts.append(self.layout)
         if self.fp8 is not None:
             parts.append(f"fp8[{self.fp8}]")
+        moved = self.moved_layers
+        if moved:
+            counts = {p: sum(1 for c in moved if c.choice == p) for p in dict.fromkeys(c.choice for c in moved)}
+            parts.append(f"layers[{', '.join(f'{n} {p}' for p, n in counts.items())}]")
         if self.compile:
             parts.append("compile")
         return " ".join(parts)
+
+    @property
+    def moved_layers(self) -> tuple[LayerChoice, ...]:
+        """The layers of the per-layer plan that compute in another precision than :attr:`dtype`."""
+        return tuple(c for c in self.layers if c.choice != short_name(self.dtype))
 
     @property
     def is_torch_default(self) -> bool:
@@ -162,6 +180,7 @@ class Recipe:
             and self.layout == "contiguous"
             and not self.compile
             and self.fp8 is None
+            and not self.moved_layers
             and self.dtype is not torch.float32
         )
 
@@ -216,7 +235,9 @@ class Recipe:
         region = self.autocast(device_type)
         if self._prepares:  # prepare's forward opens its own region
             model, optimizer = prepare(model, optimizer, self.prepare_config(device_type))
-        scaler = GradScaler(device_type, init_scale=self.loss_scale) if self.dtype is torch.float16 else None
+        layer_plan.apply(model, self.layers, short_name(self.dtype))
+        fp16 = self.dtype is torch.float16 or any(c.choice == "fp16" for c in self.layers)
+        scaler = GradScaler(device_type, init_scale=self.loss_scale) if fp16 else None
         if self.compile:
             model = torch.compile(model)  # type: ignore[assignment]
         return Applied(model, optimizer, region, scaler, self.layout == "channels_last")
@@ -226,6 +247,7 @@ class Recipe:
         out = dataclasses.asdict(self)
         out["dtype"] = short_name(self.dtype)
         out["measurements"] = [dataclasses.asdict(m) for m in self.measurements]
+        out["layers"] = [{**dataclasses.asdict(c), "ms": dict(c.ms), "sqnr_db": dict(c.sqnr_db)} for c in self.layers]
         return out
 
     def to_json(self, path: str | None = None) -> str:
@@ -254,6 +276,7 @@ class Recipe:
         if unknown:
             raise ValueError(f"unknown recipe fields {unknown}; valid: {sorted(fields)}")
         data["measurements"] = tuple(Measurement(**m) for m in data.get("measurements", ()))
+        data["layers"] = tuple(LayerChoice(**c) for c in data.get("layers", ()))
         for key in ("fp32_ops", "keep_fp32", "notes"):
             data[key] = tuple(data.get(key, ()))
         return cls(**data)

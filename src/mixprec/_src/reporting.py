@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import math
 import pathlib
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from mixprec._src.diagnostic_report import DiagnosticReport, TensorStats
 from mixprec._src.dtypes import short_name
+from mixprec._src.layer_plan import LayerChoice
+from mixprec._src.layer_precision import PRECISIONS
 from mixprec._src.recipe import Measurement, Recipe
 
 
@@ -81,7 +84,24 @@ def recipe_table(recipe: Recipe) -> str:
     lines.insert(1, "-" * len(lines[0]))
     tail = [f"recipe: {recipe.name}" + (" (torch.amp's default)" if recipe.is_torch_default else "")]
     tail += [f"note: {n}" for n in recipe.notes]
-    return "\n".join([*lines, *tail])
+    layers = ["", "per-layer plan:", layer_table(recipe.layers)] if recipe.layers else []
+    return "\n".join([*lines, *tail, *layers])
+
+
+def layer_table(layers: Sequence[LayerChoice]) -> str:
+    """A per-layer plan as a text table: ms and SQNR by precision, the choice and why."""
+    precisions = [p for p in PRECISIONS if any(c.ms_of(p) is not None for c in layers)]
+    header = ("layer", "shape", *(f"{p} ms" for p in precisions), *(f"{p} dB" for p in precisions if p != "fp32"),
+              "choice", "reason")  # fmt: skip
+    rows = [header]
+    for c in layers:
+        ms = (_fmt(c.ms_of(p), ".3f") for p in precisions)
+        db = (_fmt(c.sqnr_of(p), ".1f") for p in precisions if p != "fp32")
+        rows.append((c.name, c.shape, *ms, *db, c.choice, c.reason))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header) - 1)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r[:-1], widths, strict=True)) + "  " + r[-1] for r in rows]
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)
 
 
 def line(m: Measurement) -> str:

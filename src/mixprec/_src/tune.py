@@ -15,6 +15,14 @@ data: a compute dtype, op moves into fp32, modules kept in fp32, a memory layout
     choose:  the fastest candidate that passed the accuracy guard; torch.amp's default unless
              another beats it by ``min_speedup``
 
+Per-layer plan (``per_layer=True``, first, in at most a quarter of the budget): each linear and
+convolution is timed at its own shapes (forward and both backward GEMMs) in each searched dtype and,
+on devices with fp8 GEMMs, fp8 (tensorwise, rowwise), and its SQNR against fp32 measured
+(:mod:`layer_plan`). Once the recipe is chosen, each layer takes the fastest precision above
+``layer_sqnr_db`` (the recipe's dtype unless another is ``min_speedup`` faster; never fp8 slower than
+bf16); if any layer moves, the planned recipe races torch.amp's default through the accuracy guard
+and replaces the chosen one if it passes and is not slower. The table is ``Recipe.layers``.
+
 In every round the candidates train in lockstep, one step each in alternating order (as
 ``mixprec bench`` does), so that a shared machine's load falls on all alike; a candidate's speed
 is the median of its warm steps against torch.amp's default in the same round. Every candidate
@@ -42,7 +50,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec._src import training
+from mixprec._src import layer_plan, training
 from mixprec._src.diagnostics import diagnose
 from mixprec._src.dtypes import parse_dtype, short_name
 from mixprec._src.master_weights import prepared_state
@@ -59,6 +67,7 @@ _SLOW = 1.5  # a candidate this much slower than the default after its checked s
 _COLD_SLOW = 10.0  # ... or this much slower on its first (cold) step than the first round's: an emulated dtype
 _FINALISTS = 3  # the fastest candidates raced again, head to head, before choosing
 _DIAGNOSE_STEPS = 4  # diagnose costs about this many training steps (fp32 and low-precision passes with hooks)
+_PLAN_SHARE = 0.25  # the share of the budget the per-layer measurements may take
 
 
 class _Trial:
@@ -229,7 +238,9 @@ class _Search:
         """
         for step in range(_STEPS):
             for t in everyone if step % 2 == 0 else reversed(everyone):
-                if not t.times and t.first_estimate_s and time.perf_counter() + t.first_estimate_s > self.deadline:
+                # An emulated dtype's first step is started only if it leaves half the time left to the others.
+                left = self.deadline - time.perf_counter()
+                if not t.times and t.first_estimate_s and t.first_estimate_s > left / 2:
                     t.stopped = t.stopped or (
                         f"a step would take about {t.first_estimate_s:.0f} s, past the budget "
                         f"({short_name(t.recipe.dtype)} matmuls are emulated on this device)"
@@ -465,6 +476,8 @@ def tune(
     dtypes: Sequence[torch.dtype | str] = ("bf16", "fp16", "fp32"),
     levels: Sequence[Level | str] = ("O1", "O2", "bf16-sr"),
     min_speedup: float = 1.02,
+    per_layer: bool = True,
+    layer_sqnr_db: float = 20.0,
     progress: Progress | None = None,
 ) -> Recipe:
     """Find the fastest recipe for ``model`` on this machine that keeps its accuracy; see the module docstring.
@@ -488,7 +501,11 @@ def tune(
             out by default: its round-to-nearest updates lose those smaller than 2**-8 of a weight, which
             a few steps cannot show; pass it to search it.
         min_speedup: how much faster than torch.amp's default another recipe must be to be chosen
-            (the measurements' noise on a shared machine is a few percent).
+            (the measurements' noise on a shared machine is a few percent); also how much faster than
+            the recipe's dtype another precision must be for one layer.
+        per_layer: plan each linear and convolution's precision (see "Per-layer plan" above); the
+            measurements take at most a quarter of the budget.
+        layer_sqnr_db: a layer's SQNR floor against fp32 (the worst of its output and both gradients).
         progress: called with a line of text as the search goes.
 
     Returns:
@@ -536,11 +553,55 @@ def tune(
     notes: list[str] = ["torch.compile is not searched: compiling takes longer than a tuning budget"]
     # The caller's random state is left as it was (bf16-sr draws its rounding seed from it).
     with torch.random.fork_rng(devices=[found] if found.type == "cuda" else []):
+        plan = None
+        if per_layer:
+            search.say("per-layer plan: each linear and convolution at its shapes")
+            wanted = [short_name(d) for d in searched] + list(layer_plan.FP8_CANDIDATES)
+            # dtypes whose matmuls are emulated here, with how much slower than fp32's they are
+            emulated = {short_name(d): s / (3 * forward_s) for d, s in search.first_step_s.items() if forward_s > 0}
+            measured, plan_notes = layer_plan.measure(model, batch, loss_of, wanted, start + _PLAN_SHARE * budget_s,
+                                                      emulated, search.say)  # fmt: skip
+            notes += plan_notes
+            plan = _Plan(measured, layer_sqnr_db, min_speedup) if measured else None
         recipe = _run_search(search, model, batch, loss_fn, targets, searched, search_levels, default_dtype,
-                             min_speedup, notes)  # fmt: skip
+                             min_speedup, notes, plan)  # fmt: skip
+        if plan is not None:
+            recipe = plan.attach(recipe)
     measured_on = f"{found.type}" + (f" ({torch.cuda.get_device_name(found)})" if found.type == "cuda" else "")
     return dataclasses.replace(recipe, measured_on=f"{measured_on}, torch {torch.__version__}",
                                tuning_s=time.perf_counter() - start)  # fmt: skip
+
+
+@dataclasses.dataclass
+class _Plan:
+    """The per-layer measurements, and how a recipe's layers are chosen from them."""
+
+    measured: list[layer_plan.Measured]
+    floor_db: float
+    min_speedup: float
+    outcome: str = ""  # what became of the planned recipe (for the notes)
+
+    def planned(self, recipe: Recipe) -> Recipe | None:
+        """``recipe`` with its per-layer plan, or ``None`` where every layer stays in its dtype."""
+        choices = layer_plan.choose(self.measured, short_name(recipe.dtype), self.floor_db, self.min_speedup)
+        planned = dataclasses.replace(recipe, layers=choices)
+        return planned if planned.moved_layers else None
+
+    def attach(self, recipe: Recipe) -> Recipe:
+        """The chosen recipe with the plan's table (choices reset to its dtype if it is not the planned one)."""
+        if recipe.layers:
+            return recipe
+        dtype = short_name(recipe.dtype)
+        choices = layer_plan.choose(self.measured, dtype, self.floor_db, self.min_speedup)
+        if not any(c.choice != dtype for c in choices):
+            note = f"per-layer plan: every layer stays in {dtype}"
+            return dataclasses.replace(recipe, layers=choices, notes=(*recipe.notes, note))
+        why = self.outcome or "the budget ran out before it was measured"
+        if why.endswith("passed"):
+            why += f", but {recipe.name} was faster"
+        kept = tuple(dataclasses.replace(c, choice=dtype, reason=f"{c.choice} measured best, not applied: {why}")
+                     for c in choices)  # fmt: skip
+        return dataclasses.replace(recipe, layers=kept, notes=(*recipe.notes, f"per-layer plan not applied: {why}"))
 
 
 def _loss_of(loss_fn: Callable[..., torch.Tensor] | None, targets: Any) -> Callable[[Any], torch.Tensor]:
@@ -561,7 +622,7 @@ def _check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None
 
 def _run_search(search: _Search, model: nn.Module, batch: Any, loss_fn: Any, targets: Any,
                 dtypes: list[torch.dtype], levels: list[str], default_dtype: torch.dtype, min_speedup: float,
-                notes: list[str]) -> Recipe:  # fmt: skip
+                notes: list[str], plan: _Plan | None = None) -> Recipe:  # fmt: skip
     torch_default = Recipe(dtype=default_dtype)
     lows = [d for d in dtypes if d is not torch.float32]
     keep: dict[torch.dtype, tuple[str, ...]] = {}
@@ -639,6 +700,13 @@ def _run_search(search: _Search, model: nn.Module, batch: Any, loss_fn: Any, tar
             names = search.round(default, [base(dtype, level=lv, layout=layout) for lv in levels], "round 3 (levels)")
             best_low = search.best([best_low, *names])
         best = search.best([n for n in (best, best_low) if n is not None])
+    # Round 4: the best recipe with its per-layer plan, through the accuracy guard (then in the final round).
+    planned = plan.planned(search.recipes[best]) if plan is not None and best is not None else None
+    if plan is not None and planned is not None and search.time_left():
+        search.round(search.trial(torch_default), [planned], "round 4 (the per-layer plan)")
+        result = search.results[planned.name]
+        plan.outcome = f"{planned.name}: {result.status}" + (f" ({result.reason})" if result.reason else "")
+        best = search.best([n for n in (best, planned.name) if n is not None])
     finalists = search.final_round(torch_default, dtypes, min_speedup, notes)
     if finalists is not None:
         best = search.best([*finalists, *([torch_default.name] if torch_default.dtype in dtypes else [])])
@@ -647,9 +715,10 @@ def _run_search(search: _Search, model: nn.Module, batch: Any, loss_fn: Any, tar
 
 def _changes(recipe: Recipe) -> int:
     """How far a recipe is from plain torch.autocast (diagnose's kept modules are a constraint, not a change)."""
+    moved = bool(recipe.moved_layers)
     if recipe.dtype is torch.float32:
-        return 1
-    return len(recipe.fp32_ops) + (recipe.layout != "contiguous") + (recipe.level != "O1") + recipe.compile
+        return 1 + moved
+    return len(recipe.fp32_ops) + (recipe.layout != "contiguous") + (recipe.level != "O1") + recipe.compile + moved
 
 
 def _choose(search: _Search, best: str | None, torch_default: Recipe, dtypes: list[torch.dtype], min_speedup: float,
