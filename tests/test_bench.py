@@ -36,6 +36,7 @@ def test_report_schema(tiny_report: tuple[pathlib.Path, dict[str, Any]]) -> None
         )
         assert set(modes) == expected, name
         assert isinstance(modes["mixprec-tuned"]["tuning_s"], float) and modes["mixprec-tuned"]["recipe"]
+        assert "choice" in modes["mixprec-tuned"]["layer_plan"]  # tune's per-layer table
         assert modes["fp32"]["tuning_s"] is None and modes["fp32"]["recipe"] is None
         for mode, r in modes.items():
             assert isinstance(r["steps_per_s"], float) and r["steps_per_s"] > 0
@@ -54,6 +55,7 @@ def test_report_markdown_and_png(tiny_report: tuple[pathlib.Path, dict[str, Any]
     assert "| workload | mode | steps/s |" in text
     assert text.count("| checkerboard |") == 5
     assert "Recipes chosen by mixprec.tune:" in text and "- checkerboard (mixprec-tuned): `" in text
+    assert "Per-layer plan (ms: forward and both backward GEMMs" in text and "blocks.layers.0.linear1" in text
     png = out / "bench.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     pixels = matplotlib.image.imread(png)
@@ -351,3 +353,16 @@ def test_fp8_modes_skip_conv_workloads() -> None:
     assert MODES["mixprec"].trains(conv=True) and MODES["mixprec"].trains(conv=False)
     report = run(BenchConfig(workloads=("checkerboard",), modes=("mixprec", "fp8"), steps=2, warmup=1, size="tiny"))
     assert set(report.results["checkerboard"]) == {"mixprec"}
+
+
+def test_the_tuned_mode_trains_with_the_recipes_per_layer_plan() -> None:
+    from mixprec import LayerChoice, Recipe
+    from mixprec.bench.modes import recipe_mode
+
+    plan = (LayerChoice("blocks.layers.0.linear1", "linear", {"fp32": 1.0}, {}, "fp32", "kept"),)
+    mode = recipe_mode(Recipe(dtype="bf16", layers=plan))
+    task = WORKLOADS["transformer"].build("tiny", torch.device("cpu"))
+    assert mode.setup is not None and mode.recipe is not None
+    model, _ = mode.setup(task.model, torch.optim.AdamW(task.model.parameters()), torch.bfloat16)
+    assert mixprec.layer_precision(model, "blocks.layers.0.linear1") == "fp32"
+    assert mixprec.layer_precision(model, "blocks.layers.0.linear2") is None

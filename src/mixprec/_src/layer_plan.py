@@ -216,12 +216,18 @@ def measure(model: nn.Module, batch: Any, loss_of: Callable[[Any], torch.Tensor]
             notes.append(f"the budget ran out after {len(out)} of {len(captured)} layers: the others keep the "
                          "recipe's dtype")  # fmt: skip
             break
-        entry = Measured(name, _shape(c.module, c.x), {}, {}, {p: f"emulated here ({s:.0f}x)" for p, s in slow.items()})
+        entry = Measured(
+            name,
+            _shape(c.module, c.x),
+            {},
+            {},
+            {p: f"emulated here (a matmul {s:.0f}x slower than fp32)" for p, s in slow.items()},
+        )
         runs: dict[str, _Run] = {}
         for p in wanted:
             why = _fp8_reason(c.module, name, head) if p.startswith(FP8_PREFIX) else None
             if why is not None:
-                entry.not_measured[p] = why
+                entry.not_measured[p] = why.split(" (")[0].split(", which")[0]  # the rule, without its advice
                 continue
             runs[p] = _Run(c, p)
         if progress is not None:
@@ -268,10 +274,13 @@ def choose(measured: Sequence[Measured], default: str, floor_db: float, min_spee
             choice = fastest
             reason = f"fastest above {floor_db:g} dB"
             if default in m.ms:
-                reason += f": {m.ms[default] / allowed[fastest]:.2f}x {default}'s speed"
-        why_not += [f"{p} {why.split(' (')[0]}" for p, why in m.not_measured.items()]
+                reason += f" ({m.ms[default] / allowed[fastest]:.2f}x faster than {default})"
         if why_not:
             reason += "; not " + ", ".join(why_not)
+        unmeasured: dict[str, list[str]] = {}
+        for p, why in m.not_measured.items():
+            unmeasured.setdefault(why, []).append(p)
+        reason += "".join(f"; {', '.join(ps)} not measured: {why}" for why, ps in unmeasured.items())
         choices.append(LayerChoice(m.name, m.shape, tuple(m.ms.items()), tuple(m.sqnr_db.items()), choice, reason))
     return tuple(choices)
 

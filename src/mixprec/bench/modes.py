@@ -59,6 +59,7 @@ class Mode:
         resolve: ``(task, optimizer, dtype, budget_s) -> Mode``: the mode to train a workload with,
             settled on a fresh copy of it before training (its time is reported apart).
         fp8: whether its linears compute in fp8 (emulated in fp32 on a CPU: reports say so).
+        recipe: the :class:`mixprec.Recipe` it trains with (a tuned mode), for reports.
     """
 
     name: str
@@ -75,6 +76,7 @@ class Mode:
     dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
     resolve: Callable[[Task, torch.optim.Optimizer, torch.dtype, float], Mode] | None = None
     fp8: bool = False
+    recipe: Recipe | None = None
 
     def trains(self, conv: bool) -> bool:
         """Whether it trains a workload with (``conv``) or without convolutions: channels_last modes only
@@ -148,7 +150,7 @@ def recipe_mode(recipe: Recipe, name: str = "mixprec-tuned") -> Mode:
         return mixprec.GradScaler(device_type, init_scale=recipe.loss_scale)
 
     layout = _channels_last_input if recipe.layout == "channels_last" else _identity
-    return Mode(name, recipe.name, context, scaler=scaler, setup=setup, prepare_input=layout)
+    return Mode(name, recipe.name, context, scaler=scaler, setup=setup, prepare_input=layout, recipe=recipe)
 
 
 def _tune(task: Task, optimizer: torch.optim.Optimizer, dtype: torch.dtype, budget_s: float) -> Mode:

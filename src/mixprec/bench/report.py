@@ -113,8 +113,13 @@ def _recipes(report: BenchReport) -> list[str]:
     found = [(w, m, r) for w, modes in report.results.items() for m, r in modes.items() if r.recipe is not None]
     if not found:
         return []
-    return ["Recipes chosen by mixprec.tune:", "",
-            *[f"- {w} ({m}): `{r.recipe}`, tuned in {r.tuning_s or 0:.0f} s" for w, m, r in found], ""]  # fmt: skip
+    lines = ["Recipes chosen by mixprec.tune:", ""]
+    for w, m, r in found:
+        lines.append(f"- {w} ({m}): `{r.recipe}`, tuned in {r.tuning_s or 0:.0f} s")
+        if r.layer_plan:
+            lines += ["", "  Per-layer plan (ms: forward and both backward GEMMs at the layer's shapes):", "",
+                      *(f"      {row}" for row in r.layer_plan.splitlines()), ""]  # fmt: skip
+    return [*lines, ""]
 
 
 PLOT_SKIPPED = "{name} skipped: matplotlib is not installed (pip install matplotlib, or 'mixprec[bench]')"

@@ -35,6 +35,7 @@ import torch
 
 import mixprec
 from mixprec._src.memory import state_bytes
+from mixprec._src.reporting import layer_table
 from mixprec.bench.modes import MODES, Mode
 from mixprec.bench.workloads import SIZES, WORKLOADS, Task
 
@@ -95,6 +96,7 @@ class ModeResult:
     loss_rel_diff_vs_fp32: float | None = None
     tuning_s: float | None = None  # settling the mode on this workload (mixprec.tune), apart from training
     recipe: str | None = None  # what it settled on
+    layer_plan: str | None = None  # the settled recipe's per-layer plan, as a text table
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -365,6 +367,7 @@ def run_workload(workload: str, modes: list[Mode], config: BenchConfig, device: 
             state_bytes=state_bytes(run.state_model, run.optimizer),
             tuning_s=settled.get(name.removesuffix("+compile")),
             recipe=run.mode.description if name.removesuffix("+compile") in settled else None,
+            layer_plan=layer_table(run.mode.recipe.layers) if run.mode.recipe and run.mode.recipe.layers else None,
         )
         if run.task.image and run.output is not None:
             images[name] = run.output.detach().float().cpu()[0, 0]

@@ -1,0 +1,305 @@
+"""The training guard: a planted outlier layer is found, moved up alone, training recovers, resume is bitwise."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import mixprec
+from helpers import bitwise_equal
+from mixprec._src.guard import LADDER
+
+OUTLIER_AT, STEPS = 60, 200
+
+
+def _net() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.LayerNorm(64), nn.GELU(), nn.Linear(64, 64), nn.LayerNorm(64),
+                         nn.GELU(), nn.Linear(64, 8))  # fmt: skip
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step % 16)
+    x = torch.randn(64, 32, generator=g)
+    y = torch.sin(1.5 * x[:, :8]) + 0.5 * x[:, 8:16]
+    if step >= OUTLIER_AT:  # an unnormalized feature appears: layer 0's fp16 output overflows from here on
+        x[:, 31] = 1e5
+    return x, y
+
+
+class _Run:
+    """A model, AdamW and a scaler trained on ``_batch`` in fp32 or fp16 autocast, optionally guarded."""
+
+    def __init__(self, dtype: torch.dtype, guarded: bool, **guard_args: Any) -> None:
+        self.model = _net()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=3e-3)
+        self.fp16 = dtype is torch.float16
+        self.scaler = mixprec.GradScaler("cpu", enabled=self.fp16, fail_after=None)
+        self.guard = mixprec.Guard(self.model, self.scaler, **guard_args) if guarded else None
+        self.losses: list[float] = []
+        self.skipped = 0
+
+    def train(self, begin: int, end: int) -> _Run:
+        for step in range(begin, end):
+            x, y = _batch(step)
+            self.optimizer.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16, enabled=self.fp16):
+                loss = (self.model(x).float() - y).square().mean()
+            self.scaler.scale(loss).backward()
+            self.scaler.step(self.optimizer)
+            self.skipped += self.scaler.skipped(self.optimizer) if self.fp16 else 0
+            self.scaler.update()
+            if self.guard is not None:
+                self.guard.step()
+            self.losses.append(loss.item())
+        return self
+
+    def final(self) -> float:
+        return sum(self.losses[-16:]) / 16
+
+    def state(self) -> dict[str, Any]:
+        return copy.deepcopy({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                              "scaler": self.scaler.state_dict(),
+                              "guard": self.guard.state_dict() if self.guard else None})  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[str, _Run]:
+    return {
+        "fp32": _Run(torch.float32, guarded=False).train(0, STEPS),
+        "fp16": _Run(torch.float16, guarded=False).train(0, STEPS),
+        "guarded": _Run(torch.float16, guarded=True).train(0, STEPS),
+    }
+
+
+def test_without_the_guard_the_outlier_collapses_the_loss_scale(runs: dict[str, _Run]) -> None:
+    unguarded = runs["fp16"]
+    assert unguarded.skipped >= STEPS - OUTLIER_AT  # every step from the outlier on
+    assert unguarded.scaler.get_scale() < 1e-30
+    assert not math.isfinite(unguarded.final())
+
+
+def test_the_guard_moves_only_the_outlier_layer_within_two_steps(runs: dict[str, _Run]) -> None:
+    guard = runs["guarded"].guard
+    assert guard is not None and len(guard.moves) == 1, guard.moves
+    move = guard.moves[0]
+    # guard.step() counts from 1: the outlier's first step is step OUTLIER_AT + 1; patience is 2
+    assert (move.layer, move.from_, move.to, move.signal) == ("0", "fp16", "bf16", "nonfinite_forward")
+    assert move.step == OUTLIER_AT + 2, move
+    assert mixprec.layer_precision(runs["guarded"].model, "0") == "bf16"
+    assert guard.precisions() == {"0": "bf16", "3": "fp16", "6": "fp16"}
+
+
+def test_the_guarded_run_ends_within_one_percent_of_fp32_at_a_healthy_scale(runs: dict[str, _Run]) -> None:
+    guarded, fp32 = runs["guarded"], runs["fp32"]
+    assert abs(guarded.final() - fp32.final()) / fp32.final() < 0.01, (guarded.final(), fp32.final())
+    assert guarded.skipped == 2  # the two steps the guard needed
+    assert guarded.scaler.get_scale() >= 2.0**13
+
+
+@pytest.mark.parametrize("guard_first", [True, False])
+def test_resume_after_the_move_is_bitwise(guard_first: bool) -> None:
+    resume_at = OUTLIER_AT + 20
+    original = _Run(torch.float16, guarded=True).train(0, resume_at)
+    saved = original.state()
+    original.train(resume_at, resume_at + 30)
+    resumed = _Run(torch.float16, guarded=True)
+    assert resumed.guard is not None and mixprec.layer_precision(resumed.model, "0") is None
+    if guard_first:
+        resumed.guard.load_state_dict(saved["guard"])
+    resumed.model.load_state_dict(saved["model"])
+    if not guard_first:
+        resumed.guard.load_state_dict(saved["guard"])
+    resumed.optimizer.load_state_dict(saved["optimizer"])
+    resumed.scaler.load_state_dict(saved["scaler"])
+    assert mixprec.layer_precision(resumed.model, "0") == "bf16"  # the move replayed
+    resumed.train(resume_at, resume_at + 30)
+    assert resumed.losses == original.losses[resume_at:]
+    assert bitwise_equal(dict(resumed.model.state_dict()), dict(original.model.state_dict()))
+    assert resumed.guard.state_dict() == original.guard.state_dict()  # type: ignore[union-attr]
+
+
+def test_moves_are_logged_and_called_back(caplog: pytest.LogCaptureFixture) -> None:
+    seen: list[mixprec.LayerMove] = []
+    with caplog.at_level(logging.WARNING, logger="mixprec.guard"):
+        _Run(torch.float16, guarded=True, callback=seen.append).train(OUTLIER_AT - 2, OUTLIER_AT + 3)
+    assert len(seen) == 1 and str(seen[0]) in caplog.text
+    assert "0 fp16 -> bf16 (nonfinite_forward: output inf/NaN from a finite input" in caplog.text
+
+
+def test_a_backward_overflow_at_a_high_loss_scale_is_the_scalers_to_fix() -> None:
+    # fp16 gradients overflow at the first steps' scale 2**16: the scaler backs off; no layer moves.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = mixprec.GradScaler("cpu", init_scale=2.0**16)
+    guard = mixprec.Guard(model, scaler)
+    backoffs = 0
+    for _ in range(6):
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(torch.randn(32, 16)).float().square().sum() * 100
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        before = scaler.get_scale()
+        scaler.update()
+        backoffs += scaler.get_scale() < before
+        guard.step()
+    assert backoffs >= 2 and guard.moves == []
+
+
+def test_a_layer_whose_backward_overflows_unscaled_moves() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64))
+    with torch.no_grad():
+        model[2].weight.fill_(40.0)  # its input gradient: 64 x 40 x the output gradient, past fp16 at scale 1 and 0.5
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = mixprec.GradScaler("cpu", init_scale=1.0, fail_after=None)
+    guard = mixprec.Guard(model, scaler)
+    for _ in range(2):
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = model(torch.randn(32, 16))
+        scaler.scale((out.float() * 60.0).sum()).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        guard.step()
+    assert [(m.layer, m.signal, m.to) for m in guard.moves] == [("2", "nonfinite_backward", "bf16")], guard.moves
+    assert "input gradient inf/NaN from a finite output gradient at loss scale" in guard.moves[0].detail
+
+
+def test_an_fp16_layer_near_overflow_moves_before_it_overflows() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16), nn.Linear(16, 4))
+    guard = mixprec.Guard(model, thresholds=mixprec.GuardThresholds(patience=1))
+    with torch.no_grad():
+        model[0].weight[:, 0] = 1.0
+    x = torch.randn(8, 16)
+    x[:, 0] = 4e4  # layer 0's output amax about 40000: finite in fp16, past half its range
+    with torch.autocast("cpu", dtype=torch.float16):
+        out = model(x)
+    assert torch.isfinite(out).all()  # (a backward would overflow the weight gradient: another signal)
+    (move,) = guard.step()
+    assert (move.layer, move.signal, move.to) == ("0", "fp16_overflow", "bf16")
+
+
+def _fp8_net() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.LayerNorm(64), nn.GELU(), nn.Linear(64, 64), nn.GELU(),
+                          nn.Linear(64, 16))  # fmt: skip
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    return model, optimizer
+
+
+def _growing(step: int, grow_at: int = 20) -> float | None:
+    """A feature of layer 0's input that grows 3x a step from ``grow_at``: delayed scales lag behind it."""
+    return 10 * 3.0 ** min(step - grow_at, 6) if step >= grow_at else None
+
+
+def _fp8_train(model: nn.Module, optimizer: torch.optim.Optimizer, guard: mixprec.Guard, steps: int,
+               outlier: Callable[[int], float | None] = _growing) -> None:  # fmt: skip
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step % 8)
+        x = torch.randn(32, 32, generator=g)
+        value = outlier(step)
+        if value is not None:
+            x[:, 31] = value
+        optimizer.zero_grad()
+        (model(x).float() - torch.sin(x[:, :16])).square().mean().backward()
+        optimizer.step()
+        guard.step()
+
+
+def test_delayed_fp8_saturating_under_growing_activations_moves_to_tensorwise() -> None:
+    model, optimizer = _fp8_net()
+    model, optimizer = mixprec.prepare(model, optimizer, "O1", fp8="delayed")
+    guard = mixprec.Guard(model)
+    _fp8_train(model, optimizer, guard, steps=30)
+    assert [(m.layer, m.from_, m.to, m.signal) for m in guard.moves] == [
+        ("0", "fp8-delayed", "fp8-tensorwise", "saturated")], guard.moves  # fmt: skip
+    assert guard.moves[0].step == 22  # growth from step 21: two saturated steps
+    assert guard.precisions() == {"0": "fp8-tensorwise", "3": "fp8-delayed", "5": "bf16"}
+    layers = mixprec.fp8_layers(model)
+    assert layers is not None and sorted(layers.converted) == ["0", "3"]
+    assert "0.fp8.history" not in model.state_dict() and "3.fp8.history" in model.state_dict()
+
+
+def test_an_fp8_amax_jump_after_warmup_moves_the_layer() -> None:
+    model, optimizer = _fp8_net()
+    model, optimizer = mixprec.prepare(model, optimizer, "O1", fp8="tensorwise")
+    guard = mixprec.Guard(model, thresholds=mixprec.GuardThresholds(amax_jump=50.0, warmup=5, patience=1))
+    _fp8_train(model, optimizer, guard, steps=12, outlier=lambda step: 1e3 if step >= 10 else None)  # ~250x its peak
+    assert [(m.layer, m.to, m.signal) for m in guard.moves] == [("0", "fp8-rowwise", "amax_jump")], guard.moves
+    assert guard.moves[0].step == 11 and "input amax" in guard.moves[0].detail
+
+
+def test_an_fp8_cast_that_flushes_most_values_moves_the_layer() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 16))
+    mixprec.set_layer_precision(model, "0", "fp8-tensorwise")
+    guard = mixprec.Guard(model, thresholds=mixprec.GuardThresholds(patience=1))
+    x = torch.full((16, 32), 1e-4)
+    x[0, 0] = 1e4  # one outlier: every other value falls below e4m3's smallest step after the tensor's scale
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(x).float().sum().backward()
+    (move,) = guard.step()
+    assert (move.layer, move.from_, move.to, move.signal) == ("0", "fp8-tensorwise", "fp8-rowwise", "flushed")
+
+
+def test_a_layer_at_the_top_of_its_ladder_stays() -> None:
+    model = nn.Sequential(nn.Linear(4, 4))
+    with torch.no_grad():
+        model[0].weight.fill_(1e38)
+    guard = mixprec.Guard(model, thresholds=mixprec.GuardThresholds(patience=1))
+    model(torch.full((2, 4), 10.0))  # fp32 overflows: nothing to move to
+    assert guard.step() == [] and guard.precisions() == {"0": "fp32"}
+
+
+def test_healthy_training_moves_nothing_and_a_step_syncs_once() -> None:
+    from helpers import HostSyncs
+
+    model, optimizer = _fp8_net()
+    model, optimizer = mixprec.prepare(model, optimizer, "O1", fp8="delayed")
+    guard = mixprec.Guard(model)
+    _fp8_train(model, optimizer, guard, steps=12, outlier=lambda step: None)
+    assert guard.moves == [] and all(s == 0 for s in guard.strikes.values())
+    x = torch.randn(32, 32)
+    with HostSyncs() as syncs:
+        model(x).float().sum().backward()
+        guard.step()
+    assert syncs.names() == ["tolist"]
+
+
+def test_thresholds_are_data_and_checked() -> None:
+    th = mixprec.GuardThresholds(ladder={"fp16": "fp32", torch.bfloat16: "fp32"})
+    assert th.ladder == {"fp16": "fp32", "bf16": "fp32"} and th.to_dict()["ladder"] == th.ladder
+    assert mixprec.GuardThresholds().ladder == LADDER
+    with pytest.raises(ValueError, match="patience"):
+        mixprec.GuardThresholds(patience=0)
+    with pytest.raises(ValueError, match="saturated must be a positive number"):
+        mixprec.GuardThresholds(saturated=-1)
+    with pytest.raises(ValueError, match="moves bf16 to itself"):
+        mixprec.GuardThresholds(ladder={"bf16": "bf16"})
+    with pytest.raises(ValueError, match="unknown layer precision"):
+        mixprec.GuardThresholds(ladder={"fp4": "bf16"})
+    with pytest.raises(ValueError, match="no linear or convolution to watch"):
+        mixprec.Guard(nn.Sequential(nn.LayerNorm(4)))
+    guard = mixprec.Guard(_net(), names="6")
+    assert list(guard.layers) == ["6"]
+    other = mixprec.Guard(_net())
+    with pytest.raises(ValueError, match="watches layers this guard does not"):
+        guard.load_state_dict(other.state_dict())
+
+
+def test_close_removes_the_probes() -> None:
+    model = _net()
+    before = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+    mixprec.Guard(model).close()
+    assert sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()) == before

@@ -1,0 +1,150 @@
+"""tune's per-layer plan: measurements per layer and precision, the choice rule, the recipe that applies it."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import mixprec
+from helpers import square_loss
+from mixprec import Recipe
+from mixprec._src import layer_plan
+from mixprec._src.layer_plan import LayerChoice, Measured
+
+
+def _measured(name: str, ms: dict[str, float], sqnr: dict[str, float]) -> Measured:
+    return Measured(name, "linear 4096->4096, 8192 rows", ms, sqnr, {})
+
+
+def test_the_fastest_precision_above_the_floor_is_chosen() -> None:
+    fast_fp8 = _measured("big", {"fp32": 9.0, "bf16": 3.0, "fp8-tensorwise": 1.6, "fp8-rowwise": 1.8},
+                         {"bf16": 45.0, "fp8-tensorwise": 27.0, "fp8-rowwise": 28.0})  # fmt: skip
+    noisy_fp8 = _measured("noisy", {"fp32": 9.0, "bf16": 3.0, "fp8-tensorwise": 1.6, "fp8-rowwise": 1.8},
+                          {"bf16": 45.0, "fp8-tensorwise": 12.0, "fp8-rowwise": 22.0})  # fmt: skip
+    slow_fp8 = _measured("small", {"fp32": 0.2, "bf16": 0.1, "fp8-tensorwise": 0.15},
+                         {"bf16": 45.0, "fp8-tensorwise": 27.0})  # fmt: skip
+    bad_bf16 = _measured("outliers", {"fp32": 1.0, "bf16": 0.5}, {"bf16": 8.0})
+    near = _measured("near", {"fp32": 1.0, "bf16": 0.99}, {"bf16": 45.0})
+    big, noisy, small, outliers, close = layer_plan.choose([fast_fp8, noisy_fp8, slow_fp8, bad_bf16, near],
+                                                           "bf16", 20.0, 1.02)  # fmt: skip
+    assert big.choice == "fp8-tensorwise" and "fastest above 20 dB (1.88x faster than bf16)" in big.reason
+    assert noisy.choice == "fp8-rowwise" and "not fp8-tensorwise 12.0 dB < 20 dB" in noisy.reason
+    assert small.choice == "bf16" and "fp8-tensorwise not faster than bf16 (0.150 vs 0.100 ms)" in small.reason
+    assert outliers.choice == "fp32" and "bf16 8.0 dB < 20 dB" in outliers.reason
+    assert close.choice == "bf16" and close.reason.startswith("the recipe's dtype")  # not 2% slower than fp32
+    assert layer_plan.choose([fast_fp8], "bf16", 20.0, 1.02, fp8_allowed=False)[0].choice == "bf16"
+    # an fp32 recipe: a layer moves to bf16 only if 1.02x faster
+    assert [c.choice for c in layer_plan.choose([near, bad_bf16], "fp32", 20.0, 1.02)] == ["fp32", "fp32"]
+    assert layer_plan.choose([_measured("x", {"fp32": 1.0, "bf16": 0.5}, {"bf16": 40.0})], "fp32", 20.0,
+                             1.02)[0].choice == "bf16"  # fmt: skip
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv1d(4, 16, 3, padding=1)
+        self.up = nn.Linear(16, 64)
+        self.odd = nn.Linear(64, 40)
+        self.unused = nn.Linear(8, 8)
+        self.head = nn.Linear(40, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv(x).transpose(1, 2)
+        return self.head(torch.relu(self.odd(torch.relu(self.up(h)))))
+
+
+def test_measure_times_each_called_layer_at_its_shapes_and_skips_emulated_fp8() -> None:
+    model, x = _Net(), torch.randn(4, 4, 24)
+    measured, notes = layer_plan.measure(model, x, square_loss, ["bf16", "fp16", *layer_plan.FP8_CANDIDATES],
+                                         time.perf_counter() + 60)  # fmt: skip
+    assert [m.name for m in measured] == ["conv", "up", "odd", "head"]  # in call order; unused is not called
+    assert measured[0].shape == "conv1d 4->16 k3, input (4, 4, 24)" and measured[1].shape == "linear 16->64, 96 rows"
+    assert any("no layer in fp8: fp8 GEMMs are emulated on cpu" in n for n in notes)
+    for m in measured:
+        assert set(m.ms) == {"fp32", "bf16", "fp16"} and all(v > 0 for v in m.ms.values())
+        assert 25 < m.sqnr_db["bf16"] < 70 and m.sqnr_db["fp16"] > m.sqnr_db["bf16"]  # 8 vs 11 mantissa bits
+    _, emulated_notes = layer_plan.measure(model, x, square_loss, ["bf16"], time.perf_counter() + 60, {"bf16": 40.0})
+    assert any("not run in bf16 (a matmul 40x slower than fp32: emulated)" in n for n in emulated_notes)
+
+
+def test_fp8_is_measured_where_the_device_has_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(layer_plan, "device_has_fp8", lambda device: True)  # the GEMMs run emulated: speed aside
+    model, x = _Net(), torch.randn(4, 4, 24)
+    measured, notes = layer_plan.measure(model, x, square_loss, ["bf16", *layer_plan.FP8_CANDIDATES],
+                                         time.perf_counter() + 60)  # fmt: skip
+    by_name = {m.name: m for m in measured}
+    assert not any("fp8" in n for n in notes)
+    assert 18 < by_name["up"].sqnr_db["fp8-tensorwise"] < by_name["up"].sqnr_db["bf16"]
+    assert "fp8-rowwise" in by_name["up"].sqnr_db
+    assert "not a multiple of 16" in by_name["odd"].not_measured["fp8-tensorwise"]
+    assert "output head" in by_name["head"].not_measured["fp8-tensorwise"]
+    assert "linears only" in by_name["conv"].not_measured["fp8-rowwise"]
+    odd = layer_plan.choose(measured, "bf16", 20.0, 1.02)[2]
+    assert "fp8-tensorwise, fp8-rowwise not measured: out_features 40 not a multiple of 16" in odd.reason
+
+
+def test_measure_stops_at_the_deadline() -> None:
+    measured, notes = layer_plan.measure(_Net(), torch.randn(4, 4, 24), square_loss, ["bf16"], time.perf_counter())
+    assert measured == [] and any("the budget ran out after 0 of 4 layers" in n for n in notes)
+
+
+def _plan_recipe(dtype: str = "bf16") -> Recipe:
+    layers = (LayerChoice("up", "linear 16->64", {"fp32": 1.0, "bf16": 0.5}, {"bf16": 40.0}, "fp32", "why"),
+              LayerChoice("odd", "linear 64->40", {"fp32": 1.0}, {}, "fp16", "why"),
+              LayerChoice("head", "linear 40->16", {"fp32": 1.0}, {}, dtype, "stays"))  # fmt: skip
+    return Recipe(dtype=dtype, layers=layers)
+
+
+def test_a_recipe_with_layers_applies_them_and_round_trips_through_json() -> None:
+    recipe = _plan_recipe()
+    assert recipe.name == "bf16 O1 layers[1 fp32, 1 fp16]" and not recipe.is_torch_default
+    assert [c.name for c in recipe.moved_layers] == ["up", "odd"]
+    assert Recipe.from_json(recipe.to_json()) == recipe
+    model = _Net()
+    run = recipe.apply(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert [mixprec.layer_precision(model, n) for n in ("up", "odd", "head", "conv")] == ["fp32", "fp16", None, None]
+    assert run.scaler is not None  # a layer in fp16 needs its gradients scaled
+    with run.autocast():
+        loss = square_loss(run.model(torch.randn(2, 4, 8)))
+    run.backward(loss)
+    run.step()
+    assert "per-layer plan:" in recipe.table() and "up     linear 16->64" in recipe.table()
+
+
+def test_an_fp32_recipe_with_a_bf16_layer_trains() -> None:
+    recipe = Recipe(dtype="fp32", layers=(LayerChoice("up", "linear", {"fp32": 1.0, "bf16": 0.1}, {"bf16": 40.0},
+                                                      "bf16", "fastest"),))  # fmt: skip
+    model = _Net()
+    run = recipe.apply(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert run.scaler is None and mixprec.layer_precision(model, "up") == "bf16"
+    loss = square_loss(run.model(torch.randn(2, 4, 8)))
+    assert loss.dtype is torch.float32
+    run.backward(loss)
+
+
+def test_a_layer_planned_in_delayed_fp8_is_refused() -> None:
+    with pytest.raises(ValueError, match="fp8-delayed keeps an amax history"):
+        Recipe(layers=(LayerChoice("up", "linear", {}, {}, "fp8-delayed", ""),))
+
+
+def test_tune_records_a_per_layer_table() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 4))
+    recipe = mixprec.tune(model, torch.randn(64, 32), square_loss, dtypes=("bf16", "fp32"), budget_s=30)
+    assert [c.name for c in recipe.layers] == ["0", "2", "4"]
+    for c in recipe.layers:
+        emulated = "bf16 not measured: emulated here" in c.reason
+        assert c.ms_of("fp32") is not None and (c.ms_of("bf16") is not None or emulated)
+        assert c.choice in ("bf16", "fp32")
+    assert any("no layer in fp8" in n for n in recipe.notes)
+    assert Recipe.from_json(recipe.to_json()).layers == recipe.layers
+    moved = recipe.moved_layers
+    # Either the plan was raced and chosen (its layers are applied), or every layer keeps the recipe's dtype.
+    chosen = next(m for m in recipe.measurements if m.status == "chosen")
+    assert (chosen.name == recipe.name) and (not moved or "layers[" in recipe.name)
+    assert all(math.isfinite(c.ms_of("fp32") or math.nan) for c in recipe.layers)
