@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import copy
+import importlib.util
 import logging
 import math
 from collections.abc import Callable
-from typing import Any
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,58 +16,13 @@ import mixprec
 from helpers import bitwise_equal
 from mixprec._src.guard import LADDER
 
-OUTLIER_AT, STEPS = 60, 200
-
-
-def _net() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(32, 64), nn.LayerNorm(64), nn.GELU(), nn.Linear(64, 64), nn.LayerNorm(64),
-                         nn.GELU(), nn.Linear(64, 8))  # fmt: skip
-
-
-def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(step % 16)
-    x = torch.randn(64, 32, generator=g)
-    y = torch.sin(1.5 * x[:, :8]) + 0.5 * x[:, 8:16]
-    if step >= OUTLIER_AT:  # an unnormalized feature appears: layer 0's fp16 output overflows from here on
-        x[:, 31] = 1e5
-    return x, y
-
-
-class _Run:
-    """A model, AdamW and a scaler trained on ``_batch`` in fp32 or fp16 autocast, optionally guarded."""
-
-    def __init__(self, dtype: torch.dtype, guarded: bool, **guard_args: Any) -> None:
-        self.model = _net()
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=3e-3)
-        self.fp16 = dtype is torch.float16
-        self.scaler = mixprec.GradScaler("cpu", enabled=self.fp16, fail_after=None)
-        self.guard = mixprec.Guard(self.model, self.scaler, **guard_args) if guarded else None
-        self.losses: list[float] = []
-        self.skipped = 0
-
-    def train(self, begin: int, end: int) -> _Run:
-        for step in range(begin, end):
-            x, y = _batch(step)
-            self.optimizer.zero_grad()
-            with torch.autocast("cpu", dtype=torch.float16, enabled=self.fp16):
-                loss = (self.model(x).float() - y).square().mean()
-            self.scaler.scale(loss).backward()
-            self.scaler.step(self.optimizer)
-            self.skipped += self.scaler.skipped(self.optimizer) if self.fp16 else 0
-            self.scaler.update()
-            if self.guard is not None:
-                self.guard.step()
-            self.losses.append(loss.item())
-        return self
-
-    def final(self) -> float:
-        return sum(self.losses[-16:]) / 16
-
-    def state(self) -> dict[str, Any]:
-        return copy.deepcopy({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                              "scaler": self.scaler.state_dict(),
-                              "guard": self.guard.state_dict() if self.guard else None})  # fmt: skip
+_spec = importlib.util.spec_from_file_location(
+    "guard_outlier", Path(__file__).resolve().parent.parent / "benchmarks" / "guard_outlier.py"
+)
+assert _spec is not None and _spec.loader is not None
+scenario = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(scenario)
+OUTLIER_AT, STEPS, _Run, _net = scenario.OUTLIER_AT, scenario.STEPS, scenario.Run, scenario.make_model
 
 
 @pytest.fixture(scope="module")
