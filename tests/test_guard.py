@@ -37,7 +37,7 @@ def runs() -> dict[str, _Run]:
 def test_without_the_guard_the_outlier_collapses_the_loss_scale(runs: dict[str, _Run]) -> None:
     unguarded = runs["fp16"]
     assert unguarded.skipped >= STEPS - OUTLIER_AT  # every step from the outlier on
-    assert unguarded.scaler.get_scale() < 1e-30
+    assert unguarded.scaler.get_scale() < 1e-20  # halved at each of them
     assert not math.isfinite(unguarded.final())
 
 
@@ -74,6 +74,7 @@ def test_resume_after_the_move_is_bitwise(guard_first: bool) -> None:
         resumed.guard.load_state_dict(saved["guard"])
     resumed.optimizer.load_state_dict(saved["optimizer"])
     resumed.scaler.load_state_dict(saved["scaler"])
+    resumed.schedule.load_state_dict(saved["schedule"])
     assert mixprec.layer_precision(resumed.model, "0") == "bf16"  # the move replayed
     resumed.train(resume_at, resume_at + 30)
     assert resumed.losses == original.losses[resume_at:]
