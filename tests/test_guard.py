@@ -90,45 +90,41 @@ def test_moves_are_logged_and_called_back(caplog: pytest.LogCaptureFixture) -> N
     assert "0 fp16 -> bf16 (nonfinite_forward: output inf/NaN from a finite input" in caplog.text
 
 
-def test_a_backward_overflow_at_a_high_loss_scale_is_the_scalers_to_fix() -> None:
-    # fp16 gradients overflow at the first steps' scale 2**16: the scaler backs off; no layer moves.
+def _backward_overflow(init_scale: float, loss_factor: float) -> tuple[mixprec.Guard, int]:
+    """Layer 2's input gradient is 64 x 40 x its output gradient: past fp16 at a scaled output gradient of 26."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    scaler = mixprec.GradScaler("cpu", init_scale=2.0**16)
-    guard = mixprec.Guard(model, scaler)
+    model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64))
+    with torch.no_grad():
+        model[2].weight.fill_(40.0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = mixprec.GradScaler("cpu", init_scale=init_scale, fail_after=None)
+    guard = mixprec.Guard(model, scaler, thresholds=mixprec.GuardThresholds(patience=1))
     backoffs = 0
-    for _ in range(6):
+    for _ in range(4):
         optimizer.zero_grad()
         with torch.autocast("cpu", dtype=torch.float16):
-            loss = model(torch.randn(32, 16)).float().square().sum() * 100
-        scaler.scale(loss).backward()
+            out = model(torch.randn(32, 16))
+        scaler.scale((out.float() * loss_factor).sum()).backward()
         scaler.step(optimizer)
         before = scaler.get_scale()
         scaler.update()
         backoffs += scaler.get_scale() < before
-        guard.step()
+        if guard.step():
+            break
+    return guard, backoffs
+
+
+def test_a_backward_overflow_at_a_high_loss_scale_is_the_scalers_to_fix() -> None:
+    # At scale 2**16 the scaled output gradient is 60: layer 2's input gradient (and then layer 0's weight
+    # gradient) overflow until the scaler has backed off enough. No layer moves.
+    guard, backoffs = _backward_overflow(2.0**16, 60.0 / 2**16)
     assert backoffs >= 2 and guard.moves == []
 
 
 def test_a_layer_whose_backward_overflows_unscaled_moves() -> None:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64))
-    with torch.no_grad():
-        model[2].weight.fill_(40.0)  # its input gradient: 64 x 40 x the output gradient, past fp16 at scale 1 and 0.5
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    scaler = mixprec.GradScaler("cpu", init_scale=1.0, fail_after=None)
-    guard = mixprec.Guard(model, scaler)
-    for _ in range(2):
-        optimizer.zero_grad()
-        with torch.autocast("cpu", dtype=torch.float16):
-            out = model(torch.randn(32, 16))
-        scaler.scale((out.float() * 60.0).sum()).backward()
-        scaler.step(optimizer)
-        scaler.update()
-        guard.step()
+    guard, _ = _backward_overflow(1.0, 60.0)
     assert [(m.layer, m.signal, m.to) for m in guard.moves] == [("2", "nonfinite_backward", "bf16")], guard.moves
-    assert "input gradient inf/NaN from a finite output gradient at loss scale" in guard.moves[0].detail
+    assert "input gradient inf/NaN from a finite output gradient at loss scale 1" in guard.moves[0].detail
 
 
 def test_an_fp16_layer_near_overflow_moves_before_it_overflows() -> None:
@@ -259,3 +255,26 @@ def test_close_removes_the_probes() -> None:
     before = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
     mixprec.Guard(model).close()
     assert sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()) == before
+
+
+def test_a_nan_input_is_not_a_layers_failure() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    guard = mixprec.Guard(model, thresholds=mixprec.GuardThresholds(patience=1))
+    with torch.autocast("cpu", dtype=torch.float16):
+        model(torch.full((2, 8), float("nan")))
+    assert guard.step() == [] and guard.strikes == {"0": 0, "1": 0}
+
+
+def test_strikes_must_come_in_a_row() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16), nn.Linear(16, 4))
+    with torch.no_grad():
+        model[0].weight[:, 0] = 1.0
+    guard = mixprec.Guard(model)  # patience 2
+    for near_overflow in (True, False, True, False, True):
+        x = torch.randn(8, 16)
+        x[:, 0] = 4e4 if near_overflow else 1.0
+        with torch.autocast("cpu", dtype=torch.float16):
+            model(x)
+        assert guard.step() == []
+    assert guard.strikes["0"] == 1

@@ -46,6 +46,7 @@ SCALER_TESTS = (
 PREPARE_TESTS = ("tests/test_master_weights.py", "tests/test_stochastic_rounding.py", "tests/test_prepare_config.py")
 POLICY_TESTS = ("tests/test_policy.py", "tests/test_policy_grammar.py")
 AUTOCAST_TESTS = ("tests/test_autocast.py", "tests/test_module_rules.py")
+LAYER_TESTS = ("tests/test_guard.py", "tests/test_layer_precision.py", "tests/test_layer_plan.py")
 FP8_TESTS = ("tests/test_fp8_gemm.py", "tests/test_fp8_linear.py", "tests/test_fp8_layers.py",
              "tests/test_fp8_diagnostics.py")  # fmt: skip
 
@@ -174,6 +175,36 @@ MUTANTS = (
     Mutant("output-tuple-not-cast", "output_dtype casts single outputs only, not a tuple's",
            "src/mixprec/_src/dispatch.py", "        return tuple(_cast_output(o, dtype) for o in out)",
            "        return out", ("tests/test_autocast_ops.py",)),
+    # --- per-layer precision: the plan and the guard ---------------------------------------------------
+    Mutant("layer-dtype-ignored", "a layer given a dtype computes in the region's",
+           "src/mixprec/_src/layer_precision.py", "x, w = input.to(dtype), weight.to(dtype)", "x, w = input, weight",
+           LAYER_TESTS),
+    Mutant("recipe-ignores-layers", "Recipe.apply leaves the per-layer plan out",
+           "src/mixprec/_src/recipe.py", "        layer_plan.apply(model, self.layers, short_name(self.dtype))\n", "",
+           LAYER_TESTS),
+    Mutant("plan-ignores-floor", "a layer's precision below its SQNR floor can be chosen",
+           "src/mixprec/_src/layer_plan.py", "            if quality < floor_db:", "            if False:",
+           LAYER_TESTS),
+    Mutant("plan-fp8-slower-than-bf16", "fp8 is chosen where it measured slower than bf16",
+           "src/mixprec/_src/layer_plan.py", "if not fp8_allowed or (high is not None and ms >= high):",
+           "if not fp8_allowed:", LAYER_TESTS),
+    Mutant("guard-no-patience", "the guard moves a layer at its first bad step",
+           "src/mixprec/_src/guard.py", "if self.strikes[name] >= self.thresholds.patience:", "if True:",
+           LAYER_TESTS),
+    Mutant("guard-strikes-not-in-a-row", "a step without a signal does not reset the layer's strikes",
+           "src/mixprec/_src/guard.py", "            if found is None:\n                self.strikes[name] = 0\n",
+           "            if found is None:\n                pass\n", LAYER_TESTS),
+    Mutant("guard-blames-a-nonfinite-input", "a layer whose input was already inf/NaN is blamed for its output",
+           "src/mixprec/_src/guard.py", "                if math.isfinite(row[_IN]):\n", "                if True:\n",
+           LAYER_TESTS),
+    Mutant("guard-backward-ignores-scale", "a backward overflow at a high loss scale moves a layer",
+           "src/mixprec/_src/guard.py", "if not found and scale_used <= th.backward_scale:", "if not found:",
+           LAYER_TESTS),
+    Mutant("guard-ignores-saturation", "fp8 saturation is not a signal",
+           "src/mixprec/_src/guard.py", "        if saturated > th.saturated:", "        if False:", LAYER_TESTS),
+    Mutant("guard-no-replay", "a guard's state loads without replaying its moves",
+           "src/mixprec/_src/guard.py", "        for move in self.moves:\n            set_layer_precision(",
+           "        for move in ():\n            set_layer_precision(", LAYER_TESTS),
     # --- fp8 linears ----------------------------------------------------------------------------------
     Mutant("fp8-records-non-finite-amax", "delayed scaling records the inf amax of an overflowed fp16 step",
            "src/mixprec/_src/fp8_linear.py", "torch.where(now.isfinite(), now, 0.0)", "now", FP8_TESTS),
@@ -207,7 +238,7 @@ MUTANTS = (
 
 
 def _copy(into: Path) -> None:
-    for name in ("src", "tests", "docs", "pyproject.toml", "README.md"):
+    for name in ("src", "tests", "docs", "benchmarks", "pyproject.toml", "README.md"):
         source = ROOT / name
         if source.is_dir():
             shutil.copytree(source, into / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
@@ -215,8 +246,12 @@ def _copy(into: Path) -> None:
             shutil.copy2(source, into / name)
 
 
-def run(mutant: Mutant, python: str) -> tuple[str, float]:
-    """Apply ``mutant`` to a copy of the repository and run its tests: ``("killed" | "SURVIVED" | "STALE", s)``."""
+def run(mutant: Mutant, python: str, baseline: bool = False) -> tuple[str, float]:
+    """Apply ``mutant`` to a copy of the repository and run its tests: ``("killed" | "SURVIVED" | "STALE", s)``.
+
+    ``baseline``: run its tests on the unchanged copy instead (they must pass, or every mutant would
+    look killed: ``"killed"`` then means the tests are broken there).
+    """
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="mixprec-mutant-") as tmp:
         copy = Path(tmp)
@@ -225,7 +260,8 @@ def run(mutant: Mutant, python: str) -> tuple[str, float]:
         text = path.read_text()
         if text.count(mutant.old) != 1:
             return "STALE", time.perf_counter() - start
-        path.write_text(text.replace(mutant.old, mutant.new))
+        if not baseline:
+            path.write_text(text.replace(mutant.old, mutant.new))
         env = {**os.environ, "PYTHONPATH": str(copy / "src")}
         command = [python, "-m", "pytest", "-q", "-x", "-m", "not slow", "-p", "no:cacheprovider", *mutant.tests]
         result = subprocess.run(command, cwd=copy, env=env, capture_output=True, text=True)
@@ -247,6 +283,11 @@ def main(argv: list[str]) -> int:
         print(f"unknown mutants: {', '.join(unknown)}; see --list", file=sys.stderr)
         return 2
     chosen = [by_name[n] for n in args.names] or list(MUTANTS)
+    for tests in dict.fromkeys(m.tests for m in chosen):  # each test group passes unmutated, in a copy
+        outcome, _ = run(next(m for m in chosen if m.tests == tests), sys.executable, baseline=True)
+        if outcome != "SURVIVED":
+            print(f"the unmutated copy fails or lacks {', '.join(tests)}: fix that first", file=sys.stderr)
+            return 1
     outcomes = []
     for mutant in chosen:
         outcome, seconds = run(mutant, sys.executable)
