@@ -68,6 +68,12 @@ def test_measure_times_each_called_layer_at_its_shapes_and_skips_emulated_fp8() 
     for m in measured:
         assert set(m.ms) == {"fp32", "bf16", "fp16"} and all(v > 0 for v in m.ms.values())
         assert 25 < m.sqnr_db["bf16"] < 70 and m.sqnr_db["fp16"] > m.sqnr_db["bf16"]  # 8 vs 11 mantissa bits
+    up = measured[1]  # fp8 is not timed here, but its error is what a GPU's would be
+    assert 18 < up.sqnr_db["fp8-tensorwise"] < up.sqnr_db["bf16"] and "fp8-rowwise" in up.sqnr_db
+    assert up.not_measured["fp8-tensorwise"] == "fp8 GEMMs emulated on cpu"
+    choice = layer_plan.choose(measured, "bf16", 20.0, 1.02)[1]
+    assert not choice.choice.startswith("fp8")
+    assert "fp8-tensorwise, fp8-rowwise not timed: fp8 GEMMs emulated" in choice.reason
     _, emulated_notes = layer_plan.measure(model, x, square_loss, ["bf16"], time.perf_counter() + 60, {"bf16": 40.0})
     assert any("not run in bf16 (a matmul 40x slower than fp32: emulated)" in n for n in emulated_notes)
 

@@ -198,10 +198,12 @@ def measure(model: nn.Module, batch: Any, loss_of: Callable[[Any], torch.Tensor]
     device = next(model.parameters()).device
     notes: list[str] = []
     wanted = list(dict.fromkeys(["fp32", *(parse_precision(p) for p in precisions)]))
+    untimed = set()  # run once for their SQNR (the emulation computes what the hardware would), not timed
     if any(p.startswith(FP8_PREFIX) for p in wanted) and not device_has_fp8(device):
-        wanted = [p for p in wanted if not p.startswith(FP8_PREFIX)]
+        untimed = {p for p in wanted if p.startswith(FP8_PREFIX)}
         notes.append(f"no layer in fp8: fp8 GEMMs are emulated on {device.type} (torch._scaled_mm in fp32), "
-                     "so fp8 could only be slower; a GPU of compute capability 8.9+ has them")  # fmt: skip
+                     "so fp8 could only be slower; a GPU of compute capability 8.9+ has them (the table "
+                     "shows fp8's SQNR per layer, the same there)")  # fmt: skip
     slow = {p: s for p, s in (emulated or {}).items() if p in wanted and p != "fp32"}
     if slow:
         wanted = [p for p in wanted if p not in slow]
@@ -236,13 +238,15 @@ def measure(model: nn.Module, batch: Any, loss_of: Callable[[Any], torch.Tensor]
             run()  # warm-up
         for rep in range(_REPS):
             order = list(runs.items()) if rep % 2 == 0 else list(reversed(runs.items()))
-            for _, run in order:
-                if time.perf_counter() < deadline:
+            for p, run in order:
+                if p not in untimed and time.perf_counter() < deadline:
                     run()
         reference = runs["fp32"].result
         for p, run in runs.items():
-            timed = run.times[1:] or run.times
-            entry.ms[p] = statistics.median(timed) * 1e3
+            if p in untimed:
+                entry.not_measured[p] = f"fp8 GEMMs emulated on {c.x.device.type}"
+            else:
+                entry.ms[p] = statistics.median(run.times[1:] or run.times) * 1e3
             if p != "fp32":
                 entry.sqnr_db[p] = min(sqnr(a, b) for a, b in zip(run.result, reference, strict=True))
         out.append(entry)
@@ -277,10 +281,10 @@ def choose(measured: Sequence[Measured], default: str, floor_db: float, min_spee
                 reason += f" ({m.ms[default] / allowed[fastest]:.2f}x faster than {default})"
         if why_not:
             reason += "; not " + ", ".join(why_not)
-        unmeasured: dict[str, list[str]] = {}
+        unmeasured: dict[tuple[str, str], list[str]] = {}
         for p, why in m.not_measured.items():
-            unmeasured.setdefault(why, []).append(p)
-        reason += "".join(f"; {', '.join(ps)} not measured: {why}" for why, ps in unmeasured.items())
+            unmeasured.setdefault(("not timed" if p in m.sqnr_db else "not measured", why), []).append(p)
+        reason += "".join(f"; {', '.join(ps)} {what}: {why}" for (what, why), ps in unmeasured.items())
         choices.append(LayerChoice(m.name, m.shape, tuple(m.ms.items()), tuple(m.sqnr_db.items()), choice, reason))
     return tuple(choices)
 

@@ -90,7 +90,7 @@ def recipe_table(recipe: Recipe) -> str:
 
 def layer_table(layers: Sequence[LayerChoice]) -> str:
     """A per-layer plan as a text table: ms and SQNR by precision, the choice and why."""
-    precisions = [p for p in PRECISIONS if any(c.ms_of(p) is not None for c in layers)]
+    precisions = [p for p in PRECISIONS if any(c.ms_of(p) is not None or c.sqnr_of(p) is not None for c in layers)]
     header = ("layer", "shape", *(f"{p} ms" for p in precisions), *(f"{p} dB" for p in precisions if p != "fp32"),
               "choice", "reason")  # fmt: skip
     rows = [header]
