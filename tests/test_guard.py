@@ -278,3 +278,40 @@ def test_strikes_must_come_in_a_row() -> None:
             model(x)
         assert guard.step() == []
     assert guard.strikes["0"] == 1
+
+
+def _ddp_guard_worker(rank: int, world: int, port: int, results: Any) -> None:
+    from torch.nn.parallel import DistributedDataParallel
+
+    from helpers import init_process_group
+
+    init_process_group(rank, world, port)
+    model = DistributedDataParallel(_net())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    scaler = mixprec.GradScaler("cpu", fail_after=None)
+    guard = mixprec.Guard(model, scaler)
+    for step in range(12):
+        x, y = scenario.batch(step + 16 * rank, outlier_at=10**9)
+        if rank == 1 and step >= 6:  # only rank 1's batches carry the outlier
+            x = x * 3e4
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = (model(x).float() - y).square().mean()
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        guard.step()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    results[rank] = {"moves": [str(m) for m in guard.moves], "precision": guard.precisions(), "params": flat}
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_every_rank_moves_the_same_layer_at_the_same_step() -> None:
+    from helpers import spawn
+
+    ranks = spawn(_ddp_guard_worker, 2)
+    assert ranks[0]["moves"] == ranks[1]["moves"] and len(ranks[0]["moves"]) == 1, ranks[0]["moves"]
+    assert ranks[0]["moves"][0].startswith("step 8: module.0 fp16 -> bf16 (nonfinite_forward")
+    assert ranks[0]["precision"] == ranks[1]["precision"]
+    assert bitwise_equal(ranks[0]["params"], ranks[1]["params"])  # the replicas stayed one model
