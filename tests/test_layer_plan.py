@@ -7,6 +7,8 @@ import time
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import mixprec
@@ -41,6 +43,30 @@ def test_the_fastest_precision_above_the_floor_is_chosen() -> None:
     assert [c.choice for c in layer_plan.choose([near, bad_bf16], "fp32", 20.0, 1.02)] == ["fp32", "fp32"]
     assert layer_plan.choose([_measured("x", {"fp32": 1.0, "bf16": 0.5}, {"bf16": 40.0})], "fp32", 20.0,
                              1.02)[0].choice == "bf16"  # fmt: skip
+
+
+_PRECISIONS = ("fp32", "bf16", "fp16", "fp8-tensorwise", "fp8-rowwise")
+
+
+@settings(max_examples=200, deadline=None)
+@given(ms=st.lists(st.floats(0.01, 100.0), min_size=5, max_size=5),
+       db=st.lists(st.floats(0.0, 80.0), min_size=4, max_size=4),
+       default=st.sampled_from(("fp32", "bf16", "fp16")), floor=st.floats(0.0, 60.0), fp8=st.booleans())  # fmt: skip
+def test_the_choice_is_allowed_fast_and_stays_put_within_noise(ms: list[float], db: list[float], default: str,
+                                                               floor: float, fp8: bool) -> None:  # fmt: skip
+    m = _measured("x", dict(zip(_PRECISIONS, ms, strict=True)), dict(zip(_PRECISIONS[1:], db, strict=True)))
+    (choice,) = layer_plan.choose([m], default, floor, 1.02, fp8_allowed=fp8)
+    p = choice.choice
+    assert p == "fp32" or m.sqnr_db[p] >= floor  # never below the floor
+    if p.startswith("fp8"):
+        assert fp8 and m.ms[p] < m.ms["bf16"]  # never fp8 where bf16 is as fast
+    allowed = [q for q in _PRECISIONS if q == "fp32" or (m.sqnr_db[q] >= floor and (not q.startswith("fp8") or (
+        fp8 and m.ms[q] < m.ms["bf16"])))]  # fmt: skip
+    fastest = min(m.ms[q] for q in allowed)
+    if default in allowed and m.ms[default] <= 1.02 * fastest:
+        assert p == default  # no move within the noise
+    else:
+        assert m.ms[p] == fastest
 
 
 class _Net(nn.Module):

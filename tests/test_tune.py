@@ -272,6 +272,10 @@ def test_cli_tune_writes_the_recipe(tmp_path: Any, capsys: pytest.CaptureFixture
     assert "mixprec tune: round 1 (dtype)" in text and "recipe: " in text and "vs torch.amp" in text
     recipe = Recipe.from_json(str(out))
     assert recipe.measurements and recipe.tuning_s > 0
+    assert "per-layer plan:" in text and recipe.layers  # the plan, printed and saved
+    assert cli.main(["tune", "--workload", "mlp", "--size", "tiny", "--budget", "5", "--no-per-layer", "--out",
+                     str(out)]) == 0  # fmt: skip
+    assert "per-layer plan:" not in capsys.readouterr().out and not Recipe.from_json(str(out)).layers
     assert cli.main(["tune", "--model", "tests.test_tune:_mlp"]) == 2
     assert "--model needs --batch" in capsys.readouterr().err
     assert cli.main(["tune", "--workload", "mlp", "--size", "tiny", "--levels", "O4"]) == 2

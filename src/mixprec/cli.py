@@ -94,14 +94,19 @@ def _parser() -> argparse.ArgumentParser:
         "tune",
         help="find the fastest precision recipe for a model that keeps its accuracy, measured here",
         description="Time candidate recipes (dtype, ops moved to fp32, memory layout, prepare level) on the model "
-        "and batch, keep those whose first steps stay within tolerance of fp32, and print the table; "
-        "--out writes the recipe as JSON for mixprec.Recipe.from_json.",
+        "and batch, keep those whose first steps stay within tolerance of fp32, plan each linear and "
+        "convolution's precision, and print the tables; --out writes the recipe as JSON for "
+        "mixprec.Recipe.from_json.",
     )
     _add_target_arguments(tune, "a bench workload", "")
     tune.add_argument("--size", choices=SIZES, default="default", help="--workload's size (default: default)")
     tune.add_argument("--budget", type=float, default=60.0, help="seconds the search may take (default 60)")
     tune.add_argument("--dtypes", default="bf16,fp16,fp32", help="compute dtypes to search (default bf16,fp16,fp32)")
     tune.add_argument("--levels", default="O2,bf16-sr", help="prepare levels to search besides O1 (default O2,bf16-sr)")
+    tune.add_argument("--no-per-layer", dest="per_layer", action="store_false",
+                      help="no per-layer plan (each layer timed and checked in each precision)")  # fmt: skip
+    tune.add_argument("--layer-sqnr-db", type=float, default=20.0,
+                      help="a layer's SQNR floor against fp32 for the per-layer plan (default 20)")  # fmt: skip
     tune.add_argument("--out", help="write the recipe here as JSON")
 
     policy = sub.add_parser("policy", help="print a precision policy's op lists")
@@ -420,7 +425,8 @@ def _tune(args: argparse.Namespace) -> int:
         dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
         levels = [lv.strip() for lv in args.levels.split(",") if lv.strip()]
         recipe = tune(model, inputs, loss_fn, targets=targets, optimizer=optimizer, budget_s=args.budget,
-                      dtypes=dtypes, levels=levels, progress=say)  # fmt: skip
+                      dtypes=dtypes, levels=levels, per_layer=args.per_layer, layer_sqnr_db=args.layer_sqnr_db,
+                      progress=say)  # fmt: skip
     except (ValueError, TypeError) as exc:
         print(f"mixprec tune: {exc}", file=sys.stderr)
         return 2
