@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 from torch import nn
 
 import mixprec
-from helpers import square_loss
+from helpers import requires_cuda, square_loss
 from mixprec import Recipe
-from mixprec._src import layer_plan
+from mixprec._src import layer_plan, reporting
 from mixprec._src.layer_plan import LayerChoice, Measured
 
 
@@ -180,3 +180,24 @@ def test_tune_records_a_per_layer_table() -> None:
     chosen = next(m for m in recipe.measurements if m.status == "chosen")
     assert (chosen.name == recipe.name) and (not moved or "layers[" in recipe.name)
     assert all(math.isfinite(c.ms_of("fp32") or math.nan) for c in recipe.layers)
+
+
+@requires_cuda
+def test_on_a_gpu_with_fp8_the_projections_are_timed_in_fp8() -> None:
+    from mixprec.bench.workloads import WORKLOADS
+
+    device = torch.device("cuda")
+    if not layer_plan.device_has_fp8(device):
+        pytest.skip("needs a GPU of compute capability 8.9+")
+    task = WORKLOADS["transformer"].build("default", device)
+    model, (tokens, targets) = task.model.to(device), task.batch(0)
+
+    def loss_of(out: torch.Tensor) -> torch.Tensor:
+        return task.loss_fn(out.float(), targets)
+
+    measured, notes = layer_plan.measure(model, tokens, loss_of, ["bf16", *layer_plan.FP8_CANDIDATES],
+                                         time.perf_counter() + 120)  # fmt: skip
+    linear1 = next(m for m in measured if m.name.endswith("linear1"))
+    assert {"fp32", "bf16", "fp8-tensorwise", "fp8-rowwise"} <= set(linear1.ms), (linear1, notes)
+    assert linear1.sqnr_db["fp8-tensorwise"] > 20
+    print(reporting.layer_table(layer_plan.choose(measured, "bf16", 20.0, 1.02)))  # the figures, with -s
