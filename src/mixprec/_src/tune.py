@@ -579,7 +579,7 @@ class _Plan:
     measured: list[layer_plan.Measured]
     floor_db: float
     min_speedup: float
-    outcome: str = ""  # what became of the planned recipe (for the notes)
+    outcome: dict[str, str] = dataclasses.field(default_factory=dict)  # recipe name -> what its plan became
 
     def planned(self, recipe: Recipe) -> Recipe | None:
         """``recipe`` with its per-layer plan, or ``None`` where every layer stays in its dtype."""
@@ -596,10 +596,16 @@ class _Plan:
         if not any(c.choice != dtype for c in choices):
             note = f"per-layer plan: every layer stays in {dtype}"
             return dataclasses.replace(recipe, layers=choices, notes=(*recipe.notes, note))
-        why = self.outcome or "the budget ran out before it was measured"
-        if why.endswith("passed"):
-            why += f", but {recipe.name} was faster"
-        kept = tuple(dataclasses.replace(c, choice=dtype, reason=f"{c.choice} measured best, not applied: {why}")
+        if recipe.name in self.outcome:
+            why = self.outcome[recipe.name]
+            why += f", but {recipe.name} was faster" if why.endswith("passed") else ""
+        elif self.outcome:
+            why = (f"{recipe.name} won the final round; round 4 raced the plans of "
+                   f"{', '.join(self.outcome)}, the best of each dtype then")  # fmt: skip
+        else:
+            why = "the budget ran out before round 4 raced it"
+        kept = tuple(c if c.choice == dtype else
+                     dataclasses.replace(c, choice=dtype, reason=f"{c.choice} measured best, not applied; {c.reason}")
                      for c in choices)  # fmt: skip
         return dataclasses.replace(recipe, layers=kept, notes=(*recipe.notes, f"per-layer plan not applied: {why}"))
 
@@ -700,13 +706,17 @@ def _run_search(search: _Search, model: nn.Module, batch: Any, loss_fn: Any, tar
             names = search.round(default, [base(dtype, level=lv, layout=layout) for lv in levels], "round 3 (levels)")
             best_low = search.best([best_low, *names])
         best = search.best([n for n in (best, best_low) if n is not None])
-    # Round 4: the best recipe with its per-layer plan, through the accuracy guard (then in the final round).
-    planned = plan.planned(search.recipes[best]) if plan is not None and best is not None else None
-    if plan is not None and planned is not None and search.time_left():
-        search.round(search.trial(torch_default), [planned], "round 4 (the per-layer plan)")
-        result = search.results[planned.name]
-        plan.outcome = f"{planned.name}: {result.status}" + (f" ({result.reason})" if result.reason else "")
-        best = search.best([n for n in (best, planned.name) if n is not None])
+    # Round 4: the best recipe of each dtype with its per-layer plan, through the accuracy guard (then in the
+    # final round): a plan depends on the recipe's dtype, and either may win.
+    if plan is not None:
+        bests = [search.best([n for n, r in search.recipes.items() if r.dtype is d]) for d in dtypes]
+        planned = {n: p for n in bests if n is not None and (p := plan.planned(search.recipes[n])) is not None}
+        if planned and search.time_left():
+            search.round(search.trial(torch_default), list(planned.values()), "round 4 (per-layer plans)")
+            for name, p in planned.items():
+                result = search.results[p.name]
+                plan.outcome[name] = f"{p.name}: {result.status}" + (f" ({result.reason})" if result.reason else "")
+            best = search.best([n for n in (best, *(p.name for p in planned.values())) if n is not None])
     finalists = search.final_round(torch_default, dtypes, min_speedup, notes)
     if finalists is not None:
         best = search.best([*finalists, *([torch_default.name] if torch_default.dtype in dtypes else [])])
