@@ -316,3 +316,28 @@ def test_every_rank_moves_the_same_layer_at_the_same_step() -> None:
     assert ranks[0]["moves"][0].startswith("step 8: module.0 fp16 -> bf16 (nonfinite_forward")
     assert ranks[0]["precision"] == ranks[1]["precision"]
     assert bitwise_equal(ranks[0]["params"], ranks[1]["params"])  # the replicas stayed one model
+
+
+class _Twice(nn.Module):
+    """``shared`` is called twice per forward; with ``boost`` its first call overflows fp16."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.shared, self.head = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+        self.norm = nn.LayerNorm(16)
+
+    def forward(self, x: torch.Tensor, boost: float = 1.0) -> torch.Tensor:
+        h = self.norm(self.inp(x)).float() * boost
+        h = self.norm(self.shared(h)).float()  # first call: inf in fp16 when boosted
+        return self.head(self.norm(self.shared(h)))  # second call: its input is already NaN then
+
+
+def test_a_layer_called_twice_is_judged_call_by_call() -> None:
+    model = _Twice()
+    guard = mixprec.Guard(model)
+    for _ in range(2):
+        with torch.autocast("cpu", dtype=torch.float16):
+            model(torch.randn(4, 8), boost=1e6)
+        guard.step()
+    assert [(m.layer, m.signal) for m in guard.moves] == [("shared", "nonfinite_forward")], guard.moves

@@ -50,7 +50,10 @@ LADDER: dict[str, str] = {
     "fp16": "bf16",
     "bf16": "fp32",
 }
-_IN, _OUT, _GRAD_OUT, _GRAD_IN = range(4)  # columns of the per-layer amaxes recorded in a step
+# Columns of what a step records per layer: amaxes (max over the layer's calls), then per-call origin flags
+# (1: some call of the layer made inf/NaN from finite values), then the weight gradient and fp8 columns.
+_IN, _OUT, _GRAD_OUT, _GRAD_IN, _FWD_ORIGIN, _BWD_ORIGIN = range(6)
+_BAD_WEIGHT_GRAD, _SATURATED, _FLUSHED = range(6, 9)
 _FP16_MAX = torch.finfo(torch.float16).max
 
 
@@ -117,18 +120,31 @@ class LayerMove:
         return f"step {self.step}: {self.layer} {self.from_} -> {self.to} ({self.signal}: {self.detail})"
 
 
+class _Call:
+    """One call of a watched layer: its input's amax, then its output gradient's (device tensors)."""
+
+    __slots__ = ("grad_out", "x")
+
+    def __init__(self, x: torch.Tensor) -> None:
+        self.x = x
+        self.grad_out: torch.Tensor | None = None
+
+
 class _Probe(torch.autograd.Function):
-    """Identity whose backward records the gradient's amax (the layer's own input gradient)."""
+    """Identity before a layer whose backward sees the layer's own input gradient (not the sum a shared
+    input receives): its amax, and whether this call made it inf/NaN from a finite output gradient."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, guard: Guard, index: int) -> torch.Tensor:
-        ctx.guard, ctx.index = guard, index
+    def forward(ctx: Any, x: torch.Tensor, guard: Guard, index: int, call: _Call) -> torch.Tensor:
+        ctx.guard, ctx.index, ctx.call = guard, index, call
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        ctx.guard._record(ctx.index, _GRAD_IN, grad)
-        return grad, None, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        amax = ctx.guard._record(ctx.index, _GRAD_IN, grad)
+        if amax is not None and ctx.call.grad_out is not None:
+            ctx.guard._flag(ctx.index, _BWD_ORIGIN, ctx.call.grad_out.isfinite() & ~amax.isfinite())
+        return grad, None, None, None
 
 
 class Guard:
@@ -173,8 +189,8 @@ class Guard:
         self.scale = float(scaler.get_scale()) if scaler is not None else 1.0  # the scale of the coming backward
         self._names = list(self.layers)
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        self._amax = torch.zeros(len(self._names), 4, device=device)
-        self._order: list[int] = []  # layers in the order they ran this step
+        self._amax = torch.zeros(len(self._names), 6, device=device)
+        self._calls: list[list[_Call]] = [[] for _ in self._names]  # the open calls of each layer
         self._seen: dict[int, str] = {}  # the precision each layer computed in
         self._handles: list[Any] = []
         for index, module in enumerate(self.layers.values()):
@@ -184,35 +200,49 @@ class Guard:
 
     # ----- probes (no sync) -----------------------------------------------------------
 
-    def _record(self, index: int, column: int, t: torch.Tensor) -> None:
+    def _record(self, index: int, column: int, t: torch.Tensor) -> torch.Tensor | None:
+        """Fold ``t``'s amax into the step's (a NaN stays: torch.maximum keeps it); returns the amax."""
         if t.numel() == 0:
-            return
-        with torch.no_grad():  # torch.maximum keeps a NaN: a non-finite value stays visible until the step's read
+            return None
+        with torch.no_grad():
             amax = t.detach().abs().amax().float()
             self._amax[index, column] = torch.maximum(self._amax[index, column], amax)
+        return amax
+
+    def _flag(self, index: int, column: int, flag: torch.Tensor) -> None:
+        with torch.no_grad():
+            self._amax[index, column] = torch.maximum(self._amax[index, column], flag.float())
 
     def _pre_hook(self, index: int) -> Callable[..., Any]:
         def hook(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
             if not args or not isinstance(args[0], torch.Tensor) or not args[0].is_floating_point():
                 return None
             x = args[0]
-            self._order.append(index)
-            self._record(index, _IN, x)
+            amax = self._record(index, _IN, x)
+            call = _Call(amax if amax is not None else x.new_zeros((), dtype=torch.float32))
+            self._calls[index].append(call)
             if x.requires_grad and torch.is_grad_enabled():
-                return (_Probe.apply(x, self, index), *args[1:])  # type: ignore[no-untyped-call]
+                return (_Probe.apply(x, self, index, call), *args[1:])  # type: ignore[no-untyped-call]
             return None
 
         return hook
 
     def _post_hook(self, index: int) -> Callable[..., Any]:
         def hook(module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
-            if not isinstance(out, torch.Tensor) or not out.is_floating_point():
+            call = self._calls[index].pop() if self._calls[index] else None
+            if call is None or not isinstance(out, torch.Tensor) or not out.is_floating_point():
                 return
             scaling = fp8_conversion.scaling_of(module)
             self._seen[index] = FP8_PREFIX + scaling.config.recipe.value if scaling else short_name(out.dtype)
-            self._record(index, _OUT, out)
+            amax = self._record(index, _OUT, out)
+            if amax is not None:  # this call made inf/NaN from a finite input
+                self._flag(index, _FWD_ORIGIN, ~amax.isfinite() & call.x.isfinite())
             if out.requires_grad:
-                out.register_hook(lambda grad: self._record(index, _GRAD_OUT, grad))  # type: ignore[no-untyped-call]
+
+                def on_grad(grad: torch.Tensor) -> None:
+                    call.grad_out = self._record(index, _GRAD_OUT, grad)
+
+                out.register_hook(on_grad)  # type: ignore[no-untyped-call]
 
         return hook
 
@@ -234,8 +264,7 @@ class Guard:
         self.steps += 1
         readings = self._read()
         scale_used, self.scale = self.scale, float(self.scaler.get_scale()) if self.scaler is not None else 1.0
-        order, self._order = list(dict.fromkeys(self._order)), []
-        signals = self._signals(readings, order, scale_used)
+        signals = self._signals(readings, scale_used)
         moves = []
         for index, name in enumerate(self._names):
             found = signals.get(index)
@@ -281,32 +310,20 @@ class Guard:
         rows: list[list[float]] = table.tolist()  # the sync
         return rows
 
-    def _signals(self, rows: list[list[float]], order: list[int], scale_used: float) -> dict[int, tuple[str, str]]:
+    def _signals(self, rows: list[list[float]], scale_used: float) -> dict[int, tuple[str, str]]:
         """Layer index -> (signal, detail) for the layers with one this step (the first signal found)."""
         th = self.thresholds
         found: dict[int, tuple[str, str]] = {}
-        for index in order:  # forward: the first layer whose output went non-finite from a finite input
-            row = rows[index]
-            if not math.isfinite(row[_OUT]):
-                if math.isfinite(row[_IN]):
-                    found[index] = ("nonfinite_forward", f"output inf/NaN from a finite input (amax {row[_IN]:.3g})")
-                break
-        if not found and scale_used <= th.backward_scale:
-            for index in reversed(order):  # backward runs from the output: the first layer that made inf/NaN
-                row = rows[index]
-                if not math.isfinite(row[_GRAD_OUT]):
-                    break
-                if not math.isfinite(row[_GRAD_IN]) or row[4] > 0:
-                    which = "input" if not math.isfinite(row[_GRAD_IN]) else "weight"
-                    found[index] = ("nonfinite_backward",
-                                    f"{which} gradient inf/NaN from a finite output gradient at loss scale "
-                                    f"{scale_used:g}")  # fmt: skip
-                    break
         for index, name in enumerate(self._names):
-            if index in found:
-                continue
             row, seen = rows[index], self._seen.get(index)
-            if seen == "fp16" and math.isfinite(row[_OUT]) and row[_OUT] > th.fp16_margin * _FP16_MAX:
+            if row[_FWD_ORIGIN] > 0:
+                found[index] = ("nonfinite_forward", "output inf/NaN from a finite input")
+            elif scale_used <= th.backward_scale and (row[_BWD_ORIGIN] > 0 or (
+                    row[_BAD_WEIGHT_GRAD] > 0 and math.isfinite(row[_GRAD_OUT]))):  # fmt: skip
+                which = "input" if row[_BWD_ORIGIN] > 0 else "weight"
+                found[index] = ("nonfinite_backward", f"{which} gradient inf/NaN from a finite output gradient at "
+                                                      f"loss scale {scale_used:g}")  # fmt: skip
+            elif seen == "fp16" and math.isfinite(row[_OUT]) and row[_OUT] > th.fp16_margin * _FP16_MAX:
                 found[index] = ("fp16_overflow", f"output amax {row[_OUT]:.4g} > {th.fp16_margin:g} x {_FP16_MAX:g}")
             elif seen is not None and seen.startswith(FP8_PREFIX):
                 signal = self._fp8_signal(name, row)
@@ -316,7 +333,7 @@ class Guard:
 
     def _fp8_signal(self, name: str, row: list[float]) -> tuple[str, str] | None:
         th = self.thresholds
-        saturated, flushed = row[5], row[6]
+        saturated, flushed = row[_SATURATED], row[_FLUSHED]
         if saturated > th.saturated:
             return "saturated", f"{saturated:.2%} of a cast's values clamped at the fp8 max (> {th.saturated:.2%})"
         if flushed > th.flushed:
