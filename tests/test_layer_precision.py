@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pathlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -107,3 +109,15 @@ def test_what_cannot_be_set_raises_with_what_to_do() -> None:
 def test_precision_names() -> None:
     assert [parse_precision(p) for p in PRECISIONS] == list(PRECISIONS)
     assert parse_precision(torch.bfloat16) == parse_precision("bfloat16") == "bf16"
+
+
+def test_a_model_with_its_own_layer_precisions_saves_and_loads_whole(tmp_path: pathlib.Path) -> None:
+    net = _net()
+    mixprec.set_layer_precision(net, "0", "bf16")
+    mixprec.set_layer_precision(net, "2", "fp8-tensorwise")
+    torch.save(net, tmp_path / "net.pt")
+    loaded = torch.load(tmp_path / "net.pt", weights_only=False)
+    assert [mixprec.layer_precision(loaded, n) for n in ("0", "2", "4")] == ["bf16", "fp8-tensorwise", None]
+    x = torch.randn(8, 16)
+    assert bitwise_equal(loaded(x), net(x))
+    assert loaded[0].forward.module is loaded[0]  # bound to the loaded layer, not the saved one

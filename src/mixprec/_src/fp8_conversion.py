@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import types
 import warnings
 from typing import Any
 
@@ -20,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mixprec._src import fp8_gemm
+from mixprec._src import bound_forward, fp8_gemm
 from mixprec._src.fp8_config import Fp8Config, Fp8Recipe, is_plain_linear
 from mixprec._src.fp8_linear import Fp8Scaling, fp8_forward
 
@@ -104,7 +103,7 @@ def convert(model: nn.Module, config: Fp8Config, kept: set[int]) -> Fp8Layers:
             layers.skipped.append((name, reason))
             continue
         module.fp8 = Fp8Scaling(config, module.weight.device)
-        module.forward = types.MethodType(fp8_forward, module)  # type: ignore[method-assign]
+        bound_forward.bind(module, fp8_forward)
         layers.converted.append(name)
         layers.modules[name] = module
     model.__dict__[_ATTR] = layers
@@ -117,8 +116,7 @@ def convert(model: nn.Module, config: Fp8Config, kept: set[int]) -> Fp8Layers:
 
 def is_converted(module: nn.Module) -> bool:
     """Whether ``module`` is a linear with an fp8 forward."""
-    forward = module.__dict__.get("forward")
-    return isinstance(forward, types.MethodType) and forward.__func__ is fp8_forward
+    return bound_forward.bound_function(module) is fp8_forward
 
 
 def scaling_of(module: nn.Module) -> Fp8Scaling | None:
@@ -155,7 +153,7 @@ def set_layer(model: nn.Module, name: str, config: Fp8Config | None) -> None:
     scaling = Fp8Scaling(config, module.weight.device)  # type: ignore[arg-type]
     scaling.recording = old is not None and old.recording
     module.fp8 = scaling
-    module.forward = types.MethodType(fp8_forward, module)  # type: ignore[method-assign]
+    bound_forward.bind(module, fp8_forward)
     layers.skipped = [(n, r) for n, r in layers.skipped if n != name]
     if name not in layers.modules:
         layers.converted.append(name)

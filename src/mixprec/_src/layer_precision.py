@@ -16,13 +16,11 @@ nothing; fp8 adds what the fp8 recipe adds). Nothing here syncs with the device.
 
 from __future__ import annotations
 
-import types
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mixprec._src import fp8_conversion
+from mixprec._src import bound_forward, fp8_conversion
 from mixprec._src.dtypes import parse_dtype, short_name
 from mixprec._src.fp8_config import Fp8Config, Fp8Recipe
 
@@ -99,7 +97,7 @@ def set_layer_precision(model: nn.Module, name: str, precision: str | torch.dtyp
         module.__dict__.pop("forward", None)
         return
     module.__dict__[_DTYPE] = parse_dtype(canonical)
-    module.forward = types.MethodType(_dtype_forward, module)  # type: ignore[method-assign]
+    bound_forward.bind(module, _dtype_forward)
 
 
 def _dtype_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
