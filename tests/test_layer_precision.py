@@ -84,14 +84,6 @@ def test_fp8_on_one_layer_is_the_layer_prepare_makes_and_moves_back() -> None:
     assert mixprec.layer_precision(net, "2") is None and "forward" not in net[2].__dict__
 
 
-def test_delayed_fp8_on_one_layer_keeps_its_history_in_the_state_dict() -> None:
-    net = _net()
-    mixprec.set_layer_precision(net, "2", "fp8-delayed")
-    assert {"2.fp8.history", "2.fp8.pending"} <= set(net.state_dict())
-    mixprec.set_layer_precision(net, "2", "fp8-tensorwise")
-    assert not any(".fp8." in k for k in net.state_dict())
-
-
 def test_what_cannot_be_set_raises_with_what_to_do() -> None:
     net = nn.Sequential(nn.Linear(16, 40), nn.LayerNorm(40), nn.Conv1d(4, 4, 1))
     with pytest.raises(ValueError, match=r"per-layer precision applies to nn\.Linear"):
@@ -121,3 +113,29 @@ def test_a_model_with_its_own_layer_precisions_saves_and_loads_whole(tmp_path: p
     x = torch.randn(8, 16)
     assert bitwise_equal(loaded(x), net(x))
     assert loaded[0].forward.module is loaded[0]  # bound to the loaded layer, not the saved one
+
+
+def test_prepare_with_fp8_leaves_a_layers_own_precision_alone() -> None:
+    net = _net()
+    mixprec.set_layer_precision(net, "0", "fp32")
+    mixprec.set_layer_precision(net, "2", "fp8-rowwise")
+    net, _ = mixprec.prepare(
+        net,
+        torch.optim.SGD(net.parameters(), lr=0.1),
+        "O1",
+        fp8="tensorwise",
+    )
+    assert mixprec.layer_precision(net, "0") == "fp32" and mixprec.layer_precision(net, "2") == "fp8-rowwise"
+    layers = mixprec.fp8_layers(net)
+    assert layers is not None and ("0", "its forward is its own (mixprec.set_layer_precision, or another "
+                                        "library's): left as it is") in layers.skipped  # fmt: skip
+
+
+def test_a_subclass_or_an_unknown_name_is_refused_and_delayed_fp8_is_whole_model() -> None:
+    attention = nn.Sequential(nn.MultiheadAttention(16, 2))
+    with pytest.raises(ValueError, match="its owner use its weight without calling it"):
+        mixprec.set_layer_precision(attention, "0.out_proj", "fp32")
+    with pytest.raises(ValueError, match="the model has no module 'nope'"):
+        mixprec.set_layer_precision(_net(), "nope", "fp32")
+    with pytest.raises(ValueError, match="fp8-delayed keeps an amax history"):
+        mixprec.set_layer_precision(_net(), "2", "fp8-delayed")

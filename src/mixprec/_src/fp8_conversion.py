@@ -98,7 +98,13 @@ def convert(model: nn.Module, config: Fp8Config, kept: set[int]) -> Fp8Layers:
     head = linears[-1][0] if linears else None
     layers = Fp8Layers(config, [], [])
     for name, module in linears:
+        if is_converted(module):  # given its own fp8 recipe before (mixprec.set_layer_precision): it keeps it
+            layers.converted.append(name)
+            layers.modules[name] = module
+            continue
         reason = reason_to_skip(module, name, config, id(module) in kept, head)
+        if "forward" in module.__dict__:  # the user's choice stands
+            reason = "its forward is its own (mixprec.set_layer_precision, or another library's): left as it is"
         if reason is not None:
             layers.skipped.append((name, reason))
             continue

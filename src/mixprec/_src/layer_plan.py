@@ -20,7 +20,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -31,11 +30,19 @@ from torch import nn
 from mixprec._src import fp8_conversion, training
 from mixprec._src.fp8_config import Fp8Config, Fp8Recipe
 from mixprec._src.fp8_diagnostics import sqnr
-from mixprec._src.layer_precision import FP8_PREFIX, fp8_recipe_of, is_layer, parse_precision, set_layer_precision
+from mixprec._src.layer_precision import (
+    DELAYED_PER_LAYER,
+    FP8_PREFIX,
+    fp8_recipe_of,
+    is_layer,
+    layer_of,
+    parse_precision,
+    set_layer_precision,
+)
 
 #: The fp8 recipes the planner considers (delayed scaling needs prepare's step hook: a whole-model choice).
 FP8_CANDIDATES = (FP8_PREFIX + Fp8Recipe.TENSORWISE.value, FP8_PREFIX + Fp8Recipe.ROWWISE.value)
-_REPS = 3  # timed repetitions per layer and precision (after one warm-up): their median
+_REPS = 3  # timed repetitions per layer and precision (after one warm-up): the fastest counts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +52,7 @@ class LayerChoice:
     Attributes:
         name: the layer's qualified name.
         shape: e.g. ``"linear 256->512, 1024 rows"``.
-        ms: ``(precision, ms)`` pairs: forward and backward of the layer at its shapes (median).
+        ms: ``(precision, ms)`` pairs: forward and backward of the layer at its shapes (the fastest of 3 runs).
         sqnr_db: ``(precision, dB)`` pairs: the worst of output, input gradient and weight gradient
             against fp32 (fp32 is the reference and has none).
         choice: the precision the layer computes in.
@@ -246,7 +253,7 @@ def measure(model: nn.Module, batch: Any, loss_of: Callable[[Any], torch.Tensor]
             if p in untimed:
                 entry.not_measured[p] = f"fp8 GEMMs emulated on {c.x.device.type}"
             else:
-                entry.ms[p] = statistics.median(run.times[1:] or run.times) * 1e3
+                entry.ms[p] = min(run.times[1:] or run.times) * 1e3  # a shared machine's load only adds time
             if p != "fp32":
                 entry.sqnr_db[p] = min(sqnr(a, b) for a, b in zip(run.result, reference, strict=True))
         out.append(entry)
@@ -291,16 +298,18 @@ def choose(measured: Sequence[Measured], default: str, floor_db: float, min_spee
 
 def apply(model: nn.Module, layers: Sequence[LayerChoice], default: str) -> None:
     """Set each layer whose choice is not ``default`` (the recipe's dtype) to its precision (in place)."""
-    for layer in layers:
-        if layer.choice != default:
-            set_layer_precision(model, layer.name, layer.choice)
+    moved = [c for c in layers if c.choice != default]
+    for layer in moved:  # every name first: a plan for another model changes nothing
+        try:
+            layer_of(model, layer.name)
+        except ValueError as exc:
+            raise ValueError(f"the recipe's per-layer plan does not fit this model: {exc}") from None
+    for layer in moved:
+        set_layer_precision(model, layer.name, layer.choice)
 
 
 def check_choices(layers: Sequence[LayerChoice]) -> None:
     """Raise for a choice :meth:`Recipe.apply` cannot apply by itself (delayed scaling needs prepare)."""
     for layer in layers:
-        recipe = fp8_recipe_of(layer.choice)
-        if recipe is Fp8Recipe.DELAYED:
-            raise ValueError(f"layer {layer.name!r}: fp8-delayed keeps an amax history that prepare's step hook "
-                             "advances; use Recipe(fp8='delayed') for the whole model, or a dynamic fp8 recipe "
-                             "(fp8-tensorwise, fp8-rowwise) for one layer")  # fmt: skip
+        if fp8_recipe_of(layer.choice) is Fp8Recipe.DELAYED:
+            raise ValueError(f"layer {layer.name!r}: {DELAYED_PER_LAYER}")

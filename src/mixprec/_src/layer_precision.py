@@ -57,8 +57,12 @@ def fp8_recipe_of(precision: str) -> Fp8Recipe | None:
 
 
 def is_layer(module: nn.Module) -> bool:
-    """Whether ``module`` can be given a precision: an ``nn.Linear`` or ``nn.Conv1d/2d/3d`` (or a subclass)."""
-    return isinstance(module, (nn.Linear, *_CONVS))
+    """Whether ``module`` can be given a precision: an ``nn.Linear`` or ``nn.Conv1d/2d/3d`` itself (or one
+    ``fully_shard`` made its own unit), not a subclass: a subclass may compute otherwise, or its owner
+    use its weight without calling it (``nn.MultiheadAttention``'s ``out_proj``)."""
+    cls = type(module)
+    plain = cls.__mro__[1] if cls.__name__.startswith("FSDP") and len(cls.__mro__) > 1 else cls
+    return plain in (nn.Linear, *_CONVS)
 
 
 def layer_precision(model: nn.Module, name: str) -> str | None:
@@ -78,12 +82,11 @@ def set_layer_precision(model: nn.Module, name: str, precision: str | torch.dtyp
         ValueError: not a linear or convolution, an unknown precision, fp8 on a layer fp8 cannot
             convert (a convolution, a subclass, features not multiples of 16).
     """
-    module = model.get_submodule(name)
-    if not is_layer(module):
-        raise ValueError(f"{name!r} is a {type(module).__name__}; per-layer precision applies to nn.Linear "
-                         "and nn.Conv1d/2d/3d layers")  # fmt: skip
+    module = layer_of(model, name)
     canonical = None if precision is None else parse_precision(precision)
     recipe = None if canonical is None else fp8_recipe_of(canonical)
+    if recipe is Fp8Recipe.DELAYED:
+        raise ValueError(DELAYED_PER_LAYER)
     if recipe is not None:
         module.__dict__.pop(_DTYPE, None)
         if module.__dict__.get("forward") is not None and not fp8_conversion.is_converted(module):
@@ -98,6 +101,29 @@ def set_layer_precision(model: nn.Module, name: str, precision: str | torch.dtyp
         return
     module.__dict__[_DTYPE] = parse_dtype(canonical)
     bound_forward.bind(module, _dtype_forward)
+
+
+#: Why one layer cannot be given delayed scaling on its own.
+DELAYED_PER_LAYER = ("fp8-delayed keeps an amax history that prepare's step hook advances: a whole-model choice "
+                     "(mixprec.prepare(..., fp8='delayed'), Recipe(fp8='delayed')); one layer takes a dynamic "
+                     "recipe (fp8-tensorwise, fp8-rowwise)")  # fmt: skip
+
+
+def layer_of(model: nn.Module, name: str) -> nn.Module:
+    """The layer called ``name`` in ``model``.
+
+    Raises:
+        ValueError: no such module, or not a layer a precision can be given to.
+    """
+    try:
+        module = model.get_submodule(name)
+    except AttributeError:
+        raise ValueError(f"the model has no module {name!r} (names as model.named_modules() gives them)") from None
+    if not is_layer(module):
+        raise ValueError(f"{name!r} is a {type(module).__name__}; per-layer precision applies to nn.Linear and "
+                         "nn.Conv1d/2d/3d themselves (a subclass may compute otherwise, or its owner use its "
+                         "weight without calling it, as nn.MultiheadAttention does with out_proj)")  # fmt: skip
+    return module
 
 
 def _dtype_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
