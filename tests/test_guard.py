@@ -236,10 +236,25 @@ def test_thresholds_are_data_and_checked() -> None:
     assert mixprec.GuardThresholds().ladder == LADDER
     with pytest.raises(ValueError, match="patience"):
         mixprec.GuardThresholds(patience=0)
-    with pytest.raises(ValueError, match="saturated must be a positive number"):
-        mixprec.GuardThresholds(saturated=-1)
-    with pytest.raises(ValueError, match="moves bf16 to itself"):
+    with pytest.raises(ValueError, match=r"saturated must be a number in \(0, 1\]"):
+        mixprec.GuardThresholds(saturated=2)
+    with pytest.raises(ValueError, match=r"amax_jump must be a number in \(1, inf\]"):
+        mixprec.GuardThresholds(amax_jump=0.5)
+    with pytest.raises(ValueError, match="goes round from bf16 back to bf16"):
         mixprec.GuardThresholds(ladder={"bf16": "bf16"})
+    with pytest.raises(ValueError, match="goes round from fp16 back to fp16"):
+        mixprec.GuardThresholds(ladder={"fp16": "bf16", "bf16": "fp16"})
+    for down in ({"fp32": "bf16"}, {"fp16": "fp8-tensorwise"}, {"fp8-tensorwise": "fp8-delayed"}):
+        with pytest.raises(ValueError, match="a rung goes up"):
+            mixprec.GuardThresholds(ladder=down)
+    with pytest.raises(TypeError, match="GuardThresholds"):
+        mixprec.Guard(_net(), thresholds={"patience": 3})  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="callback must be callable"):
+        mixprec.Guard(_net(), callback=3)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"watches an nn\.Module"):
+        mixprec.Guard("model")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"names \['zzz'\] match no linear"):
+        mixprec.Guard(_net(), names=("0", "zzz"))
     with pytest.raises(ValueError, match="unknown layer precision"):
         mixprec.GuardThresholds(ladder={"fp4": "bf16"})
     with pytest.raises(ValueError, match="no linear or convolution to watch"):
@@ -254,8 +269,11 @@ def test_thresholds_are_data_and_checked() -> None:
 def test_close_removes_the_probes() -> None:
     model = _net()
     before = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
-    mixprec.Guard(model).close()
+    guard = mixprec.Guard(model)
+    guard.close()
     assert sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()) == before
+    with pytest.raises(RuntimeError, match="this guard is closed"):
+        guard.step()
 
 
 def test_a_nan_input_is_not_a_layers_failure() -> None:

@@ -37,7 +37,14 @@ from torch import nn
 
 from mixprec._src import fp8_conversion
 from mixprec._src.dtypes import short_name
-from mixprec._src.layer_precision import FP8_PREFIX, is_layer, layer_precision, parse_precision, set_layer_precision
+from mixprec._src.layer_precision import (
+    FP8_PREFIX,
+    PRECISIONS,
+    is_layer,
+    layer_precision,
+    parse_precision,
+    set_layer_precision,
+)
 
 logger = logging.getLogger("mixprec.guard")
 
@@ -55,6 +62,7 @@ LADDER: dict[str, str] = {
 _IN, _OUT, _GRAD_OUT, _GRAD_IN, _FWD_ORIGIN, _BWD_ORIGIN = range(6)
 _BAD_WEIGHT_GRAD, _SATURATED, _FLUSHED = range(6, 9)
 _FP16_MAX = torch.finfo(torch.float16).max
+_RUNG = {**{p: 0 for p in PRECISIONS if p.startswith(FP8_PREFIX)}, "fp16": 1, "bf16": 1, "fp32": 2}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,14 +96,23 @@ class GuardThresholds:
             raise ValueError(f"patience must be an int >= 1, got {self.patience!r}")
         if not (isinstance(self.warmup, int) and self.warmup >= 0):
             raise ValueError(f"warmup must be an int >= 0, got {self.warmup!r}")
-        for field in ("backward_scale", "fp16_margin", "saturated", "flushed", "amax_jump"):
+        for field, low, high in (("backward_scale", 0, math.inf), ("fp16_margin", 0, 1), ("saturated", 0, 1),
+                                 ("flushed", 0, 1), ("amax_jump", 1, math.inf)):  # fmt: skip
             value = getattr(self, field)
-            if not (isinstance(value, (int, float)) and value > 0):
-                raise ValueError(f"{field} must be a positive number, got {value!r}")
+            if not (isinstance(value, (int, float)) and low < value <= high):
+                raise ValueError(f"{field} must be a number in ({low:g}, {high:g}], got {value!r}")
         ladder = {parse_precision(a): parse_precision(b) for a, b in dict(self.ladder).items()}
         for a, b in ladder.items():
-            if a == b:
-                raise ValueError(f"the ladder moves {a} to itself; leave it out to keep such layers where they are")
+            if b == "fp8-delayed" or _RUNG[b] < _RUNG[a] or a == "fp32":
+                raise ValueError(f"the ladder moves {a} down to {b}; a rung goes up: fp8 -> 16 bits -> fp32, and "
+                                 "never to fp8-delayed (a whole-model recipe)")  # fmt: skip
+        for start in ladder:  # fp16 and bf16 are one rung: a ladder may go either way, not both
+            seen, at = {start}, start
+            while at in ladder:
+                at = ladder[at]
+                if at in seen:
+                    raise ValueError(f"the ladder goes round from {start} back to {at}; leave one of them out")
+                seen.add(at)
         object.__setattr__(self, "ladder", ladder)
 
     def to_dict(self) -> dict[str, Any]:
@@ -175,12 +192,22 @@ class Guard:
     def __init__(self, model: nn.Module, scaler: Any = None, *, thresholds: GuardThresholds | None = None,
                  names: str | tuple[str, ...] = ("*",),
                  callback: Callable[[LayerMove], None] | None = None) -> None:  # fmt: skip
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"Guard watches an nn.Module, got {type(model).__name__}")
+        if thresholds is not None and not isinstance(thresholds, GuardThresholds):
+            raise TypeError("thresholds is a mixprec.GuardThresholds(...), e.g. GuardThresholds(patience=3)")
+        if callback is not None and not callable(callback):
+            raise TypeError("callback must be callable: callback(move) for each LayerMove")
         self.thresholds = thresholds if thresholds is not None else GuardThresholds()
         patterns = (names,) if isinstance(names, str) else tuple(names)
         watched = [(n, m) for n, m in model.named_modules() if n and is_layer(m)]
         self.layers = {n: m for n, m in watched if any(fnmatch.fnmatchcase(n, p) for p in patterns)}
         if not self.layers:
             raise ValueError("the guard found no linear or convolution to watch; check names=")
+        unmatched = [p for p in patterns if not any(fnmatch.fnmatchcase(n, p) for n, _ in watched)]
+        if unmatched:
+            some = ", ".join(n for n, _ in watched[:8]) + (", ..." if len(watched) > 8 else "")
+            raise ValueError(f"names {unmatched} match no linear or convolution of the model (watchable: {some})")
         self.model, self.scaler, self.callback = model, scaler, callback
         self.moves: list[LayerMove] = []
         self.steps = 0
@@ -261,6 +288,8 @@ class Guard:
         device once (and, where a process group of more than one rank is up, all-reduces the
         statistics: every rank decides the same). Returns this step's moves.
         """
+        if not self._handles:
+            raise RuntimeError("this guard is closed: its probes are gone, so a step would see nothing")
         self.steps += 1
         readings = self._read()
         scale_used, self.scale = self.scale, float(self.scaler.get_scale()) if self.scaler is not None else 1.0
