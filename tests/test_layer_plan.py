@@ -37,7 +37,7 @@ def test_the_fastest_precision_above_the_floor_is_chosen() -> None:
     assert noisy.choice == "fp8-rowwise" and "not fp8-tensorwise 12.0 dB < 20 dB" in noisy.reason
     assert small.choice == "bf16" and "fp8-tensorwise not faster than bf16 (0.150 vs 0.100 ms)" in small.reason
     assert outliers.choice == "fp32" and "bf16 8.0 dB < 20 dB" in outliers.reason
-    assert close.choice == "bf16" and close.reason.startswith("the recipe's dtype")  # not 2% slower than fp32
+    assert close.choice == "bf16" and close.reason.startswith("as the recipe has it")  # not 2% slower than fp32
     assert layer_plan.choose([fast_fp8], "bf16", 20.0, 1.02, fp8_allowed=False)[0].choice == "bf16"
     # an fp32 recipe: a layer moves to bf16 only if 1.02x faster
     assert [c.choice for c in layer_plan.choose([near, bad_bf16], "fp32", 20.0, 1.02)] == ["fp32", "fp32"]
@@ -176,7 +176,7 @@ def test_tune_records_a_per_layer_table() -> None:
     assert any("no layer in fp8" in n for n in recipe.notes)
     assert Recipe.from_json(recipe.to_json()).layers == recipe.layers
     moved = recipe.moved_layers
-    # Either the plan was raced and chosen (its layers are applied), or every layer keeps the recipe's dtype.
+    # Either the plan was raced and chosen (its layers are applied), or every layer stays as the recipe has it.
     chosen = next(m for m in recipe.measurements if m.status == "chosen")
     assert (chosen.name == recipe.name) and (not moved or "layers[" in recipe.name)
     assert all(math.isfinite(c.ms_of("fp32") or math.nan) for c in recipe.layers)
@@ -201,3 +201,17 @@ def test_on_a_gpu_with_fp8_the_projections_are_timed_in_fp8() -> None:
     assert {"fp32", "bf16", "fp8-tensorwise", "fp8-rowwise"} <= set(linear1.ms), (linear1, notes)
     assert linear1.sqnr_db["fp8-tensorwise"] > 20
     print(reporting.layer_table(layer_plan.choose(measured, "bf16", 20.0, 1.02)))  # the figures, with -s
+
+
+def test_a_layer_the_recipe_keeps_in_fp32_is_fp32_by_default() -> None:
+    plan = (LayerChoice("up", "linear 16->64", {}, {}, "fp32", ""), LayerChoice("head", "linear 40->16", {}, {},
+                                                                                "fp32", ""))  # fmt: skip
+    ops = Recipe(dtype="bf16", fp32_ops=("linear",), layers=plan)
+    assert [c.default for c in ops.layers] == ["fp32", "fp32"] and not ops.moved_layers
+    assert ops.name == "bf16 O1 +fp32[linear]"
+    kept = Recipe(dtype="bf16", keep_fp32=("he*",), layers=plan)
+    assert [c.default for c in kept.layers] == ["bf16", "fp32"] and [c.name for c in kept.moved_layers] == ["up"]
+    assert Recipe.from_json(kept.to_json()) == kept
+    measured = [_measured("up", {"fp32": 1.0, "bf16": 0.5}, {"bf16": 40.0})]
+    (choice,) = layer_plan.choose(measured, lambda m: ops.layer_default(m.name, "linear"), 20.0, 1.02)
+    assert choice.choice == "bf16" and choice.default == "fp32" and choice.moved

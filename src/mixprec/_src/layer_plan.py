@@ -8,8 +8,8 @@ counts). :func:`choose` picks per layer::
 
     allowed  = fp32, and each precision whose SQNR >= the floor
     fp8 only where the device has fp8 GEMMs, and never where it measured slower than bf16
-    choice   = the recipe's own dtype if allowed and within min_speedup of the fastest allowed,
-               else the fastest allowed
+    choice   = what the recipe gives the layer (its dtype, or fp32 where it keeps the layer) if allowed
+               and within min_speedup of the fastest allowed, else the fastest allowed
 
 Candidates train one at a time, alternating precisions within each repetition so a shared
 machine's load falls on all alike. Everything here syncs with the device: it times GEMMs.
@@ -57,6 +57,8 @@ class LayerChoice:
             against fp32 (fp32 is the reference and has none).
         choice: the precision the layer computes in.
         reason: why, in a sentence.
+        default: the precision the recipe gives the layer without the plan (its dtype, or fp32 where it
+            keeps the layer or moves its op to fp32); ``""``: the recipe's dtype (:class:`Recipe` fills it).
     """
 
     name: str
@@ -65,6 +67,7 @@ class LayerChoice:
     sqnr_db: tuple[tuple[str, float], ...] = ()
     choice: str = "fp32"
     reason: str = ""
+    default: str = ""
 
     def __post_init__(self) -> None:
         for field in ("ms", "sqnr_db"):
@@ -72,6 +75,13 @@ class LayerChoice:
             items = pairs.items() if isinstance(pairs, dict) else pairs
             object.__setattr__(self, field, tuple((parse_precision(p), float(v)) for p, v in items))
         object.__setattr__(self, "choice", parse_precision(self.choice))
+        if self.default:
+            object.__setattr__(self, "default", parse_precision(self.default))
+
+    @property
+    def moved(self) -> bool:
+        """Whether the plan gives this layer another precision than the recipe would."""
+        return self.choice != self.default
 
     def ms_of(self, precision: str) -> float | None:
         return dict(self.ms).get(precision)
@@ -260,11 +270,14 @@ def measure(model: nn.Module, batch: Any, loss_of: Callable[[Any], torch.Tensor]
     return out, notes
 
 
-def choose(measured: Sequence[Measured], default: str, floor_db: float, min_speedup: float,
-           fp8_allowed: bool = True) -> tuple[LayerChoice, ...]:  # fmt: skip
-    """Each measured layer's precision (see the module docstring); ``default``: the recipe's dtype."""
+def choose(measured: Sequence[Measured], default: str | Callable[[Measured], str], floor_db: float,
+           min_speedup: float, fp8_allowed: bool = True) -> tuple[LayerChoice, ...]:  # fmt: skip
+    """Each measured layer's precision (see the module docstring); ``default``: what the recipe gives a
+    layer (its dtype, or per layer)."""
     choices = []
+    recipe_default = default
     for m in measured:
+        default = recipe_default(m) if callable(recipe_default) else recipe_default
         allowed, why_not = {}, []
         for p, ms in m.ms.items():
             quality = m.sqnr_db.get(p, math.inf)
@@ -280,7 +293,7 @@ def choose(measured: Sequence[Measured], default: str, floor_db: float, min_spee
         fastest = min(allowed, key=allowed.__getitem__)
         if default in allowed and allowed[default] <= allowed[fastest] * min_speedup:
             choice = default
-            reason = "the recipe's dtype" + ("" if fastest == default else f" (within {min_speedup:g}x of {fastest})")
+            reason = "as the recipe has it" + ("" if fastest == default else f" (within {min_speedup:g}x of {fastest})")
         else:
             choice = fastest
             reason = f"fastest above {floor_db:g} dB"
@@ -292,13 +305,14 @@ def choose(measured: Sequence[Measured], default: str, floor_db: float, min_spee
         for p, why in m.not_measured.items():
             unmeasured.setdefault(("not timed" if p in m.sqnr_db else "not measured", why), []).append(p)
         reason += "".join(f"; {', '.join(ps)} {what}: {why}" for (what, why), ps in unmeasured.items())
-        choices.append(LayerChoice(m.name, m.shape, tuple(m.ms.items()), tuple(m.sqnr_db.items()), choice, reason))
+        choices.append(LayerChoice(m.name, m.shape, tuple(m.ms.items()), tuple(m.sqnr_db.items()), choice, reason,
+                                   default))  # fmt: skip
     return tuple(choices)
 
 
-def apply(model: nn.Module, layers: Sequence[LayerChoice], default: str) -> None:
-    """Set each layer whose choice is not ``default`` (the recipe's dtype) to its precision (in place)."""
-    moved = [c for c in layers if c.choice != default]
+def apply(model: nn.Module, layers: Sequence[LayerChoice]) -> None:
+    """Set each layer the plan moves (its choice is not the recipe's default for it) to its precision (in place)."""
+    moved = [c for c in layers if c.moved]
     for layer in moved:  # every name first: a plan for another model changes nothing
         try:
             layer_of(model, layer.name)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fnmatch
 import json
 from collections.abc import Callable
 from typing import Any
@@ -121,6 +122,8 @@ class Recipe:
         object.__setattr__(self, "measurements", tuple(self.measurements))
         object.__setattr__(self, "notes", tuple(self.notes))
         layers = tuple(c if isinstance(c, LayerChoice) else LayerChoice(**c) for c in self.layers)
+        layers = tuple(c if c.default else dataclasses.replace(c, default=self.layer_default(c.name, c.shape))
+                       for c in layers)  # fmt: skip
         object.__setattr__(self, "layers", layers)
         layer_plan.check_choices(layers)
         if self.fp8 is not None:
@@ -167,8 +170,18 @@ class Recipe:
 
     @property
     def moved_layers(self) -> tuple[LayerChoice, ...]:
-        """The layers of the per-layer plan that compute in another precision than :attr:`dtype`."""
-        return tuple(c for c in self.layers if c.choice != short_name(self.dtype))
+        """The layers the per-layer plan gives another precision than the rest of the recipe would."""
+        return tuple(c for c in self.layers if c.moved)
+
+    def layer_default(self, name: str, shape: str = "") -> str:
+        """The precision this recipe gives layer ``name`` without a plan: fp32 where it keeps the layer (or a
+        module holding it) in fp32 or moves its op (``shape``'s first word: ``linear``, ``conv2d``) to fp32,
+        else its dtype."""
+        parts = name.split(".")
+        holders = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+        kept = any(fnmatch.fnmatchcase(h, pattern) for h in holders for pattern in self.keep_fp32)
+        op = shape.split(" ", 1)[0]
+        return "fp32" if kept or (op and op in self.fp32_ops) else short_name(self.dtype)
 
     @property
     def is_torch_default(self) -> bool:
@@ -235,7 +248,7 @@ class Recipe:
         region = self.autocast(device_type)
         if self._prepares:  # prepare's forward opens its own region
             model, optimizer = prepare(model, optimizer, self.prepare_config(device_type))
-        layer_plan.apply(model, self.layers, short_name(self.dtype))
+        layer_plan.apply(model, self.layers)
         fp16 = self.dtype is torch.float16 or any(c.choice == "fp16" for c in self.layers)
         scaler = GradScaler(device_type, init_scale=self.loss_scale) if fp16 else None
         if self.compile:

@@ -19,7 +19,7 @@ Per-layer plan (``per_layer=True``, first, in at most a quarter of the budget): 
 convolution is timed at its own shapes (forward and both backward GEMMs) in each searched dtype and,
 on devices with fp8 GEMMs, fp8 (tensorwise, rowwise), and its SQNR against fp32 measured
 (:mod:`layer_plan`). Once the recipe is chosen, each layer takes the fastest precision above
-``layer_sqnr_db`` (the recipe's dtype unless another is ``min_speedup`` faster; never fp8 slower than
+``layer_sqnr_db`` (as the recipe has it unless another is ``min_speedup`` faster; never fp8 slower than
 bf16); if any layer moves, the planned recipe races torch.amp's default through the accuracy guard
 and replaces the chosen one if it passes and is not slower. The table is ``Recipe.layers``.
 
@@ -581,20 +581,23 @@ class _Plan:
     min_speedup: float
     outcome: dict[str, str] = dataclasses.field(default_factory=dict)  # recipe name -> what its plan became
 
+    def choices(self, recipe: Recipe) -> tuple[layer_plan.LayerChoice, ...]:
+        """The plan for ``recipe``: each layer's default is what the recipe gives it."""
+        return layer_plan.choose(self.measured, lambda m: recipe.layer_default(m.name, m.shape), self.floor_db,
+                                 self.min_speedup)  # fmt: skip
+
     def planned(self, recipe: Recipe) -> Recipe | None:
-        """``recipe`` with its per-layer plan, or ``None`` where every layer stays in its dtype."""
-        choices = layer_plan.choose(self.measured, short_name(recipe.dtype), self.floor_db, self.min_speedup)
-        planned = dataclasses.replace(recipe, layers=choices)
+        """``recipe`` with its per-layer plan, or ``None`` where every layer stays as the recipe has it."""
+        planned = dataclasses.replace(recipe, layers=self.choices(recipe))
         return planned if planned.moved_layers else None
 
     def attach(self, recipe: Recipe) -> Recipe:
-        """The chosen recipe with the plan's table (choices reset to its dtype if it is not the planned one)."""
+        """The chosen recipe with the plan's table (choices reset to its defaults if it is not the planned one)."""
         if recipe.layers:
             return recipe
-        dtype = short_name(recipe.dtype)
-        choices = layer_plan.choose(self.measured, dtype, self.floor_db, self.min_speedup)
-        if not any(c.choice != dtype for c in choices):
-            note = f"per-layer plan: every layer stays in {dtype}"
+        choices = self.choices(recipe)
+        if not any(c.moved for c in choices):
+            note = "per-layer plan: every layer stays as the recipe has it"
             return dataclasses.replace(recipe, layers=choices, notes=(*recipe.notes, note))
         if recipe.name in self.outcome:
             why = self.outcome[recipe.name]
@@ -604,8 +607,8 @@ class _Plan:
                    f"{', '.join(self.outcome)}, the best of each dtype then")  # fmt: skip
         else:
             why = "the budget ran out before round 4 raced it"
-        kept = tuple(c if c.choice == dtype else
-                     dataclasses.replace(c, choice=dtype, reason=f"{c.choice} measured best, not applied; {c.reason}")
+        kept = tuple(c if not c.moved else dataclasses.replace(
+                         c, choice=c.default, reason=f"{c.choice} measured best, not applied; {c.reason}")
                      for c in choices)  # fmt: skip
         return dataclasses.replace(recipe, layers=kept, notes=(*recipe.notes, f"per-layer plan not applied: {why}"))
 
