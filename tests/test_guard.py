@@ -103,8 +103,8 @@ def _backward_overflow(init_scale: float, loss_factor: float) -> tuple[mixprec.G
     backoffs = 0
     for _ in range(4):
         optimizer.zero_grad()
-        with torch.autocast("cpu", dtype=torch.float16):
-            out = model(torch.randn(32, 16))
+        with torch.autocast("cpu", dtype=torch.float16):  # (an input that requires grad: layer 0's is probed)
+            out = model(torch.randn(32, 16, requires_grad=True))
         scaler.scale((out.float() * loss_factor).sum()).backward()
         scaler.step(optimizer)
         before = scaler.get_scale()
