@@ -737,7 +737,8 @@ def _changes(recipe: Recipe) -> int:
 def _choose(search: _Search, best: str | None, torch_default: Recipe, dtypes: list[torch.dtype], min_speedup: float,
             notes: list[str], finalists: list[str] | None) -> Recipe:  # fmt: skip
     if search.out_of_time:
-        notes.append("the budget ran out before the search finished: the best recipe measured so far")
+        notes.append("the search left out work that would not have ended inside the budget (a round, a step): "
+                     "the best recipe measured so far")  # fmt: skip
     default_result = search.results.get(torch_default.name)
     default_ok = torch_default.dtype in dtypes and default_result is not None and default_result.status == "passed"
     if default_result is not None and default_result.status == "rejected":
