@@ -429,7 +429,7 @@ def _profile(trial: _Trial, lower: frozenset[str]) -> dict[str, float]:
 
 
 def _matmul_slowdown(dtype: torch.dtype, device: torch.device) -> float:
-    """How many times slower a matmul runs in ``dtype`` than in fp32 here (best of three, 256x256).
+    """How many times slower a matmul runs in ``dtype`` than in fp32 here (best of five, 256x256).
 
     Where a CPU has no instructions for a dtype, torch emulates it, often 10-100x slower than fp32.
     """
@@ -437,7 +437,7 @@ def _matmul_slowdown(dtype: torch.dtype, device: torch.device) -> float:
     def best(dt: torch.dtype) -> float:
         a = torch.full((256, 256), 0.5, device=device, dtype=dt)  # values do not matter; the RNG is the caller's
         times = []
-        for _ in range(3):
+        for _ in range(5):
             _sync(device)
             begin = time.perf_counter()
             a @ a
