@@ -359,3 +359,41 @@ def test_a_layer_called_twice_is_judged_call_by_call() -> None:
             model(torch.randn(4, 8), boost=1e6)
         guard.step()
     assert [(m.layer, m.signal) for m in guard.moves] == [("shared", "nonfinite_forward")], guard.moves
+
+
+def _fsdp_guard_worker(rank: int, world: int, port: int, results: Any) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    from helpers import init_process_group
+
+    init_process_group(rank, world, port)
+    model = _net()
+    for layer in (model[0], model[3], model[6]):
+        fully_shard(layer)
+    fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    scaler = mixprec.GradScaler("cpu", fail_after=None)
+    guard = mixprec.Guard(model, scaler)
+    for step in range(12):
+        x, y = scenario.batch(step + 16 * rank, outlier_at=10**9)
+        if rank == 1 and step >= 6:  # only rank 1's batches carry the outlier
+            x = x * 3e4
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = (model(x).float() - y).square().mean()
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        guard.step()
+    results[rank] = {"moves": [str(m) for m in guard.moves], "loss": float(loss)}
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_under_fsdp2_every_rank_moves_the_same_layer() -> None:
+    from helpers import spawn
+
+    ranks = spawn(_fsdp_guard_worker, 2)
+    assert ranks[0]["moves"] == ranks[1]["moves"] and len(ranks[0]["moves"]) == 1, ranks
+    assert ranks[0]["moves"][0].startswith("step 8: 0 fp16 -> bf16 (nonfinite_forward")
+    assert math.isfinite(ranks[0]["loss"]) and math.isfinite(ranks[1]["loss"])

@@ -164,6 +164,13 @@ class _Probe(torch.autograd.Function):
         return grad, None, None, None
 
 
+def _local(weight: Any) -> torch.Tensor | None:
+    """A weight's gradient as a plain tensor (FSDP2's is this rank's shard of a DTensor; the step all-reduces)."""
+    grad = getattr(weight, "grad", None)
+    to_local = getattr(grad, "to_local", None)
+    return to_local() if to_local is not None else grad
+
+
 class Guard:
     """Watch a model's linears and convolutions during training and move a failing one up in precision.
 
@@ -314,9 +321,8 @@ class Guard:
     def _read(self) -> list[list[float]]:
         """Per layer: the step's amaxes (input, output, output gradient, input gradient), weight gradient
         finite (1/0), fp8 saturated and flushed fractions (the largest over casts); inf for non-finite."""
-        weights = [getattr(m, "weight", None) for m in self.layers.values()]
-        bad_weight = [(~torch.isfinite(w.grad).all()).float() if w is not None and w.grad is not None
-                      else self._amax.new_zeros(()) for w in weights]  # fmt: skip
+        grads = [_local(getattr(m, "weight", None)) for m in self.layers.values()]
+        bad_weight = [(~torch.isfinite(g).all()).float() if g is not None else self._amax.new_zeros(()) for g in grads]
         fp8 = []
         for module in self.layers.values():
             scaling = fp8_conversion.scaling_of(module)

@@ -61,8 +61,8 @@ def is_layer(module: nn.Module) -> bool:
     ``fully_shard`` made its own unit), not a subclass: a subclass may compute otherwise, or its owner
     use its weight without calling it (``nn.MultiheadAttention``'s ``out_proj``)."""
     cls = type(module)
-    plain = cls.__mro__[1] if cls.__name__.startswith("FSDP") and len(cls.__mro__) > 1 else cls
-    return plain in (nn.Linear, *_CONVS)
+    return cls in (nn.Linear, *_CONVS) or any(cls.__name__ == f"FSDP{base.__name__}" and base in cls.__mro__
+                                              for base in (nn.Linear, *_CONVS))  # fmt: skip
 
 
 def layer_precision(model: nn.Module, name: str) -> str | None:
