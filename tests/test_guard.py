@@ -299,19 +299,27 @@ def test_strikes_must_come_in_a_row() -> None:
     assert guard.strikes["0"] == 1
 
 
-def _ddp_guard_worker(rank: int, world: int, port: int, results: Any) -> None:
+def _guard_worker(rank: int, world: int, port: int, results: Any, wrap: str) -> None:
+    """Two ranks train one model (``wrap``: ``"ddp"`` or ``"fsdp"``); only rank 1's batches carry the outlier."""
+    from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel
 
     from helpers import init_process_group
 
     init_process_group(rank, world, port)
-    model = DistributedDataParallel(_net())
+    model: nn.Module = _net()
+    if wrap == "ddp":
+        model = DistributedDataParallel(model)
+    else:
+        for layer in (model[0], model[3], model[6]):
+            fully_shard(layer)
+        fully_shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     scaler = mixprec.GradScaler("cpu", fail_after=None)
     guard = mixprec.Guard(model, scaler)
     for step in range(12):
         x, y = scenario.batch(step + 16 * rank, outlier_at=10**9)
-        if rank == 1 and step >= 6:  # only rank 1's batches carry the outlier
+        if rank == 1 and step >= 6:
             x = x * 3e4
         optimizer.zero_grad()
         with torch.autocast("cpu", dtype=torch.float16):
@@ -320,8 +328,9 @@ def _ddp_guard_worker(rank: int, world: int, port: int, results: Any) -> None:
         scaler.step(optimizer)
         scaler.update()
         guard.step()
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    results[rank] = {"moves": [str(m) for m in guard.moves], "precision": guard.precisions(), "params": flat}
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]) if wrap == "ddp" else None
+    results[rank] = {"moves": [str(m) for m in guard.moves], "precision": guard.precisions(), "params": flat,
+                     "loss": float(loss)}  # fmt: skip
     torch.distributed.destroy_process_group()
 
 
@@ -329,7 +338,7 @@ def _ddp_guard_worker(rank: int, world: int, port: int, results: Any) -> None:
 def test_every_rank_moves_the_same_layer_at_the_same_step() -> None:
     from helpers import spawn
 
-    ranks = spawn(_ddp_guard_worker, 2)
+    ranks = spawn(_guard_worker, 2, "ddp")
     assert ranks[0]["moves"] == ranks[1]["moves"] and len(ranks[0]["moves"]) == 1, ranks[0]["moves"]
     assert ranks[0]["moves"][0].startswith("step 8: module.0 fp16 -> bf16 (nonfinite_forward")
     assert ranks[0]["precision"] == ranks[1]["precision"]
@@ -361,39 +370,11 @@ def test_a_layer_called_twice_is_judged_call_by_call() -> None:
     assert [(m.layer, m.signal) for m in guard.moves] == [("shared", "nonfinite_forward")], guard.moves
 
 
-def _fsdp_guard_worker(rank: int, world: int, port: int, results: Any) -> None:
-    from torch.distributed.fsdp import fully_shard
-
-    from helpers import init_process_group
-
-    init_process_group(rank, world, port)
-    model = _net()
-    for layer in (model[0], model[3], model[6]):
-        fully_shard(layer)
-    fully_shard(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    scaler = mixprec.GradScaler("cpu", fail_after=None)
-    guard = mixprec.Guard(model, scaler)
-    for step in range(12):
-        x, y = scenario.batch(step + 16 * rank, outlier_at=10**9)
-        if rank == 1 and step >= 6:  # only rank 1's batches carry the outlier
-            x = x * 3e4
-        optimizer.zero_grad()
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = (model(x).float() - y).square().mean()
-        scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
-        guard.step()
-    results[rank] = {"moves": [str(m) for m in guard.moves], "loss": float(loss)}
-    torch.distributed.destroy_process_group()
-
-
 @pytest.mark.slow
 def test_under_fsdp2_every_rank_moves_the_same_layer() -> None:
     from helpers import spawn
 
-    ranks = spawn(_fsdp_guard_worker, 2)
+    ranks = spawn(_guard_worker, 2, "fsdp")
     assert ranks[0]["moves"] == ranks[1]["moves"] and len(ranks[0]["moves"]) == 1, ranks
     assert ranks[0]["moves"][0].startswith("step 8: 0 fp16 -> bf16 (nonfinite_forward")
     assert math.isfinite(ranks[0]["loss"]) and math.isfinite(ranks[1]["loss"])
