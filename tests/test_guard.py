@@ -378,3 +378,42 @@ def test_under_fsdp2_every_rank_moves_the_same_layer() -> None:
     assert ranks[0]["moves"] == ranks[1]["moves"] and len(ranks[0]["moves"]) == 1, ranks
     assert ranks[0]["moves"][0].startswith("step 8: 0 fp16 -> bf16 (nonfinite_forward")
     assert math.isfinite(ranks[0]["loss"]) and math.isfinite(ranks[1]["loss"])
+
+
+def test_a_weight_gradient_made_from_a_nan_input_is_not_the_layers() -> None:
+    # Without a scaler (scale 1): layer 0's fp16 output overflows; the layers after it get NaN inputs, so their
+    # weight gradients are NaN from finite output gradients. Only layer 0 is at fault.
+    model = _net()
+    guard = mixprec.Guard(model, thresholds=mixprec.GuardThresholds(patience=1))
+    x, y = scenario.batch(OUTLIER_AT)
+    with torch.autocast("cpu", dtype=torch.float16):
+        (model(x).float() - y).square().mean().backward()
+    assert [(m.layer, m.signal) for m in guard.step()] == [("0", "nonfinite_forward")]
+
+
+@pytest.mark.slow
+# Dynamo reads .grad of the probe's output (a graph input, not a leaf) when it traces the layer after it.
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning")
+@pytest.mark.filterwarnings("ignore:bf16 and fp16 are mixed in the scheduler node:UserWarning")  # inductor's note
+def test_the_guard_works_under_torch_compile() -> None:
+    # torch's compiled backward runs under the forward's autocast unless told otherwise (pytorch#153044): a layer
+    # moved out of fp16 would still get fp16 gradients there. docs/per_layer.md says to set this.
+    with torch._functorch.config.patch(backward_pass_autocast="off"):
+        _guard_under_compile()
+
+
+def _guard_under_compile() -> None:
+    torch._dynamo.reset()
+    model = _net()
+    guard = mixprec.Guard(model, thresholds=mixprec.GuardThresholds(patience=1))
+    compiled = torch.compile(model)
+    for step in (0, OUTLIER_AT, OUTLIER_AT + 1):
+        x, y = scenario.batch(step)
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = (compiled(x).float() - y).square().mean()
+        loss.backward()
+        guard.step()
+    assert [(m.layer, m.signal, m.step) for m in guard.moves] == [("0", "nonfinite_forward", 2)]
+    assert math.isfinite(float(loss.detach()))  # the step after the move ran layer 0 in bf16, recompiled
+    torch._dynamo.reset()

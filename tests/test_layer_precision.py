@@ -139,3 +139,31 @@ def test_a_subclass_or_an_unknown_name_is_refused_and_delayed_fp8_is_whole_model
         mixprec.set_layer_precision(_net(), "nope", "fp32")
     with pytest.raises(ValueError, match="fp8-delayed keeps an amax history"):
         mixprec.set_layer_precision(_net(), "2", "fp8-delayed")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backward_autocast", ["same_as_forward", "off"])
+def test_under_compile_a_layers_backward_needs_torchs_backward_autocast_off(backward_autocast: str) -> None:
+    # torch compiles a backward under the forward's autocast by default (pytorch#153044): a layer kept in fp32
+    # inside an fp16 region then gets fp16 gradients, which overflow here. With "off" they are eager's.
+    with torch._functorch.config.patch(backward_pass_autocast=backward_autocast):
+        grads = _compiled_and_eager_grads()
+    assert torch.isfinite(grads[0]).all()
+    assert bool(torch.isfinite(grads[1]).all()) == (backward_autocast == "off")
+
+
+def _compiled_and_eager_grads() -> list[torch.Tensor]:
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.LayerNorm(64), nn.Linear(64, 8))
+    mixprec.set_layer_precision(model, "0", "fp32")
+    x = torch.randn(64, 32) * 3e4
+    grads = []
+    for run in (model, torch.compile(model, backend="aot_eager")):
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = run(x)
+        out.float().square().mean().backward()
+        grads.append(model[0].weight.grad.clone())
+    torch._dynamo.reset()
+    return grads

@@ -228,8 +228,10 @@ class Guard:
         self._seen: dict[int, str] = {}  # the precision each layer computed in
         self._handles: list[Any] = []
         for index, module in enumerate(self.layers.values()):
-            self._handles.append(module.register_forward_pre_hook(self._pre_hook(index)))
-            self._handles.append(module.register_forward_hook(self._post_hook(index)))
+            # Under torch.compile the probes run eagerly (graph breaks around each watched layer): their
+            # in-place folds into the step's statistics cannot be traced into a graph.
+            self._handles.append(module.register_forward_pre_hook(torch._dynamo.disable(self._pre_hook(index))))
+            self._handles.append(module.register_forward_hook(torch._dynamo.disable(self._post_hook(index))))
         self._set_recording(True)
 
     # ----- probes (no sync) -----------------------------------------------------------
@@ -353,8 +355,9 @@ class Guard:
             row, seen = rows[index], self._seen.get(index)
             if row[_FWD_ORIGIN] > 0:
                 found[index] = ("nonfinite_forward", "output inf/NaN from a finite input")
+            # (a weight gradient is the layer's doing only where its output gradients and inputs were finite)
             elif scale_used <= th.backward_scale and (row[_BWD_ORIGIN] > 0 or (
-                    row[_BAD_WEIGHT_GRAD] > 0 and math.isfinite(row[_GRAD_OUT]))):  # fmt: skip
+                    row[_BAD_WEIGHT_GRAD] > 0 and math.isfinite(row[_GRAD_OUT] + row[_IN]))):  # fmt: skip
                 which = "input" if row[_BWD_ORIGIN] > 0 else "weight"
                 found[index] = ("nonfinite_backward", f"{which} gradient inf/NaN from a finite output gradient at "
                                                       f"loss scale {scale_used:g}")  # fmt: skip
