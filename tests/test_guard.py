@@ -382,12 +382,14 @@ def test_under_fsdp2_every_rank_moves_the_same_layer() -> None:
 
 def test_a_weight_gradient_made_from_a_nan_input_is_not_the_layers() -> None:
     # Without a scaler (scale 1): layer 0's fp16 output overflows; the layers after it get NaN inputs, so their
-    # weight gradients are NaN from finite output gradients. Only layer 0 is at fault.
+    # weight gradients are NaN from finite output gradients (a sum's gradient is 1 whatever the output).
+    # Only layer 0 is at fault.
     model = _net()
     guard = mixprec.Guard(model, thresholds=mixprec.GuardThresholds(patience=1))
-    x, y = scenario.batch(OUTLIER_AT)
+    x, _ = scenario.batch(OUTLIER_AT)
     with torch.autocast("cpu", dtype=torch.float16):
-        (model(x).float() - y).square().mean().backward()
+        model(x).float().sum().backward()
+    assert not torch.isfinite(model[6].weight.grad).all()
     assert [(m.layer, m.signal) for m in guard.step()] == [("0", "nonfinite_forward")]
 
 
