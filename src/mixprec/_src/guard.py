@@ -230,8 +230,9 @@ class Guard:
         for index, module in enumerate(self.layers.values()):
             # Under torch.compile the probes run eagerly (graph breaks around each watched layer): their
             # in-place folds into the step's statistics cannot be traced into a graph.
-            self._handles.append(module.register_forward_pre_hook(torch._dynamo.disable(self._pre_hook(index))))
-            self._handles.append(module.register_forward_hook(torch._dynamo.disable(self._post_hook(index))))
+            eager = torch._dynamo.disable
+            self._handles.append(module.register_forward_pre_hook(eager(self._pre_hook(index))))  # type: ignore[no-untyped-call]
+            self._handles.append(module.register_forward_hook(eager(self._post_hook(index))))  # type: ignore[no-untyped-call]
         self._set_recording(True)
 
     # ----- probes (no sync) -----------------------------------------------------------
