@@ -215,3 +215,8 @@ def test_a_layer_the_recipe_keeps_in_fp32_is_fp32_by_default() -> None:
     measured = [_measured("up", {"fp32": 1.0, "bf16": 0.5}, {"bf16": 40.0})]
     (choice,) = layer_plan.choose(measured, lambda m: ops.layer_default(m.name, "linear"), 20.0, 1.02)
     assert choice.choice == "bf16" and choice.default == "fp32" and choice.moved
+
+
+def test_a_floor_that_is_not_a_number_is_refused() -> None:
+    with pytest.raises(ValueError, match="layer_sqnr_db must be a finite number"):
+        mixprec.tune(nn.Linear(4, 4), torch.randn(2, 4), square_loss, layer_sqnr_db=math.nan)

@@ -18,10 +18,11 @@ data: a compute dtype, op moves into fp32, modules kept in fp32, a memory layout
 Per-layer plan (``per_layer=True``, first, in at most a quarter of the budget): each linear and
 convolution is timed at its own shapes (forward and both backward GEMMs) in each searched dtype and,
 on devices with fp8 GEMMs, fp8 (tensorwise, rowwise), and its SQNR against fp32 measured
-(:mod:`layer_plan`). Once the recipe is chosen, each layer takes the fastest precision above
-``layer_sqnr_db`` (as the recipe has it unless another is ``min_speedup`` faster; never fp8 slower than
-bf16); if any layer moves, the planned recipe races torch.amp's default through the accuracy guard
-and replaces the chosen one if it passes and is not slower. The table is ``Recipe.layers``.
+(:mod:`layer_plan`). Before the final round, the best recipe of each dtype gets a plan: each layer
+takes the fastest precision above ``layer_sqnr_db`` (as the recipe has it unless another is
+``min_speedup`` faster; never fp8 slower than bf16); where any layer moves, the planned recipe races
+torch.amp's default through the accuracy guard (round 4) and, if it passes, the final round. The
+table is the chosen recipe's ``Recipe.layers`` (applied only if the planned recipe won).
 
 In every round the candidates train in lockstep, one step each in alternating order (as
 ``mixprec bench`` does), so that a shared machine's load falls on all alike; a candidate's speed
@@ -527,6 +528,8 @@ def tune(
         raise ValueError(f"device={device!r} but the model is on {found}; move the model and batch there first")
     if min_speedup < 1:
         raise ValueError(f"min_speedup must be >= 1, got {min_speedup}")
+    if not (isinstance(layer_sqnr_db, (int, float)) and math.isfinite(layer_sqnr_db)):
+        raise ValueError(f"layer_sqnr_db must be a finite number of dB, got {layer_sqnr_db!r}")
     tol = tolerance if tolerance is not None else Tolerance()
     searched = [parse_dtype(d, what="tune dtype") for d in dtypes]
     search_levels = [Level.from_name(lv).value for lv in levels if Level.from_name(lv) is not Level.O1]
