@@ -249,6 +249,10 @@ def test_thresholds_are_data_and_checked() -> None:
             mixprec.GuardThresholds(ladder=down)
     with pytest.raises(TypeError, match="GuardThresholds"):
         mixprec.Guard(_net(), thresholds={"patience": 3})  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="scaler is the run's GradScaler"):
+        mixprec.Guard(_net(), 3)
+    with pytest.raises(ValueError, match="patience"):
+        mixprec.GuardThresholds(patience=True)
     with pytest.raises(TypeError, match="callback must be callable"):
         mixprec.Guard(_net(), callback=3)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"watches an nn\.Module"):

@@ -92,7 +92,7 @@ class GuardThresholds:
     ladder: Mapping[str, str] = dataclasses.field(default_factory=lambda: dict(LADDER))
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.patience, int) and self.patience >= 1):
+        if not (isinstance(self.patience, int) and not isinstance(self.patience, bool) and self.patience >= 1):
             raise ValueError(f"patience must be an int >= 1, got {self.patience!r}")
         if not (isinstance(self.warmup, int) and self.warmup >= 0):
             raise ValueError(f"warmup must be an int >= 0, got {self.warmup!r}")
@@ -203,6 +203,8 @@ class Guard:
             raise TypeError(f"Guard watches an nn.Module, got {type(model).__name__}")
         if thresholds is not None and not isinstance(thresholds, GuardThresholds):
             raise TypeError("thresholds is a mixprec.GuardThresholds(...), e.g. GuardThresholds(patience=3)")
+        if scaler is not None and not callable(getattr(scaler, "get_scale", None)):
+            raise TypeError(f"scaler is the run's GradScaler (mixprec's or torch.amp's), got {type(scaler).__name__}")
         if callback is not None and not callable(callback):
             raise TypeError("callback must be callable: callback(move) for each LayerMove")
         self.thresholds = thresholds if thresholds is not None else GuardThresholds()
