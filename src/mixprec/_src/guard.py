@@ -324,19 +324,21 @@ class Guard:
         return moves
 
     def _read(self) -> list[list[float]]:
-        """Per layer: the step's amaxes (input, output, output gradient, input gradient), weight gradient
-        finite (1/0), fp8 saturated and flushed fractions (the largest over casts); inf for non-finite."""
+        """Per layer, the columns named at the top of this module: the step's amaxes and origin flags, the
+        weight gradient non-finite (1/0), fp8 saturated and flushed fractions (the largest over casts);
+        inf for non-finite."""
+        zero, zeros = self._amax.new_zeros(()), self._amax.new_zeros(2)
         grads = [_local(getattr(m, "weight", None)) for m in self.layers.values()]
-        bad_weight = [(~torch.isfinite(g).all()).float() if g is not None else self._amax.new_zeros(()) for g in grads]
+        bad_weight = [(~torch.isfinite(g).all()).float() if g is not None else zero for g in grads]
         fp8 = []
         for module in self.layers.values():
             scaling = fp8_conversion.scaling_of(module)
-            stats = scaling.stats if scaling is not None else {}
-            zero = self._amax.new_zeros(())
-            fp8.append(torch.stack([
-                torch.stack([s.saturated.float() for s in stats.values()]).amax() if stats else zero,
-                torch.stack([s.flushed.float() for s in stats.values()]).amax() if stats else zero,
-            ]))  # fmt: skip
+            stats = list(scaling.stats.values()) if scaling is not None else []
+            if not stats:
+                fp8.append(zeros)
+                continue
+            fp8.append(torch.stack([torch.stack([s.saturated.float() for s in stats]).amax(),
+                                    torch.stack([s.flushed.float() for s in stats]).amax()]))  # fmt: skip
         table = torch.cat([self._amax, torch.stack(bad_weight)[:, None], torch.stack(fp8)], dim=1)
         # a NaN is as non-finite as an inf (and all-reduces as one)
         table = torch.nan_to_num(table, nan=math.inf, posinf=math.inf)

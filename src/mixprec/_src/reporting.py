@@ -79,9 +79,7 @@ def recipe_table(recipe: Recipe) -> str:
         speed = (_fmt(m.step_ms, ".1f"), _fmt(m.vs_default, ".2f", "x"))
         error = (_fmt(m.loss_err, ".2%"), _fmt(m.grad_cos, ".5f"), _fmt(m.update_cos, ".4f"))
         rows.append((m.name, m.status, *speed, *error, m.reason))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(header) - 1)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r[:-1], widths, strict=True)) + "  " + r[-1] for r in rows]
-    lines.insert(1, "-" * len(lines[0]))
+    lines = _text_table(rows)
     tail = [f"recipe: {recipe.name}" + (" (torch.amp's default)" if recipe.is_torch_default else "")]
     tail += [f"note: {n}" for n in recipe.notes]
     layers = ["", "per-layer plan:", layer_table(recipe.layers)] if recipe.layers else []
@@ -98,10 +96,15 @@ def layer_table(layers: Sequence[LayerChoice]) -> str:
         ms = (_fmt(c.ms_of(p), ".3f") for p in precisions)
         db = (_fmt(c.sqnr_of(p), ".1f") for p in precisions if p != "fp32")
         rows.append((c.name, c.shape, *ms, *db, c.choice, c.reason))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(header) - 1)]
+    return "\n".join(_text_table(rows))
+
+
+def _text_table(rows: Sequence[Sequence[str]]) -> list[str]:
+    """Columns padded to their widest cell, the last (a sentence) left ragged; a rule under the header."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r[:-1], widths, strict=True)) + "  " + r[-1] for r in rows]
     lines.insert(1, "-" * len(lines[0]))
-    return "\n".join(lines)
+    return lines
 
 
 def line(m: Measurement) -> str:
