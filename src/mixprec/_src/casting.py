@@ -40,6 +40,8 @@ def cast_floating(value: Any, dtype: torch.dtype, device_type: str | None = None
         return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
     if isinstance(value, list):
         return [cast_floating(v, dtype, device_type) for v in value]
+    if type(value) is dict:  # kwargs and plain dicts: a comprehension Dynamo traces
+        return {key: cast_floating(item, dtype, device_type) for key, item in value.items()}
     if isinstance(value, dict):
         new = copy.copy(value)  # the same class: a ModelOutput stays one, its attributes too
         for key, item in value.items():

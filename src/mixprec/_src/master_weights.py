@@ -37,7 +37,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from mixprec._src import casting, fp8_all_gather, fp8_conversion, sharding, stochastic_rounding, training
+from mixprec._src import casting, fp8_all_gather, fp8_conversion, region, sharding, stochastic_rounding, training
 from mixprec._src.autocast import autocast
 from mixprec._src.errors import PrepareOrderError
 from mixprec._src.fp8_config import Fp8Config
@@ -318,7 +318,7 @@ def _check(model: nn.Module, optimizer: torch.optim.Optimizer, sharded: bool) ->
 def _prepared_forward(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """A prepared model's forward: the original under the level's autocast region, outputs cast."""
     state = model.__dict__[_ATTR]
-    if not state.checked:
+    if not state.checked and not torch.compiler.is_compiling():  # compiled: the optimizer's step checks it
         state.checked = True
         _check_not_sharded_since(model, state)
     policy = state.config.policy if state.config.policy is not None else default_policy(state.device_type)
@@ -394,8 +394,11 @@ def _keep_stack() -> list[tuple[bool, torch.dtype] | None]:
 @torch._dynamo.allow_in_graph  # type: ignore[untyped-decorator]
 def _keep_enter(device_type: str) -> None:
     """Enter a kept module: autocast off for ``device_type`` (the state outside is restored on exit)."""
+    stack = _keep_stack()
+    if torch.compiler.is_compiling():
+        region.unwind_on_failed_trace_with(functools.partial(_keep_exit_to, device_type, len(stack)))
     enabled = torch.is_autocast_enabled(device_type)
-    _keep_stack().append((enabled, torch.get_autocast_dtype(device_type)) if enabled else None)
+    stack.append((enabled, torch.get_autocast_dtype(device_type)) if enabled else None)
     if enabled:
         torch.set_autocast_enabled(device_type, False)
 
@@ -407,6 +410,11 @@ def _keep_exit(device_type: str) -> None:
     if outside is not None:
         torch.set_autocast_enabled(device_type, outside[0])
         torch.set_autocast_dtype(device_type, outside[1])
+
+
+def _keep_exit_to(device_type: str, depth: int) -> None:
+    while len(_keep_stack()) > depth:
+        _keep_exit(device_type)
 
 
 def _keep_in_fp32(modules: Iterable[nn.Module], device_type: str, handles: list[Any]) -> None:
@@ -518,6 +526,9 @@ class _Swap:
                     "(fully_shard, load_state_dict(assign=True), to_empty); the prepared optimizer no longer steps "
                     "it. Set the model up first, then build the optimizer and call mixprec.prepare"
                 )
+            if torch.compiler.is_compiling():  # a cast in the graph: fresh whatever wrote the weight
+                module._parameters[name] = master.to(self.copies.dtype)  # type: ignore[assignment,union-attr]
+                continue
             held = self.copies.of(master)  # type: ignore[arg-type]
             need_grad = grad and master.requires_grad  # type: ignore[union-attr]
             module._parameters[name] = _from_copy(master, held) if need_grad else held  # type: ignore[arg-type,assignment]

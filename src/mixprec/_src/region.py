@@ -82,6 +82,11 @@ def pop() -> None:
 
 def unwind_on_failed_trace(depth: int) -> None:
     """While Dynamo traces, close what a trace that stops early would leave open."""
+    unwind_on_failed_trace_with(functools.partial(pop_to, depth))
+
+
+def unwind_on_failed_trace_with(undo: Callable[[], None]) -> None:
+    """While Dynamo traces, run ``undo`` when the trace ends (torch's state as it was before the trace)."""
     from torch._dynamo.symbolic_convert import InstructionTranslator
 
     try:
@@ -90,7 +95,7 @@ def unwind_on_failed_trace(depth: int) -> None:
         tx = None
     if tx is None:  # AOTAutograd's trace: it runs the whole graph, exits included
         return
-    tx.output.add_cleanup_hook(functools.partial(pop_to, depth))
+    tx.output.add_cleanup_hook(undo)
 
 
 def pop_to(depth: int) -> None:
