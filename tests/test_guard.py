@@ -402,10 +402,9 @@ def test_a_weight_gradient_made_from_a_nan_input_is_not_the_layers() -> None:
 @pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning")
 @pytest.mark.filterwarnings("ignore:bf16 and fp16 are mixed in the scheduler node:UserWarning")  # inductor's note
 def test_the_guard_works_under_torch_compile() -> None:
-    # torch's compiled backward runs under the forward's autocast unless told otherwise (pytorch#153044): a layer
-    # moved out of fp16 would still get fp16 gradients there. docs/per_layer.md says to set this.
-    with torch._functorch.config.patch(backward_pass_autocast="off"):
-        _guard_under_compile()
+    # a layer moved out of fp16 gets gradients in its new precision when compiled too, with torch's default
+    # backward autocast (which, left to itself, would trace them in the region's fp16: pytorch#153044)
+    _guard_under_compile()
 
 
 def _guard_under_compile() -> None:

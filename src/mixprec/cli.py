@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from mixprec.bench.modes import MODES
+from mixprec.bench.runner import COMPILE_MODES, DEFAULT_MODES
 from mixprec.bench.workloads import SIZES, WORKLOADS
 
 
@@ -48,8 +49,8 @@ def _parser() -> argparse.ArgumentParser:
         help=f"comma-separated; default all: {','.join(WORKLOADS)}",
     )
     bench.add_argument("--modes", type=lambda t: _names(t, list(MODES), "mode"),
-                       default=("fp32", "torch-amp", "mixprec", "mixprec-cl", "mixprec-tuned"),
-                       help=f"comma-separated; available: {','.join(MODES)}")  # fmt: skip
+                       help=f"comma-separated; default {','.join(DEFAULT_MODES)} (with --compile: fp32 and "
+                       f"{','.join(COMPILE_MODES)}); available: {','.join(MODES)}")  # fmt: skip
     bench.add_argument("--device", default="auto", help="auto (CUDA if present, else CPU), cpu or cuda")
     bench.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16"],
                        help="auto: bf16 where it is fast, else fp16 on CUDA; fp16 runs use a GradScaler")  # fmt: skip
@@ -74,8 +75,16 @@ def _parser() -> argparse.ArgumentParser:
         "--compile",
         action=argparse.BooleanOptionalAction,
         default=False,
-        help="also run every mode with torch.compile(model) (compiling takes minutes on a CPU)",
+        help="also train modes as torch.compile(model) and report them against eager and against compiled "
+        f"torch-amp: every mode of --modes, or without --modes fp32 eager and {','.join(COMPILE_MODES)} "
+        "eager and compiled; also counts inductor's kernels per fp8 linear against torchao's (compiling takes "
+        "minutes on a CPU)",
     )
+    bench.add_argument("--compile-modes", type=lambda t: _names(t, list(MODES), "mode"),
+                       help="the modes to compile (implies --compile; each also trains eagerly)")  # fmt: skip
+    bench.add_argument("--fp8-kernels", action=argparse.BooleanOptionalAction, default=True,
+                       help="with --compile: count inductor's kernels per fp8 linear, mixprec against torchao "
+                       "(default on)")  # fmt: skip
 
     diagnose = sub.add_parser(
         "diagnose",
@@ -127,9 +136,12 @@ def _bench(args: argparse.Namespace) -> int:
     size = args.size or ("quick" if args.quick else "default")
     if args.nproc is not None:
         return _bench_sharded(args, size)
+    compile_ = args.compile or args.compile_modes is not None
+    modes, compile_modes = _compile_choice(args.modes, args.compile_modes, compile_)
     try:
-        config = BenchConfig(workloads=args.workloads, modes=args.modes, steps=args.steps, device=args.device,
-                             dtype=args.dtype, size=size, compile=args.compile,
+        config = BenchConfig(workloads=args.workloads, modes=modes, steps=args.steps, device=args.device,
+                             dtype=args.dtype, size=size, compile=compile_, compile_modes=compile_modes,
+                             count_fp8_kernels=compile_ and args.fp8_kernels,
                              tune_budget_s=args.tune_budget)  # fmt: skip
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
@@ -140,6 +152,8 @@ def _bench(args: argparse.Namespace) -> int:
         return _refuse(problem)
     console = Console(stderr=False, quiet=False)
     runs = [(w, m) for w in config.workloads for m in config.modes if MODES[m].trains(WORKLOADS[w].conv)]
+    if config.compile:
+        runs += [(w, m) for w, m in runs if m in (config.compile_modes or config.modes)]
     if dtype is torch.float16 and device.type == "cpu":
         print("mixprec bench: warning: fp16 has no fast path on most CPUs (it is emulated, often 10-100x slower "
               "than fp32); use --dtype bf16 (or auto) on a CPU", file=sys.stderr, flush=True)  # fmt: skip
@@ -151,6 +165,8 @@ def _bench(args: argparse.Namespace) -> int:
         extra = f" {r.speedup_vs_fp32:.2f}x fp32" if r.speedup_vs_fp32 is not None else ""
         extra += f", {r.vs_torch_amp:.2f}x torch-amp" if r.vs_torch_amp is not None else ""
         extra += f", tuned in {r.tuning_s:.0f} s: {r.recipe}" if r.tuning_s is not None else ""
+        extra += f", {r.vs_eager:.2f}x eager" if r.vs_eager is not None else ""
+        extra += f", compiled in {r.compile_s:.0f} s, {r.recompiles} recompiles" if r.compiled else ""
         return f"{workload:13} {mode:13} {r.steps_per_s:8.2f} steps/s{extra}, final loss {r.final_loss:.4f}"
 
     try:
@@ -194,6 +210,8 @@ def _bench(args: argparse.Namespace) -> int:
         print(text, flush=True)
     if report_module.fp8_emulated(report):
         print(report_module.FP8_EMULATED, flush=True)
+    if compiled := report_module.compiled_text(report):
+        print(compiled, flush=True)
     paths = report_module.write(report, args.out, args.json)
     if "png" not in paths:
         print(report_module.PLOT_SKIPPED.format(name="bench.png"), file=sys.stderr)
@@ -209,8 +227,8 @@ def _bench_sharded(args: argparse.Namespace, size: str) -> int:
 
     workloads = args.workloads if args.workloads != tuple(WORKLOADS) else ("transformer",)
     modes = sharded.SHARDED_MODES
-    explicit = [m for m in args.modes if m in sharded.SHARDED_MODES]
-    if args.modes != ("fp32", "torch-amp", "mixprec", "mixprec-cl", "mixprec-tuned") and explicit:
+    explicit = [m for m in args.modes or () if m in sharded.SHARDED_MODES]
+    if args.modes is not None and args.modes != DEFAULT_MODES and explicit:
         modes = tuple(explicit)
     try:
         config = sharded.ShardedConfig(nproc=args.nproc, workloads=workloads, modes=modes, size=size,
@@ -251,6 +269,19 @@ def _bench_sharded(args: argparse.Namespace, size: str) -> int:
         paths.append(pathlib.Path(args.json))
     print("wrote " + ", ".join(str(p) for p in paths) + f" in {report['seconds']:.0f} s")
     return 0
+
+
+def _compile_choice(modes: tuple[str, ...] | None, compile_modes: tuple[str, ...] | None,
+                    compile_: bool) -> tuple[tuple[str, ...], tuple[str, ...] | None]:  # fmt: skip
+    """The bench's modes and compiled modes from --modes, --compile-modes and --compile (see --compile's help)."""
+    if compile_modes is not None:  # each compiled mode also trains eagerly
+        base = modes if modes is not None else ("fp32",)
+        return (*base, *(m for m in compile_modes if m not in base)), compile_modes
+    if modes is not None:
+        return modes, None  # every mode, compiled too (with --compile)
+    if compile_:
+        return ("fp32", *COMPILE_MODES), COMPILE_MODES
+    return DEFAULT_MODES, None
 
 
 def _refuse(problem: str) -> int:

@@ -344,7 +344,9 @@ def _make_kernel(
                 raise RuntimeError(
                     "torch.compile is tracing code inside a mixprec.autocast region opened outside the compiled "
                     "code, with a policy that differs from torch's list; the compiled graph could not follow a "
-                    "later policy change. Open the region inside the compiled function (or module forward)"
+                    "later policy change. Open the region inside the compiled function (or module forward): "
+                    "mixprec.prepare(model, optimizer, 'O1', policy=...) does for a model, and so does a "
+                    "mixprec.Recipe with compile=True"
                 )
         with _ExcludeDispatchKeyGuard(exclude):
             return apply_category(category, overload, args, kwargs, device_type, policy, name, dtype_index)

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mixprec._src import bound_forward, fp8_conversion
+from mixprec._src import bound_forward, compiled_backward, fp8_conversion
 from mixprec._src.dtypes import parse_dtype, short_name
 from mixprec._src.fp8_config import Fp8Config, Fp8Recipe
 
@@ -131,6 +131,7 @@ def _dtype_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
     dtype: torch.dtype = self.__dict__[_DTYPE]
     device_type = input.device.type
     region = torch.is_autocast_enabled(device_type)
+    compiled_backward.backward_like_eager()  # its backward in its dtype too when compiled
     weight: torch.Tensor = self.weight  # type: ignore[assignment]
     bias: torch.Tensor | None = self.bias  # type: ignore[assignment]
     with torch.autocast(device_type, enabled=False):  # the GEMM's dtype is the layer's, not the region's

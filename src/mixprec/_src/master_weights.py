@@ -37,7 +37,16 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from mixprec._src import casting, fp8_all_gather, fp8_conversion, region, sharding, stochastic_rounding, training
+from mixprec._src import (
+    casting,
+    compiled_backward,
+    fp8_all_gather,
+    fp8_conversion,
+    region,
+    sharding,
+    stochastic_rounding,
+    training,
+)
 from mixprec._src.autocast import autocast
 from mixprec._src.errors import PrepareOrderError
 from mixprec._src.fp8_config import Fp8Config
@@ -397,6 +406,7 @@ def _keep_enter(device_type: str) -> None:
     stack = _keep_stack()
     if torch.compiler.is_compiling():
         region.unwind_on_failed_trace_with(functools.partial(_keep_exit_to, device_type, len(stack)))
+        compiled_backward.backward_like_eager()
     enabled = torch.is_autocast_enabled(device_type)
     stack.append((enabled, torch.get_autocast_dtype(device_type)) if enabled else None)
     if enabled:

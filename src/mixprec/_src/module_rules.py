@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec._src import casting, dispatch, interning, region
+from mixprec._src import casting, compiled_backward, dispatch, interning, region
 from mixprec._src.dispatch import state as _state
 from mixprec._src.policy import ModuleRule, Policy
 
@@ -75,6 +75,7 @@ def _rule_enter(device_type: str, dtype: torch.dtype) -> None:
     dispatch.check_checkpoint(st)
     if torch.compiler.is_compiling():
         region.unwind_on_failed_trace(len(st.regions))
+        compiled_backward.backward_like_eager()
     outside = (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
     if dtype is torch.float32:
         torch.set_autocast_enabled(device_type, False)

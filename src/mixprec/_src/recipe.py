@@ -222,7 +222,9 @@ class Recipe:
 
     @property
     def _prepares(self) -> bool:
-        return self.dtype is not torch.float32 and (self.level != "O1" or self.fp8 is not None)
+        # compiled, the region goes inside the model's forward (prepare's): a graph traced inside an eager
+        # region with an edited policy could not follow a later change of it, and is refused
+        return self.dtype is not torch.float32 and (self.level != "O1" or self.fp8 is not None or self.compile)
 
     def autocast(self, device_type: str = "cpu") -> Callable[[], contextlib.AbstractContextManager[Any]]:
         """The region factory for the training loop: a :func:`mixprec.autocast` with :meth:`policy`,

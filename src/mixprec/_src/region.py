@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec._src import dispatch, interning
+from mixprec._src import compiled_backward, dispatch, interning
 from mixprec._src.dispatch import state as _state
 from mixprec._src.policy import Policy
 from mixprec._src.policy_grammar import default_policy
@@ -110,6 +110,7 @@ def enter_traced(device_type: str, dtype: torch.dtype, enabled: bool, cache_enab
     # Under torch.compile this is a node of the graph: Dynamo and AOTAutograd run it while
     # tracing (so the ops traced after it see the region), compiled code no longer needs it.
     unwind_on_failed_trace(len(_state().regions))
+    compiled_backward.backward_like_eager()
     torch_ctx = torch.amp.autocast_mode._UnmanagedAutocast(device_type, dtype, enabled, cache_enabled)
     torch_ctx.__enter__()  # type: ignore[no-untyped-call]
     push(device_type, interning.policy_for(token), torch_ctx, traced=True)

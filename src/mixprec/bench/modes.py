@@ -113,6 +113,8 @@ def _level(level: str) -> Callable[[nn.Module, torch.optim.Optimizer, torch.dtyp
     return setup
 
 
+register_mode(Mode("O1", "mixprec.prepare level O1: fp32 weights, the forward under mixprec.autocast, fp32 outputs",
+                   setup=_level("O1"), scaler=lambda device: mixprec.GradScaler(device)))  # fmt: skip
 register_mode(Mode("O2", "mixprec.prepare level O2: low-precision weights, fp32 masters", setup=_level("O2"),
                    scaler=lambda device: mixprec.GradScaler(device)))  # fmt: skip
 register_mode(Mode("bf16-sr", "mixprec.prepare level bf16-sr: bf16 weights and state, stochastic rounding",

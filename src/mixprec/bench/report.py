@@ -28,10 +28,13 @@ def _seconds(value: float | None) -> str:
 
 
 def table_rows(report: BenchReport) -> list[list[str]]:
-    """Rows of the results table (also used by the CLI), one per workload and mode."""
+    """Rows of the results table (also used by the CLI), one per workload and eager mode (the compiled runs
+    have a table of their own, :func:`compiled_rows`)."""
     rows = []
     for workload, modes in report.results.items():
         for mode, r in modes.items():
+            if r.compiled:
+                continue
             rows.append([workload, mode, f"{r.steps_per_s:.2f}", _ratio(r.speedup_vs_fp32), _ratio(r.vs_torch_amp),
                          _mb(r.peak_mem_bytes), _mb(r.state_bytes), f"{r.final_loss:.4f}",
                          _pct(r.loss_rel_diff_vs_fp32), _seconds(r.tuning_s)])  # fmt: skip
@@ -41,6 +44,129 @@ def table_rows(report: BenchReport) -> list[list[str]]:
 HEADER = ["workload", "mode", "steps/s", "vs fp32", "vs torch-amp", "peak mem", "state", "final loss", "loss vs fp32",
           "tuning"]  # fmt: skip
 _LEFT = ("workload", "mode")
+
+COMPILED_HEADER = ["workload", "mode", "eager steps/s", "compiled steps/s", "vs eager", "vs compiled torch-amp",
+                   "compile", "graphs", "graph breaks", "recompiles", "loss vs eager"]  # fmt: skip
+
+#: The target for compiled mixprec O1 against compiled torch.autocast.
+COMPILED_TARGET = 0.97
+
+
+def compiled_rows(report: BenchReport) -> list[list[str]]:
+    """Rows of the compiled table, one per workload and compiled mode: its speed against the same mode's eager
+    run and against compiled torch-amp, the compile time, and dynamo's graphs, breaks and recompiles."""
+    rows = []
+    for workload, modes in report.results.items():
+        for name, r in modes.items():
+            if not r.compiled:
+                continue
+            mode = name.removesuffix("+compile")
+            eager = modes.get(mode)
+            rows.append([workload, mode, f"{eager.steps_per_s:.2f}" if eager else "", f"{r.steps_per_s:.2f}",
+                         _ratio(r.vs_eager), _ratio(r.vs_compiled_torch_amp), f"{r.compile_s or 0:.1f} s" + (" (cache)" if r.inductor_cache_hits else ""),
+                         str(r.graphs), str(r.graph_breaks), str(r.recompiles),
+                         _pct(r.loss_rel_diff_vs_eager)])  # fmt: skip
+    return rows
+
+
+def compiled_summary(report: BenchReport) -> list[str]:
+    """Sentences under the compiled table: compiled mixprec O1 against the target, recompiles, eager frames."""
+    lines = []
+    for mode, what in (("O1", 'prepare(level="O1")'), ("mixprec", "mixprec.autocast")):
+        ratios = {w: m[f"{mode}+compile"].vs_compiled_torch_amp for w, m in report.results.items()
+                  if f"{mode}+compile" in m and m[f"{mode}+compile"].vs_compiled_torch_amp is not None}  # fmt: skip
+        if not ratios:
+            continue
+        low = min(ratios, key=lambda w: ratios[w])
+        below = [w for w, r in ratios.items() if r < COMPILED_TARGET]
+        verdict = f"below the target of {COMPILED_TARGET:.2f}x on {', '.join(below)}" if below else (
+            f"at or above the target of {COMPILED_TARGET:.2f}x on every workload")  # fmt: skip
+        lines.append(f"Compiled {mode} (`{what}`) against compiled torch-amp: {ratios[low]:.2f}x at the lowest "
+                     f"({low}), {max(ratios.values()):.2f}x at the highest; {verdict}.")  # fmt: skip
+    compiled = [(w, m, r) for w, modes in report.results.items() for m, r in modes.items() if r.compiled]
+    recompiled = [f"{w}/{m} ({r.recompiles})" for w, m, r in compiled if r.recompiles]
+    lines.append("Recompiles after warm-up: " + (", ".join(recompiled) if recompiled else "none") + ".")
+    eager = [f"{w}/{m} ({r.eager_frames})" for w, m, r in compiled if r.eager_frames]
+    if eager:
+        lines.append("Frames dynamo did not compile (they ran eagerly): " + ", ".join(eager) + ".")
+    return lines
+
+
+KERNELS_HEADER = ["variant", "forward kernels", "backward kernels", "kernels", "launches", "per fp8 linear",
+                  "launches per linear", "extern calls", "fallbacks", "compile"]  # fmt: skip
+
+
+def kernel_rows(kernels: dict[str, Any]) -> list[list[str]]:
+    """Rows of the fp8 kernel table, one per variant (``kernels.count_fp8_kernels``'s result)."""
+    rows = []
+    for name, v in kernels["variants"].items():
+        if "error" in v:
+            rows.append([name, v["error"], *[""] * (len(KERNELS_HEADER) - 2)])
+            continue
+        per_graph = {g["name"]: str(g["kernels"]) for g in v["graphs"]}
+        rows.append([name, per_graph.get("forward", ""), per_graph.get("backward", ""), str(v["kernels"]),
+                     str(v["launches"]), f"{v['kernels_per_linear']:.2f}", f"{v['launches_per_linear']:.2f}",
+                     str(v["extern_calls"]), str(v["fallback_calls"]), _seconds(v["compile_s"])])  # fmt: skip
+    return rows
+
+
+def _md_table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *("| " + " | ".join(r) + " |" for r in rows)]
+
+
+def compiled_markdown(report: BenchReport) -> list[str]:
+    """The compiled section of the report (empty without compiled runs or kernel counts)."""
+    lines: list[str] = []
+    rows = compiled_rows(report)
+    if rows:
+        lines += [
+            "## Compiled",
+            "",
+            "Each mode below also trained as `torch.compile(model)` of the model the mode prepared (default "
+            "inductor backend), in lockstep with the eager runs.",
+            "",
+            *_md_table(COMPILED_HEADER, rows),
+            "",
+            "vs eager: compiled steps/s over the same mode's eager steps/s. vs compiled torch-amp: over compiled "
+            "torch.autocast's. Compile: the warm-up steps' time beyond as many timed steps (compiling forward and "
+            "backward; the first compiled run also pays inductor's start-up; (cache): inductor loaded graphs from its "
+            "on-disk cache of earlier runs). Graphs, graph breaks: what dynamo compiled during warm-up (0 graphs: the "
+            "run reused a graph another mode compiled with the same guards). Recompiles: frames dynamo compiled again after warm-up, which should be 0. Loss vs eager: the final "
+            "loss against the eager run's.",
+            "",
+            *compiled_summary(report),
+            "",
+        ]
+    if report.fp8_kernels is not None:
+        lines += kernels_markdown(report.fp8_kernels)
+    return lines
+
+
+def kernels_markdown(kernels: dict[str, Any]) -> list[str]:
+    """The fp8 kernel section: the table, what was compiled, and where mixprec's count is higher."""
+    sizes = " -> ".join(str(s) for s in kernels["sizes"])
+    higher = kernels["mixprec_higher"]
+    return [
+        "## Kernels per fp8 linear",
+        "",
+        f"The code inductor generates for one forward and backward of a model of {kernels['linears']} linears "
+        f"({sizes}, ReLU between them, {kernels['tokens']} tokens) on {kernels['device']}, with "
+        f"`{kernels['recipe']}` fp8: mixprec's `prepare(model, opt, \"O1\", fp8=...)` against torchao's "
+        "`convert_to_float8_training` on the same linears under `torch.autocast`, and O1 without fp8 for "
+        "reference. Kernels: those inductor generated (Triton on CUDA, C++ on a CPU); launches: their calls; "
+        "extern calls: library kernels (the GEMMs); fallbacks: ATen ops left eager.",
+        "",
+        *_md_table(KERNELS_HEADER, kernel_rows(kernels)),
+        "",
+        *_higher(higher),
+        "",
+    ]
+
+
+def _higher(lines: list[str]) -> list[str]:
+    if not lines:
+        return ["mixprec's counts are nowhere higher than torchao's."]
+    return ["Where mixprec's count is higher than torchao's:", "", *(f"- {line}" for line in lines)]
 
 
 #: What a CPU run of an fp8 mode measures.
@@ -59,17 +185,34 @@ def title(report: BenchReport) -> str:
     return f"{report.dtype} on {report.device} ({report.device_name}), torch {report.torch_version}"
 
 
-def text_table(report: BenchReport) -> str:
-    """The results table as aligned plain text, for logs and narrow terminals (nothing is cut)."""
-    rows = [HEADER, *table_rows(report)]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(HEADER))]
+def _aligned(header: list[str], rows: list[list[str]], left: tuple[str, ...] = _LEFT) -> list[str]:
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
 
     def line(row: list[str]) -> str:
-        cells = [c.ljust(w) if h in _LEFT else c.rjust(w) for c, w, h in zip(row, widths, HEADER, strict=True)]
+        cells = [c.ljust(w) if h in left else c.rjust(w) for c, w, h in zip(row, widths, header, strict=True)]
         return "  ".join(cells).rstrip()
 
     rule = "  ".join("-" * w for w in widths)
-    return "\n".join([title(report), line(HEADER), rule, *(line(row) for row in rows[1:])])
+    return [line(header), rule, *(line(row) for row in rows)]
+
+
+def text_table(report: BenchReport) -> str:
+    """The results table as aligned plain text, for logs and narrow terminals (nothing is cut)."""
+    return "\n".join([title(report), *_aligned(HEADER, table_rows(report))])
+
+
+def compiled_text(report: BenchReport) -> str:
+    """The compiled table and the fp8 kernel table as aligned plain text ("" without either)."""
+    parts: list[str] = []
+    if rows := compiled_rows(report):
+        parts += ["compiled (torch.compile, inductor) against eager and against compiled torch-amp",
+                  *_aligned(COMPILED_HEADER, rows), *compiled_summary(report)]  # fmt: skip
+    if report.fp8_kernels is not None:
+        k = report.fp8_kernels
+        parts += [*([""] if parts else []), f"inductor kernels, forward and backward, {k['linears']} fp8 linears "
+                  f"({k['recipe']}), {k['device']}", *_aligned(KERNELS_HEADER, kernel_rows(k), ("variant",)),
+                  *(f"mixprec higher: {line}" for line in k["mixprec_higher"])]  # fmt: skip
+    return "\n".join(parts)
 
 
 def markdown(report: BenchReport) -> str:
@@ -103,6 +246,7 @@ def markdown(report: BenchReport) -> str:
         "",
         *([FP8_EMULATED + ".", ""] if fp8_emulated(report) else []),
         *_recipes(report),
+        *compiled_markdown(report),
         "![bench](bench.png)",
         "",
     ]

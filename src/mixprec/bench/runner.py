@@ -16,6 +16,19 @@ Measures, per workload and mode:
 * ``tuning_s``: for a mode settled per workload (``mixprec-tuned``), the seconds that took,
   on a fresh copy of the workload before anything else runs; not counted in ``steps_per_s``.
 
+With ``compile``, the modes in ``compile_modes`` also train as ``torch.compile(model)`` of the
+model the mode prepared (the default inductor backend), as ``"<mode>+compile"``, in lockstep with
+the eager runs. Compiling happens in the warm-up steps: ``compile_s`` is their time beyond as many
+timed steps. Dynamo's counters (``torch._dynamo.utils.counters``) are read around each of the
+run's steps: ``graphs`` and ``graph_breaks`` are what it compiled during warm-up, ``recompiles``
+the frames it had to compile again after warm-up (0 when the graphs hold), ``eager_frames`` the
+frames it gave up on (they ran eagerly), ``inductor_cache_hits`` the graphs inductor loaded from
+its on-disk cache of earlier runs (which makes ``compile_s`` small). Every compiled run is compared with the same mode's eager
+run (``vs_eager``) and with compiled torch.amp (``vs_compiled_torch_amp``). Each workload starts
+from an empty compile cache (``torch._dynamo.reset()``); because every compiled module shares one
+wrapper frame of torch's, the workload's recompile limit is raised by the number of compiled runs,
+so that one mode's graphs do not push another's out.
+
 Every mode of a workload starts from the same seeded model and sees the same batches.
 """
 
@@ -44,20 +57,26 @@ DEFAULT_STEPS = {"tiny": 3, "quick": 10, "default": 24}
 
 Progress = Callable[[str, str, int, int], None]  # (workload, mode, steps done, steps total)
 
+DEFAULT_MODES = ("fp32", "torch-amp", "mixprec", "mixprec-cl", "mixprec-tuned")
+#: What ``mixprec bench --compile`` compiles by default: torch.autocast, mixprec.autocast and each prepare level.
+COMPILE_MODES = ("torch-amp", "mixprec", "O1", "O2", "bf16-sr", "bf16-pure")
+
 
 @dataclasses.dataclass(frozen=True)
 class BenchConfig:
     """What to run. ``device``/``dtype`` ``"auto"`` pick the fastest supported setting."""
 
     workloads: tuple[str, ...] = tuple(WORKLOADS)
-    modes: tuple[str, ...] = ("fp32", "torch-amp", "mixprec", "mixprec-cl", "mixprec-tuned")
+    modes: tuple[str, ...] = DEFAULT_MODES
     steps: int | None = None
     warmup: int = 2
     window: int = 1
     device: str = "auto"
     dtype: str = "auto"
     size: str = "default"
-    compile: bool = False  # also run every mode with torch.compile(model), as "<mode>+compile"
+    compile: bool = False  # also run modes with torch.compile(model), as "<mode>+compile"
+    compile_modes: tuple[str, ...] | None = None  # the modes compiled (None: every mode); each also runs eagerly
+    count_fp8_kernels: bool = False  # with compile: count inductor's kernels per fp8 linear, mixprec vs torchao
     tune_budget_s: float = 60.0  # mixprec.tune's budget per workload (mixprec-tuned)
 
     def __post_init__(self) -> None:
@@ -73,6 +92,10 @@ class BenchConfig:
             raise ValueError(f"steps must exceed warmup ({self.warmup}) so that some steps are timed")
         if self.window < 1 or self.warmup < 0:
             raise ValueError("window must be >= 1 and warmup >= 0")
+        for name in self.compile_modes or ():
+            if name not in self.modes:
+                raise ValueError(f"compile mode {name!r} is not among the modes ({', '.join(self.modes)}): a compiled "
+                                 "run is compared with the same mode's eager run, so add it to the modes")  # fmt: skip
         if not self.tune_budget_s > 0:
             raise ValueError(f"tune_budget_s must be a positive number of seconds, got {self.tune_budget_s}")
 
@@ -97,6 +120,16 @@ class ModeResult:
     tuning_s: float | None = None  # settling the mode on this workload (mixprec.tune), apart from training
     recipe: str | None = None  # what it settled on
     layer_plan: str | None = None  # the settled recipe's per-layer plan, as a text table
+    compiled: bool = False  # trained as torch.compile(model) (a "<mode>+compile" run)
+    compile_s: float | None = None  # compiled: the warm-up steps' time beyond as many timed steps
+    graphs: int | None = None  # compiled: graphs dynamo compiled during warm-up
+    graph_breaks: int | None = None  # compiled: graph breaks dynamo met during warm-up
+    recompiles: int | None = None  # compiled: frames dynamo compiled again after warm-up (should be 0)
+    eager_frames: int | None = None  # compiled: frames dynamo gave up on (they ran eagerly), e.g. at its limit
+    inductor_cache_hits: int | None = None  # compiled: graphs inductor loaded from its on-disk cache (fast compile)
+    vs_eager: float | None = None  # compiled: steps/s over the same mode's eager run
+    vs_compiled_torch_amp: float | None = None  # compiled: steps/s over compiled torch-amp's
+    loss_rel_diff_vs_eager: float | None = None  # compiled: final loss against the eager run's
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -116,6 +149,7 @@ class BenchReport:
     images: dict[str, dict[str, torch.Tensor]]  # workload -> {"target": ..., mode: prediction}
     seconds: float
     interrupted: bool = False  # stopped early (Ctrl-C): ``results`` holds the workloads that finished
+    fp8_kernels: dict[str, Any] | None = None  # kernels.count_fp8_kernels (with compile and count_fp8_kernels)
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON report: ``{"device", "dtype", "torch", "workloads": {name: {mode: {...}}}, ...}``."""
@@ -129,6 +163,7 @@ class BenchReport:
             "seconds": self.seconds,
             "interrupted": self.interrupted,
             "workloads": {w: {m: r.to_dict() for m, r in modes.items()} for w, modes in self.results.items()},
+            "fp8_kernels": self.fp8_kernels,
         }
 
 
@@ -264,6 +299,8 @@ class _Run:
         if mode.setup is not None:
             self.model, self.optimizer = mode.setup(self.model, self.optimizer, dtype)
         self.state_model = self.model
+        self.compiled = compiled
+        self.counts: list[dict[str, int]] = []  # compiled: dynamo's counters' change over each step
         if compiled:  # compiled on the first (warm-up, untimed) step
             self.model = torch.compile(self.model)  # type: ignore[assignment]
         use_scaler = mode.scaler is not None and dtype is torch.float16
@@ -276,6 +313,7 @@ class _Run:
         """One training step; returns its wall time (CUDA synchronised)."""
         inputs, targets = self.task.batch(step)
         inputs = self.mode.prepare_input(inputs)
+        before = dynamo_counts() if self.compiled else None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         start = time.perf_counter()
@@ -293,9 +331,22 @@ class _Run:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - start
+        if before is not None:
+            after = dynamo_counts()
+            self.counts.append({key: after[key] - before[key] for key in after})
         self.losses.append(loss.detach())
         self.output = output
         return elapsed
+
+
+def dynamo_counts() -> dict[str, int]:
+    """Dynamo's running totals: frames it tried to compile (``frames``), compiled (``ok``), graphs, graph breaks,
+    and the graphs inductor took from its on-disk cache (``cache_hits``)."""
+    from torch._dynamo.utils import counters
+
+    return {"frames": counters["frames"]["total"], "ok": counters["frames"]["ok"],
+            "graphs": counters["stats"]["unique_graphs"], "breaks": sum(counters["graph_break"].values()),
+            "cache_hits": counters["inductor"]["fxgraph_cache_hit"]}  # fmt: skip
 
 
 def measure_memory(workload: str, mode: Mode, config: BenchConfig, device: torch.device, dtype: torch.dtype,
@@ -339,16 +390,21 @@ def run_workload(workload: str, modes: list[Mode], config: BenchConfig, device: 
             del task
     peaks = {mode.name: measure_memory(workload, mode, config, device, dtype) for mode in modes}
     runs = {mode.name: _Run(workload, mode, config, device, dtype) for mode in modes}
-    if config.compile:
-        for mode in modes:
-            runs[f"{mode.name}+compile"] = _Run(workload, mode, config, device, dtype, compiled=True)
-            peaks[f"{mode.name}+compile"] = None  # the compiled run's memory is not measured apart
+    compiled = [mode for mode in modes if config.compile and mode.name in (config.compile_modes or config.modes)]
+    if compiled:
+        torch._dynamo.reset()  # this workload's graphs only
+    for mode in compiled:
+        runs[f"{mode.name}+compile"] = _Run(workload, mode, config, device, dtype, compiled=True)
+        peaks[f"{mode.name}+compile"] = None  # the compiled run's memory is not measured apart
     order = list(runs)
-    for step in range(steps):
-        for name in order if step % 2 == 0 else reversed(order):
-            runs[name].times.append(runs[name].step(step))
-            if progress is not None:
-                progress(workload, name, step + 1, steps)
+    # Every compiled module is a cache entry of the same wrapper frame: room for each run's graphs.
+    limit = torch._dynamo.config.recompile_limit + len(compiled)
+    with torch._dynamo.config.patch(recompile_limit=limit):
+        for step in range(steps):
+            for name in order if step % 2 == 0 else reversed(order):
+                runs[name].times.append(runs[name].step(step))
+                if progress is not None:
+                    progress(workload, name, step + 1, steps)
     results: dict[str, ModeResult] = {}
     images: dict[str, torch.Tensor] = {}
     tail = max(1, min(5, steps // 5))
@@ -358,7 +414,7 @@ def run_workload(workload: str, modes: list[Mode], config: BenchConfig, device: 
             raise RuntimeError(f"{workload}/{name}: the loss is not finite at the end of the run ({values[-3:]})")
         timed = run.times[config.warmup :]
         windows = [statistics.fmean(timed[i : i + config.window]) for i in range(0, len(timed), config.window)]
-        results[name] = ModeResult(
+        results[name] = result = ModeResult(
             steps_per_s=1.0 / statistics.median(windows),
             final_loss=statistics.fmean(values[-tail:]),
             peak_mem_bytes=peaks[name],
@@ -369,6 +425,8 @@ def run_workload(workload: str, modes: list[Mode], config: BenchConfig, device: 
             recipe=run.mode.description if name.removesuffix("+compile") in settled else None,
             layer_plan=layer_table(run.mode.recipe.layers) if run.mode.recipe and run.mode.recipe.layers else None,
         )
+        if run.compiled:
+            _compile_stats(result, run, config.warmup, statistics.median(timed))
         if run.task.image and run.output is not None:
             images[name] = run.output.detach().float().cpu()[0, 0]
             images["target"] = run.task.batch(0)[1].float().cpu()[0, 0]
@@ -399,14 +457,19 @@ def run(config: BenchConfig, progress: Progress | None = None,
         run_workload(workload, _modes_for(workload, config, dtype), warm, device, dtype)
     results: dict[str, dict[str, ModeResult]] = {}
     images: dict[str, dict[str, torch.Tensor]] = {}
+    kernels: dict[str, Any] | None = None
 
     def report(interrupted: bool) -> BenchReport:
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
         return BenchReport(device.type, name, {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype],
                            torch.__version__, mixprec.__version__, config, results, images,
-                           time.perf_counter() - start, interrupted)  # fmt: skip
+                           time.perf_counter() - start, interrupted, kernels)  # fmt: skip
 
     try:
+        if config.compile and config.count_fp8_kernels:  # first: it also pays inductor's one-time start-up
+            from mixprec.bench.kernels import count_fp8_kernels
+
+            kernels = count_fp8_kernels(device)
         for workload in config.workloads:
             results[workload], found = run_workload(workload, _modes_for(workload, config, dtype), config, device,
                                                     dtype, progress, on_result)  # fmt: skip
@@ -436,12 +499,31 @@ def _modes_for(workload: str, config: BenchConfig, dtype: torch.dtype) -> list[M
             if MODES[m].trains(WORKLOADS[workload].conv) and dtype in MODES[m].dtypes]  # fmt: skip
 
 
+def _compile_stats(result: ModeResult, run: _Run, warmup: int, median_step: float) -> None:
+    """Fill a compiled run's compile time and dynamo counts (see the module docstring)."""
+    total = {key: sum(c[key] for c in run.counts) for key in ("frames", "ok")}
+    result.compiled = True
+    result.compile_s = max(0.0, sum(run.times[:warmup]) - warmup * median_step)
+    result.graphs = sum(c["graphs"] for c in run.counts[:warmup])
+    result.graph_breaks = sum(c["breaks"] for c in run.counts[:warmup])
+    result.inductor_cache_hits = sum(c["cache_hits"] for c in run.counts)
+    result.recompiles = sum(c["frames"] for c in run.counts[warmup:])
+    result.eager_frames = total["frames"] - total["ok"]
+
+
 def _compare(by_mode: dict[str, ModeResult]) -> None:
     fp32 = by_mode.get("fp32")
     amp = by_mode.get("torch-amp")
-    for result in by_mode.values():
+    compiled_amp = by_mode.get("torch-amp+compile")
+    for name, result in by_mode.items():
         if fp32 is not None:
             result.speedup_vs_fp32 = result.steps_per_s / fp32.steps_per_s
             result.loss_rel_diff_vs_fp32 = (result.final_loss - fp32.final_loss) / abs(fp32.final_loss)
         if amp is not None:
             result.vs_torch_amp = result.steps_per_s / amp.steps_per_s
+        eager = by_mode.get(name.removesuffix("+compile")) if result.compiled else None
+        if eager is not None:
+            result.vs_eager = result.steps_per_s / eager.steps_per_s
+            result.loss_rel_diff_vs_eager = (result.final_loss - eager.final_loss) / abs(eager.final_loss)
+        if result.compiled and compiled_amp is not None:
+            result.vs_compiled_torch_amp = result.steps_per_s / compiled_amp.steps_per_s

@@ -1,0 +1,322 @@
+"""Prepared models under torch.compile as users compile them: whole graphs, no recompiles, eager's numbers.
+
+Every level with its defaults (norm layers kept in fp32), the fp8 recipes, the prepare options, per-layer
+precision and tuned recipes: ``torch.compile(model, fullgraph=True)`` makes one graph that later steps
+reuse, and ``aot_eager`` (AOTAutograd without a code generator) trains bit for bit as eager does; inductor
+within a stated tolerance. A few cases run in ``make test``, the whole matrix (config-built Hugging Face
+GPT-2, BERT, Llama and ViT and the bench's workloads) in ``make test-slow``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch._dynamo.testing import CompileCounterWithBackend
+
+import mixprec
+from helpers import bitwise_equal
+from mixprec.bench.workloads import WORKLOADS
+
+# Dynamo instantiates every autograd.Function it traces (the fp8 GEMMs', O2's), which torch warns of
+pytestmark = pytest.mark.filterwarnings("ignore:.*should not be instantiated:DeprecationWarning")
+
+LEVELS = ("O1", "O2", "bf16-sr", "bf16-pure")
+STEPS = 5
+# inductor fuses and reorders fp32 arithmetic (and, where it fuses casts, rounds once instead of twice):
+# losses within this relative distance of eager's over five steps, and never a different finiteness.
+INDUCTOR_RTOL = 2e-2
+
+
+@pytest.fixture(autouse=True)
+def _reset_dynamo() -> Iterator[None]:
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+# ----- models and their inputs ------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    build: Callable[[], nn.Module]
+    batch: Callable[[int], dict[str, torch.Tensor]]  # step -> keyword inputs
+    loss: Callable[[Any, dict[str, torch.Tensor]], torch.Tensor]
+
+
+def _net() -> nn.Module:
+    return nn.Sequential(nn.Linear(32, 64), nn.LayerNorm(64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+                         nn.Linear(64, 16))  # fmt: skip
+
+
+def _net_batch(step: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return {"input": torch.randn(16, 32, generator=g)}
+
+
+def _square(out: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return out.float().square().mean()
+
+
+NET = Case(_net, _net_batch, _square)
+
+
+def _workload(name: str) -> Case:
+    def build() -> nn.Module:
+        return WORKLOADS[name].build("tiny", torch.device("cpu")).model
+
+    task = WORKLOADS[name].build("tiny", torch.device("cpu"))
+
+    def batch(step: int) -> dict[str, torch.Tensor]:
+        x, y = task.batch(step)
+        return {"input": x, "target": y}
+
+    def loss(out: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return task.loss_fn(out, batch["target"])
+
+    return Case(build, batch, loss)
+
+
+def _hf_cases() -> dict[str, Case]:
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    vocab, ids = 64, dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+    def gpt2() -> nn.Module:
+        config = transformers.GPT2Config(vocab_size=vocab, n_positions=16, n_embd=32, n_layer=2, n_head=2, **ids,
+                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+        model = transformers.GPT2LMHeadModel(config)
+        # transformers logs a warning from GPT-2's loss on every compile (its loss_type is unset), which
+        # Dynamo cannot trace: the unprepared model breaks there too
+        model.loss_type = "ForCausalLM"
+        return model
+
+    def llama() -> nn.Module:
+        config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+                                          **ids)  # fmt: skip
+        return transformers.LlamaForCausalLM(config)
+
+    def bert() -> nn.Module:
+        config = transformers.BertConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=2, max_position_embeddings=16, pad_token_id=0,
+                                         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)  # fmt: skip
+        return transformers.BertForMaskedLM(config)
+
+    def vit() -> nn.Module:
+        # problem_type given: transformers sets it on the first call otherwise, a change any compiled
+        # model (prepared or not) recompiles for
+        config = transformers.ViTConfig(image_size=16, patch_size=4, hidden_size=32, intermediate_size=64,
+                                        num_hidden_layers=2, num_attention_heads=2, num_labels=5,
+                                        problem_type="single_label_classification", hidden_dropout_prob=0.0,
+                                        attention_probs_dropout_prob=0.0)  # fmt: skip
+        return transformers.ViTForImageClassification(config)
+
+    def tokens(step: int) -> dict[str, torch.Tensor]:
+        t = torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(100 + step))
+        return {"input_ids": t, "labels": t}
+
+    def image(step: int) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(100 + step)
+        return {
+            "pixel_values": torch.randn(2, 3, 16, 16, generator=g),
+            "labels": torch.randint(0, 5, (2,), generator=g),
+        }
+
+    def hf_loss(out: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return out.loss  # type: ignore[no-any-return]
+
+    return {"gpt2": Case(gpt2, tokens, hf_loss), "llama": Case(llama, tokens, hf_loss),
+            "bert": Case(bert, tokens, hf_loss), "vit": Case(vit, image, hf_loss)}  # fmt: skip
+
+
+def _case(name: str) -> Case:
+    if name == "net":
+        return NET
+    if name in WORKLOADS:
+        return _workload(name)
+    return _hf_cases()[name]
+
+
+# ----- training a prepared model, eager or compiled --------------------------------------------
+
+
+@dataclasses.dataclass
+class Run:
+    losses: torch.Tensor
+    params: list[torch.Tensor]
+    frames: list[int]  # graphs compiled so far, after each step
+
+
+def _prepared(case: Case, level: str, **options: Any) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = case.build().train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return mixprec.prepare(model, opt, level, **options)
+
+
+def _train(case: Case, level: str, backend: str | None, steps: int = STEPS, **options: Any) -> Run:
+    """``steps`` AdamW steps of the prepared model, eager (``backend=None``) or compiled with fullgraph=True."""
+    torch._dynamo.reset()
+    model, opt = _prepared(case, level, **options)
+    counter = None if backend is None or backend == "inductor" else CompileCounterWithBackend(backend)
+    run = model if backend is None else torch.compile(model, fullgraph=True, backend=counter or backend)
+    losses, frames = [], []
+    for step in range(steps):
+        batch = case.batch(step)
+        loss = case.loss(run(**batch), batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+        frames.append(counter.frame_count if counter is not None else 0)
+    return Run(torch.stack(losses), [p.detach().clone() for p in model.parameters()], frames)
+
+
+def _assert_compiles_like_eager(case: Case, level: str, **options: Any) -> None:
+    eager = _train(case, level, None, **options)
+    compiled = _train(case, level, "aot_eager", **options)
+    assert compiled.frames == [1] * STEPS, compiled.frames  # one graph, reused by every later step
+    assert bitwise_equal(compiled.losses, eager.losses), (compiled.losses, eager.losses)
+    assert bitwise_equal(compiled.params, eager.params)
+
+
+# ----- make test: every level on a model with a norm layer kept (prepare's default) -------------
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_every_level_with_its_defaults_compiles_whole_and_trains_as_eager(level: str) -> None:
+    _assert_compiles_like_eager(NET, level)
+
+
+@pytest.mark.parametrize("fp8", ["tensorwise", "delayed"])
+def test_fp8_recipes_compile_whole_and_train_as_eager(fp8: str) -> None:
+    _assert_compiles_like_eager(NET, "O2", fp8=fp8)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"keep_names": ("3",)},
+        {"keep_filter": lambda module, name: name == "5"},
+        {"keep_types": ()},
+        {"output_dtype": None},
+        {"output_dtype": torch.bfloat16},
+        {"policy": "compute=bf16,fp32=relu"},
+    ],
+    ids=["keep_names", "keep_filter", "no_kept", "output_as_computed", "output_bf16", "edited_policy"],
+)
+def test_prepare_options_compile_whole_and_train_as_eager(options: dict[str, Any]) -> None:
+    _assert_compiles_like_eager(NET, "O2", **options)
+
+
+def test_a_hugging_face_model_compiles_whole() -> None:
+    _assert_compiles_like_eager(_case("llama"), "O2", fp8="delayed")
+
+
+def test_inductor_trains_within_tolerance_of_eager() -> None:
+    eager = _train(NET, "O2", None)
+    compiled = _train(NET, "O2", "inductor")
+    torch.testing.assert_close(compiled.losses, eager.losses, rtol=INDUCTOR_RTOL, atol=0)
+
+
+def _recipe_run(recipe: mixprec.Recipe, backend: Any = None) -> torch.Tensor:
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _net()
+    mixprec.set_layer_precision(model, "0", "fp32")  # what a per-layer plan or the guard sets
+    mixprec.set_layer_precision(model, "3", "fp8-tensorwise")
+    run = recipe.apply(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    call = run.model if backend is None else torch.compile(run.model, fullgraph=True, backend=backend)
+    losses = []
+    for step in range(STEPS):
+        with run.autocast():
+            loss = _square(call(**_net_batch(step)), {})
+        run.backward(loss)
+        run.step()
+        losses.append(loss.detach())
+    return torch.stack(losses)
+
+
+def test_per_layer_precision_and_a_tuned_recipe_compile_whole() -> None:
+    recipe = mixprec.Recipe(level="O2", dtype=torch.bfloat16, keep_fp32=("5",), fp8="tensorwise")
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = _recipe_run(recipe, counter)
+    assert counter.frame_count == 1
+    assert bitwise_equal(compiled, _recipe_run(recipe))
+
+
+@pytest.mark.filterwarnings("ignore:Using `torch.compile\\(module\\)` when there are global hooks:UserWarning")
+def test_a_compiled_o1_recipe_with_moved_ops_opens_its_region_inside_the_graph() -> None:
+    # Compiled inside an eager region with an edited policy, a graph is refused; a recipe that compiles
+    # puts its region inside the model's forward instead, and trains as the eager recipe does.
+    recipe = mixprec.Recipe(level="O1", dtype=torch.bfloat16, fp32_ops=("relu",), keep_fp32=("5",), compile=True)
+    compiled = _recipe_run(recipe)
+    eager = _recipe_run(dataclasses.replace(recipe, compile=False))
+    torch.testing.assert_close(compiled, eager, rtol=INDUCTOR_RTOL, atol=0)
+    with pytest.raises(Exception, match="Open the region inside the compiled function"):
+        _recipe_run(dataclasses.replace(recipe, compile=False), "aot_eager")
+
+
+# ----- precision holds: a backward in the precision its forward chose -----------------------------
+
+
+def _overflow_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.LayerNorm(64), nn.Linear(64, 8))
+
+
+def _kept_by_prepare(model: nn.Module) -> tuple[nn.Module, Callable[[], Any]]:
+    model, _ = mixprec.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), "O1", torch.float16,
+                               keep_names="0", keep_types=())  # fmt: skip
+    return model, functools.partial(torch.autocast, "cpu", dtype=torch.float16)
+
+
+def _kept_by_rule(model: nn.Module) -> tuple[nn.Module, Callable[[], Any]]:
+    policy = mixprec.get_policy("cpu").keep_modules(names="0")
+    return model, functools.partial(mixprec.autocast, "cpu", dtype=torch.float16, policy=policy)
+
+
+def _kept_by_layer_precision(model: nn.Module) -> tuple[nn.Module, Callable[[], Any]]:
+    mixprec.set_layer_precision(model, "0", "fp32")
+    return model, functools.partial(torch.autocast, "cpu", dtype=torch.float16)
+
+
+def _first_layer_grads(keep: Callable[[nn.Module], tuple[nn.Module, Callable[[], Any]]]) -> list[torch.Tensor]:
+    """Layer 0's weight gradient, eager then compiled, called inside an fp16 region; it computes in fp32."""
+    model, region = keep(_overflow_net())
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(0)) * 3e4  # fp16 gradients overflow
+    grads = []
+    for run in (model, torch.compile(model, fullgraph=True, backend="aot_eager")):
+        model.zero_grad()
+        with region():
+            out = run(x)
+        out.float().square().mean().backward()
+        grads.append(model[0].weight.grad.clone())  # type: ignore[union-attr]
+    return grads
+
+
+@pytest.mark.filterwarnings("ignore:Using `torch.compile\\(module\\)` when there are global hooks:UserWarning")
+@pytest.mark.parametrize("keep", [_kept_by_prepare, _kept_by_rule, _kept_by_layer_precision],
+                         ids=["prepare_keeps", "module_rule", "layer_precision"])  # fmt: skip
+def test_a_module_kept_in_fp32_gets_fp32_gradients_when_compiled(keep: Any) -> None:
+    default = torch._functorch.config.backward_pass_autocast
+    eager, compiled = _first_layer_grads(keep)
+    assert torch.isfinite(eager).all()
+    assert bitwise_equal(compiled, eager)
+    assert torch._functorch.config.backward_pass_autocast == default  # torch's setting as it was
+
+
+def test_a_backward_autocast_the_user_set_is_left_alone() -> None:
+    # torch's setting, chosen by the user (autocast, in bf16 on a CPU, during the backward): gradients follow it
+    in_bf16 = [{"device_type": "cpu"}]
+    with torch._functorch.config.patch(backward_pass_autocast=in_bf16):
+        eager, compiled = _first_layer_grads(_kept_by_layer_precision)
+        assert torch._functorch.config.backward_pass_autocast == in_bf16
+    assert not bitwise_equal(compiled, eager)
