@@ -24,6 +24,8 @@ from typing import Any
 import torch
 import torch._functorch.config as functorch_config
 
+from mixprec._src.dispatch import never_a_frame
+
 __all__ = ["backward_like_eager", "restore"]
 
 _TORCH_DEFAULT = "same_as_forward"
@@ -42,7 +44,7 @@ def backward_like_eager() -> bool:
         return False
     with _lock:
         if not _saved and functorch_config.backward_pass_autocast == _TORCH_DEFAULT:
-            handler = torch._dynamo.callback_handler
+            handler = torch._dynamo.callback.callback_handler
             if restore not in handler.end_callbacks:  # torch._dynamo.reset() clears the callbacks
                 handler.register_end_callback(restore)
             _saved.append(functorch_config.backward_pass_autocast)
@@ -55,3 +57,8 @@ def restore(*_: Any) -> None:
     with _lock:
         if _saved:
             functorch_config.backward_pass_autocast = _saved.pop()
+
+
+# Dynamo runs its end-of-compile callbacks from inside compiled code too (a backward compiled when it
+# first runs, within a compiled training step): the callback must never become a frame it compiles.
+never_a_frame(restore)

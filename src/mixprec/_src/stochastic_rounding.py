@@ -356,10 +356,41 @@ def install(optimizer: torch.optim.Optimizer, lowp: Iterable[torch.Tensor], hand
     whether Adam(W)'s fused kernel is in use.
     """
     ids = {id(p) for p in lowp}
+    _step_eagerly(optimizer, handles)
     if _fused_supported(optimizer) and _install_fused(optimizer, ids, handles):
         return True
     _install_generic(optimizer, ids, handles)
     return False
+
+
+def _step_eagerly(optimizer: torch.optim.Optimizer, handles: list[Any]) -> None:
+    """In a compiled training step, this optimizer's ``step`` runs eagerly (one graph break around it).
+
+    The rounding counts steps in Python and swaps or updates tensors inside ``_init_group``, which
+    Dynamo runs once, at trace time, when it compiles an optimizer's step: compiled, every later step
+    would skip the update. Eagerly, Adam(W)'s fused kernel is compiled on its own. The step stays a
+    bound method (LR schedulers wrap ``step.__func__``); one a scheduler already wrapped stays wrapped.
+    """
+    own = optimizer.__dict__.get("step")
+    if own is None:
+        eager = types.MethodType(torch._dynamo.disable(type(optimizer).step), optimizer)  # type: ignore[no-untyped-call]
+    else:
+        eager = torch._dynamo.disable(own)  # type: ignore[no-untyped-call]
+    optimizer.step = eager  # type: ignore[method-assign]
+    handles.append(_PutBack(optimizer, "step", own))
+
+
+class _PutBack:
+    """A handle whose remove() puts an instance attribute back as it was (or drops it)."""
+
+    def __init__(self, obj: object, name: str, value: Any) -> None:
+        self.obj, self.name, self.value = obj, name, value
+
+    def remove(self) -> None:
+        if self.value is None:
+            self.obj.__dict__.pop(self.name, None)
+        else:
+            self.obj.__dict__[self.name] = self.value
 
 
 def remove_counters(optimizer: torch.optim.Optimizer) -> None:
