@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-slow lint typecheck pytest demo bench mutants clean
+.PHONY: test test-slow lint typecheck pytest demo bench gpu-check mutants clean
 
 $(STAMP): requirements-dev.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -42,5 +42,10 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_scaler.py
 	$(BIN)/python benchmarks/bench_monitor.py
 
+# On a CUDA machine: the CUDA tests, the bench eager and compiled, the fp8 GEMM table and the kernel counts, in one
+# report (mixprec-gpu-check/report.md and .json); each piece has a time limit, 8 minutes in all. Refused without CUDA.
+gpu-check: $(STAMP)
+	$(BIN)/python tools/gpu_check.py --out mixprec-gpu-check
+
 clean:
-	rm -rf $(VENV) build src/*.egg-info .pytest_cache .mypy_cache .ruff_cache mutants
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache .mypy_cache .ruff_cache mutants mixprec-gpu-check

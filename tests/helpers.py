@@ -6,7 +6,7 @@ Fixtures live in conftest.py; everything a test imports lives here (``from helpe
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 import torch
@@ -15,7 +15,12 @@ from torch import nn
 
 import mixprec
 
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+_T = TypeVar("_T")
+
+
+def requires_cuda(test: _T) -> _T:
+    """Skip ``test`` without a CUDA GPU, and mark it ``cuda``: ``pytest -m cuda`` (``make gpu-check``) runs these."""
+    return pytest.mark.cuda(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")(test))
 
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

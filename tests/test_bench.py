@@ -366,3 +366,145 @@ def test_the_tuned_mode_trains_with_the_recipes_per_layer_plan() -> None:
     model, _ = mode.setup(task.model, torch.optim.AdamW(task.model.parameters()), torch.bfloat16)
     assert mixprec.layer_precision(model, "blocks.layers.0.linear1") == "fp32"
     assert mixprec.layer_precision(model, "blocks.layers.0.linear2") is None
+
+
+def test_compiled_runs_are_compiled_timed_after_warm_up_and_recompiles_counted() -> None:
+    from torch._dynamo.utils import counters
+
+    from mixprec.bench import report as report_module
+
+    warm = [False]
+
+    def relayout(x: torch.Tensor) -> torch.Tensor:  # after the compiled run's warm-up: the same values, new strides
+        return x.t().contiguous().t() if warm[0] else x
+
+    def progress(workload: str, mode: str, done: int, total: int) -> None:
+        warm[0] = warm[0] or (mode == "test-relayout+compile" and done == 1)
+
+    def doubled(model: nn.Module) -> nn.Module:  # the same model as test-relayout's, but for a hook on its head
+        list(model.children())[-1].register_forward_hook(lambda module, args, out: out * 2)
+        return model
+
+    register_mode(Mode("test-relayout", "fp32, the inputs' strides change after the compiled run's warm-up",
+                       prepare_input=relayout, low_precision=False))  # fmt: skip
+    register_mode(Mode("test-hooked", "fp32, a hook doubles the output", prepare_model=doubled, low_precision=False))
+    graphs = counters["stats"]["unique_graphs"]
+    try:
+        report = run(BenchConfig(workloads=("mlp",), modes=("torch-amp", "O1", "test-relayout", "test-hooked"),
+                                 steps=3, warmup=1, size="tiny", compile=True), progress=progress)  # fmt: skip
+    finally:
+        del MODES["test-relayout"], MODES["test-hooked"]
+    assert counters["stats"]["unique_graphs"] - graphs >= 4  # dynamo compiled a graph per compiled mode at least
+    rows = report.results["mlp"]
+    # torch guards no module hooks by default: the hooked model would run the graph traced for test-relayout's
+    hooked = rows["test-hooked+compile"]
+    assert hooked.graphs is not None and hooked.graphs >= 1
+    assert hooked.losses == pytest.approx(rows["test-hooked"].losses, rel=1e-4)
+    assert hooked.losses != pytest.approx(rows["test-relayout"].losses, rel=1e-2)
+    for name in ("torch-amp", "O1"):
+        compiled, eager = rows[f"{name}+compile"], rows[name]
+        assert compiled.compiled and not eager.compiled and eager.graphs is None
+        assert compiled.graphs is not None and compiled.graphs >= 1, name  # it compiled a graph of its own
+        assert compiled.recompiles == 0 and compiled.eager_frames == 0 and compiled.graph_breaks == 0
+        assert compiled.compile_s is not None and compiled.compile_s >= 0
+        assert compiled.vs_eager == pytest.approx(compiled.steps_per_s / eager.steps_per_s)
+        assert compiled.vs_compiled_torch_amp == pytest.approx(
+            compiled.steps_per_s / rows["torch-amp+compile"].steps_per_s
+        )
+    # A guard that fails after warm-up (the inputs' strides) is a recompile, and the table says so.
+    assert rows["test-relayout+compile"].recompiles == 1
+    text = report_module.markdown(report)
+    main, _, compiled_section = text.partition("## Compiled")
+    assert "+compile" not in main  # the compiled runs have their own table
+    assert "| " + " | ".join(report_module.COMPILED_HEADER) + " |" in compiled_section
+    assert compiled_section.count("| mlp |") == 4
+    assert "Recompiles after warm-up: mlp/test-relayout+compile (1)." in compiled_section
+    assert 'Compiled O1 (`prepare(level="O1")`) against compiled torch-amp' in compiled_section
+    assert "recompiles" in report_module.compiled_text(report)
+    assert json.loads(json.dumps(report.to_dict()))["workloads"]["mlp"]["O1+compile"]["recompiles"] == 0
+
+
+def test_cli_compile_chooses_the_levels(monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path) -> None:
+    from mixprec.bench.runner import COMPILE_MODES, DEFAULT_MODES
+
+    seen: list[BenchConfig] = []
+
+    class StopError(Exception):
+        pass
+
+    def capture(config: BenchConfig, **kwargs: Any) -> Any:
+        seen.append(config)
+        raise StopError
+
+    monkeypatch.setattr("mixprec.bench.runner.run", capture)
+    for flags in ([], ["--compile"], ["--compile", "--modes", "fp32,mixprec"], ["--compile-modes", "O2", "--modes",
+                  "mixprec"], ["--compile", "--no-fp8-kernels"]):  # fmt: skip
+        with pytest.raises(StopError):
+            cli.main(["bench", "--quiet", "--out", str(tmp_path), *flags])
+    plain, levels, chosen, one, no_kernels = seen
+    assert plain.modes == DEFAULT_MODES and not plain.compile and not plain.count_fp8_kernels
+    assert levels.modes == ("fp32", *COMPILE_MODES) and levels.compile_modes == COMPILE_MODES
+    assert set(COMPILE_MODES) >= {"torch-amp", "O1", "O2", "bf16-sr"} and levels.count_fp8_kernels
+    assert chosen.modes == ("fp32", "mixprec") and chosen.compile and chosen.compile_modes is None
+    assert one.modes == ("mixprec", "O2") and one.compile and one.compile_modes == ("O2",)
+    assert no_kernels.compile and not no_kernels.count_fp8_kernels
+    with pytest.raises(ValueError, match="compile mode 'O2' is not among the modes"):
+        BenchConfig(modes=("mixprec",), compile=True, compile_modes=("O2",))
+
+
+INDUCTOR_CODE = """
+cpp_fused_abs_amax_0 = async_compile.cpp_pybinding(['const float*', 'float*'], r'''
+extern "C" void kernel(const float* in_ptr0, float* out_ptr0) { }
+''')
+triton_poi_fused_cast_1 = async_compile.triton('triton_poi_fused_cast_1', '''
+def triton_poi_fused_cast_1(in_ptr0, out_ptr0): pass
+''')
+
+class Runner:
+    def call(self, args):
+        buf0 = empty_strided_cpu((), (), torch.float32)
+        cpp_fused_abs_amax_0(primals_1, buf0)
+        triton_poi_fused_cast_1.run(buf0, buf1, stream=stream0)
+        triton_poi_fused_cast_1.run(buf2, buf3, stream=stream0)
+        extern_kernels._scaled_mm(buf1, buf3, buf0, buf0, out_dtype=torch.bfloat16, out=buf4)
+        extern_kernels.mm(buf4, buf5, out=buf6)
+        buf7 = torch.ops.aten.nonzero.default(buf6)
+        return (buf4, buf7)
+"""
+
+
+def test_kernel_counts_read_inductors_output_code() -> None:
+    from mixprec.bench.kernels import count_code, mixprec_higher
+
+    counted = count_code(INDUCTOR_CODE.replace("    def call(self, args):", "def call(args):"))
+    assert counted["kernels"] == 2 and counted["kernel_names"] == ["cpp_fused_abs_amax_0", "triton_poi_fused_cast_1"]
+    assert counted["launches"] == 3 and counted["launches_by_kernel"]["triton_poi_fused_cast_1"] == 2
+    assert counted["extern"] == {"_scaled_mm": 1, "mm": 1} and counted["fallbacks"] == {"aten.nonzero": 1}
+    ours = {"graphs": [{"name": "backward", **counted}]}
+    fewer = count_code(INDUCTOR_CODE.replace("        triton_poi_fused_cast_1.run(buf2, buf3, stream=stream0)\n", ""))
+    theirs = {"graphs": [{"name": "backward", **fewer}]}
+    (line,) = mixprec_higher({"mixprec": ours, "torchao": theirs})
+    assert line.startswith("backward: 3 kernel launches against torchao's 2") and "triton_poi_fused_cast_1 x2" in line
+    assert mixprec_higher({"mixprec": theirs, "torchao": ours}) == []
+    assert mixprec_higher({"mixprec": ours, "torchao": {"error": "torchao is not installed"}}) == []
+
+
+@pytest.mark.slow  # compiles the same model three ways (about 20 s on 2 cores)
+@pytest.mark.filterwarnings("ignore:.*should not be instantiated:DeprecationWarning")  # Dynamo's own, any Function
+def test_fp8_kernel_counts_of_mixprec_and_torchao() -> None:
+    from mixprec.bench import report as report_module
+    from mixprec.bench.kernels import count_fp8_kernels
+
+    counts = count_fp8_kernels("cpu")
+    assert counts["linears"] == 3
+    for name in ("mixprec", "torchao"):
+        variant = counts["variants"][name]
+        assert [g["name"] for g in variant["graphs"]] == ["forward", "backward"], name
+        forward, backward = variant["graphs"]
+        # three fp8 GEMMs forward, two per linear backward: the code of both graphs was captured
+        assert forward["extern"] == {"_scaled_mm": 3} and backward["extern"] == {"_scaled_mm": 6}, name
+        assert variant["kernels"] >= 3 and variant["kernels_per_linear"] == variant["kernels"] / 3
+    reference = counts["variants"]["O1 (no fp8)"]
+    assert "_scaled_mm" not in reference["graphs"][0]["extern"] and sum(reference["graphs"][1]["extern"].values()) == 6
+    section = "\n".join(report_module.kernels_markdown(counts))
+    assert "| mixprec |" in section and "| torchao |" in section

@@ -106,15 +106,19 @@ register_mode(Mode("mixprec", "mixprec.autocast, with mixprec.GradScaler for fp1
                    scaler=lambda device: mixprec.GradScaler(device)))  # fmt: skip
 
 
-def _level(level: str) -> Callable[[nn.Module, torch.optim.Optimizer, torch.dtype], tuple[nn.Module, Any]]:
+def _level(
+    level: str, **options: Any
+) -> Callable[[nn.Module, torch.optim.Optimizer, torch.dtype], tuple[nn.Module, Any]]:
     def setup(model: nn.Module, optimizer: torch.optim.Optimizer, dtype: torch.dtype) -> tuple[nn.Module, Any]:
-        return mixprec.prepare(model, optimizer, level=level, dtype=dtype)
+        return mixprec.prepare(model, optimizer, level=level, dtype=dtype, **options)
 
     return setup
 
 
 register_mode(Mode("O1", "mixprec.prepare level O1: fp32 weights, the forward under mixprec.autocast, fp32 outputs",
                    setup=_level("O1"), scaler=lambda device: mixprec.GradScaler(device)))  # fmt: skip
+register_mode(Mode("O1-nokeep", "mixprec.prepare level O1 with keep_types=(): no module kept in fp32, as torch.amp",
+                   setup=_level("O1", keep_types=()), scaler=lambda device: mixprec.GradScaler(device)))  # fmt: skip
 register_mode(Mode("O2", "mixprec.prepare level O2: low-precision weights, fp32 masters", setup=_level("O2"),
                    scaler=lambda device: mixprec.GradScaler(device)))  # fmt: skip
 register_mode(Mode("bf16-sr", "mixprec.prepare level bf16-sr: bf16 weights and state, stochastic rounding",

@@ -23,11 +23,15 @@ timed steps. Dynamo's counters (``torch._dynamo.utils.counters``) are read aroun
 run's steps: ``graphs`` and ``graph_breaks`` are what it compiled during warm-up, ``recompiles``
 the frames it had to compile again after warm-up (0 when the graphs hold), ``eager_frames`` the
 frames it gave up on (they ran eagerly), ``inductor_cache_hits`` the graphs inductor loaded from
-its on-disk cache of earlier runs (which makes ``compile_s`` small). Every compiled run is compared with the same mode's eager
-run (``vs_eager``) and with compiled torch.amp (``vs_compiled_torch_amp``). Each workload starts
-from an empty compile cache (``torch._dynamo.reset()``); because every compiled module shares one
-wrapper frame of torch's, the workload's recompile limit is raised by the number of compiled runs,
-so that one mode's graphs do not push another's out.
+its on-disk cache of earlier runs (which makes ``compile_s`` small). Every compiled run is
+compared with the same mode's eager run (``vs_eager``) and with compiled torch.amp
+(``vs_compiled_torch_amp``). Each workload starts
+from an empty compile cache (``torch._dynamo.reset()``). Every compiled module is a cache entry of
+one wrapper frame of torch's, so two modes' models can share a graph when dynamo's guards let them:
+the workload's recompile limit is raised by the number of compiled runs (one mode's graphs do not
+push another's out), and module hooks are guarded (``skip_nnmodule_hook_guards=False``; torch skips
+those guards by default), so that no run takes a graph traced for a model whose hooks differ
+(``prepare`` keeps norm layers in fp32 with hooks).
 
 Every mode of a workload starts from the same seeded model and sees the same batches.
 """
@@ -58,8 +62,9 @@ DEFAULT_STEPS = {"tiny": 3, "quick": 10, "default": 24}
 Progress = Callable[[str, str, int, int], None]  # (workload, mode, steps done, steps total)
 
 DEFAULT_MODES = ("fp32", "torch-amp", "mixprec", "mixprec-cl", "mixprec-tuned")
-#: What ``mixprec bench --compile`` compiles by default: torch.autocast, mixprec.autocast and each prepare level.
-COMPILE_MODES = ("torch-amp", "mixprec", "O1", "O2", "bf16-sr", "bf16-pure")
+#: What ``mixprec bench --compile`` compiles by default: torch.autocast, mixprec.autocast and each prepare level
+#: (O1 also without norm layers kept in fp32, which is torch.amp's precision).
+COMPILE_MODES = ("torch-amp", "mixprec", "O1", "O1-nokeep", "O2", "bf16-sr", "bf16-pure")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -397,9 +402,10 @@ def run_workload(workload: str, modes: list[Mode], config: BenchConfig, device: 
         runs[f"{mode.name}+compile"] = _Run(workload, mode, config, device, dtype, compiled=True)
         peaks[f"{mode.name}+compile"] = None  # the compiled run's memory is not measured apart
     order = list(runs)
-    # Every compiled module is a cache entry of the same wrapper frame: room for each run's graphs.
+    # Every compiled module is a cache entry of the same wrapper frame: room for each run's graphs, and guards on
+    # module hooks, so that no run takes a graph traced for another mode's model whose hooks differ.
     limit = torch._dynamo.config.recompile_limit + len(compiled)
-    with torch._dynamo.config.patch(recompile_limit=limit):
+    with torch._dynamo.config.patch(recompile_limit=limit, skip_nnmodule_hook_guards=False):
         for step in range(steps):
             for name in order if step % 2 == 0 else reversed(order):
                 runs[name].times.append(runs[name].step(step))
