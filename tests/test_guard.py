@@ -91,7 +91,7 @@ def test_moves_are_logged_and_called_back(caplog: pytest.LogCaptureFixture) -> N
     assert "0 fp16 -> bf16 (nonfinite_forward: output inf/NaN from a finite input" in caplog.text
 
 
-def _backward_overflow(init_scale: float, loss_factor: float) -> tuple[mixprec.Guard, int]:
+def _backward_overflow(init_scale: float, loss_factor: float, compiled: bool = False) -> tuple[mixprec.Guard, int]:
     """Layer 2's input gradient is 64 x 40 x its output gradient: past fp16 at a scaled output gradient of 26."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64))
@@ -100,11 +100,13 @@ def _backward_overflow(init_scale: float, loss_factor: float) -> tuple[mixprec.G
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     scaler = mixprec.GradScaler("cpu", init_scale=init_scale, fail_after=None)
     guard = mixprec.Guard(model, scaler, thresholds=mixprec.GuardThresholds(patience=1))
+    # compiled whole: fullgraph=True raises at any graph break, so the probes are in the graph
+    run = torch.compile(model, fullgraph=True, backend="aot_eager") if compiled else model
     backoffs = 0
     for _ in range(4):
         optimizer.zero_grad()
         with torch.autocast("cpu", dtype=torch.float16):  # (an input that requires grad: layer 0's is probed)
-            out = model(torch.randn(32, 16, requires_grad=True))
+            out = run(torch.randn(32, 16, requires_grad=True))
         scaler.scale((out.float() * loss_factor).sum()).backward()
         scaler.step(optimizer)
         before = scaler.get_scale()
@@ -122,10 +124,43 @@ def test_a_backward_overflow_at_a_high_loss_scale_is_the_scalers_to_fix() -> Non
     assert backoffs >= 2 and guard.moves == []
 
 
-def test_a_layer_whose_backward_overflows_unscaled_moves() -> None:
-    guard, _ = _backward_overflow(1.0, 60.0)
+COMPILED = pytest.mark.filterwarnings("ignore:.*should not be instantiated:DeprecationWarning")  # Dynamo's own
+
+
+@COMPILED
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_layer_whose_backward_overflows_unscaled_moves(compiled: bool) -> None:
+    torch._dynamo.reset()
+    guard, _ = _backward_overflow(1.0, 60.0, compiled)
     assert [(m.layer, m.signal, m.to) for m in guard.moves] == [("2", "nonfinite_backward", "bf16")], guard.moves
     assert "input gradient inf/NaN from a finite output gradient at loss scale 1" in guard.moves[0].detail
+
+
+@COMPILED
+def test_a_compiled_guard_reads_what_an_eager_one_reads() -> None:
+    # The probes run inside the compiled graph (forward and backward), with no graph break: a step's
+    # readings are eager's, bit for bit, and the graph is made once.
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    readings = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        model = _net()
+        guard = mixprec.Guard(model)
+        counter = CompileCounterWithBackend("aot_eager")
+        run = torch.compile(model, fullgraph=True, backend=counter) if compiled else model
+        steps = []
+        for step in range(3):
+            x, y = scenario.batch(step)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = (run(x.requires_grad_()).float() - y).square().mean()
+            loss.backward()
+            model.zero_grad()
+            steps.append(guard._read())
+        readings.append(steps)
+        assert counter.frame_count == (1 if compiled else 0)
+    assert readings[0][0][0][0] > 0  # something was read
+    assert readings[1] == readings[0]
 
 
 def test_an_fp16_layer_near_overflow_moves_before_it_overflows() -> None:
@@ -364,12 +399,16 @@ class _Twice(nn.Module):
         return self.head(self.norm(self.shared(h)))  # second call: its input is already NaN then
 
 
-def test_a_layer_called_twice_is_judged_call_by_call() -> None:
+@COMPILED
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_layer_called_twice_is_judged_call_by_call(compiled: bool) -> None:
+    torch._dynamo.reset()
     model = _Twice()
     guard = mixprec.Guard(model)
+    run = torch.compile(model, fullgraph=True, backend="aot_eager") if compiled else model
     for _ in range(2):
         with torch.autocast("cpu", dtype=torch.float16):
-            model(torch.randn(4, 8), boost=1e6)
+            run(torch.randn(4, 8), boost=1e6)
         guard.step()
     assert [(m.layer, m.signal) for m in guard.moves] == [("shared", "nonfinite_forward")], guard.moves
 
@@ -401,6 +440,7 @@ def test_a_weight_gradient_made_from_a_nan_input_is_not_the_layers() -> None:
 # Dynamo reads .grad of the probe's output (a graph input, not a leaf) when it traces the layer after it.
 @pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning")
 @pytest.mark.filterwarnings("ignore:bf16 and fp16 are mixed in the scheduler node:UserWarning")  # inductor's note
+@COMPILED
 def test_the_guard_works_under_torch_compile() -> None:
     # a layer moved out of fp16 gets gradients in its new precision when compiled too, with torch's default
     # backward autocast (which, left to itself, would trace them in the region's fp16: pytorch#153044)

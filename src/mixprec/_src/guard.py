@@ -60,7 +60,9 @@ LADDER: dict[str, str] = {
 # Columns of what a step records per layer: amaxes (max over the layer's calls), then per-call origin flags
 # (1: some call of the layer made inf/NaN from finite values), then the weight gradient and fp8 columns.
 _IN, _OUT, _GRAD_OUT, _GRAD_IN, _FWD_ORIGIN, _BWD_ORIGIN = range(6)
-_BAD_WEIGHT_GRAD, _SATURATED, _FLUSHED = range(6, 9)
+_BAD_WEIGHT_GRAD, _SATURATED, _FLUSHED, _KIND = range(6, 10)
+# What a layer computed in, recorded in the graph as a code (1 + its index here; 0: not called this step).
+_KINDS = (*PRECISIONS, "fp64")
 _FP16_MAX = torch.finfo(torch.float16).max
 _RUNG = {**{p: 0 for p in PRECISIONS if p.startswith(FP8_PREFIX)}, "fp16": 1, "bf16": 1, "fp32": 2}
 
@@ -137,31 +139,59 @@ class LayerMove:
         return f"step {self.step}: {self.layer} {self.from_} -> {self.to} ({self.signal}: {self.detail})"
 
 
-class _Call:
-    """One call of a watched layer: its input's amax, then its output gradient's (device tensors)."""
-
-    __slots__ = ("grad_out", "x")
-
-    def __init__(self, x: torch.Tensor) -> None:
-        self.x = x
-        self.grad_out: torch.Tensor | None = None
+def _fold(stats: torch.Tensor, index: int, column: int, value: torch.Tensor) -> None:
+    """``stats[index, column] = max(it, value)`` in place (a NaN stays: torch.maximum keeps it)."""
+    with torch.no_grad():
+        stats[index, column] = torch.maximum(stats[index, column], value.float())
 
 
-class _Probe(torch.autograd.Function):
+def _amax(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().abs().amax().float()
+
+
+# The probes are autograd Functions of tensors only, folding into the guard's statistics tensor in place:
+# under torch.compile, Dynamo traces them into the model's graph (forward and backward), no graph break.
+# A call's two probes talk through autograd: the input probe's second output (a token) is an input of
+# the output probe, whose backward sends back, as the token's gradient, whether the call's output
+# gradient was finite; so each call pairs its own gradients, however often the layer is called.
+
+
+class _ProbeIn(torch.autograd.Function):
     """Identity before a layer whose backward sees the layer's own input gradient (not the sum a shared
     input receives): its amax, and whether this call made it inf/NaN from a finite output gradient."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, guard: Guard, index: int, call: _Call) -> torch.Tensor:
-        ctx.guard, ctx.index, ctx.call = guard, index, call
-        return x.view_as(x)
+    def forward(ctx: Any, x: torch.Tensor, stats: torch.Tensor, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx.stats = stats  # not saved for backward: the probes write it in place, so its version moves
+        ctx.index = index
+        return x.view_as(x), x.new_zeros((), dtype=torch.float32)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        amax = ctx.guard._record(ctx.index, _GRAD_IN, grad)
-        if amax is not None and ctx.call.grad_out is not None:
-            ctx.guard._flag(ctx.index, _BWD_ORIGIN, ctx.call.grad_out.isfinite() & ~amax.isfinite())
-        return grad, None, None, None
+    def backward(ctx: Any, grad: torch.Tensor, finite_grad_out: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        stats = ctx.stats
+        if grad.numel():
+            amax = _amax(grad)
+            _fold(stats, ctx.index, _GRAD_IN, amax)
+            # finite_grad_out: 1 where the call's output gradient was finite, 0 where not or never computed
+            _fold(stats, ctx.index, _BWD_ORIGIN, (finite_grad_out > 0) & ~amax.isfinite())
+        return grad, None, None
+
+
+class _ProbeOut(torch.autograd.Function):
+    """Identity after a layer whose backward records the output gradient's amax and answers the token."""
+
+    @staticmethod
+    def forward(ctx: Any, out: torch.Tensor, token: torch.Tensor, stats: torch.Tensor, index: int) -> torch.Tensor:
+        ctx.stats = stats  # not saved for backward: the probes write it in place, so its version moves
+        ctx.index = index
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:
+        stats = ctx.stats
+        amax = _amax(grad) if grad.numel() else grad.new_zeros((), dtype=torch.float32)
+        _fold(stats, ctx.index, _GRAD_OUT, amax)
+        return grad, amax.isfinite().float(), None, None
 
 
 def _local(weight: Any) -> torch.Tensor | None:
@@ -225,63 +255,59 @@ class Guard:
         self.scale = float(scaler.get_scale()) if scaler is not None else 1.0  # the scale of the coming backward
         self._names = list(self.layers)
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        self._amax = torch.zeros(len(self._names), 6, device=device)
-        self._calls: list[list[_Call]] = [[] for _ in self._names]  # the open calls of each layer
-        self._seen: dict[int, str] = {}  # the precision each layer computed in
+        # The step's statistics, in the columns named at the top: the forward folds into one table, the
+        # backward into the other (a tensor the backward reads is never written by the forward after it).
+        self._fwd = torch.zeros(len(self._names), 6, device=device)
+        self._bwd = torch.zeros(len(self._names), 6, device=device)
+        # the open calls of each layer: (input amax, token) of a call whose forward has not returned yet
+        self._calls: list[list[tuple[torch.Tensor, torch.Tensor | None]]] = [[] for _ in self._names]
+        self._seen: dict[int, str] = {}  # the precision each layer computed in (read from _kind at each step)
+        self._kind = torch.zeros(len(self._names), device=device)  # this step's, as codes of _KINDS
         self._handles: list[Any] = []
         for index, module in enumerate(self.layers.values()):
-            # Under torch.compile the probes run eagerly (graph breaks around each watched layer): their
-            # in-place folds into the step's statistics cannot be traced into a graph.
-            eager = torch._dynamo.disable
-            self._handles.append(module.register_forward_pre_hook(eager(self._pre_hook(index))))  # type: ignore[no-untyped-call]
-            self._handles.append(module.register_forward_hook(eager(self._post_hook(index))))  # type: ignore[no-untyped-call]
+            # Traced by torch.compile into the model's graph: device tensors only, no sync, no .grad read.
+            self._handles.append(module.register_forward_pre_hook(self._pre_hook(index)))
+            self._handles.append(module.register_forward_hook(self._post_hook(index)))
         self._set_recording(True)
 
     # ----- probes (no sync) -----------------------------------------------------------
-
-    def _record(self, index: int, column: int, t: torch.Tensor) -> torch.Tensor | None:
-        """Fold ``t``'s amax into the step's (a NaN stays: torch.maximum keeps it); returns the amax."""
-        if t.numel() == 0:
-            return None
-        with torch.no_grad():
-            amax = t.detach().abs().amax().float()
-            self._amax[index, column] = torch.maximum(self._amax[index, column], amax)
-        return amax
-
-    def _flag(self, index: int, column: int, flag: torch.Tensor) -> None:
-        with torch.no_grad():
-            self._amax[index, column] = torch.maximum(self._amax[index, column], flag.float())
 
     def _pre_hook(self, index: int) -> Callable[..., Any]:
         def hook(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
             if not args or not isinstance(args[0], torch.Tensor) or not args[0].is_floating_point():
                 return None
             x = args[0]
-            amax = self._record(index, _IN, x)
-            call = _Call(amax if amax is not None else x.new_zeros((), dtype=torch.float32))
-            self._calls[index].append(call)
+            amax = _amax(x) if x.numel() else x.new_zeros((), dtype=torch.float32)
+            _fold(self._fwd, index, _IN, amax)
             if x.requires_grad and torch.is_grad_enabled():
-                return (_Probe.apply(x, self, index, call), *args[1:])  # type: ignore[no-untyped-call]
+                x, token = _ProbeIn.apply(x, self._bwd, index)  # type: ignore[no-untyped-call]
+                self._calls[index].append((amax, token))
+                return (x, *args[1:])
+            self._calls[index].append((amax, None))
             return None
 
         return hook
 
     def _post_hook(self, index: int) -> Callable[..., Any]:
-        def hook(module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
+        def hook(module: nn.Module, args: tuple[Any, ...], out: Any) -> Any:
             call = self._calls[index].pop() if self._calls[index] else None
             if call is None or not isinstance(out, torch.Tensor) or not out.is_floating_point():
-                return
+                return None
+            x_amax, token = call
             scaling = fp8_conversion.scaling_of(module)
-            self._seen[index] = FP8_PREFIX + scaling.config.recipe.value if scaling else short_name(out.dtype)
-            amax = self._record(index, _OUT, out)
-            if amax is not None:  # this call made inf/NaN from a finite input
-                self._flag(index, _FWD_ORIGIN, ~amax.isfinite() & call.x.isfinite())
-            if out.requires_grad:
-
-                def on_grad(grad: torch.Tensor) -> None:
-                    call.grad_out = self._record(index, _GRAD_OUT, grad)
-
-                out.register_hook(on_grad)  # type: ignore[no-untyped-call]
+            kind = FP8_PREFIX + scaling.config.recipe.value if scaling else short_name(out.dtype)
+            if kind in _KINDS:  # a constant of the trace: a Python dict written here would be guarded on
+                with torch.no_grad():
+                    self._kind[index] = 1.0 + _KINDS.index(kind)
+            if out.numel():
+                amax = _amax(out)
+                _fold(self._fwd, index, _OUT, amax)
+                _fold(self._fwd, index, _FWD_ORIGIN, ~amax.isfinite() & x_amax.isfinite())  # made here
+            if out.requires_grad and token is not None:
+                return _ProbeOut.apply(out, token, self._bwd, index)  # type: ignore[no-untyped-call]
+            if out.requires_grad:  # an input that needed no gradient: the output's is still recorded
+                return _ProbeOut.apply(out, out.new_zeros((), dtype=torch.float32), self._bwd, index)  # type: ignore[no-untyped-call]
+            return None
 
         return hook
 
@@ -327,7 +353,7 @@ class Guard:
         """Per layer, the columns named at the top of this module: the step's amaxes and origin flags, the
         weight gradient non-finite (1/0), fp8 saturated and flushed fractions (the largest over casts);
         inf for non-finite."""
-        zero, zeros = self._amax.new_zeros(()), self._amax.new_zeros(2)
+        zero, zeros = self._fwd.new_zeros(()), self._fwd.new_zeros(2)
         grads = [_local(getattr(m, "weight", None)) for m in self.layers.values()]
         bad_weight = [(~torch.isfinite(g).all()).float() if g is not None else zero for g in grads]
         fp8 = []
@@ -339,17 +365,22 @@ class Guard:
                 continue
             fp8.append(torch.stack([torch.stack([s.saturated.float() for s in stats]).amax(),
                                     torch.stack([s.flushed.float() for s in stats]).amax()]))  # fmt: skip
-        table = torch.cat([self._amax, torch.stack(bad_weight)[:, None], torch.stack(fp8)], dim=1)
+        table = torch.cat([torch.maximum(self._fwd, self._bwd), torch.stack(bad_weight)[:, None], torch.stack(fp8), self._kind[:, None]], dim=1)
         # a NaN is as non-finite as an inf (and all-reduces as one)
         table = torch.nan_to_num(table, nan=math.inf, posinf=math.inf)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(table, op=dist.ReduceOp.MAX)
-        self._amax.zero_()
+        self._fwd.zero_()
+        self._bwd.zero_()
+        self._kind.zero_()
         for module in self.layers.values():
             scaling = fp8_conversion.scaling_of(module)
             if scaling is not None:
                 scaling.stats.clear()
         rows: list[list[float]] = table.tolist()  # the sync
+        for index, row in enumerate(rows):
+            if row[_KIND] > 0:
+                self._seen[index] = _KINDS[int(row[_KIND]) - 1]
         return rows
 
     def _signals(self, rows: list[list[float]], scale_used: float) -> dict[int, tuple[str, str]]:

@@ -94,7 +94,10 @@ class Monitor:
 
     def _remember(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         if not self._replaying:
-            self._last = _Forward(args, kwargs, torch.get_rng_state(), _precision())
+            # Compiled, the hook is traced into the model's graph (no break): torch's generator state cannot
+            # be read there, and a compiled forward draws its random numbers otherwise than an eager replay.
+            rng = None if torch.compiler.is_compiling() else torch.get_rng_state()
+            self._last = _Forward(args, kwargs, rng, _precision())
 
     def _on_scaler_event(self, event: ScalerEvent) -> None:
         if event.kind == "skip":
@@ -141,7 +144,8 @@ class Monitor:
         self._replaying = True
         try:
             with torch.random.fork_rng(devices=[]), _restore_precision(last.precision):
-                torch.set_rng_state(last.rng)
+                if last.rng is not None:
+                    torch.set_rng_state(last.rng)
                 with torch.enable_grad():
                     out = model(*last.args, **last.kwargs)
             with torch.no_grad():
@@ -193,7 +197,7 @@ class Monitor:
 class _Forward:
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
-    rng: torch.Tensor
+    rng: torch.Tensor | None  # None: the forward was compiled
     precision: dict[str, Any]
 
 
