@@ -46,7 +46,7 @@ def set_recording(model: nn.Module, on: bool) -> None:
     for _, scaling in layers.scalings() if layers is not None else []:
         scaling.recording = on
         if not on:
-            scaling.stats.clear()
+            scaling.clear_stats()
 
 
 def fp8_layer_reports(model: nn.Module, inputs: Any, loss_fn: LossFn | None, config: Fp8Config, *,

@@ -65,11 +65,18 @@ class CastStats:
         return {f.name: float(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
 
+_FWD_ROLES, _BWD_ROLES = ("input", "weight"), ("grad_output",)
+_STAT_COLUMNS = 5  # CastStats' four fields, then 1 where the role was recorded
+
+
 class Fp8Scaling(nn.Module):
     """An fp8 linear's recipe and, with delayed scaling, its amax history (fp32 buffers).
 
-    ``stats`` holds the last call's :class:`CastStats` per role (``input``, ``weight``,
-    ``grad_output``) while ``recording`` is on (diagnose and the monitor turn it on).
+    While ``recording`` is on (diagnose, the monitor and the guard turn it on) each cast writes its
+    statistics into ``cast_fwd`` (input, weight) and ``cast_bwd`` (grad_output): per role, amax, scale,
+    saturated and flushed fractions and a recorded flag, the last call's. They are non-persistent
+    buffers written in place inside the GEMMs' autograd Function, so torch.compile traces the
+    recording into the graph. :attr:`stats` reads them as :class:`CastStats` (one sync).
     """
 
     history: torch.Tensor  # (3, history_len) fp32: per role, the amax of past steps, newest first
@@ -79,13 +86,33 @@ class Fp8Scaling(nn.Module):
         super().__init__()
         self.config = config
         self.recording = False
-        self.stats: dict[str, CastStats] = {}
+        self.register_buffer("cast_fwd", torch.zeros(len(_FWD_ROLES), _STAT_COLUMNS, device=device), persistent=False)
+        self.register_buffer("cast_bwd", torch.zeros(len(_BWD_ROLES), _STAT_COLUMNS, device=device), persistent=False)
         if config.delayed:
             self.register_buffer("history", torch.zeros(3, config.history_len, device=device))
             self.register_buffer("pending", torch.zeros(3, device=device))
 
     def extra_repr(self) -> str:
         return str(self.config).removeprefix("fp8 ")
+
+    @property
+    def stats(self) -> dict[str, CastStats]:
+        """The last recorded cast of each role (``input``, ``weight``, ``grad_output``); reads the flags (a sync)."""
+        rows = torch.cat([self.cast_fwd, self.cast_bwd])  # type: ignore[list-item]
+        recorded = rows[:, -1].tolist()
+        return {role: CastStats(*rows[i, :-1].unbind()) for i, role in enumerate(_FWD_ROLES + _BWD_ROLES)
+                if recorded[i] > 0}  # fmt: skip
+
+    def cast_fractions(self) -> torch.Tensor:
+        """The largest saturated and flushed fractions over the recorded casts, shape (2,): no sync."""
+        rows = torch.cat([self.cast_fwd, self.cast_bwd])  # type: ignore[list-item]
+        return rows[:, 2:4].amax(dim=0)
+
+    @torch.no_grad()
+    def clear_stats(self) -> None:
+        """Forget the recorded casts (in place, no sync)."""
+        self.cast_fwd.zero_()  # type: ignore[operator]
+        self.cast_bwd.zero_()  # type: ignore[operator]
 
     @torch.no_grad()
     def advance(self) -> None:
@@ -139,8 +166,8 @@ class _Fp8Matmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, config: Fp8Config, delayed: _Delayed | None,
-                history: torch.Tensor | None, pending: torch.Tensor | None, scaling: Fp8Scaling | None,
-                ) -> torch.Tensor:  # fmt: skip
+                history: torch.Tensor | None, pending: torch.Tensor | None, cast_fwd: torch.Tensor | None,
+                cast_bwd: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
         ops = config.operands
         x2 = x.reshape(-1, x.shape[-1])
         scale_x = scale_w = None
@@ -150,15 +177,15 @@ class _Fp8Matmul(torch.autograd.Function):
                                      delayed.record)  # fmt: skip
             scale_w = _delayed_scale(history, pending, WEIGHT, weight, ops.weight.dtype, delayed,  # type: ignore[arg-type]
                                      delayed.record)  # fmt: skip
-        record: list[Any] | None = [] if scaling is not None and scaling.recording else None
+        record: list[Any] | None = [] if cast_fwd is not None else None
         out = fp8_gemm.gemm(x2, ops.input, weight.t(), ops.weight, x.dtype, fast_accum=True,
                             power_of_two=ops.power_of_two_scales, scale_a=scale_x, scale_b=scale_w,
                             record=record)  # fmt: skip
-        if record:
-            _keep_stats(scaling, record, ("input", "weight"))
+        if record and cast_fwd is not None:
+            _keep_stats(cast_fwd, record)
         # Delayed scaling: the backward casts the input and weight with the forward's scales.
         ctx.save_for_backward(x, weight, *((scale_x, scale_w) if delayed is not None else ()))
-        ctx.config, ctx.delayed, ctx.state, ctx.scaling = config, delayed, (history, pending), scaling
+        ctx.config, ctx.delayed, ctx.state, ctx.cast_bwd = config, delayed, (history, pending), cast_bwd
         return out.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -173,15 +200,15 @@ class _Fp8Matmul(torch.autograd.Function):
             if delayed is not None:
                 history, pending = ctx.state
                 scale_go = _delayed_scale(history, pending, GRAD_OUTPUT, go, ops.grad_output.dtype, delayed)
-            record: list[Any] | None = [] if ctx.scaling is not None and ctx.scaling.recording else None
+            record: list[Any] | None = [] if ctx.cast_bwd is not None else None
             grad_x = fp8_gemm.gemm(go, ops.grad_output, weight, ops.weight_for_grad_input, x.dtype, power_of_two=power,
                                    scale_a=scale_go, scale_b=scale_w, record=record)  # fmt: skip
             if record:
-                _keep_stats(ctx.scaling, record[:1], ("grad_output",))
+                _keep_stats(ctx.cast_bwd, record[:1])
             grad_w = fp8_gemm.gemm(go.t(), ops.grad_output_for_grad_weight, x.reshape(-1, x.shape[-1]),
                                    ops.input_for_grad_weight, weight.dtype, power_of_two=power, scale_a=scale_go,
                                    scale_b=scale_x)  # fmt: skip
-        return grad_x.reshape(x.shape), grad_w, None, None, None, None, None
+        return grad_x.reshape(x.shape), grad_w, None, None, None, None, None, None
 
 
 def _autocast_off(device_type: str) -> contextlib.AbstractContextManager[Any]:
@@ -195,10 +222,13 @@ def _autocast_off(device_type: str) -> contextlib.AbstractContextManager[Any]:
     return torch.autocast(device_type, enabled=False)
 
 
-def _keep_stats(scaling: Fp8Scaling | None, record: list[Any], roles: tuple[str, ...]) -> None:
-    assert scaling is not None
-    for role, (t, amax, scale, dtype) in zip(roles, record, strict=False):
-        scaling.stats[role] = CastStats.of(t, amax, scale, dtype)
+def _keep_stats(table: torch.Tensor, record: list[Any]) -> None:
+    """Write each recorded cast's statistics into its row of ``table`` (in place: traced by torch.compile)."""
+    for row, (t, amax, scale, dtype) in enumerate(record[: table.shape[0]]):
+        stats = CastStats.of(t, amax, scale, dtype)
+        with torch.no_grad():
+            table[row] = torch.stack([stats.amax.float(), stats.scale.float(), stats.saturated, stats.flushed,
+                                      torch.ones((), device=table.device)])  # fmt: skip
 
 
 @torch._dynamo.assume_constant_result  # type: ignore[untyped-decorator]
@@ -233,8 +263,8 @@ def fp8_forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
     history = scaling.history if delayed is not None else None
     pending = scaling.pending if delayed is not None else None
     with torch.autocast(input.device.type, enabled=False):  # the GEMMs' dtypes are the recipe's, not autocast's
-        recorder = scaling if scaling.recording else None
-        args = (input.to(dtype), self.weight, config, delayed, history, pending, recorder)
+        stats = (scaling.cast_fwd, scaling.cast_bwd) if scaling.recording else (None, None)
+        args = (input.to(dtype), self.weight, config, delayed, history, pending, *stats)
         out = _Fp8Matmul.apply(*args)  # type: ignore[no-untyped-call]
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)

@@ -359,13 +359,16 @@ class Guard:
         fp8 = []
         for module in self.layers.values():
             scaling = fp8_conversion.scaling_of(module)
-            stats = list(scaling.stats.values()) if scaling is not None else []
-            if not stats:
-                fp8.append(zeros)
-                continue
-            fp8.append(torch.stack([torch.stack([s.saturated.float() for s in stats]).amax(),
-                                    torch.stack([s.flushed.float() for s in stats]).amax()]))  # fmt: skip
-        table = torch.cat([torch.maximum(self._fwd, self._bwd), torch.stack(bad_weight)[:, None], torch.stack(fp8), self._kind[:, None]], dim=1)
+            fp8.append(scaling.cast_fractions() if scaling is not None and scaling.recording else zeros)
+        table = torch.cat(
+            [
+                torch.maximum(self._fwd, self._bwd),
+                torch.stack(bad_weight)[:, None],
+                torch.stack(fp8),
+                self._kind[:, None],
+            ],
+            dim=1,
+        )
         # a NaN is as non-finite as an inf (and all-reduces as one)
         table = torch.nan_to_num(table, nan=math.inf, posinf=math.inf)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -376,7 +379,7 @@ class Guard:
         for module in self.layers.values():
             scaling = fp8_conversion.scaling_of(module)
             if scaling is not None:
-                scaling.stats.clear()
+                scaling.clear_stats()
         rows: list[list[float]] = table.tolist()  # the sync
         for index, row in enumerate(rows):
             if row[_KIND] > 0:
