@@ -47,6 +47,7 @@ PREPARE_TESTS = ("tests/test_master_weights.py", "tests/test_stochastic_rounding
 POLICY_TESTS = ("tests/test_policy.py", "tests/test_policy_grammar.py")
 AUTOCAST_TESTS = ("tests/test_autocast.py", "tests/test_module_rules.py")
 LAYER_TESTS = ("tests/test_guard.py", "tests/test_layer_precision.py", "tests/test_layer_plan.py")
+COMPILE_TESTS = ("tests/test_compiled_training.py",)
 FP8_TESTS = ("tests/test_fp8_gemm.py", "tests/test_fp8_linear.py", "tests/test_fp8_layers.py",
              "tests/test_fp8_diagnostics.py")  # fmt: skip
 
@@ -195,14 +196,14 @@ MUTANTS = (
            "src/mixprec/_src/guard.py", "            if found is None:\n                self.strikes[name] = 0\n",
            "            if found is None:\n                pass\n", LAYER_TESTS),
     Mutant("guard-blames-a-nonfinite-input", "a layer whose input was already inf/NaN is blamed for its output",
-           "src/mixprec/_src/guard.py", "~amax.isfinite() & call.x.isfinite()", "~amax.isfinite()",
+           "src/mixprec/_src/guard.py", "~amax.isfinite() & x_amax.isfinite()", "~amax.isfinite()",
            LAYER_TESTS),
     Mutant("guard-backward-ignores-scale", "a backward overflow at a high loss scale moves a layer",
            "src/mixprec/_src/guard.py", "elif scale_used <= th.backward_scale and (", "elif (",
            LAYER_TESTS),
     Mutant("guard-blames-a-nonfinite-output-gradient",
            "a layer whose output gradient was already inf/NaN is blamed for its input gradient",
-           "src/mixprec/_src/guard.py", "ctx.call.grad_out.isfinite() & ~amax.isfinite()", "~amax.isfinite()",
+           "src/mixprec/_src/guard.py", "(finite_grad_out > 0) & ~amax.isfinite()", "~amax.isfinite()",
            LAYER_TESTS),
     Mutant("guard-blames-a-weight-gradient-of-a-nan-input",
            "a layer is blamed for a NaN weight gradient made from its NaN input",
@@ -213,6 +214,27 @@ MUTANTS = (
     Mutant("guard-no-replay", "a guard's state loads without replaying its moves",
            "src/mixprec/_src/guard.py", "        for move in self.moves:\n            set_layer_precision(",
            "        for move in ():\n            set_layer_precision(", LAYER_TESTS),
+    Mutant("guard-probe-reads-grad-in-python", "the guard reads an output gradient in a Python hook",
+           "src/mixprec/_src/guard.py",
+           "            if out.requires_grad and token is not None:\n"
+           "                return _ProbeOut.apply(out, token, self._bwd, index)",
+           "            if out.requires_grad and token is not None:\n"
+           "                out.register_hook(lambda grad: _fold(self._bwd, index, _GRAD_OUT, _amax(grad)))\n"
+           "                return None", LAYER_TESTS + COMPILE_TESTS),
+    # --- under torch.compile --------------------------------------------------------------------------
+    Mutant("compile-recompiles-at-step-two", "a prepared model's first-forward flag is guarded on, compiled",
+           "src/mixprec/_src/master_weights.py", "if not state.checked and not torch.compiler.is_compiling():",
+           "if not state.checked:", COMPILE_TESTS),
+    Mutant("compile-kept-backward-in-fp16", "a compiled backward runs kept modules under the region's autocast",
+           "src/mixprec/_src/compiled_backward.py",
+           "    if not torch.compiler.is_compiling():\n        return False",
+           "    if True:\n        return False", COMPILE_TESTS),
+    Mutant("compile-sr-step-traced", "bf16-sr's optimizer step is traced in a compiled training step",
+           "src/mixprec/_src/stochastic_rounding.py", "    _step_eagerly(optimizer, handles)\n", "", COMPILE_TESTS),
+    Mutant("compile-o2-stale-copies", "O2's compiled forward reads the copies without refreshing them",
+           "src/mixprec/_src/master_weights.py",
+           "                module._parameters[name] = master.to(self.copies.dtype)",
+           "                module._parameters[name] = self.copies.copies[id(master)]", COMPILE_TESTS),
     # --- fp8 linears ----------------------------------------------------------------------------------
     Mutant("fp8-records-non-finite-amax", "delayed scaling records the inf amax of an overflowed fp16 step",
            "src/mixprec/_src/fp8_linear.py", "torch.where(now.isfinite(), now, 0.0)", "now", FP8_TESTS),
