@@ -24,8 +24,13 @@ import mixprec
 from helpers import bitwise_equal
 from mixprec.bench.workloads import WORKLOADS
 
-# Dynamo instantiates every autograd.Function it traces (the fp8 GEMMs', O2's), which torch warns of
-pytestmark = pytest.mark.filterwarnings("ignore:.*should not be instantiated:DeprecationWarning")
+pytestmark = [
+    # Dynamo instantiates every autograd.Function it traces (the fp8 GEMMs', O2's), which torch warns of
+    pytest.mark.filterwarnings("ignore:.*should not be instantiated:DeprecationWarning"),
+    # module rules' global hooks stay installed after a compiled region with rules (until the next eager
+    # region's exit), and torch warns of global hooks when a module compiled later is called
+    pytest.mark.filterwarnings("ignore:Using `torch.compile\\(module\\)` when there are global hooks:UserWarning"),
+]
 
 LEVELS = ("O1", "O2", "bf16-sr", "bf16-pure")
 STEPS = 5
@@ -285,7 +290,6 @@ def test_per_layer_precision_and_a_tuned_recipe_compile_whole() -> None:
     assert bitwise_equal(compiled, _recipe_run(recipe))
 
 
-@pytest.mark.filterwarnings("ignore:Using `torch.compile\\(module\\)` when there are global hooks:UserWarning")
 def test_a_compiled_o1_recipe_with_moved_ops_opens_its_region_inside_the_graph() -> None:
     # Compiled inside an eager region with an edited policy, a graph is refused; a recipe that compiles
     # puts its region inside the model's forward instead, and trains as the eager recipe does.
@@ -335,7 +339,6 @@ def _first_layer_grads(keep: Callable[[nn.Module], tuple[nn.Module, Callable[[],
     return grads
 
 
-@pytest.mark.filterwarnings("ignore:Using `torch.compile\\(module\\)` when there are global hooks:UserWarning")
 @pytest.mark.parametrize("keep", [_kept_by_prepare, _kept_by_rule, _kept_by_layer_precision],
                          ids=["prepare_keeps", "module_rule", "layer_precision"])  # fmt: skip
 def test_a_module_kept_in_fp32_gets_fp32_gradients_when_compiled(keep: Any) -> None:
