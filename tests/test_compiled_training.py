@@ -491,3 +491,23 @@ def test_guard_and_monitor_on_an_fp8_model_compile_whole_and_read_as_eager() -> 
     assert compiled[2] == 1
     assert eager[1][0]["3"]["grad_output"]["amax"] > 0  # the backward's cast was recorded
     assert compiled[:2] == eager[:2]
+
+
+def _fp16_scaled_run(compiled: bool) -> torch.Tensor:
+    torch._dynamo.reset()
+    model, opt = _prepared(NET, "O2", dtype=torch.float16)
+    scaler = mixprec.GradScaler("cpu", init_scale=2.0**16)
+    call = torch.compile(model, fullgraph=True, backend="aot_eager") if compiled else model
+    losses = []
+    for step in range(STEPS):
+        loss = _square(call(**_net_batch(step)), {}) * 1e3  # large enough that the first scales overflow
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return torch.stack([*losses, torch.tensor(scaler.get_scale())])
+
+
+def test_fp16_with_a_grad_scaler_compiles_whole_and_trains_as_eager() -> None:
+    assert bitwise_equal(_fp16_scaled_run(True), _fp16_scaled_run(False))
