@@ -462,3 +462,22 @@ def _guard_under_compile() -> None:
     assert [(m.layer, m.signal, m.step) for m in guard.moves] == [("0", "nonfinite_forward", 2)]
     assert math.isfinite(float(loss.detach()))  # the step after the move ran layer 0 in bf16, recompiled
     torch._dynamo.reset()
+
+
+@COMPILED
+def test_a_guard_made_after_the_model_ran_compiled_says_so() -> None:
+    # torch.compile does not guard on module hooks by default: a graph made before the guard runs on
+    # without its probes. The step says so instead of reading nothing; after a reset the probes are traced.
+    torch._dynamo.reset()
+    model = _net()
+    run = torch.compile(model, fullgraph=True, backend="aot_eager")
+    x, _ = scenario.batch(0)
+    run(x).float().sum().backward()
+    guard = mixprec.Guard(model)
+    run(x).float().sum().backward()
+    with pytest.raises(RuntimeError, match="make the guard before the first compiled call"):
+        guard.step()
+    torch.compiler.reset()
+    run(x).float().sum().backward()
+    assert guard.step() == [] and guard._seen  # the layers' calls were seen
+    torch._dynamo.reset()

@@ -330,6 +330,13 @@ class Guard:
             raise RuntimeError("this guard is closed: its probes are gone, so a step would see nothing")
         self.steps += 1
         readings = self._read()
+        if all(row[_KIND] == 0 for row in readings):
+            raise RuntimeError(
+                "the guard saw no call of any layer it watches since the last step. Was the model compiled and "
+                "run before the guard was made? torch.compile does not guard on module hooks by default, so its "
+                "graph goes on without the guard's probes: make the guard before the first compiled call, or "
+                "call torch.compiler.reset() after making it"
+            )
         scale_used, self.scale = self.scale, float(self.scaler.get_scale()) if self.scaler is not None else 1.0
         signals = self._signals(readings, scale_used)
         moves = []
