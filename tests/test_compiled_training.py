@@ -349,6 +349,14 @@ def test_a_module_kept_in_fp32_gets_fp32_gradients_when_compiled(keep: Any) -> N
     assert torch._functorch.config.backward_pass_autocast == default  # torch's setting as it was
 
 
+def test_an_export_leaves_torchs_backward_autocast_as_it_was() -> None:
+    # torch.export traces mixprec's regions too, but ends with no Dynamo end-of-compile callback to restore
+    # the setting (and an exported graph has no backward): nothing is changed there
+    model, _ = _prepared(NET, "O1")
+    torch.export.export(model, (_net_batch(0)["input"],))
+    assert torch._functorch.config.backward_pass_autocast == "same_as_forward"
+
+
 def test_a_backward_autocast_the_user_set_is_left_alone() -> None:
     # torch's setting, chosen by the user (autocast, in bf16 on a CPU, during the backward): gradients follow it
     in_bf16 = [{"device_type": "cpu"}]

@@ -42,6 +42,8 @@ def backward_like_eager() -> bool:
     """
     if not torch.compiler.is_compiling():
         return False
+    if torch._guards.CompileContext.current_compile_id() is None:  # not Dynamo's compile (an export): no
+        return False  # end-of-compile callback would restore the setting, and an export has no backward
     with _lock:
         if not _saved and functorch_config.backward_pass_autocast == _TORCH_DEFAULT:
             handler = torch._dynamo.callback.callback_handler
