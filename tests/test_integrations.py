@@ -242,3 +242,23 @@ def test_trainer_level(tmp_path: Any) -> None:
     assert losses[-1] < losses[0]
     with pytest.raises(ValueError, match="valid: O2, bf16-sr, bf16-pure"):
         MixprecTrainer(level="O3")
+
+
+@pytest.mark.filterwarnings("ignore:.*should not be instantiated:DeprecationWarning")  # Dynamo's own
+def test_trainer_with_torch_compile_trains_as_eager(tmp_path: Any) -> None:
+    # Trainer(torch_compile=True), as Hugging Face users compile: the prepared model (O2, norms kept in
+    # fp32) compiled by the Trainer trains bit for bit as the eager one (aot_eager: no code generator)
+    pytest.importorskip("transformers")
+    from torch._dynamo.utils import counters
+
+    from mixprec.integrations.transformers import MixprecTrainer
+
+    _, eager = _trainer_run(tmp_path, MixprecTrainer, {"bf16": True}, level="O2")
+    torch._dynamo.reset()
+    counters.clear()
+    compile_args = {"torch_compile": True, "torch_compile_backend": "aot_eager"}
+    _, compiled = _trainer_run(tmp_path, MixprecTrainer, {"bf16": True, **compile_args}, level="O2")
+    graphs = counters["stats"]["unique_graphs"]
+    torch._dynamo.reset()
+    assert graphs > 0  # the Trainer did compile the model
+    assert compiled == eager
