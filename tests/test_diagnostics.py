@@ -274,3 +274,28 @@ def test_diagnose_on_a_model_returning_a_dict_warns_nothing() -> None:
         warnings.simplefilter("error")
         report = mixprec.diagnose(_DictOutput(), torch.randn(4, 8), lambda out: out["logits"].square().mean())
     assert report.module("lin").gradients.numel == 32  # the submodule still reports its gradient
+
+
+class _UninitialisedOp:
+    """An op that returns memory it never wrote, as empty_like does (NaN bits, here, every time)."""
+
+    def __init__(self, name: str) -> None:
+        self.overloadpacket = type("Packet", (), {"__name__": name})()
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        return torch.full_like(t, float("nan"))
+
+
+def test_uninitialised_memory_is_not_a_nan_the_model_made() -> None:
+    # Dropout in training mode fills an empty_like mask in place: the tracer must not read the empty memory
+    # as a NaN made from finite inputs (diagnose named Dropout, a different culprit each run, before).
+    from mixprec._src.diagnostics import _FirstNonFinite
+
+    def where() -> tuple[str, str, str]:
+        return ("0", "Dropout", "forward")
+
+    finite = torch.ones(4)
+    for name, blamed in (("empty_like", False), ("new_empty", False), ("mul", True)):
+        tracer = _FirstNonFinite(where)
+        tracer.__torch_dispatch__(_UninitialisedOp(name), (), (finite,))
+        assert (tracer.found is not None) == blamed, name

@@ -41,6 +41,12 @@ def _checkable(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and t.is_floating_point() and t.element_size() > 1
 
 
+# Ops whose output is uninitialised memory (Dropout's mask starts as empty_like): whatever bits it holds
+# are not a value the model computed, and the op that fills it in place reads it as an input.
+_UNINITIALISED = frozenset({"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided",
+                            "empty_permuted", "resize_"})  # fmt: skip
+
+
 class _FirstNonFinite(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Finds the first op that makes a NaN or Inf out of finite inputs (syncs on every op)."""
 
@@ -51,7 +57,7 @@ class _FirstNonFinite(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        if self.found is None:
+        if self.found is None and func.overloadpacket.__name__ not in _UNINITIALISED:
             outputs = [t for t in tree_flatten(out)[0] if _checkable(t)]
             bad = [t for t in outputs if t.numel() and not bool(torch.isfinite(t).all())]
             if bad:
