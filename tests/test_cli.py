@@ -38,3 +38,15 @@ def test_commands_run_without_matplotlib(tmp_path: pathlib.Path) -> None:
     assert "Warning" not in done.stderr
     assert (tmp_path / "bench" / "report.json").exists() and not (tmp_path / "bench" / "bench.png").exists()
     assert (tmp_path / "diag" / "report.json").exists()
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    import mixprec
+    from mixprec import cli
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"mixprec {mixprec.__version__} (torch {torch.__version__})"

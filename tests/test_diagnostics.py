@@ -75,6 +75,9 @@ def test_planted_gradient_underflow_is_named() -> None:
     assert report.module("main").gradients.underflow_frac == 0.0
     assert report.first_nonfinite is None and report.keep_fp32 == []
     assert report.bf16_avoids_it is True  # bf16's normal range reaches 1e-38
+    # with no NaN or Inf, the summary does not say bf16 avoids "it"
+    assert "no NaN or Inf in fp16" in report.summary() and "bf16 would avoid it" not in report.summary()
+    assert "bf16 would avoid fp16's overflow and underflow here" in report.summary()
     assert any("stay below fp16's normal range" in note for note in report.notes)
 
 

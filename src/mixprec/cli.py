@@ -27,6 +27,9 @@ def _names(text: str, valid: Sequence[str], what: str) -> tuple[str, ...]:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mixprec", description="Mixed-precision training tools for PyTorch.")
+    from mixprec import __version__
+
+    parser.add_argument("--version", action="version", version=f"mixprec {__version__} (torch {torch.__version__})")
     sub = parser.add_subparsers(dest="command", required=True)
 
     bench = sub.add_parser(

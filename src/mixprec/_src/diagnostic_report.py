@@ -232,7 +232,10 @@ class DiagnosticReport:
             lines.append(f"keep in fp32: {', '.join(self.keep_fp32)} ({fixed}); report.policy() applies them")
         lines.append(f"suggested initial loss scale: {self.suggested_loss_scale:g}")
         if self.bf16_avoids_it is not None:
-            lines.append("bf16 would avoid it" if self.bf16_avoids_it else "bf16 would not avoid it")
+            # "it": the NaN/Inf named above, or, with none, the overflow or underflow the table shows
+            trouble = "it" if self.first_nonfinite else f"{short_name(self.dtype)}'s overflow and underflow here"
+            verdict = "would avoid" if self.bf16_avoids_it else "would not avoid"
+            lines.append(f"bf16 {verdict} {trouble}")
         if self.fp8:
             lines.append(f"fp8 loses most in: {'; '.join(str(r) for r in self.fp8[:3])}")
         return "\n".join(lines + self.notes)
