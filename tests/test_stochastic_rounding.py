@@ -184,6 +184,37 @@ def test_bf16_sr_checkpoint_resumes_bit_for_bit(make: Any) -> None:
     assert not bitwise_equal(list(first[0].parameters()), list(resumed[0].parameters()))  # it did train on
 
 
+@pytest.mark.parametrize("level", ["bf16-sr", "bf16-pure"])
+def test_a_checkpoint_loaded_before_prepare_resumes_bit_for_bit(level: str) -> None:
+    # A bf16 run's checkpoint loaded into a plain fp32 model and optimizer (torch widens the state to the
+    # parameters' fp32), then prepared: the optimizer state goes back to bf16, and training goes on as
+    # the run that never stopped. (It stayed fp32 before: the saving lost, and the run drifted.)
+    def steps(model: nn.Module, opt: torch.optim.Optimizer, batches: list[Any]) -> None:
+        for x, y in batches:
+            opt.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+
+    def fresh() -> tuple[nn.Module, torch.optim.Optimizer]:
+        model = regression_model(0)
+        return model, torch.optim.AdamW(model.parameters(), lr=3e-3)
+
+    batches = regression_data(8)
+    straight = mixprec.prepare(*fresh(), level=level)
+    steps(*straight, batches)
+    first = mixprec.prepare(*fresh(), level=level)
+    steps(*first, batches[:4])
+    saved = copy.deepcopy({"model": first[0].state_dict(), "opt": first[1].state_dict()})
+    model, opt = fresh()
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    resumed = mixprec.prepare(model, opt, level=level)
+    low = [st for p, st in opt.state.items() if p.dtype is torch.bfloat16]  # a kept norm's state stays fp32
+    assert low and all(v.dtype is torch.bfloat16 for st in low for k, v in st.items() if k != "step")
+    steps(*resumed, batches[4:])
+    assert bitwise_equal(list(straight[0].parameters()), list(resumed[0].parameters()))
+
+
 def _sr(cls: type[torch.optim.Optimizer]) -> tuple[nn.Module, torch.optim.Optimizer]:
     model = regression_model()
     model, opt = mixprec.prepare(model, cls(model.parameters(), lr=1e-2), level="bf16-sr")  # type: ignore[call-arg]

@@ -188,6 +188,8 @@ def prepare(
 
     if level is not Level.O1:
         _lower(model, optimizer, state)
+    if level in (Level.BF16_SR, Level.BF16_PURE):
+        _narrow_state(optimizer, state.lowp_params, dtype)
     if level is Level.BF16_SR:
         seed = stochastic_rounding.draw_seed(sharding.process_group(model) if sharded else None)
         stochastic_rounding.add_counters(optimizer, seed, state.handles)
@@ -244,6 +246,18 @@ def _lower(model: nn.Module, optimizer: torch.optim.Optimizer, state: Prepared) 
             if buffer is not None and buffer.is_floating_point() and buffer.dtype is not dtype:
                 module._buffers[name] = buffer.to(dtype)
                 state.buffers.append((module, name))
+
+
+def _narrow_state(optimizer: torch.optim.Optimizer, params: list[nn.Parameter], dtype: torch.dtype) -> None:
+    """The optimizer state the bf16 weights already have (a warm-up step, a checkpoint loaded before prepare)
+    stored in ``dtype`` too, as the state these levels create (and as exactly as a bf16 run's saved state
+    reloads): else it stays fp32, the memory the level saves is lost and the run drifts from one that
+    started prepared."""
+    for param in params:
+        state = optimizer.state.get(param)
+        for key, value in (state or {}).items():
+            if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() > 0 and key != "step":
+                state[key] = value.to(dtype)  # type: ignore[index]
 
 
 def export_fp32(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> nn.Module:
