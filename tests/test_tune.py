@@ -14,7 +14,7 @@ from torch import nn
 
 import mixprec
 from helpers import Overflowing, square_loss
-from mixprec._src.recipe import Recipe, Tolerance
+from mixprec._src.recipe import Measurement, Recipe, Tolerance
 
 
 class SmallConvNet(nn.Module):
@@ -350,3 +350,13 @@ def test_a_dtype_emulated_here_is_rejected_without_spending_the_budget(monkeypat
     low = [m for m in recipe.measurements if m.name.startswith(("bf16", "fp16"))]
     assert low and all("emulated on this device" in m.reason for m in low), recipe.table()
     assert any(n.startswith("torch.amp's default is too slow here") for n in recipe.notes), recipe.notes
+
+
+def test_a_plain_recipe_at_another_dtype_is_not_called_torch_amps_default() -> None:
+    # The table compares with torch.amp at the device's dtype (bf16 O1 on a CPU); a plain fp16 O1 recipe
+    # chosen against it is plain torch.autocast in fp16, not "torch.amp's default".
+    measured = (Measurement("bf16 O1", "passed", 10.0, 1.0), Measurement("fp16 O1", "chosen", 8.0, 1.25))
+    fp16 = Recipe(dtype=torch.float16, measurements=measured)
+    assert "(torch.amp's default)" not in fp16.table()
+    assert "recipe: fp16 O1 (plain torch.autocast in fp16; the table's torch.amp baseline is bf16 O1)" in fp16.table()
+    assert "recipe: bf16 O1 (torch.amp's default)" in Recipe(dtype=torch.bfloat16, measurements=measured).table()

@@ -80,10 +80,21 @@ def recipe_table(recipe: Recipe) -> str:
         error = (_fmt(m.loss_err, ".2%"), _fmt(m.grad_cos, ".5f"), _fmt(m.update_cos, ".4f"))
         rows.append((m.name, m.status, *speed, *error, m.reason))
     lines = _text_table(rows)
-    tail = [f"recipe: {recipe.name}" + (" (torch.amp's default)" if recipe.is_torch_default else "")]
+    tail = [f"recipe: {recipe.name}" + _default_label(recipe)]
     tail += [f"note: {n}" for n in recipe.notes]
     layers = ["", "per-layer plan:", layer_table(recipe.layers)] if recipe.layers else []
     return "\n".join([*lines, *tail, *layers])
+
+
+def _default_label(recipe: Recipe) -> str:
+    """Whether the recipe is the table's torch.amp baseline (the candidate measured at 1.00x of itself), or
+    plain torch.autocast at another dtype: a plain fp16 recipe is not torch.amp's default where bf16 is."""
+    if not recipe.is_torch_default:
+        return ""
+    baseline = next((m.name for m in recipe.measurements if m.vs_default == 1.0), None)
+    if baseline in (None, recipe.name):
+        return " (torch.amp's default)"
+    return f" (plain torch.autocast in {short_name(recipe.dtype)}; the table's torch.amp baseline is {baseline})"
 
 
 def layer_table(layers: Sequence[LayerChoice]) -> str:
