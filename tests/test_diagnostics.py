@@ -8,6 +8,7 @@ from typing import Any
 import matplotlib.image
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import mixprec
@@ -302,3 +303,22 @@ def test_uninitialised_memory_is_not_a_nan_the_model_made() -> None:
         tracer = _FirstNonFinite(where)
         tracer.__torch_dispatch__(_UninitialisedOp(name), (), (finite,))
         assert (tracer.found is not None) == blamed, name
+
+
+class _ReturnsADict(nn.Module):
+    """A model whose output is a mapping (as Hugging Face's ModelOutput is)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"logits": self.fc(x)}
+
+
+def test_a_loss_that_cannot_take_the_models_output_says_what_to_pass() -> None:
+    model, x, y = _ReturnsADict(), torch.randn(16, 8), torch.randint(0, 4, (16,))
+    with pytest.raises(TypeError, match=r"the model returns a dict, not a tensor.*lambda out, y: F.cross_entropy"):
+        mixprec.diagnose(model, x, F.cross_entropy, targets=y)
+    report = mixprec.diagnose(model, x, lambda out, y: F.cross_entropy(out["logits"], y), targets=y)
+    assert report.first_nonfinite is None

@@ -35,7 +35,17 @@ def check_inputs(model: nn.Module, inputs: Any, loss_fn: LossFn | None) -> torch
 def scalar_loss(out: Any, loss_fn: LossFn | None) -> torch.Tensor:
     """The model output ``out`` as a 0-dim loss."""
     if loss_fn is not None:
-        loss = loss_fn(out)
+        try:
+            loss = loss_fn(out)
+        except TypeError as exc:
+            if isinstance(out, torch.Tensor):
+                raise
+            kind = type(out).__name__
+            raise TypeError(
+                f"{exc}: the model returns a {kind}, not a tensor, and loss_fn takes it as it comes; pass a loss "
+                f"that picks the tensor, e.g. loss_fn=lambda out, y: F.cross_entropy(out.logits, y) with targets=y "
+                f"(Hugging Face models return a ModelOutput), or loss_fn=lambda out: out.loss"
+            ) from exc
     else:
         tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
         if not tensors:
