@@ -216,11 +216,9 @@ MUTANTS = (
            "        for move in ():\n            set_layer_precision(", LAYER_TESTS),
     Mutant("guard-probe-reads-grad-in-python", "the guard reads an output gradient in a Python hook",
            "src/mixprec/_src/guard.py",
-           "            if out.requires_grad and token is not None:\n"
-           "                return _ProbeOut.apply(out, token, self._bwd, index)",
-           "            if out.requires_grad and token is not None:\n"
-           "                out.register_hook(lambda grad: _fold(self._bwd, index, _GRAD_OUT, _amax(grad)))\n"
-           "                return None", LAYER_TESTS + COMPILE_TESTS),
+           "            return _ProbeOut.apply(out, token, self._bwd, index)",
+           "            out.register_hook(lambda grad: _fold(self._bwd, index, _GRAD_OUT, _amax(grad)))\n"
+           "            return None", LAYER_TESTS + COMPILE_TESTS),
     # --- under torch.compile --------------------------------------------------------------------------
     Mutant("compile-recompiles-at-step-two", "a prepared model's first-forward flag is guarded on, compiled",
            "src/mixprec/_src/master_weights.py", "if not state.checked and not torch.compiler.is_compiling():",

@@ -95,18 +95,21 @@ class Fp8Scaling(nn.Module):
     def extra_repr(self) -> str:
         return str(self.config).removeprefix("fp8 ")
 
+    def _rows(self) -> torch.Tensor:
+        """Every role's row: input, weight, grad_output."""
+        return torch.cat([self.cast_fwd, self.cast_bwd])  # type: ignore[list-item]
+
     @property
     def stats(self) -> dict[str, CastStats]:
         """The last recorded cast of each role (``input``, ``weight``, ``grad_output``); reads the flags (a sync)."""
-        rows = torch.cat([self.cast_fwd, self.cast_bwd])  # type: ignore[list-item]
+        rows = self._rows()
         recorded = rows[:, -1].tolist()
         return {role: CastStats(*rows[i, :-1].unbind()) for i, role in enumerate(_FWD_ROLES + _BWD_ROLES)
                 if recorded[i] > 0}  # fmt: skip
 
     def cast_fractions(self) -> torch.Tensor:
         """The largest saturated and flushed fractions over the recorded casts, shape (2,): no sync."""
-        rows = torch.cat([self.cast_fwd, self.cast_bwd])  # type: ignore[list-item]
-        return rows[:, 2:4].amax(dim=0)
+        return self._rows()[:, 2:4].amax(dim=0)
 
     @torch.no_grad()
     def clear_stats(self) -> None:

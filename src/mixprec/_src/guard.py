@@ -146,7 +146,8 @@ def _fold(stats: torch.Tensor, index: int, column: int, value: torch.Tensor) -> 
 
 
 def _amax(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().abs().amax().float()
+    """``t``'s largest magnitude in fp32; 0 for an empty tensor (folding 0 into a statistic changes nothing)."""
+    return t.detach().abs().amax().float() if t.numel() else t.new_zeros((), dtype=torch.float32)
 
 
 # The probes are autograd Functions of tensors only, folding into the guard's statistics tensor in place:
@@ -168,12 +169,10 @@ class _ProbeIn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor, finite_grad_out: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        stats = ctx.stats
-        if grad.numel():
-            amax = _amax(grad)
-            _fold(stats, ctx.index, _GRAD_IN, amax)
-            # finite_grad_out: 1 where the call's output gradient was finite, 0 where not or never computed
-            _fold(stats, ctx.index, _BWD_ORIGIN, (finite_grad_out > 0) & ~amax.isfinite())
+        stats, amax = ctx.stats, _amax(grad)
+        _fold(stats, ctx.index, _GRAD_IN, amax)
+        # finite_grad_out: 1 where the call's output gradient was finite, 0 where not or never computed
+        _fold(stats, ctx.index, _BWD_ORIGIN, (finite_grad_out > 0) & ~amax.isfinite())
         return grad, None, None
 
 
@@ -188,9 +187,8 @@ class _ProbeOut(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:
-        stats = ctx.stats
-        amax = _amax(grad) if grad.numel() else grad.new_zeros((), dtype=torch.float32)
-        _fold(stats, ctx.index, _GRAD_OUT, amax)
+        amax = _amax(grad)
+        _fold(ctx.stats, ctx.index, _GRAD_OUT, amax)
         return grad, amax.isfinite().float(), None, None
 
 
@@ -277,7 +275,7 @@ class Guard:
             if not args or not isinstance(args[0], torch.Tensor) or not args[0].is_floating_point():
                 return None
             x = args[0]
-            amax = _amax(x) if x.numel() else x.new_zeros((), dtype=torch.float32)
+            amax = _amax(x)
             _fold(self._fwd, index, _IN, amax)
             if x.requires_grad and torch.is_grad_enabled():
                 x, token = _ProbeIn.apply(x, self._bwd, index)  # type: ignore[no-untyped-call]
@@ -299,15 +297,14 @@ class Guard:
             if kind in _KINDS:  # a constant of the trace: a Python dict written here would be guarded on
                 with torch.no_grad():
                     self._kind[index] = 1.0 + _KINDS.index(kind)
-            if out.numel():
-                amax = _amax(out)
-                _fold(self._fwd, index, _OUT, amax)
-                _fold(self._fwd, index, _FWD_ORIGIN, ~amax.isfinite() & x_amax.isfinite())  # made here
-            if out.requires_grad and token is not None:
-                return _ProbeOut.apply(out, token, self._bwd, index)  # type: ignore[no-untyped-call]
-            if out.requires_grad:  # an input that needed no gradient: the output's is still recorded
-                return _ProbeOut.apply(out, out.new_zeros((), dtype=torch.float32), self._bwd, index)  # type: ignore[no-untyped-call]
-            return None
+            amax = _amax(out)
+            _fold(self._fwd, index, _OUT, amax)
+            _fold(self._fwd, index, _FWD_ORIGIN, ~amax.isfinite() & x_amax.isfinite())  # made here
+            if not out.requires_grad:
+                return None
+            if token is None:  # an input that needed no gradient: the output's is still recorded
+                token = out.new_zeros((), dtype=torch.float32)
+            return _ProbeOut.apply(out, token, self._bwd, index)  # type: ignore[no-untyped-call]
 
         return hook
 
