@@ -104,6 +104,32 @@ def test_measure_times_each_called_layer_at_its_shapes_and_skips_emulated_fp8() 
     assert any("not run in bf16 (a matmul 40x slower than fp32: emulated)" in n for n in emulated_notes)
 
 
+def test_fp16_is_measured_behind_the_loss_scale_a_grad_scaler_trains_at() -> None:
+    """A loss whose gradients sit below fp16's smallest subnormal (6e-8): raw, fp16 would score them as
+    lost; behind the GradScaler fp16 trains with, they are as accurate as anywhere else."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 8)), torch.randn(64, 32)
+    tiny = lambda out: out.square().mean() * 1e-6  # noqa: E731
+    measured, notes = layer_plan.measure(model, x, tiny, ["fp16", "bf16"], time.perf_counter() + 60)
+    for m in measured:
+        assert m.sqnr_db["fp16"] > 40, m  # unscaled: under 1 dB (every gradient flushed to zero)
+        assert m.sqnr_db["fp16"] > m.sqnr_db["bf16"]  # 11 mantissa bits against 8, once in range
+    assert any("fp16 measured behind a loss scale of 2**16" in n for n in notes)  # the scaler's start, its cap
+
+
+def test_the_settled_loss_scale_keeps_the_largest_gradient_in_fp16() -> None:
+    assert layer_plan.settled_loss_scale(1.0) == 2.0**15  # 65504 / 1 -> 2**15 (2**16 would overflow)
+    assert layer_plan.settled_loss_scale(3.0) == 2.0**14
+    assert layer_plan.settled_loss_scale(1e-9) == 2.0**16  # not above the scaler's initial scale
+    assert layer_plan.settled_loss_scale(1e-9, init_scale=2.0**24) == 2.0**24
+    assert layer_plan.settled_loss_scale(1e6) == 2.0**-4
+    assert layer_plan.settled_loss_scale(0.0) == 2.0**16 and layer_plan.settled_loss_scale(math.inf) == 2.0**16
+    for largest in (1e-3, 0.7, 5.0, 1234.5, 40000.0):
+        scale = layer_plan.settled_loss_scale(largest)
+        assert math.isfinite(float(torch.tensor(largest * scale).half()))
+        assert scale == 2.0**16 or not math.isfinite(float(torch.tensor(largest * scale * 2).half()))
+
+
 def test_fp8_is_measured_where_the_device_has_it(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(layer_plan, "device_has_fp8", lambda device: True)  # the GEMMs run emulated: speed aside
     model, x = _Net(), torch.randn(4, 4, 24)

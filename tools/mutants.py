@@ -262,6 +262,9 @@ MUTANTS = (
            "    return reports", FP8_TESTS),
     Mutant("fp8-rowwise-no-power-of-two", "rowwise scales are not rounded to powers of two",
            "src/mixprec/_src/fp8_gemm.py", "    if power_of_two:  #", "    if False:  #", FP8_TESTS),
+    # --- what a new user met -------------------------------------------------------------------------------
+    Mutant("plan-fp16-unscaled", "the per-layer plan scores fp16 without the loss scale it trains behind",
+           "src/mixprec/_src/layer_plan.py", 'fp16_scale if p == "fp16" else 1.0', "1.0", LAYER_TESTS),
 )  # fmt: skip
 
 

@@ -4,7 +4,10 @@
 output gradient, then times, at those shapes, the layer's forward and backward (its output GEMM
 and both gradient GEMMs) in each candidate precision and measures its error against fp32 from
 the same weights, input and output gradient (SQNR of the output and both gradients; the worst
-counts). :func:`choose` picks per layer::
+counts). fp16 is measured as it trains, behind a GradScaler: its output gradient is multiplied by
+the loss scale a GradScaler trains this model at (:func:`settled_loss_scale`) and its gradients
+divided by it after, so gradients fp16 holds only scaled are not counted as underflow.
+:func:`choose` picks per layer::
 
     allowed  = fp32, and each precision whose SQNR >= the floor
     fp8 only where the device has fp8 GEMMs, and never where it measured slower than bf16
@@ -103,8 +106,23 @@ def device_has_fp8(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def _capture(model: nn.Module, batch: Any, loss_of: Callable[[Any], torch.Tensor]) -> dict[str, _Captured]:
-    """Each layer's first input and output gradient, from one fp32 forward and backward of a copy."""
+def settled_loss_scale(largest_gradient: float, init_scale: float = 2.0**16) -> float:
+    """The loss scale a GradScaler starting at ``init_scale`` trains at when a step's largest gradient (in fp32)
+    is ``largest_gradient``.
+
+    The scaler halves the scale on every overflowing step, so within a few steps it is at most the
+    largest power of two that keeps the largest gradient finite in fp16, ``2**floor(log2(65504 /
+    largest_gradient))``; it grows past ``init_scale`` only one doubling per 2000 good steps, so not above it.
+    """
+    if not (largest_gradient > 0 and math.isfinite(largest_gradient)):
+        return init_scale
+    exponent = math.floor(math.log2(torch.finfo(torch.float16).max / largest_gradient))
+    return min(2.0 ** max(exponent, -24), init_scale)
+
+
+def _capture(model: nn.Module, batch: Any, loss_of: Callable[[Any], torch.Tensor]) -> tuple[dict[str, _Captured], float]:
+    """Each layer's first input and output gradient, from one fp32 forward and backward of a copy, and the
+    largest gradient of the step (the layers' output gradients and the parameters' gradients)."""
     copied = copy.deepcopy(model)
     found: dict[str, _Captured] = {}
     handles = []
@@ -134,7 +152,10 @@ def _capture(model: nn.Module, batch: Any, loss_of: Callable[[Any], torch.Tensor
     finally:
         for handle in handles:
             handle.remove()
-    return {n: c for n, c in found.items() if c.grad.numel()}
+    grads = [c.grad for c in found.values() if c.grad.numel()]
+    grads += [p.grad for p in copied.parameters() if p.grad is not None and p.grad.numel()]
+    largest = max((float(g.detach().abs().max()) for g in grads), default=0.0)
+    return {n: c for n, c in found.items() if c.grad.numel()}, largest
 
 
 def _shape(module: nn.Module, x: torch.Tensor) -> str:
@@ -148,12 +169,14 @@ def _shape(module: nn.Module, x: torch.Tensor) -> str:
 class _Run:
     """One layer in one precision: a copy of it, run forward and backward on the captured tensors."""
 
-    def __init__(self, captured: _Captured, precision: str) -> None:
+    def __init__(self, captured: _Captured, precision: str, loss_scale: float = 1.0) -> None:
         self.holder = nn.Module()
         self.holder.layer = copy.deepcopy(captured.module)
         if precision != "fp32":
             set_layer_precision(self.holder, "layer", precision)
         self.captured = captured
+        self.loss_scale = loss_scale  # a power of two: scaling and unscaling are exact but for range
+        self.grad = captured.grad * loss_scale if loss_scale != 1.0 else captured.grad
         self.times: list[float] = []
         self.result: tuple[torch.Tensor, ...] = ()
 
@@ -166,12 +189,13 @@ class _Run:
         _sync(device)
         begin = time.perf_counter()
         out = layer(x)
-        out.backward(c.grad.to(out.dtype))
+        out.backward(self.grad.to(out.dtype))
         _sync(device)
         seconds = time.perf_counter() - begin
         weight: Any = layer.weight
         grads = (weight.grad, *((x.grad,) if c.x_needs_grad else ()))
-        self.result = (out.detach().float(), *(g.float() for g in grads if g is not None))
+        unscale = 1.0 / self.loss_scale
+        self.result = (out.detach().float(), *(g.float() * unscale for g in grads if g is not None))
         self.times.append(seconds)
         return seconds
 
@@ -226,7 +250,11 @@ def measure(model: nn.Module, batch: Any, loss_of: Callable[[Any], torch.Tensor]
         wanted = [p for p in wanted if p not in slow]
         notes.append("per-layer plan: not run in " + ", ".join(f"{p} (a matmul {s:.0f}x slower than fp32: emulated)"
                                                               for p, s in slow.items()))  # fmt: skip
-    captured = _capture(model, batch, loss_of)
+    captured, largest_gradient = _capture(model, batch, loss_of)
+    fp16_scale = settled_loss_scale(largest_gradient)
+    if "fp16" in wanted:
+        notes.append(f"per-layer plan: fp16 measured behind a loss scale of 2**{int(math.log2(fp16_scale))}, what "
+                     f"a GradScaler trains this model at (largest gradient {largest_gradient:.3g})")  # fmt: skip
     linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     head = linears[-1] if linears else None
     out: list[Measured] = []
@@ -248,7 +276,7 @@ def measure(model: nn.Module, batch: Any, loss_of: Callable[[Any], torch.Tensor]
             if why is not None:
                 entry.not_measured[p] = why.split(" (")[0].split(", which")[0]  # the rule, without its advice
                 continue
-            runs[p] = _Run(c, p)
+            runs[p] = _Run(c, p, fp16_scale if p == "fp16" else 1.0)
         if progress is not None:
             progress(f"  layer {name} ({entry.shape}): {', '.join(runs)}")
         for run in runs.values():
