@@ -45,6 +45,35 @@ def test_the_fastest_precision_above_the_floor_is_chosen() -> None:
                              1.02)[0].choice == "bf16"  # fmt: skip
 
 
+@pytest.mark.parametrize("noise, choice", [(0.15, "bf16"), (0.01, "fp16")])
+def test_a_layer_faster_within_its_timing_noise_stays_as_the_recipe_has_it(noise: float, choice: str) -> None:
+    m = Measured("attn.q", "linear 64->64, 512 rows", {"fp32": 2.0, "bf16": 1.08, "fp16": 1.0},
+                 {"bf16": 40.0, "fp16": 50.0}, {}, noise)  # fmt: skip
+    (layer,) = layer_plan.choose([m], "bf16", 20.0, 1.02)
+    assert layer.choice == choice and layer.noise == noise
+    assert ("fp16 measured 1.08x faster, within the timing noise ±15%" in layer.reason) == (choice == "bf16")
+
+
+def test_a_layers_noisy_timings_are_repeated_and_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    import random
+
+    from mixprec._src import timing
+
+    rng, readings = random.Random(0), [0.0]
+
+    def noisy() -> float:  # every reading adds 0-20 ms: runs of the same GEMM far apart
+        readings.append(readings[-1] + rng.uniform(0.0, 0.02))
+        return time.perf_counter() + readings[-1]
+
+    monkeypatch.setattr(timing, "clock", noisy)
+    measured, _ = layer_plan.measure(_Net(), torch.randn(4, 4, 24), square_loss, ["bf16"], time.perf_counter() + 60)
+    runs = (len(readings) - 1) // 2  # two readings a run
+    assert runs > len(measured) * 2 * (1 + layer_plan._REPS)  # fp32 and bf16: a warm-up, then repeated past 3
+    assert runs <= len(measured) * 2 * (1 + layer_plan._MAX_REPS)
+    assert all(m.noise > timing.NOISY for m in measured)
+    assert [c.noise for c in layer_plan.choose(measured, "bf16", 20.0, 1.02)] == [m.noise for m in measured]
+
+
 _PRECISIONS = ("fp32", "bf16", "fp16", "fp8-tensorwise", "fp8-rowwise")
 
 

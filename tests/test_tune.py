@@ -109,7 +109,8 @@ def test_nothing_beats_the_default_returns_torch_default() -> None:
     recipe = mixprec.tune(model, x, square_loss, dtypes=("bf16",), min_speedup=100.0, budget_s=30)
     assert recipe.is_torch_default and recipe == Recipe(dtype=torch.bfloat16, measurements=recipe.measurements,
                                                         notes=recipe.notes, measured_on=recipe.measured_on,
-                                                        tuning_s=recipe.tuning_s, layers=recipe.layers)  # fmt: skip
+                                                        tuning_s=recipe.tuning_s, layers=recipe.layers,
+                                                        timing_noise=recipe.timing_noise)  # fmt: skip
     assert any(n.startswith("nothing beat torch.amp's default") for n in recipe.notes)
     assert "(torch.amp's default)" in recipe.table()
     assert not any("bf16-pure" in m.name for m in recipe.measurements)  # searched only when asked for
@@ -360,3 +361,63 @@ def test_a_plain_recipe_at_another_dtype_is_not_called_torch_amps_default() -> N
     assert "(torch.amp's default)" not in fp16.table()
     assert "recipe: fp16 O1 (plain torch.autocast in fp16; the table's torch.amp baseline is bf16 O1)" in fp16.table()
     assert "recipe: bf16 O1 (torch.amp's default)" in Recipe(dtype=torch.bfloat16, measurements=measured).table()
+
+
+class _NoisyClock:
+    """A clock for step timing whose every reading adds 0-30 ms (seeded): every candidate measures the same
+    speed on average, with a spread far above a real machine's; the deadline still reads real time."""
+
+    def __init__(self, seed: int = 0) -> None:
+        import random
+
+        self.rng, self.offset, self.calls = random.Random(seed), 0.0, 0
+
+    def __call__(self) -> float:
+        self.calls += 1
+        self.offset += self.rng.uniform(0.0, 0.03)
+        return time.perf_counter() + self.offset
+
+
+def test_a_noisy_machine_is_measured_repeated_and_said(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mixprec._src import timing
+
+    clock = _NoisyClock()
+    monkeypatch.setattr(timing, "clock", clock)
+    recipe = mixprec.tune(_mlp(), torch.randn(32, 8), square_loss, dtypes=("bf16", "fp32"), budget_s=60)
+    assert clock.calls > 0
+    assert recipe.timing_noise is not None and recipe.timing_noise > 0.1, recipe.table()
+    assert any("timing noise" in n and "repeated up to 8 steps" in n for n in recipe.notes), recipe.notes
+    timed = [m for m in recipe.measurements if m.vs_default is not None]
+    assert timed and all(m.noise is not None and m.noise > 0 for m in timed), recipe.table()
+    assert " ±" in recipe.table()  # each speed with its noise
+    chosen = next(m for m in recipe.measurements if m.status == "chosen")
+    if chosen.name != Recipe(dtype=torch.bfloat16).name:  # a choice beyond the noise, never within it
+        assert chosen.vs_default is not None and chosen.noise is not None
+        assert chosen.vs_default >= 1 + chosen.noise, recipe.table()
+    for layer in recipe.layers:  # the per-layer plan's timings are as noisy, and repeated too
+        assert layer.noise > 0.05, layer
+    assert Recipe.from_json(recipe.to_json()).timing_noise == recipe.timing_noise
+
+
+def _search_with(results: dict[str, Measurement]) -> Any:
+    from mixprec._src import tune as tune_module
+
+    search = tune_module._Search.__new__(tune_module._Search)
+    search.results = dict(results)
+    search.recipes = {"bf16 O1": Recipe(dtype=torch.bfloat16), "bf16 O2": Recipe(dtype=torch.bfloat16, level="O2")}
+    search.out_of_time, search.repeated = False, 8
+    return search
+
+
+@pytest.mark.parametrize("noise, chosen", [(0.15, "bf16 O1"), (0.01, "bf16 O2")])
+def test_a_speedup_within_its_noise_keeps_torch_amps_default(noise: float, chosen: str) -> None:
+    from mixprec._src import tune as tune_module
+
+    results = {"bf16 O1": Measurement("bf16 O1", "passed", 10.0, 1.0, noise=0.1),
+               "bf16 O2": Measurement("bf16 O2", "passed", 9.26, 1.08, noise=noise)}  # fmt: skip
+    recipe = tune_module._choose(_search_with(results), "bf16 O2", Recipe(dtype=torch.bfloat16), [torch.bfloat16],
+                                 1.02, [], None)  # fmt: skip
+    assert recipe.name == chosen
+    within = [n for n in recipe.notes if "within the noise of its measurements (±15%)" in n]
+    assert bool(within) == (chosen == "bf16 O1"), recipe.notes
+    assert recipe.timing_noise == pytest.approx((0.1 + noise) / 2)

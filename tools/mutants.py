@@ -265,6 +265,17 @@ MUTANTS = (
     # --- what a new user met -------------------------------------------------------------------------------
     Mutant("plan-fp16-unscaled", "the per-layer plan scores fp16 without the loss scale it trains behind",
            "src/mixprec/_src/layer_plan.py", 'fp16_scale if p == "fp16" else 1.0', "1.0", LAYER_TESTS),
+    Mutant("plan-ignores-noise", "a layer moves for a speed-up within its timings' noise",
+           "src/mixprec/_src/layer_plan.py", "need = max(min_speedup, 1.0 + m.noise)", "need = min_speedup",
+           LAYER_TESTS),
+    Mutant("plan-never-repeats", "a layer's noisy timings are not repeated",
+           "src/mixprec/_src/layer_plan.py", "(rep < _MAX_REPS and", "(False and", LAYER_TESTS),
+    Mutant("tune-ignores-noise", "tune chooses a recipe faster than the default only within its noise",
+           "src/mixprec/_src/tune.py", "need = max(min_speedup, 1.0 + (search.results[best].noise or 0.0))",
+           "need = min_speedup", ("tests/test_tune.py",)),
+    Mutant("tune-never-repeats", "tune does not repeat a noisy round",
+           "src/mixprec/_src/tune.py", "if any((t.noise(default) or 0.0) > timing.NOISY for t in running):",
+           "if False:", ("tests/test_tune.py",)),
 )  # fmt: skip
 
 

@@ -26,10 +26,13 @@ from mixprec._src.training import LossFn
 
 
 def sqnr(x: torch.Tensor, reference: torch.Tensor) -> float:
-    """Signal-to-quantization-noise ratio in dB (inf where ``x`` equals the reference; syncs)."""
+    """Signal-to-quantization-noise ratio in dB (inf where ``x`` equals the reference, -inf where it holds an
+    inf or NaN the reference does not; syncs)."""
     noise = float((x.double() - reference.double()).norm())
     signal = float(reference.double().norm())
-    return math.inf if noise == 0 else 20 * math.log10(signal / noise) if signal > 0 else -math.inf
+    if noise == 0:
+        return math.inf
+    return 20 * math.log10(signal / noise) if signal > 0 and math.isfinite(noise) else -math.inf
 
 
 def cast_stats(model: nn.Module) -> dict[str, dict[str, dict[str, float]]]:

@@ -15,7 +15,11 @@ divided by it after, so gradients fp16 holds only scaled are not counted as unde
                and within min_speedup of the fastest allowed, else the fastest allowed
 
 Candidates train one at a time, alternating precisions within each repetition so a shared
-machine's load falls on all alike. Everything here syncs with the device: it times GEMMs.
+machine's load falls on all alike. A layer's noise is how far its fastest two runs of a precision
+differ (:func:`timing.fastest_noise`, the worst precision's); a noisy layer is repeated (up to
+``_MAX_REPS``), and another precision must beat the recipe's by that noise as well as by
+``min_speedup`` (the reason says when the noise decided). Everything here syncs with the device:
+it times GEMMs.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec._src import fp8_conversion, training
+from mixprec._src import fp8_conversion, timing, training
 from mixprec._src.fp8_config import Fp8Config, Fp8Recipe
 from mixprec._src.fp8_diagnostics import sqnr
 from mixprec._src.layer_precision import (
@@ -46,6 +50,7 @@ from mixprec._src.layer_precision import (
 #: The fp8 recipes the planner considers (delayed scaling needs prepare's step hook: a whole-model choice).
 FP8_CANDIDATES = (FP8_PREFIX + Fp8Recipe.TENSORWISE.value, FP8_PREFIX + Fp8Recipe.ROWWISE.value)
 _REPS = 3  # timed repetitions per layer and precision (after one warm-up): the fastest counts
+_MAX_REPS = 8  # ... repeated up to this many while the fastest two of a precision differ by over timing.NOISY
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +65,7 @@ class LayerChoice:
             against fp32 (fp32 is the reference and has none).
         choice: the precision the layer computes in.
         reason: why, in a sentence.
+        noise: how much the layer's timings moved between repetitions (relative; see :mod:`timing`).
         default: the precision the recipe gives the layer without the plan (its dtype, or fp32 where it
             keeps the layer or moves its op to fp32); ``""``: the recipe's dtype (:class:`Recipe` fills it).
     """
@@ -71,6 +77,7 @@ class LayerChoice:
     choice: str = "fp32"
     reason: str = ""
     default: str = ""
+    noise: float = 0.0
 
     def __post_init__(self) -> None:
         for field in ("ms", "sqnr_db"):
@@ -120,7 +127,9 @@ def settled_loss_scale(largest_gradient: float, init_scale: float = 2.0**16) -> 
     return min(2.0 ** max(exponent, -24), init_scale)
 
 
-def _capture(model: nn.Module, batch: Any, loss_of: Callable[[Any], torch.Tensor]) -> tuple[dict[str, _Captured], float]:
+def _capture(
+    model: nn.Module, batch: Any, loss_of: Callable[[Any], torch.Tensor]
+) -> tuple[dict[str, _Captured], float]:
     """Each layer's first input and output gradient, from one fp32 forward and backward of a copy, and the
     largest gradient of the step (the layers' output gradients and the parameters' gradients)."""
     copied = copy.deepcopy(model)
@@ -187,11 +196,11 @@ class _Run:
         x = c.x.clone().requires_grad_(c.x_needs_grad)
         device = x.device
         _sync(device)
-        begin = time.perf_counter()
+        begin = timing.clock()
         out = layer(x)
         out.backward(self.grad.to(out.dtype))
         _sync(device)
-        seconds = time.perf_counter() - begin
+        seconds = timing.clock() - begin
         weight: Any = layer.weight
         grads = (weight.grad, *((x.grad,) if c.x_needs_grad else ()))
         unscale = 1.0 / self.loss_scale
@@ -214,13 +223,14 @@ def _fp8_reason(module: nn.Module, name: str, head: str | None) -> str | None:
 
 @dataclasses.dataclass
 class Measured:
-    """Per layer: shape, ms and SQNR by precision, and why a precision was not measured."""
+    """Per layer: shape, ms and SQNR by precision, why a precision was not measured, the timings' noise."""
 
     name: str
     shape: str
     ms: dict[str, float]
     sqnr_db: dict[str, float]
     not_measured: dict[str, str]
+    noise: float = 0.0
 
 
 def measure(model: nn.Module, batch: Any, loss_of: Callable[[Any], torch.Tensor], precisions: Sequence[str],
@@ -281,11 +291,15 @@ def measure(model: nn.Module, batch: Any, loss_of: Callable[[Any], torch.Tensor]
             progress(f"  layer {name} ({entry.shape}): {', '.join(runs)}")
         for run in runs.values():
             run()  # warm-up
-        for rep in range(_REPS):
-            order = list(runs.items()) if rep % 2 == 0 else list(reversed(runs.items()))
-            for p, run in order:
-                if p not in untimed and time.perf_counter() < deadline:
+        timed = {p: run for p, run in runs.items() if p not in untimed}
+        rep = 0
+        while rep < _REPS or (rep < _MAX_REPS and _noise(timed) > timing.NOISY and time.perf_counter() < deadline):
+            order = list(timed.values()) if rep % 2 == 0 else list(reversed(timed.values()))
+            for run in order:
+                if time.perf_counter() < deadline:
                     run()
+            rep += 1
+        entry.noise = _noise(timed)
         reference = runs["fp32"].result
         for p, run in runs.items():
             if p in untimed:
@@ -296,6 +310,11 @@ def measure(model: nn.Module, batch: Any, loss_of: Callable[[Any], torch.Tensor]
                 entry.sqnr_db[p] = min(sqnr(a, b) for a, b in zip(run.result, reference, strict=True))
         out.append(entry)
     return out, notes
+
+
+def _noise(runs: Mapping[str, _Run]) -> float:
+    """The worst precision's :func:`timing.fastest_noise` over its timed runs (after the warm-up)."""
+    return max((n for run in runs.values() if (n := timing.fastest_noise(run.times[1:])) is not None), default=0.0)
 
 
 def choose(measured: Sequence[Measured], default: str | Callable[[Measured], str], floor_db: float,
@@ -319,9 +338,15 @@ def choose(measured: Sequence[Measured], default: str | Callable[[Measured], str
                     continue
             allowed[p] = ms
         fastest = min(allowed, key=allowed.__getitem__)
-        if default in allowed and allowed[default] <= allowed[fastest] * min_speedup:
+        need = max(min_speedup, 1.0 + m.noise)  # a speed-up within the timings' noise is not one
+        if default in allowed and allowed[default] <= allowed[fastest] * need:
             choice = default
-            reason = "as the recipe has it" + ("" if fastest == default else f" (within {min_speedup:g}x of {fastest})")
+            reason = "as the recipe has it"
+            if fastest != default and allowed[default] > allowed[fastest] * min_speedup:
+                reason += (f" ({fastest} measured {allowed[default] / allowed[fastest]:.2f}x faster, within the "
+                           f"timing noise ±{m.noise:.0%})")  # fmt: skip
+            elif fastest != default:
+                reason += f" (within {min_speedup:g}x of {fastest})"
         else:
             choice = fastest
             reason = f"fastest above {floor_db:g} dB"
@@ -334,7 +359,7 @@ def choose(measured: Sequence[Measured], default: str | Callable[[Measured], str
             unmeasured.setdefault(("not timed" if p in m.sqnr_db else "not measured", why), []).append(p)
         reason += "".join(f"; {', '.join(ps)} {what}: {why}" for (what, why), ps in unmeasured.items())
         choices.append(LayerChoice(m.name, m.shape, tuple(m.ms.items()), tuple(m.sqnr_db.items()), choice, reason,
-                                   default))  # fmt: skip
+                                   default, m.noise))  # fmt: skip
     return tuple(choices)
 
 

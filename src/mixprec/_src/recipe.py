@@ -73,6 +73,7 @@ class Measurement:
     grad_cos: float | None = None
     update_cos: float | None = None
     reason: str = ""
+    noise: float | None = None  # vs_default's uncertainty: half an approximate 95% interval, relative (timing)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +99,10 @@ class Recipe:
         notes: what the search found, in sentences.
         measured_on: the device and torch version the measurements come from.
         tuning_s: seconds the search took.
+        timing_noise: how uncertain a candidate's speed against torch.amp's default was (the median over
+            the candidates timed of :attr:`Measurement.noise`: half an approximate 95% interval of the
+            median step-time ratio, relative, 0.03 is ±3%); a recipe had to beat the default by its own
+            noise as well as by ``min_speedup``. ``None`` for a hand-made recipe.
     """
 
     dtype: torch.dtype = torch.bfloat16
@@ -113,6 +118,7 @@ class Recipe:
     notes: tuple[str, ...] = ()
     measured_on: str = ""
     tuning_s: float = 0.0
+    timing_noise: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", parse_dtype(self.dtype, what="recipe dtype"))

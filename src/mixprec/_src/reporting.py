@@ -76,7 +76,7 @@ def recipe_table(recipe: Recipe) -> str:
     header = ("candidate", "status", "ms/step", "vs torch.amp", "loss err", "grad cos", "update cos", "reason")
     rows = [header]
     for m in recipe.measurements:
-        speed = (_fmt(m.step_ms, ".1f"), _fmt(m.vs_default, ".2f", "x"))
+        speed = (_fmt(m.step_ms, ".1f"), _fmt(m.vs_default, ".2f", "x") + _noise(m.noise))
         error = (_fmt(m.loss_err, ".2%"), _fmt(m.grad_cos, ".5f"), _fmt(m.update_cos, ".4f"))
         rows.append((m.name, m.status, *speed, *error, m.reason))
     lines = _text_table(rows)
@@ -120,8 +120,14 @@ def _text_table(rows: Sequence[Sequence[str]]) -> list[str]:
 
 def line(m: Measurement) -> str:
     """One candidate's outcome, for progress output."""
-    speed = f"{m.step_ms:.1f} ms/step, {_fmt(m.vs_default, '.2f', 'x')} torch.amp" if m.step_ms is not None else "-"
+    speed = (f"{m.step_ms:.1f} ms/step, {_fmt(m.vs_default, '.2f', 'x')}{_noise(m.noise)} torch.amp"
+             if m.step_ms is not None else "-")  # fmt: skip
     return f"{m.status}, {speed}" + (f": {m.reason}" if m.reason else "")
+
+
+def _noise(noise: float | None) -> str:
+    """`` ±3%``: how much a speed moved between repetitions (nothing where it was not measured)."""
+    return "" if noise is None else f" ±{noise:.0%}"
 
 
 def _fmt(value: float | None, spec: str, suffix: str = "") -> str:

@@ -26,7 +26,10 @@ table is the chosen recipe's ``Recipe.layers`` (applied only if the planned reci
 
 In every round the candidates train in lockstep, one step each in alternating order (as
 ``mixprec bench`` does), so that a shared machine's load falls on all alike; a candidate's speed
-is the median of its warm steps against torch.amp's default in the same round. Every candidate
+is the median of its warm steps against torch.amp's default in the same round, with its noise (how
+uncertain that median is, from the step-to-step ratios: :mod:`timing`); a noisy round is repeated, up
+to ``_MAX_STEPS`` steps, and a candidate must beat the default by its noise as well as by
+``min_speedup`` (a note says when the noise decided). Every candidate
 starts from a deep copy of the same weights and optimizer state; its first steps are compared with
 fp32's (see :class:`Tolerance`). The search stops at ``budget_s`` and keeps the best so far.
 ``torch.compile`` is not searched: compiling a model takes longer than a tuning budget of a minute.
@@ -51,7 +54,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec._src import layer_plan, training
+from mixprec._src import layer_plan, timing, training
 from mixprec._src.diagnostics import diagnose
 from mixprec._src.dtypes import parse_dtype, short_name
 from mixprec._src.master_weights import prepared_state
@@ -64,6 +67,7 @@ Progress = Callable[[str], None]
 
 _ACCURACY_STEPS = 2  # steps compared with fp32; the first is also the warm-up, never timed
 _STEPS = 4  # steps per candidate per round: 3 timed, their median is the candidate's time
+_MAX_STEPS = 8  # ... repeated up to this many while the speed ratios are noisy (see timing.NOISY)
 _SLOW = 1.5  # a candidate this much slower than the default after its checked steps cannot win: stopped
 _COLD_SLOW = 10.0  # ... or this much slower on its first (cold) step than the first round's: an emulated dtype
 _FINALISTS = 3  # the fastest candidates raced again, head to head, before choosing
@@ -100,7 +104,7 @@ class _Trial:
 
     def _step(self) -> None:
         _sync(self.device)
-        begin = time.perf_counter()
+        begin = timing.clock()
         self.run.optimizer.zero_grad(set_to_none=True)
         with self.run.autocast():
             loss = self.loss_of(training.call_model(self.run.model, self.inputs))
@@ -110,7 +114,7 @@ class _Trial:
             self.grad = _flat([p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params])
         self.run.step()
         _sync(self.device)
-        self.times.append(time.perf_counter() - begin)
+        self.times.append(timing.clock() - begin)
         if len(self.losses) < _ACCURACY_STEPS:
             self.losses.append(float(loss.detach().float()))
             if len(self.losses) == _ACCURACY_STEPS:
@@ -124,6 +128,16 @@ class _Trial:
     def median_s(self) -> float | None:
         timed = self.times[1:]  # each round's first step is warm-up (first calls, caches, allocations)
         return statistics.median(timed) if timed else None
+
+    def noise(self, default: _Trial) -> float | None:
+        """How uncertain its speed against ``default`` is in this round, from the per-step ratios (see
+        :func:`timing.ratio_noise`; for ``default`` itself, its step time's)."""
+        if self is default:
+            timed = self.times[1:]
+            middle = statistics.median(timed) if timed else 0.0
+            return timing.ratio_noise([t / middle for t in timed]) if middle > 0 else None
+        pairs = list(zip(default.times[1:], self.times[1:], strict=False))  # the same lockstep steps
+        return timing.ratio_noise([d / t for d, t in pairs if t > 0])
 
     def expected_s(self, default: _Trial) -> float:
         """How long the next step should take: its last one, else the default's (or its own estimate)."""
@@ -180,6 +194,7 @@ class _Search:
         self.cold_s: float | None = None  # the default's first step in the first round
         self.setup_s = 0.0  # the longest a candidate took to set up (a deep copy, prepare)
         self.first_step_s: dict[torch.dtype, float] = {}  # a first step's estimate, by dtype (see _first_step_s)
+        self.repeated = 0  # the most steps a noisy round took (0: none was repeated)
 
     def say(self, text: str) -> None:
         if self.progress is not None:
@@ -231,13 +246,15 @@ class _Search:
             self.say(f"  {self.results[t.name].name}: {line(self.results[t.name])}")
 
     def _lockstep(self, default: _Trial, everyone: list[_Trial], *, stop_slow: bool) -> None:
-        """``_STEPS`` steps of each, in alternating order, none past the deadline.
+        """``_STEPS`` steps of each, in alternating order, none past the deadline; up to ``_MAX_STEPS``
+        while a running candidate's speed against ``default`` (or the default's own time) is noisy.
 
         Raises:
             Exception: what a step of ``default`` or of the fp32 reference raised (a candidate's is its
                 rejection, recorded in ``stopped`` and ``failed``).
         """
-        for step in range(_STEPS):
+        step = 0
+        while step < _STEPS or self._noisy(default, everyone, step):
             for t in everyone if step % 2 == 0 else reversed(everyone):
                 # An emulated dtype's first step is started only if it leaves half the time left to the others.
                 left = self.deadline - time.perf_counter()
@@ -259,6 +276,20 @@ class _Search:
                     t.stopped = t.failed = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
             if stop_slow:
                 self._stop_slow(default, everyone)
+            step += 1
+
+    def _noisy(self, default: _Trial, everyone: list[_Trial], steps: int) -> bool:
+        """Whether another lockstep step is worth its time: a running candidate's speed is noisy."""
+        if steps >= _MAX_STEPS or not self.time_left():
+            return False
+        running = [t for t in everyone if not t.stopped and len(t.times) == steps]
+        step_s = sum(t.expected_s(default) for t in running)
+        if not running or time.perf_counter() + step_s > self.deadline:  # optional: not "out of time"
+            return False
+        if any((t.noise(default) or 0.0) > timing.NOISY for t in running):
+            self.repeated = max(self.repeated, steps + 1)
+            return True
+        return False
 
     def _stop_slow(self, default: _Trial, trials: list[_Trial]) -> None:
         base = default.median_s()
@@ -278,6 +309,7 @@ class _Search:
         mine = t.median_s()
         vs = base / mine if base is not None and mine is not None else None
         ms = None if mine is None else mine * 1e3
+        noise = t.noise(default)
         self.recipes[t.name] = t.recipe
         if t.failed:
             self.results[t.name] = Measurement(t.name, "rejected", reason=t.failed)
@@ -288,17 +320,18 @@ class _Search:
             self.results[t.name] = Measurement(t.name, "rejected", first_ms, None, reason=why)
             return
         if not t.checked or mine is None:
-            self.results[t.name] = Measurement(t.name, "not measured", ms, vs, reason="the budget ran out")
+            self.results[t.name] = Measurement(t.name, "not measured", ms, vs, reason="the budget ran out",
+                                               noise=noise)  # fmt: skip
             return
         assert self.ref is not None
         if t is self.ref:
-            self.results[t.name] = Measurement(t.name, "passed", ms, vs, 0.0, 1.0, 1.0, "the fp32 reference")
+            self.results[t.name] = Measurement(t.name, "passed", ms, vs, 0.0, 1.0, 1.0, "the fp32 reference", noise)
             return
         err, gcos, ucos, why = _judge(t, self.ref, self.tol)
         status = "rejected" if why else "passed"
         if not why and t.stopped:  # checked and timed: it passed, and was stopped only to save the budget
             why = f"slower: {t.stopped} (stopped early)"
-        self.results[t.name] = Measurement(t.name, status, ms, vs, err, gcos, ucos, why)
+        self.results[t.name] = Measurement(t.name, status, ms, vs, err, gcos, ucos, why, noise)
 
     def final_round(
         self, default_recipe: Recipe, dtypes: list[torch.dtype], min_speedup: float, notes: list[str]
@@ -339,10 +372,12 @@ class _Search:
         if base is None:
             return None
         timed = {t.name: t.median_s() for t in trials if not t.stopped}
+        noise = {t.name: t.noise(default) for t in (default, *trials)}
         for name, result in list(self.results.items()):
             mine = base if name == default_recipe.name else timed.get(name)
             if mine is not None:
-                self.results[name] = dataclasses.replace(result, step_ms=mine * 1e3, vs_default=base / mine)
+                self.results[name] = dataclasses.replace(result, step_ms=mine * 1e3, vs_default=base / mine,
+                                                         noise=noise.get(name))  # fmt: skip
             elif result.status in ("passed", "rejected") and result.step_ms is not None:
                 self.results[name] = dataclasses.replace(result, step_ms=None)
         for name in (default_recipe.name, *finalists):
@@ -751,20 +786,27 @@ def _choose(search: _Search, best: str | None, torch_default: Recipe, dtypes: li
             notes.append(f"torch.amp's default fails the accuracy guard: {default_result.reason}")
     winner = search.recipes.get(best) if best is not None else None
     speed = search.results[best].vs_default if best is not None else None
+    # A speed-up within the measurements' noise is not one: the bar rises to the chosen candidate's noise.
+    need = min_speedup
+    if best is not None and best != torch_default.name:
+        need = max(min_speedup, 1.0 + (search.results[best].noise or 0.0))
     if best is not None and winner is not None and speed is not None:
         # Within the noise of the fastest, the simplest recipe: fp32 rather than low precision with every matmul
         # moved back to fp32, no op moves rather than some.
         near = [n for n, m in search.results.items() if m.status == "passed" and m.vs_default is not None
-                and m.vs_default * min_speedup >= speed and n != torch_default.name
+                and m.vs_default * need >= speed and n != torch_default.name
                 and search.recipes[n].dtype in dtypes and (finalists is None or n in finalists)]  # fmt: skip
         simplest: str = min(
             near, key=lambda n: (_changes(search.recipes[n]), -(search.results[n].vs_default or 0.0)), default=best
         )
         if simplest != best:
-            notes.append(f"{simplest} is within {min_speedup:.2f}x of the fastest ({best}) and simpler: chosen")
+            notes.append(f"{simplest} is within {need:.2f}x of the fastest ({best}) and simpler: chosen")
             best, winner, speed = simplest, search.recipes[simplest], search.results[simplest].vs_default
-    if default_ok and (winner is None or speed is None or speed < min_speedup):
-        if winner is not None and best != torch_default.name:
+    if default_ok and (winner is None or speed is None or speed < need):
+        if winner is not None and best != torch_default.name and speed is not None and speed >= min_speedup:
+            notes.append(f"{best} measured {speed:.2f}x torch.amp's default, within the noise of its measurements "
+                         f"(±{need - 1:.0%}): keeping torch.amp's default")  # fmt: skip
+        elif winner is not None and best != torch_default.name:
             notes.append(f"nothing beat torch.amp's default by {min_speedup:.2f}x or more "
                          f"(best: {best}, {speed or 0:.2f}x): keeping torch.amp's default")  # fmt: skip
         else:
@@ -780,4 +822,11 @@ def _choose(search: _Search, best: str | None, torch_default: Recipe, dtypes: li
         results[best] = dataclasses.replace(results[best], status="chosen")
     order = {"chosen": 0, "passed": 1, "rejected": 2, "not measured": 3}
     measured = sorted(results.values(), key=lambda m: (order[m.status], -(m.vs_default or 0.0)))
-    return dataclasses.replace(winner, measurements=tuple(measured), notes=tuple(notes))
+    noises = [m.noise for m in measured if m.noise is not None]
+    noise = statistics.median(noises) if noises else None
+    if noise is not None and (noise > timing.NOISY or search.repeated):
+        notes.append(f"timing noise: a candidate's speed against torch.amp's default is known to ±{noise:.0%} "
+                     "(an approximate 95% interval, median over candidates: the machine is busy)"
+                     + (f"; noisy rounds were repeated up to {search.repeated} steps" if search.repeated else "")
+                     + "; a recipe must beat the default by its own noise to be chosen")  # fmt: skip
+    return dataclasses.replace(winner, measurements=tuple(measured), notes=tuple(notes), timing_noise=noise)
