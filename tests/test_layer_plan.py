@@ -74,6 +74,29 @@ def test_a_layers_noisy_timings_are_repeated_and_kept(monkeypatch: pytest.Monkey
     assert [c.noise for c in layer_plan.choose(measured, "bf16", 20.0, 1.02)] == [m.noise for m in measured]
 
 
+@pytest.mark.parametrize("width", [80, 100, 140])
+def test_the_layer_table_fits_the_terminal_and_loses_nothing(width: int) -> None:
+    names = [f"bert.encoder.layer.{i}.attention.self.{k}" for i in range(12) for k in ("query", "key", "value")]
+    reason = ("fastest above 20 dB (1.70x faster than bf16); not fp8-rowwise 12.0 dB < 20 dB; fp8-tensorwise, "
+              "fp8-rowwise not timed: fp8 GEMMs emulated on cpu")  # fmt: skip
+    ms = {"fp32": 1.234, "bf16": 0.51, "fp16": 0.48, "fp8-tensorwise": 0.3, "fp8-rowwise": 0.31}
+    db = {"bf16": 38.2, "fp16": 51.0, "fp8-tensorwise": 26.9, "fp8-rowwise": 12.0}
+    layers = [LayerChoice(n, "linear 768->768, 4096 rows", ms, db, "bf16", f"{reason} ({n})") for n in names]
+    text = reporting.layer_table(layers, width=width)
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= width, text
+    rows = [line for line in lines if line.split("  ")[0].strip().endswith(("query", "key", "value"))]
+    assert len(rows) == len(names) and len({r.split()[0] for r in rows}) == len(names)  # each name still its own
+    assert all("0.510/38" in r and "0.300/27" in r for r in rows)
+    flat = " ".join(" ".join(lines).split())
+    for name in names:  # every reason whole, wrapped under its row
+        assert " ".join(f"linear 768->768, 4096 rows: {reason} ({name})".split()) in flat
+    if width >= 140:
+        assert all(n in text for n in names)  # names shortened only where they do not fit
+    recipe = Recipe(dtype="bf16", layers=tuple(layers))
+    assert Recipe.from_json(recipe.to_json()).layers == recipe.layers  # the full data
+
+
 _PRECISIONS = ("fp32", "bf16", "fp16", "fp8-tensorwise", "fp8-rowwise")
 
 
@@ -200,7 +223,8 @@ def test_a_recipe_with_layers_applies_them_and_round_trips_through_json() -> Non
         loss = square_loss(run.model(torch.randn(2, 4, 8)))
     run.backward(loss)
     run.step()
-    assert "per-layer plan:" in recipe.table() and "up     linear 16->64" in recipe.table()
+    table = recipe.table()
+    assert "per-layer plan:" in table and "up     fp32" in table and "    linear 16->64: why" in table
 
 
 def test_an_fp32_recipe_with_a_bf16_layer_trains() -> None:

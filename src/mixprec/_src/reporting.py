@@ -97,17 +97,65 @@ def _default_label(recipe: Recipe) -> str:
     return f" (plain torch.autocast in {short_name(recipe.dtype)}; the table's torch.amp baseline is {baseline})"
 
 
-def layer_table(layers: Sequence[LayerChoice]) -> str:
-    """A per-layer plan as a text table: ms and SQNR by precision, the choice and why."""
+_SHORT = {"fp8-tensorwise": "fp8-tw", "fp8-rowwise": "fp8-rw", "fp8-rowwise_with_gw_hp": "fp8-rw-gw",
+          "fp8-delayed": "fp8-dl"}  # fmt: skip
+
+
+def layer_table(layers: Sequence[LayerChoice], width: int | None = None) -> str:
+    """A per-layer plan as a text table that fits ``width`` columns (default: the terminal's).
+
+    One row a layer: its name, its choice and, per precision, ``ms/dB`` (forward and backward of the
+    layer at its shapes / SQNR against fp32); under it, indented and wrapped, its shape and the
+    reason. Long names are shortened in the middle; the full data is in ``Recipe.to_json()``.
+    """
+    import shutil
+    import textwrap
+
+    width = width if width is not None else shutil.get_terminal_size((100, 24)).columns
     precisions = [p for p in PRECISIONS if any(c.ms_of(p) is not None or c.sqnr_of(p) is not None for c in layers)]
-    header = ("layer", "shape", *(f"{p} ms" for p in precisions), *(f"{p} dB" for p in precisions if p != "fp32"),
-              "choice", "reason")  # fmt: skip
-    rows = [header]
-    for c in layers:
-        ms = (_fmt(c.ms_of(p), ".3f") for p in precisions)
-        db = (_fmt(c.sqnr_of(p), ".1f") for p in precisions if p != "fp32")
-        rows.append((c.name, c.shape, *ms, *db, c.choice, c.reason))
-    return "\n".join(_text_table(rows))
+    short = [_SHORT.get(p, p) for p in precisions]
+    cells = [[_ms_db(c.ms_of(p), c.sqnr_of(p)) for p in precisions] for c in layers]
+    choices = [_SHORT.get(c.choice, c.choice) for c in layers]
+    widths = [max(len(h), *(len(row[i]) for row in cells)) for i, h in enumerate(short)]
+    choice_w = max(len("choice"), *(len(ch) for ch in choices))
+    fixed = choice_w + sum(w + 2 for w in widths) + 2
+    name_w = max(len("layer"), min(max(len(c.name) for c in layers), max(width - fixed, 12)))
+    legend = "ms/dB per precision: forward+backward of the layer at its shapes / SQNR against fp32"
+    legend += "".join(f"; {b} = {a}" for a, b in zip(precisions, short, strict=True) if a != b)
+    columns = (h.rjust(w) for h, w in zip(short, widths, strict=True))
+    header = "  ".join(["layer".ljust(name_w), "choice".ljust(choice_w), *columns])
+    lines = textwrap.wrap(legend, width, subsequent_indent="  ")
+    lines += [header.rstrip(), "-" * min(len(header), width)]
+    for c, choice, row in zip(layers, choices, cells, strict=True):
+        lines.append("  ".join([_middle(c.name, name_w).ljust(name_w), choice.ljust(choice_w),
+                                *(v.rjust(w) for v, w in zip(row, widths, strict=True))]).rstrip())  # fmt: skip
+        detail = f"{c.shape}: {c.reason}" if c.reason else c.shape
+        lines += textwrap.wrap(detail, width, initial_indent="    ", subsequent_indent="      ",
+                               break_on_hyphens=False)  # fmt: skip
+    return "\n".join(lines)
+
+
+def _ms_db(ms: float | None, db: float | None) -> str:
+    if ms is None and db is None:
+        return "-"
+    text = _fmt(ms, ".3f")
+    return text if db is None else f"{text}/{db:.0f}" if math.isfinite(db) else f"{text}/{db}"
+
+
+def _middle(name: str, width: int) -> str:
+    """``name`` shortened to ``width``: its dotted parts from the left cut to their first letter (indices and the
+    last part kept: ``b.e.layer.0.attention.self.query``), then, if still too long, cut in the middle."""
+    parts = name.split(".")
+    for i in range(len(parts) - 1):
+        if len(".".join(parts)) <= width:
+            break
+        if not parts[i].isdigit():
+            parts[i] = parts[i][:1]
+    short = ".".join(parts)
+    if len(short) <= width:
+        return short
+    tail = (width - 1) * 2 // 3
+    return short[: width - 1 - tail] + "…" + short[-tail:]
 
 
 def _text_table(rows: Sequence[Sequence[str]]) -> list[str]:

@@ -429,7 +429,9 @@ def run_workload(workload: str, modes: list[Mode], config: BenchConfig, device: 
             state_bytes=state_bytes(run.state_model, run.optimizer),
             tuning_s=settled.get(name.removesuffix("+compile")),
             recipe=run.mode.description if name.removesuffix("+compile") in settled else None,
-            layer_plan=layer_table(run.mode.recipe.layers) if run.mode.recipe and run.mode.recipe.layers else None,
+            layer_plan=layer_table(run.mode.recipe.layers, width=104)
+            if run.mode.recipe and run.mode.recipe.layers
+            else None,
         )
         if run.compiled:
             _compile_stats(result, run, config.warmup, statistics.median(timed))
