@@ -451,3 +451,28 @@ def test_o2_refreshes_its_copies_once_per_step_in_one_fused_copy() -> None:
         model(x)
     assert during_step.names.count("_foreach_copy_") == 1
     assert "copy_" not in during_forward.names and "_foreach_copy_" not in during_forward.names
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "bf16-sr"])
+def test_an_outer_autocast_of_another_dtype_is_told_once_and_the_model_keeps_its_own(level: str) -> None:
+    import warnings
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 2))
+    model, _ = mixprec.prepare(model, torch.optim.AdamW(model.parameters()), level=level, dtype=torch.bfloat16)
+    seen: list[torch.dtype] = []
+    model[0].register_forward_hook(lambda m, args, out: seen.append(out.dtype))
+    x = torch.randn(4, 8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(x)  # no outer region
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(x)  # the same dtype: nothing to say
+        assert not caught
+        for _ in range(3):
+            with torch.autocast("cpu", dtype=torch.float16):
+                model(x)
+    assert seen == [torch.bfloat16] * 5  # as prepared, whatever the outer region
+    (told,) = caught  # once per model, at the user's call
+    assert "prepared to compute in bf16 and runs inside an autocast region of fp16" in str(told.message)
+    assert "prepare it with dtype='fp16'" in str(told.message) and told.filename == __file__

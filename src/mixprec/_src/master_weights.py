@@ -29,8 +29,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+import sys
 import threading
 import types
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any, cast
 
@@ -48,6 +51,7 @@ from mixprec._src import (
     training,
 )
 from mixprec._src.autocast import autocast
+from mixprec._src.dtypes import short_name
 from mixprec._src.errors import PrepareOrderError
 from mixprec._src.fp8_config import Fp8Config
 from mixprec._src.fp8_linear import Fp8Scaling
@@ -72,6 +76,7 @@ class Prepared:
     copies: _ComputeCopies | None = None  # O2, parameters FSDP2 does not manage
     sharded: bool = False  # FSDP2 units were set up for the level
     checked: bool = False  # the first forward looked for FSDP2 units added since
+    told_outer: bool = False  # a forward inside an autocast region of another dtype was told of, once
     fused: bool = False  # bf16-sr: Adam(W) steps the bf16 weights with the compiled fused kernel
 
     @property
@@ -341,13 +346,43 @@ def _check(model: nn.Module, optimizer: torch.optim.Optimizer, sharded: bool) ->
 def _prepared_forward(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """A prepared model's forward: the original under the level's autocast region, outputs cast."""
     state = model.__dict__[_ATTR]
-    if not state.checked and not torch.compiler.is_compiling():  # compiled: the optimizer's step checks it
-        state.checked = True
-        _check_not_sharded_since(model, state)
+    if not torch.compiler.is_compiling():
+        if not state.checked:  # compiled: the optimizer's step checks it
+            state.checked = True
+            _check_not_sharded_since(model, state)
+        if not state.told_outer:
+            _tell_outer_autocast(state)
     policy = state.config.policy if state.config.policy is not None else default_policy(state.device_type)
     with autocast(state.device_type, dtype=state.dtype, policy=policy):
         out = state.original_forward(*args, **kwargs)
     return out if state.output_dtype is None else casting.cast_floating(out, state.output_dtype)
+
+
+def _tell_outer_autocast(state: Prepared) -> None:
+    """Warn, once per model, where the forward runs inside an autocast region of another dtype."""
+    device_type = state.device_type
+    if not torch.is_autocast_enabled(device_type) or torch.get_autocast_dtype(device_type) is state.dtype:
+        return
+    state.told_outer = True
+    outer, mine = short_name(torch.get_autocast_dtype(device_type)), short_name(state.dtype)
+    warnings.warn(
+        f"this model was prepared to compute in {mine} and runs inside an autocast region of {outer}: it computes "
+        f"in {mine}, as prepared (its precision is its own; the outer region applies around it). To compute in "
+        f"{outer}, prepare it with dtype={outer!r}; otherwise leave the outer autocast out (said once per model)",
+        UserWarning,
+        stacklevel=_caller_level(),
+    )
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` of the first frame outside mixprec and torch.nn (the user's ``model(x)``)."""
+    frame, level = sys._getframe(2), 2  # the caller of warnings.warn's caller
+    while frame is not None and frame.f_code.co_filename.startswith(_NOT_THE_CALLER):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+_NOT_THE_CALLER = (os.path.dirname(os.path.dirname(__file__)), os.path.dirname(nn.__file__))
 
 
 def _prepared_call(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
