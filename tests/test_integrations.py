@@ -262,3 +262,34 @@ def test_trainer_with_torch_compile_trains_as_eager(tmp_path: Any) -> None:
     torch._dynamo.reset()
     assert graphs > 0  # the Trainer did compile the model
     assert compiled == eager
+
+
+def test_save_pretrained_of_an_fp8_delayed_model_loads_into_a_plain_one(tmp_path: Any) -> None:
+    # save_pretrained writes what from_pretrained loads (an unprepared model): the delayed-scaling
+    # histories, training state like the optimizer's, stay out of it, and in state_dict() for a resume.
+    transformers = pytest.importorskip("transformers")
+    import mixprec
+
+    config = transformers.BertConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=128, max_position_embeddings=32)  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.BertForSequenceClassification(config)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = mixprec.prepare(model, opt, "O1", fp8="delayed")
+    ids = torch.randint(0, 128, (4, 16))
+    model(input_ids=ids, labels=torch.tensor([0, 1, 0, 1])).loss.backward()
+    opt.step()
+    history = {k for k in model.state_dict() if k.endswith((".fp8.history", ".fp8.pending"))}
+    assert len(history) == 26  # 13 linears in fp8 (the classifier head is not), two buffers each
+    model.save_pretrained(tmp_path)
+    loaded, info = type(model).from_pretrained(tmp_path, output_loading_info=True)
+    assert not info["unexpected_keys"] and not info["missing_keys"], info
+    weights = {k: v for k, v in model.state_dict().items() if k not in history}
+    assert set(loaded.state_dict()) == set(weights)
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in weights.items())
+    # a layer moved out of delayed scaling has no history left to keep out (nor one to save)
+    name = "bert.encoder.layer.0.attention.self.query"
+    for precision in ("bf16", "fp8-tensorwise"):
+        mixprec.set_layer_precision(model, name, precision)
+        assert f"{name}.fp8.history" not in model.state_dict()
+        assert len(model._keys_to_ignore_on_save) == 24 and f"{name}.fp8.history" not in model._keys_to_ignore_on_save

@@ -52,6 +52,9 @@ class Fp8Layers:
         return [(name, module.fp8) for name, module in self.modules.items()]  # type: ignore[misc]
 
 
+_UNSAVED = "_mixprec_fp8_unsaved"  # the keys keep_out_of_save_pretrained added to _keys_to_ignore_on_save
+
+
 def fp8_layers(model: nn.Module) -> Fp8Layers | None:
     """What fp8 conversion did to ``model`` (converted and skipped layers), or ``None`` if none ran."""
     layers: Fp8Layers | None = model.__dict__.get(_ATTR)
@@ -113,6 +116,7 @@ def convert(model: nn.Module, config: Fp8Config, kept: set[int]) -> Fp8Layers:
         layers.converted.append(name)
         layers.modules[name] = module
     model.__dict__[_ATTR] = layers
+    keep_out_of_save_pretrained(model)
     logger.info("%s", layers)
     if not layers.converted:
         warnings.warn(f"fp8 was asked for but no linear was converted ({len(layers.skipped)} left out); "
@@ -147,6 +151,7 @@ def set_layer(model: nn.Module, name: str, config: Fp8Config | None) -> None:
     if config is None:
         if layers is not None and name in layers.modules:
             revert_layer(layers, name, "moved out of fp8")
+            keep_out_of_save_pretrained(model)
         return
     if not isinstance(module, nn.Linear):
         raise ValueError(f"{name!r} is a {type(module).__name__}; fp8 converts nn.Linear layers")
@@ -164,6 +169,7 @@ def set_layer(model: nn.Module, name: str, config: Fp8Config | None) -> None:
     if name not in layers.modules:
         layers.converted.append(name)
     layers.modules[name] = module  # type: ignore[assignment]
+    keep_out_of_save_pretrained(model)
 
 
 def revert_layer(layers: Fp8Layers, name: str, reason: str) -> None:
@@ -183,6 +189,26 @@ def revert(model: nn.Module) -> None:
     for module in layers.modules.values():
         del module.fp8
         module.__dict__.pop("forward", None)
+    keep_out_of_save_pretrained(model)
+
+
+def keep_out_of_save_pretrained(model: nn.Module) -> None:
+    """Keep the delayed-scaling amax histories of a Hugging Face model out of what ``save_pretrained`` writes.
+
+    ``save_pretrained`` writes the weights a model loads with ``from_pretrained``, which is not prepared:
+    the histories are training state (as the optimizer's is) it would report as unexpected keys. They
+    stay in ``state_dict()``, so ``torch.save``, DCP and :func:`mixprec.prepare`'s resume keep them.
+    Through the model's own ``_keys_to_ignore_on_save`` (a transformers model's per-instance set);
+    other models are left alone. Called whenever the model's fp8 layers change.
+    """
+    ignore = model.__dict__.get("_keys_to_ignore_on_save")
+    if not isinstance(ignore, set):
+        return
+    delayed = [n for n, m in model.named_modules() if isinstance(m, Fp8Scaling) and m.config.delayed]
+    now = {f"{name}.{buffer}" for name in delayed for buffer in ("history", "pending")}
+    ignore -= model.__dict__.get(_UNSAVED, set()) - now
+    ignore |= now
+    model.__dict__[_UNSAVED] = now
 
 
 def advance(layers: Fp8Layers, group: Any = None) -> None:

@@ -376,7 +376,8 @@ def _tell_outer_autocast(state: Prepared) -> None:
 
 def _caller_level() -> int:
     """The ``stacklevel`` of the first frame outside mixprec and torch.nn (the user's ``model(x)``)."""
-    frame, level = sys._getframe(2), 2  # the caller of warnings.warn's caller
+    frame: types.FrameType | None = sys._getframe(2)  # the caller of warnings.warn's caller
+    level = 2
     while frame is not None and frame.f_code.co_filename.startswith(_NOT_THE_CALLER):
         frame, level = frame.f_back, level + 1
     return level
