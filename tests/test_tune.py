@@ -421,3 +421,14 @@ def test_a_speedup_within_its_noise_keeps_torch_amps_default(noise: float, chose
     within = [n for n in recipe.notes if "within the noise of its measurements (±15%)" in n]
     assert bool(within) == (chosen == "bf16 O1"), recipe.notes
     assert recipe.timing_noise == pytest.approx((0.1 + noise) / 2)
+
+
+def test_when_the_default_is_fastest_no_other_recipe_is_called_chosen() -> None:
+    from mixprec._src import tune as tune_module
+
+    results = {"bf16 O1": Measurement("bf16 O1", "passed", 10.0, 1.0, noise=0.01),
+               "bf16 O2": Measurement("bf16 O2", "passed", 10.1, 0.99, noise=0.01)}  # fmt: skip
+    recipe = tune_module._choose(_search_with(results), "bf16 O1", Recipe(dtype=torch.bfloat16), [torch.bfloat16],
+                                 1.02, [], None)  # fmt: skip
+    assert recipe.name == "bf16 O1"
+    assert not any("simpler: chosen" in n for n in recipe.notes), recipe.notes

@@ -790,7 +790,7 @@ def _choose(search: _Search, best: str | None, torch_default: Recipe, dtypes: li
     need = min_speedup
     if best is not None and best != torch_default.name:
         need = max(min_speedup, 1.0 + (search.results[best].noise or 0.0))
-    if best is not None and winner is not None and speed is not None:
+    if best is not None and best != torch_default.name and winner is not None and speed is not None:
         # Within the noise of the fastest, the simplest recipe: fp32 rather than low precision with every matmul
         # moved back to fp32, no op moves rather than some.
         near = [n for n, m in search.results.items() if m.status == "passed" and m.vs_default is not None
