@@ -826,7 +826,9 @@ def _choose(search: _Search, best: str | None, torch_default: Recipe, dtypes: li
     noise = statistics.median(noises) if noises else None
     if noise is not None and (noise > timing.NOISY or search.repeated):
         notes.append(f"timing noise: a candidate's speed against torch.amp's default is known to ±{noise:.0%} "
-                     "(an approximate 95% interval, median over candidates: the machine is busy)"
-                     + (f"; noisy rounds were repeated up to {search.repeated} steps" if search.repeated else "")
+                     "(an approximate 95% interval, median over candidates"
+                     + ("; the machine is busy)" if noise > timing.NOISY else ")")
+                     + (f"; rounds where a candidate's was over {timing.NOISY:.0%} took up to {search.repeated} "
+                        "steps" if search.repeated else "")
                      + "; a recipe must beat the default by its own noise to be chosen")  # fmt: skip
     return dataclasses.replace(winner, measurements=tuple(measured), notes=tuple(notes), timing_noise=noise)
