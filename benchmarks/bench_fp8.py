@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 import mixprec
-from mixprec._src import fp8_conversion
+from mixprec._src.fp8 import conversion as fp8_conversion
 from mixprec.bench.runner import make_optimizer
 from mixprec.bench.workloads import WORKLOADS, Task
 
@@ -202,7 +202,7 @@ def bench_steps(recipes: list[str], device: torch.device, size: str, steps: int,
 def sqnr_table(recipes: list[str]) -> dict[str, dict[str, float]]:
     """SQNR (dB) of one fp8 linear 256 -> 512 on 256 bf16 tokens against the same layer in bf16, per recipe
     (the layer and batch of tests/test_fp8_linear.py::test_sqnr_against_bf16_reference); numerics, any device."""
-    from mixprec._src.fp8_diagnostics import sqnr
+    from mixprec._src.observe.fp8_diagnostics import sqnr
 
     table = {}
     for recipe in recipes:

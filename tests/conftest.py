@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from helpers import HostSyncs
-from mixprec._src import autocast as autocast_module
-from mixprec._src import dispatch as dispatch_module
+from mixprec._src.amp import autocast as autocast_module
+from mixprec._src.amp import dispatch as dispatch_module
 
 
 @pytest.fixture(autouse=True)

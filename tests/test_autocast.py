@@ -12,7 +12,7 @@ from torch import nn
 
 import mixprec
 from helpers import bitwise_equal, mm_dtype, requires_cuda
-from mixprec._src import dispatch as dispatch_module
+from mixprec._src.amp import dispatch as dispatch_module
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 

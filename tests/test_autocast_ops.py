@@ -14,8 +14,8 @@ from torch.testing._internal.autocast_test_lists import AutocastCPUTestLists
 import mixprec
 from helpers import bitwise_equal
 from mixprec import OpCategory
-from mixprec._src import dispatch as dispatch_module
-from mixprec._src import region as region_module
+from mixprec._src.amp import dispatch as dispatch_module
+from mixprec._src.amp import region as region_module
 
 DTYPES = [torch.bfloat16, torch.float16]
 _LISTS = AutocastCPUTestLists(torch.device("cpu"))

@@ -293,7 +293,7 @@ class _UninitialisedOp:
 def test_uninitialised_memory_is_not_a_nan_the_model_made() -> None:
     # Dropout in training mode fills an empty_like mask in place: the tracer must not read the empty memory
     # as a NaN made from finite inputs (diagnose named Dropout, a different culprit each run, before).
-    from mixprec._src.diagnostics import _FirstNonFinite
+    from mixprec._src.observe.diagnostics import _FirstNonFinite
 
     def where() -> tuple[str, str, str]:
         return ("0", "Dropout", "forward")

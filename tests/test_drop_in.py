@@ -17,7 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 import mixprec
 from helpers import bitwise_equal, requires_cuda
-from mixprec._src import dispatch as dispatch_module
+from mixprec._src.amp import dispatch as dispatch_module
 
 DTYPES = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")]
 # Every op torch's CPU list lowers, moved to fp32: a region with it must compute what fp32 computes, bit

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mixprec._src import fp8_gemm
-from mixprec._src.fp8_config import E4M3, E5M2, Operand
+from mixprec._src.fp8 import gemm as fp8_gemm
+from mixprec._src.fp8.config import E4M3, E5M2, Operand
 
 T4, T5, R4 = Operand(E4M3), Operand(E5M2), Operand(E4M3, rowwise=True)
 

@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import mixprec
 from helpers import bitwise_equal, regression_data
-from mixprec._src.fp8_linear import Fp8Scaling
+from mixprec._src.fp8.linear import Fp8Scaling
 
 # DCP says it saves and loads in one process: what these tests mean to do.
 ONE_PROCESS_DCP = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")

@@ -14,7 +14,7 @@ from torch.utils.checkpoint import checkpoint
 
 import mixprec
 from helpers import bitwise_equal, requires_cuda, sqnr
-from mixprec._src import fp8_conversion
+from mixprec._src.fp8 import conversion as fp8_conversion
 
 RECIPES = ["tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed"]
 # Floors (dB) against a bf16 reference for the layer below; what each recipe reaches is printed by

@@ -69,7 +69,7 @@ def _full(model: nn.Module) -> list[torch.Tensor]:
 
 def _gathered_weight_is_the_full_weights_fp8(model: nn.Module, rank: int, world: int) -> bool:
     """The weight a layer's forward sees, cast to e4m3 with its own amax, is the fp32 weight's cast with its own."""
-    from mixprec._src import fp8_gemm
+    from mixprec._src.fp8 import gemm as fp8_gemm
 
     layer = model.blocks.layers[0].linear1  # type: ignore[union-attr,index]
     seen: list[torch.Tensor] = []

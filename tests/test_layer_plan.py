@@ -14,8 +14,9 @@ from torch import nn
 import mixprec
 from helpers import requires_cuda, square_loss
 from mixprec import Recipe
-from mixprec._src import layer_plan, reporting
-from mixprec._src.layer_plan import LayerChoice, Measured
+from mixprec._src.layers import plan as layer_plan
+from mixprec._src.layers.plan import LayerChoice, Measured
+from mixprec._src.tune import tables as reporting
 
 
 def _measured(name: str, ms: dict[str, float], sqnr: dict[str, float]) -> Measured:

@@ -11,8 +11,8 @@ from torch import nn
 
 import mixprec
 from helpers import bitwise_equal
-from mixprec._src.fp8_conversion import is_converted
-from mixprec._src.layer_precision import PRECISIONS, parse_precision
+from mixprec._src.fp8.conversion import is_converted
+from mixprec._src.layers.precision import PRECISIONS, parse_precision
 
 
 def _net() -> nn.Sequential:

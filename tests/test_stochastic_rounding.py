@@ -14,7 +14,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import mixprec
 from helpers import bitwise_equal, one_step, regression_data, regression_model
-from mixprec._src import stochastic_rounding
+from mixprec._src.prepare import stochastic_rounding
 
 
 def test_stochastic_rounding_is_unbiased() -> None:

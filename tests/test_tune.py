@@ -14,7 +14,7 @@ from torch import nn
 
 import mixprec
 from helpers import Overflowing, square_loss
-from mixprec._src.recipe import Measurement, Recipe, Tolerance
+from mixprec._src.tune.recipe import Measurement, Recipe, Tolerance
 
 
 class SmallConvNet(nn.Module):
@@ -135,7 +135,7 @@ def test_tune_respects_the_budget(monkeypatch: pytest.MonkeyPatch) -> None:
     # (at least 8 if it stops slow candidates), the profile 2 and round 3 more, so a whole search cannot fit
     # in 1 s anywhere, while round 1's first 6 steps (its accuracy checks) usually do: then the budget also
     # stops the search between rounds. A step past the budget is short everywhere.
-    from mixprec._src import tune as tune_module
+    from mixprec._src.tune import search as tune_module
 
     steps: list[tuple[float, float]] = []
     diagnoses: list[tuple[float, float]] = []
@@ -336,7 +336,7 @@ def test_a_dtype_emulated_here_is_rejected_without_spending_the_budget(monkeypat
     # On a CPU without bf16/fp16 instructions torch emulates them, 10-100x slower than fp32: one step of a
     # real model can take minutes. tune measures a matmul in each dtype first and does not start a step
     # that would end past the budget. (Planted here: the probe reports a 1000x slowdown for low dtypes.)
-    from mixprec._src import tune as tune_module
+    from mixprec._src.tune import search as tune_module
 
     monkeypatch.setattr(tune_module, "_matmul_slowdown", lambda dtype, device: 1000.0)
 
@@ -401,7 +401,7 @@ def test_a_noisy_machine_is_measured_repeated_and_said(monkeypatch: pytest.Monke
 
 
 def _search_with(results: dict[str, Measurement]) -> Any:
-    from mixprec._src import tune as tune_module
+    from mixprec._src.tune import search as tune_module
 
     search = tune_module._Search.__new__(tune_module._Search)
     search.results = dict(results)
@@ -412,7 +412,7 @@ def _search_with(results: dict[str, Measurement]) -> Any:
 
 @pytest.mark.parametrize("noise, chosen", [(0.15, "bf16 O1"), (0.01, "bf16 O2")])
 def test_a_speedup_within_its_noise_keeps_torch_amps_default(noise: float, chosen: str) -> None:
-    from mixprec._src import tune as tune_module
+    from mixprec._src.tune import search as tune_module
 
     results = {"bf16 O1": Measurement("bf16 O1", "passed", 10.0, 1.0, noise=0.1),
                "bf16 O2": Measurement("bf16 O2", "passed", 9.26, 1.08, noise=noise)}  # fmt: skip
@@ -425,7 +425,7 @@ def test_a_speedup_within_its_noise_keeps_torch_amps_default(noise: float, chose
 
 
 def test_when_the_default_is_fastest_no_other_recipe_is_called_chosen() -> None:
-    from mixprec._src import tune as tune_module
+    from mixprec._src.tune import search as tune_module
 
     results = {"bf16 O1": Measurement("bf16 O1", "passed", 10.0, 1.0, noise=0.01),
                "bf16 O2": Measurement("bf16 O2", "passed", 10.1, 0.99, noise=0.01)}  # fmt: skip

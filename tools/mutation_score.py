@@ -31,7 +31,7 @@ def main(argv: list[str]) -> int:
         name, _, status = line.strip().rpartition(": ")
         if not name:
             continue
-        found = _MODULE.match(name)  # mixprec._src.scaler.xǁGradScalerǁstep__mutmut_3, ....x_helper__mutmut_1
+        found = _MODULE.match(name)  # mixprec._src.scaling.scaler.xǁGradScalerǁstep__mutmut_3, ....x_helper__mutmut_1
         module = found.group(1) if found else name.rsplit(".", 1)[0]
         by_module[module][status] += 1
         if status == "survived":

@@ -5,17 +5,15 @@ autocast region); its precision policy is a value users can read and change
 (:class:`Policy`), applied at the dispatcher where it differs from torch's.
 """
 
-from mixprec._src.autocast import (
+from mixprec._src.amp.autocast import (
     autocast,
     get_autocast_dtype,
     get_autocast_policy,
     is_autocast_enabled,
     set_autocast_enabled,
 )
-from mixprec._src.checkpoint_replay import checkpoint_context
-from mixprec._src.custom_function import custom_bwd, custom_fwd, op
-from mixprec._src.diagnostic_report import DiagnosticReport
-from mixprec._src.diagnostics import diagnose
+from mixprec._src.amp.checkpoint_replay import checkpoint_context
+from mixprec._src.amp.custom_function import custom_bwd, custom_fwd, op
 from mixprec._src.errors import (
     CheckpointReplayError,
     LossScaleCollapseError,
@@ -23,23 +21,25 @@ from mixprec._src.errors import (
     PolicyError,
     PrepareOrderError,
 )
-from mixprec._src.fp8_config import AmaxAlgo, Fp8Config, Fp8Recipe
-from mixprec._src.fp8_conversion import Fp8Layers, fp8_layers
-from mixprec._src.guard import Guard, GuardThresholds, LayerMove
-from mixprec._src.layer_plan import LayerChoice
-from mixprec._src.layer_precision import layer_precision, set_layer_precision
+from mixprec._src.fp8.config import AmaxAlgo, Fp8Config, Fp8Recipe
+from mixprec._src.fp8.conversion import Fp8Layers, fp8_layers
+from mixprec._src.layers.guard import Guard, GuardThresholds, LayerMove
+from mixprec._src.layers.plan import LayerChoice
+from mixprec._src.layers.precision import layer_precision, set_layer_precision
 from mixprec._src.layout import to_channels_last
-from mixprec._src.master_weights import export_fp32, master_params, prepare
-from mixprec._src.memory import MemoryReport, memory_report, state_bytes
-from mixprec._src.monitor import Incident, Monitor
+from mixprec._src.observe.diagnostics import diagnose
+from mixprec._src.observe.monitor import Incident, Monitor
+from mixprec._src.observe.report import DiagnosticReport
 from mixprec._src.op_names import op_name
-from mixprec._src.policy import NORM_TYPES, ModuleRule, OpCategory, Policy
-from mixprec._src.policy_grammar import builtin_policy, default_policy, get_policy
-from mixprec._src.prepare_config import Level, PrepareConfig
-from mixprec._src.recipe import Applied, Measurement, Recipe, Tolerance
-from mixprec._src.scaler import GradScaler, ScalerEvent, ScalerStats
-from mixprec._src.stochastic_rounding import stochastic_round
-from mixprec._src.tune import tune
+from mixprec._src.policy.grammar import builtin_policy, default_policy, get_policy
+from mixprec._src.policy.policy import NORM_TYPES, ModuleRule, OpCategory, Policy
+from mixprec._src.prepare.config import Level, PrepareConfig
+from mixprec._src.prepare.memory import MemoryReport, memory_report, state_bytes
+from mixprec._src.prepare.prepare import export_fp32, master_params, prepare
+from mixprec._src.prepare.stochastic_rounding import stochastic_round
+from mixprec._src.scaling.scaler import GradScaler, ScalerEvent, ScalerStats
+from mixprec._src.tune.recipe import Applied, Measurement, Recipe, Tolerance
+from mixprec._src.tune.search import tune
 
 __version__ = "0.1.0"
 

@@ -359,7 +359,7 @@ def _diagnose(args: argparse.Namespace) -> int:
 
     from rich.console import Console
 
-    from mixprec._src.diagnostics import diagnose
+    from mixprec._src.observe.diagnostics import diagnose
 
     try:
         targets: Any = None
@@ -437,7 +437,7 @@ def _user_task(args: argparse.Namespace, command: str) -> tuple[torch.nn.Module,
 
 
 def _tune(args: argparse.Namespace) -> int:
-    from mixprec._src.tune import tune
+    from mixprec._src.tune.search import tune
 
     def say(text: str) -> None:
         print(f"mixprec tune: {text}", flush=True)
@@ -473,7 +473,7 @@ def _tune(args: argparse.Namespace) -> int:
 
 
 def _policy(args: argparse.Namespace) -> int:
-    from mixprec._src.policy_grammar import get_policy
+    from mixprec._src.policy.grammar import get_policy
 
     try:
         policy = get_policy(args.spec)

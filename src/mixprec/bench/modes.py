@@ -19,7 +19,7 @@ from torch import nn
 
 import mixprec
 from mixprec._src.layout import to_channels_last
-from mixprec._src.recipe import Recipe
+from mixprec._src.tune.recipe import Recipe
 from mixprec.bench.workloads import Task
 
 Context = Callable[[str, torch.dtype], contextlib.AbstractContextManager[Any]]

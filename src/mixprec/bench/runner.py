@@ -51,8 +51,8 @@ from typing import Any
 import torch
 
 import mixprec
-from mixprec._src.memory import state_bytes
-from mixprec._src.reporting import layer_table
+from mixprec._src.prepare.memory import state_bytes
+from mixprec._src.tune.tables import layer_table
 from mixprec.bench.modes import MODES, Mode
 from mixprec.bench.workloads import SIZES, WORKLOADS, Task
 

@@ -24,9 +24,9 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import convert_outputs_to_fp32
 
-from mixprec._src.autocast import autocast
-from mixprec._src.policy import Policy
-from mixprec._src.scaler import GradScaler
+from mixprec._src.amp.autocast import autocast
+from mixprec._src.policy.policy import Policy
+from mixprec._src.scaling.scaler import GradScaler
 
 
 class MixprecAccelerator(Accelerator):  # type: ignore[misc]

@@ -15,10 +15,10 @@ from typing import Any
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 
-from mixprec._src.autocast import autocast
-from mixprec._src.master_weights import prepare
-from mixprec._src.policy import Policy
-from mixprec._src.scaler import GradScaler
+from mixprec._src.amp.autocast import autocast
+from mixprec._src.policy.policy import Policy
+from mixprec._src.prepare.prepare import prepare
+from mixprec._src.scaling.scaler import GradScaler
 
 PRECISIONS = ("bf16-mixed", "16-mixed", "O2", "bf16-sr", "bf16-pure")
 

@@ -1,0 +1,160 @@
+"""Regions: putting a policy in force on a device, and taking it out again, as a stack per thread.
+
+:func:`push` and :func:`pop` are plain functions, so compiled code can call them as graph
+nodes (:func:`enter_traced`, :func:`exit_traced`). A policy whose op lists equal torch's
+for the device needs nothing beyond torch's own autocast state; one that differs acquires
+dispatcher kernels (``dispatch.acquire``) while it is in force. A policy with module rules
+keeps global module hooks installed (``module_rules`` provides them) while any region with
+rules is open.
+
+Nothing here syncs with the device.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec._src.amp import compiled_backward, dispatch
+from mixprec._src.amp.dispatch import state as _state
+from mixprec._src.policy import interning
+from mixprec._src.policy.grammar import default_policy
+from mixprec._src.policy.policy import Policy
+
+__all__ = ["enter_traced", "exit_traced", "needs_kernels", "pop", "pop_to", "push", "set_rule_hooks",
+           "unwind_on_failed_trace"]  # fmt: skip
+
+
+@functools.lru_cache(maxsize=256)
+def needs_kernels(policy: Policy, device_type: str) -> bool:
+    """Whether ``policy`` differs from torch's list for ``device_type`` (module rules aside)."""
+    builtin = default_policy(device_type)
+    return policy.output_dtype is not None or policy.op_table != builtin.op_table
+
+
+# ----- entering and leaving ------------------------------------------------------------------
+
+
+def push(device_type: str, policy: Policy, torch_ctx: Any, traced: bool = False) -> None:
+    """Put ``policy`` in force on ``device_type``; ``torch_ctx`` is what :func:`pop` restores of torch's."""
+    st = _state()
+    edited = needs_kernels(policy, device_type)
+    plan = dispatch.acquire(policy, device_type) if edited else ()
+    table = st.traced_policy if traced else st.policy
+    st.regions.append(
+        dispatch.OpenRegion(device_type, torch_ctx, table.get(device_type), st.edited.get(device_type), plan, traced)
+    )
+    table[device_type] = policy
+    if edited:
+        st.edited[device_type] = policy
+    else:
+        st.edited.pop(device_type, None)
+    if policy.module_rules:
+        _count_rule_user(st, +1)
+
+
+def pop() -> None:
+    st = _state()
+    region = st.regions.pop()
+    device_type, torch_ctx = region.device_type, region.torch_state
+    policies = st.traced_policy if region.traced else st.policy
+    if policies[device_type].module_rules:
+        _count_rule_user(st, -1)
+    for table, prev in ((policies, region.prev_policy), (st.edited, region.prev_edited)):
+        if prev is None:
+            table.pop(device_type, None)
+        else:
+            table[device_type] = prev
+    dispatch.release(region.plan)
+    if not st.regions:
+        st.cache.clear()
+        st.module_stack.clear()
+    if isinstance(torch_ctx, tuple):  # a kept module: torch's state outside it
+        torch.set_autocast_enabled(device_type, torch_ctx[0])
+        torch.set_autocast_dtype(device_type, torch_ctx[1])
+    elif torch_ctx is not None:
+        torch_ctx.__exit__(None, None, None)
+
+
+def unwind_on_failed_trace(depth: int) -> None:
+    """While Dynamo traces, close what a trace that stops early would leave open."""
+    unwind_on_failed_trace_with(functools.partial(pop_to, depth))
+
+
+def unwind_on_failed_trace_with(undo: Callable[[], None]) -> None:
+    """While Dynamo traces, run ``undo`` when the trace ends (torch's state as it was before the trace)."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    try:
+        tx = InstructionTranslator.current_tx()
+    except AttributeError:  # no Dynamo trace in this thread
+        tx = None
+    if tx is None:  # AOTAutograd's trace: it runs the whole graph, exits included
+        return
+    tx.output.add_cleanup_hook(undo)
+
+
+def pop_to(depth: int) -> None:
+    """Close the regions opened after the stack was ``depth`` deep."""
+    while len(_state().regions) > depth:
+        pop()
+
+
+@torch.fx.node.has_side_effect
+@torch._dynamo.allow_in_graph  # type: ignore[untyped-decorator]
+def enter_traced(device_type: str, dtype: torch.dtype, enabled: bool, cache_enabled: bool, token: str) -> None:
+    # Under torch.compile this is a node of the graph: Dynamo and AOTAutograd run it while
+    # tracing (so the ops traced after it see the region), compiled code no longer needs it.
+    unwind_on_failed_trace(len(_state().regions))
+    compiled_backward.backward_like_eager()
+    torch_ctx = torch.amp.autocast_mode._UnmanagedAutocast(device_type, dtype, enabled, cache_enabled)
+    torch_ctx.__enter__()  # type: ignore[no-untyped-call]
+    push(device_type, interning.policy_for(token), torch_ctx, traced=True)
+
+
+@torch.fx.node.has_side_effect
+@torch._dynamo.allow_in_graph  # type: ignore[untyped-decorator]
+def exit_traced(device_type: str) -> None:
+    pop()
+
+
+# ----- the global module hooks that module rules run on ---------------------------------------
+
+_hooks_lock = threading.Lock()
+_hook_users = 0
+_rule_hooks: tuple[Callable[..., Any], Callable[..., Any]] | None = None
+# The hooks sit in torch's global hook dicts under a fixed key rather than behind a
+# RemovableHandle: creating a handle bumps a class counter, which Dynamo cannot trace,
+# while dict stores it can, so a region with rules can open inside a compiled function.
+_HOOK_KEY = -0x6D69787072  # negative: never one of torch's handle ids
+_module = nn.modules.module
+
+
+def set_rule_hooks(pre_hook: Callable[..., Any], post_hook: Callable[..., Any]) -> None:
+    """The forward pre- and post-hooks that apply module rules (``module_rules`` sets them at import)."""
+    global _rule_hooks
+    _rule_hooks = (pre_hook, post_hook)
+
+
+def _count_rule_user(st: dispatch.ThreadState, delta: int) -> None:
+    """A region with rules opens (+1) or closes (-1); the first installs the hooks, the last removes them."""
+    global _hook_users
+    st.rule_users += delta
+    with _hooks_lock:
+        _hook_users += delta
+        if delta > 0 and _HOOK_KEY not in _module._global_forward_pre_hooks:
+            assert _rule_hooks is not None, "mixprec._src.amp.module_rules sets the hooks when imported"
+            _module._global_forward_pre_hooks[_HOOK_KEY] = _rule_hooks[0]
+            _module._global_forward_hooks[_HOOK_KEY] = _rule_hooks[1]
+            _module._global_forward_hooks_always_called[_HOOK_KEY] = True
+        # While compiling, the hooks stay (the compiled frame's guards read them after tracing);
+        # they do nothing while no region with rules is open, and the next eager exit removes them.
+        elif delta < 0 and _hook_users == 0 and not torch.compiler.is_compiling():
+            del _module._global_forward_pre_hooks[_HOOK_KEY]
+            del _module._global_forward_hooks[_HOOK_KEY]
+            del _module._global_forward_hooks_always_called[_HOOK_KEY]

@@ -1,0 +1,246 @@
+"""Turning a model's linears into fp8 layers: which ones, which not and why, and their step.
+
+:func:`convert` is what :func:`mixprec.prepare` calls with ``PrepareConfig.fp8``; it applies
+CUDA's rules on every device (a layer whose features are not multiples of 16 is left out, with
+the reason), so a recipe tested on a CPU runs on a GPU. :func:`mixprec.fp8_layers` lists what was
+converted and what was left out. With delayed scaling, :func:`advance` ends an optimizer step: the
+layers' pending amaxes are all-reduced (max) across ranks in one collective, then join their
+histories, so every rank holds the same scaling state (a checkpoint saves it once).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mixprec._src import bound_forward
+from mixprec._src.fp8 import gemm as fp8_gemm
+from mixprec._src.fp8.config import Fp8Config, Fp8Recipe, is_plain_linear
+from mixprec._src.fp8.linear import Fp8Scaling, fp8_forward
+
+_ATTR = "_mixprec_fp8"  # the Fp8Layers of a converted model, on the model
+logger = logging.getLogger("mixprec.fp8")
+
+
+@dataclasses.dataclass
+class Fp8Layers:
+    """The fp8 layers of a model: converted (by qualified name) and left out (name, reason).
+
+    Attributes:
+        config: the fp8 config applied.
+        converted: qualified names of the linears that compute in fp8.
+        skipped: ``(qualified name, reason)`` of each linear left in its dtype.
+    """
+
+    config: Fp8Config
+    converted: list[str]
+    skipped: list[tuple[str, str]]
+    modules: dict[str, nn.Linear] = dataclasses.field(repr=False, default_factory=dict)
+
+    def __str__(self) -> str:
+        lines = [f"{self.config}: {len(self.converted)} linear(s) in fp8, {len(self.skipped)} left out"]
+        lines += [f"  {name or '<model>'}: {reason}" for name, reason in self.skipped]
+        return "\n".join(lines)
+
+    def scalings(self) -> list[tuple[str, Fp8Scaling]]:
+        """``(name, Fp8Scaling)`` of each converted layer."""
+        return [(name, module.fp8) for name, module in self.modules.items()]  # type: ignore[misc]
+
+
+_UNSAVED = "_mixprec_fp8_unsaved"  # the keys keep_out_of_save_pretrained added to _keys_to_ignore_on_save
+
+
+def fp8_layers(model: nn.Module) -> Fp8Layers | None:
+    """What fp8 conversion did to ``model`` (converted and skipped layers), or ``None`` if none ran."""
+    layers: Fp8Layers | None = model.__dict__.get(_ATTR)
+    return layers
+
+
+def reason_to_skip(module: nn.Linear, name: str, config: Fp8Config, kept: bool, head: str | None) -> str | None:
+    if not is_plain_linear(module):
+        return (f"{type(module).__name__} is a subclass of nn.Linear: only nn.Linear itself is converted (a "
+                "subclass may compute otherwise, or its owner use the weight without calling it, as "
+                "nn.MultiheadAttention does with its out_proj)")  # fmt: skip
+    if not config.selects(module, name):
+        return "not selected by the fp8 names or filter"
+    if kept:
+        return "kept in fp32 by the prepare config"
+    if name == head and not config.convert_head:
+        return "the output head (the last linear; Fp8Config(convert_head=True) converts it)"
+    features = (("in_features", module.in_features), ("out_features", module.out_features))
+    misaligned = [f"{what} {n}" for what, n in features if n % fp8_gemm.ALIGN]
+    if misaligned:
+        return f"{' and '.join(misaligned)} not a multiple of {fp8_gemm.ALIGN}, which fp8 GEMMs on CUDA need"
+    return None
+
+
+def check_device(model: nn.Module, config: Fp8Config) -> None:
+    """Raise where the model's GPU has no fp8 GEMMs for ``config``'s recipe (host-side, no sync)."""
+    param = next(model.parameters(), None)
+    if param is None or param.device.type != "cuda":
+        return
+    major, minor = torch.cuda.get_device_capability(param.device)
+    rowwise = config.recipe in (Fp8Recipe.ROWWISE, Fp8Recipe.ROWWISE_WITH_GW_HP)
+    need = (9, 0) if rowwise else (8, 9)
+    if (major, minor) < need:
+        raise ValueError(
+            f"fp8 recipe {config.recipe.value!r} needs a GPU of compute capability {need[0]}.{need[1]} or newer "
+            f"(this one is {major}.{minor}); use recipe 'tensorwise' (8.9+) or train without fp8"
+        )
+
+
+def convert(model: nn.Module, config: Fp8Config, kept: set[int]) -> Fp8Layers:
+    """Give the chosen linears of ``model`` an fp8 forward (in place); ``kept``: ids of modules kept in fp32."""
+    check_device(model, config)
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    head = linears[-1][0] if linears else None
+    layers = Fp8Layers(config, [], [])
+    for name, module in linears:
+        if is_converted(module):  # given its own fp8 recipe before (mixprec.set_layer_precision): it keeps it
+            layers.converted.append(name)
+            layers.modules[name] = module
+            continue
+        reason = reason_to_skip(module, name, config, id(module) in kept, head)
+        if "forward" in module.__dict__:  # the user's choice stands
+            reason = "its forward is its own (mixprec.set_layer_precision, or another library's): left as it is"
+        if reason is not None:
+            layers.skipped.append((name, reason))
+            continue
+        module.fp8 = Fp8Scaling(config, module.weight.device)
+        bound_forward.bind(module, fp8_forward)
+        layers.converted.append(name)
+        layers.modules[name] = module
+    model.__dict__[_ATTR] = layers
+    keep_out_of_save_pretrained(model)
+    logger.info("%s", layers)
+    if not layers.converted:
+        warnings.warn(f"fp8 was asked for but no linear was converted ({len(layers.skipped)} left out); "
+                      "mixprec.fp8_layers(model) lists them with the reasons", UserWarning, stacklevel=3)  # fmt: skip
+    return layers
+
+
+def is_converted(module: nn.Module) -> bool:
+    """Whether ``module`` is a linear with an fp8 forward."""
+    return bound_forward.bound_function(module) is fp8_forward
+
+
+def scaling_of(module: nn.Module) -> Fp8Scaling | None:
+    """The :class:`Fp8Scaling` of a converted linear, else ``None``."""
+    scaling = module._modules.get("fp8")
+    return scaling if isinstance(scaling, Fp8Scaling) and is_converted(module) else None
+
+
+def set_layer(model: nn.Module, name: str, config: Fp8Config | None) -> None:
+    """Convert one linear of ``model`` with ``config`` (another recipe: its scaling state starts afresh),
+    or, with ``None``, give it back its ``nn.Linear`` forward (in place).
+
+    Raises:
+        ValueError: a layer fp8 cannot convert (not an ``nn.Linear``, a subclass, features not multiples
+            of 16), or a model whose fp8 weights are all-gathered in fp8 (their gather is set per layer).
+    """
+    module = model.get_submodule(name)
+    layers = fp8_layers(model)
+    if layers is not None and layers.config.all_gather:
+        raise ValueError("the fp8 layers of this model are all-gathered in fp8 (Fp8Config(all_gather=True)); "
+                         "a layer's fp8 recipe cannot change there: prepare without all_gather")  # fmt: skip
+    if config is None:
+        if layers is not None and name in layers.modules:
+            revert_layer(layers, name, "moved out of fp8")
+            keep_out_of_save_pretrained(model)
+        return
+    if not isinstance(module, nn.Linear):
+        raise ValueError(f"{name!r} is a {type(module).__name__}; fp8 converts nn.Linear layers")
+    reason = reason_to_skip(module, name, dataclasses.replace(config, names=("*",), filter=None), False, None)
+    if reason is not None:
+        raise ValueError(f"{name!r} cannot compute in fp8: {reason}")
+    if layers is None:
+        layers = model.__dict__[_ATTR] = Fp8Layers(config, [], [])
+    old = scaling_of(module)
+    scaling = Fp8Scaling(config, module.weight.device)  # type: ignore[arg-type]
+    scaling.recording = old is not None and old.recording
+    module.fp8 = scaling
+    bound_forward.bind(module, fp8_forward)
+    layers.skipped = [(n, r) for n, r in layers.skipped if n != name]
+    if name not in layers.modules:
+        layers.converted.append(name)
+    layers.modules[name] = module  # type: ignore[assignment]
+    keep_out_of_save_pretrained(model)
+
+
+def revert_layer(layers: Fp8Layers, name: str, reason: str) -> None:
+    """One converted layer computes as ``nn.Linear`` again, listed as left out for ``reason``."""
+    module = layers.modules.pop(name)
+    del module.fp8
+    module.__dict__.pop("forward", None)
+    layers.converted.remove(name)
+    layers.skipped.append((name, reason))
+
+
+def revert(model: nn.Module) -> None:
+    """Undo :func:`convert`: the linears compute as ``nn.Linear`` again; the fp8 state is dropped."""
+    layers = model.__dict__.pop(_ATTR, None)
+    if layers is None:
+        return
+    for module in layers.modules.values():
+        del module.fp8
+        module.__dict__.pop("forward", None)
+    keep_out_of_save_pretrained(model)
+
+
+def keep_out_of_save_pretrained(model: nn.Module) -> None:
+    """Keep the delayed-scaling amax histories of a Hugging Face model out of what ``save_pretrained`` writes.
+
+    ``save_pretrained`` writes the weights a model loads with ``from_pretrained``, which is not prepared:
+    the histories are training state (as the optimizer's is) it would report as unexpected keys. They
+    stay in ``state_dict()``, so ``torch.save``, DCP and :func:`mixprec.prepare`'s resume keep them.
+    Through the model's own ``_keys_to_ignore_on_save`` (a transformers model's per-instance set);
+    other models are left alone. Called whenever the model's fp8 layers change.
+    """
+    ignore = model.__dict__.get("_keys_to_ignore_on_save")
+    if not isinstance(ignore, set):
+        return
+    delayed = [n for n, m in model.named_modules() if isinstance(m, Fp8Scaling) and m.config.delayed]
+    now = {f"{name}.{buffer}" for name in delayed for buffer in ("history", "pending")}
+    ignore -= model.__dict__.get(_UNSAVED, set()) - now
+    ignore |= now
+    model.__dict__[_UNSAVED] = now
+
+
+def advance(layers: Fp8Layers, group: Any = None) -> None:
+    """End of an optimizer step (delayed scaling): all-reduce the pending amaxes (max), roll the histories.
+
+    One collective for all layers where a process group of more than one rank is up; no sync.
+    """
+    scalings = [s for _, s in layers.scalings() if s.config.delayed]
+    if not scalings:
+        return
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        pending = torch.stack([s.pending for s in scalings])
+        dist.all_reduce(pending, op=dist.ReduceOp.MAX, group=group)
+        for s, row in zip(scalings, pending, strict=True):
+            s.pending.copy_(row)
+    for s in scalings:
+        s.advance()
+
+
+def drop_foreign_fp8_state(model: nn.Module, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
+    """A load-state-dict pre-hook: fp8 amax histories of layers that are not fp8 here are ignored.
+
+    A checkpoint of a delayed-scaling recipe then loads into a bf16 (or dynamic fp8) recipe of the
+    same model; its weights are the same full-precision tensors.
+    """
+    for key in [k for k in state_dict if k.endswith((".fp8.history", ".fp8.pending"))]:
+        if not key.startswith(prefix):
+            continue
+        try:
+            target = model.get_submodule(key[len(prefix) :].rsplit(".", 2)[0])
+        except AttributeError:  # not this model's layer: strict loading reports it
+            continue
+        if not isinstance(getattr(target, "fp8", None), Fp8Scaling) or not target.fp8.config.delayed:  # type: ignore[union-attr]
+            del state_dict[key]

@@ -1,0 +1,6 @@
+"""Layers: one layer's precision, chosen by hand, planned, or moved during training.
+
+Owns ``set_layer_precision`` (``precision``), ``tune``'s per-layer plan (``plan``: measure each
+layer in each precision, choose) and the :class:`Guard` (``guard``) that moves a failing layer up.
+May import: the base modules, ``policy``, ``amp``, ``scaling`` and ``fp8``.
+"""

@@ -1,0 +1,383 @@
+"""Per-layer planning: measure each linear and convolution in each precision, choose one per layer.
+
+:func:`measure` runs the model once in fp32 on the user's batch to capture each layer's input and
+output gradient, then times, at those shapes, the layer's forward and backward (its output GEMM
+and both gradient GEMMs) in each candidate precision and measures its error against fp32 from
+the same weights, input and output gradient (SQNR of the output and both gradients; the worst
+counts). fp16 is measured as it trains, behind a GradScaler: its output gradient is multiplied by
+the loss scale a GradScaler trains this model at (:func:`settled_loss_scale`) and its gradients
+divided by it after, so gradients fp16 holds only scaled are not counted as underflow.
+:func:`choose` picks per layer::
+
+    allowed  = fp32, and each precision whose SQNR >= the floor
+    fp8 only where the device has fp8 GEMMs, and never where it measured slower than bf16
+    choice   = what the recipe gives the layer (its dtype, or fp32 where it keeps the layer) if allowed
+               and within min_speedup of the fastest allowed, else the fastest allowed
+
+Candidates train one at a time, alternating precisions within each repetition so a shared
+machine's load falls on all alike. A layer's noise is how far its fastest two runs of a precision
+differ (:func:`timing.fastest_noise`, the worst precision's); a noisy layer is repeated (up to
+``_MAX_REPS``), and another precision must beat the recipe's by that noise as well as by
+``min_speedup`` (the reason says when the noise decided). Everything here syncs with the device:
+it times GEMMs.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec._src import input_checks, timing
+from mixprec._src.fp8 import conversion as fp8_conversion
+from mixprec._src.fp8.config import Fp8Config, Fp8Recipe
+from mixprec._src.layers.precision import (
+    DELAYED_PER_LAYER,
+    FP8_PREFIX,
+    fp8_recipe_of,
+    is_layer,
+    layer_of,
+    parse_precision,
+    set_layer_precision,
+)
+from mixprec._src.observe.fp8_diagnostics import sqnr
+
+#: The fp8 recipes the planner considers (delayed scaling needs prepare's step hook: a whole-model choice).
+FP8_CANDIDATES = (FP8_PREFIX + Fp8Recipe.TENSORWISE.value, FP8_PREFIX + Fp8Recipe.ROWWISE.value)
+_REPS = 3  # timed repetitions per layer and precision (after one warm-up): the fastest counts
+_MAX_REPS = 8  # ... repeated up to this many while the fastest two of a precision differ by over timing.NOISY
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerChoice:
+    """One layer of a per-layer plan: its shape, what each precision cost and how accurate it was, the choice.
+
+    Attributes:
+        name: the layer's qualified name.
+        shape: e.g. ``"linear 256->512, 1024 rows"``.
+        ms: ``(precision, ms)`` pairs: forward and backward of the layer at its shapes (the fastest of 3 runs).
+        sqnr_db: ``(precision, dB)`` pairs: the worst of output, input gradient and weight gradient
+            against fp32 (fp32 is the reference and has none).
+        choice: the precision the layer computes in.
+        reason: why, in a sentence.
+        noise: how much the layer's timings moved between repetitions (relative; see :mod:`timing`).
+        default: the precision the recipe gives the layer without the plan (its dtype, or fp32 where it
+            keeps the layer or moves its op to fp32); ``""``: the recipe's dtype (:class:`Recipe` fills it).
+    """
+
+    name: str
+    shape: str
+    ms: tuple[tuple[str, float], ...] = ()
+    sqnr_db: tuple[tuple[str, float], ...] = ()
+    choice: str = "fp32"
+    reason: str = ""
+    default: str = ""
+    noise: float = 0.0
+
+    def __post_init__(self) -> None:
+        for field in ("ms", "sqnr_db"):
+            pairs = getattr(self, field)
+            items = pairs.items() if isinstance(pairs, dict) else pairs
+            object.__setattr__(self, field, tuple((parse_precision(p), float(v)) for p, v in items))
+        object.__setattr__(self, "choice", parse_precision(self.choice))
+        if self.default:
+            object.__setattr__(self, "default", parse_precision(self.default))
+
+    @property
+    def moved(self) -> bool:
+        """Whether the plan gives this layer another precision than the recipe would."""
+        return self.choice != self.default
+
+    def ms_of(self, precision: str) -> float | None:
+        return dict(self.ms).get(precision)
+
+    def sqnr_of(self, precision: str) -> float | None:
+        return dict(self.sqnr_db).get(precision)
+
+
+@dataclasses.dataclass
+class _Captured:
+    module: nn.Module
+    x: torch.Tensor
+    x_needs_grad: bool
+    grad: torch.Tensor
+
+
+def device_has_fp8(device: torch.device) -> bool:
+    """Whether ``device`` runs fp8 GEMMs in hardware (CUDA capability 8.9 or newer)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def settled_loss_scale(largest_gradient: float, init_scale: float = 2.0**16) -> float:
+    """The loss scale a GradScaler starting at ``init_scale`` trains at when a step's largest gradient (in fp32)
+    is ``largest_gradient``.
+
+    The scaler halves the scale on every overflowing step, so within a few steps it is at most the
+    largest power of two that keeps the largest gradient finite in fp16, ``2**floor(log2(65504 /
+    largest_gradient))``; it grows past ``init_scale`` only one doubling per 2000 good steps, so not above it.
+    """
+    if not (largest_gradient > 0 and math.isfinite(largest_gradient)):
+        return init_scale
+    exponent = math.floor(math.log2(torch.finfo(torch.float16).max / largest_gradient))
+    return min(2.0 ** max(exponent, -24), init_scale)
+
+
+def _capture(
+    model: nn.Module, batch: Any, loss_of: Callable[[Any], torch.Tensor]
+) -> tuple[dict[str, _Captured], float]:
+    """Each layer's first input and output gradient, from one fp32 forward and backward of a copy, and the
+    largest gradient of the step (the layers' output gradients and the parameters' gradients)."""
+    copied = copy.deepcopy(model)
+    found: dict[str, _Captured] = {}
+    handles = []
+
+    def hook(name: str) -> Callable[..., None]:
+        def record(module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
+            x = args[0] if args else None
+            if name in found or not isinstance(x, torch.Tensor) or not isinstance(out, torch.Tensor):
+                return
+            if not out.requires_grad:
+                return
+            entry = _Captured(module, x.detach().clone(), x.requires_grad, torch.empty(0))
+            found[name] = entry
+
+            def keep(grad: torch.Tensor) -> None:
+                entry.grad = grad.detach().clone()
+
+            out.register_hook(keep)  # type: ignore[no-untyped-call]
+
+        return record
+
+    for name, module in copied.named_modules():
+        if name and is_layer(module):
+            handles.append(module.register_forward_hook(hook(name)))
+    try:
+        loss_of(input_checks.call_model(copied, batch)).backward()  # type: ignore[no-untyped-call]
+    finally:
+        for handle in handles:
+            handle.remove()
+    grads = [c.grad for c in found.values() if c.grad.numel()]
+    grads += [p.grad for p in copied.parameters() if p.grad is not None and p.grad.numel()]
+    largest = max((float(g.detach().abs().max()) for g in grads), default=0.0)
+    return {n: c for n, c in found.items() if c.grad.numel()}, largest
+
+
+def _shape(module: nn.Module, x: torch.Tensor) -> str:
+    if isinstance(module, nn.Linear):
+        return f"linear {module.in_features}->{module.out_features}, {x.numel() // max(x.shape[-1], 1)} rows"
+    conv: Any = module
+    kernel = "x".join(str(k) for k in conv.kernel_size)
+    return f"{type(module).__name__.lower()} {conv.in_channels}->{conv.out_channels} k{kernel}, input {tuple(x.shape)}"
+
+
+class _Run:
+    """One layer in one precision: a copy of it, run forward and backward on the captured tensors."""
+
+    def __init__(self, captured: _Captured, precision: str, loss_scale: float = 1.0) -> None:
+        self.holder = nn.Module()
+        self.holder.layer = copy.deepcopy(captured.module)
+        if precision != "fp32":
+            set_layer_precision(self.holder, "layer", precision)
+        self.captured = captured
+        self.loss_scale = loss_scale  # a power of two: scaling and unscaling are exact but for range
+        self.grad = captured.grad * loss_scale if loss_scale != 1.0 else captured.grad
+        self.times: list[float] = []
+        self.result: tuple[torch.Tensor, ...] = ()
+
+    def __call__(self) -> float:
+        c = self.captured
+        layer: Any = self.holder.layer
+        layer.zero_grad(set_to_none=True)
+        x = c.x.clone().requires_grad_(c.x_needs_grad)
+        device = x.device
+        _sync(device)
+        begin = timing.clock()
+        out = layer(x)
+        out.backward(self.grad.to(out.dtype))
+        _sync(device)
+        seconds = timing.clock() - begin
+        weight: Any = layer.weight
+        grads = (weight.grad, *((x.grad,) if c.x_needs_grad else ()))
+        unscale = 1.0 / self.loss_scale
+        self.result = (out.detach().float(), *(g.float() * unscale for g in grads if g is not None))
+        self.times.append(seconds)
+        return seconds
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _fp8_reason(module: nn.Module, name: str, head: str | None) -> str | None:
+    """Why fp8 cannot take this layer (the rules of prepare's fp8 conversion), or None."""
+    if not isinstance(module, nn.Linear):
+        return "fp8 converts linears only"
+    return fp8_conversion.reason_to_skip(module, name, Fp8Config(), False, head)
+
+
+@dataclasses.dataclass
+class Measured:
+    """Per layer: shape, ms and SQNR by precision, why a precision was not measured, the timings' noise."""
+
+    name: str
+    shape: str
+    ms: dict[str, float]
+    sqnr_db: dict[str, float]
+    not_measured: dict[str, str]
+    noise: float = 0.0
+
+
+def measure(model: nn.Module, batch: Any, loss_of: Callable[[Any], torch.Tensor], precisions: Sequence[str],
+            deadline: float, emulated: Mapping[str, float] | None = None,
+            progress: Callable[[str], None] | None = None) -> tuple[list[Measured], list[str]]:  # fmt: skip
+    """Time and check each layer of ``model`` in each of ``precisions`` (fp32 always), until ``deadline``.
+
+    fp8 precisions are measured on devices with fp8 GEMMs only (elsewhere ``torch._scaled_mm`` is an
+    fp32 emulation whose speed means nothing), for the layers prepare's fp8 conversion would take.
+    ``emulated``: dtypes this device emulates, with how many times slower than fp32 their matmuls
+    are; they are not run (a layer would take that many times fp32's time) and the plan says so.
+
+    Returns:
+        the layers measured, in the order the forward called them, and notes (sentences).
+    """
+    device = next(model.parameters()).device
+    notes: list[str] = []
+    wanted = list(dict.fromkeys(["fp32", *(parse_precision(p) for p in precisions)]))
+    untimed = set()  # run once for their SQNR (the emulation computes what the hardware would), not timed
+    if any(p.startswith(FP8_PREFIX) for p in wanted) and not device_has_fp8(device):
+        untimed = {p for p in wanted if p.startswith(FP8_PREFIX)}
+        notes.append(f"no layer in fp8: fp8 GEMMs are emulated on {device.type} (torch._scaled_mm in fp32), "
+                     "so fp8 could only be slower; a GPU of compute capability 8.9+ has them (the table "
+                     "shows fp8's SQNR per layer, the same there)")  # fmt: skip
+    slow = {p: s for p, s in (emulated or {}).items() if p in wanted and p != "fp32"}
+    if slow:
+        wanted = [p for p in wanted if p not in slow]
+        notes.append("per-layer plan: not run in " + ", ".join(f"{p} (a matmul {s:.0f}x slower than fp32: emulated)"
+                                                              for p, s in slow.items()))  # fmt: skip
+    captured, largest_gradient = _capture(model, batch, loss_of)
+    fp16_scale = settled_loss_scale(largest_gradient)
+    if "fp16" in wanted:
+        notes.append(f"per-layer plan: fp16 measured behind a loss scale of 2**{int(math.log2(fp16_scale))}, what "
+                     f"a GradScaler trains this model at (largest gradient {largest_gradient:.3g})")  # fmt: skip
+    linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    head = linears[-1] if linears else None
+    out: list[Measured] = []
+    for name, c in captured.items():
+        if time.perf_counter() > deadline:
+            notes.append(f"the budget ran out after {len(out)} of {len(captured)} layers: the others keep the "
+                         "recipe's dtype")  # fmt: skip
+            break
+        entry = Measured(
+            name,
+            _shape(c.module, c.x),
+            {},
+            {},
+            {p: f"emulated here (a matmul {s:.0f}x slower than fp32)" for p, s in slow.items()},
+        )
+        runs: dict[str, _Run] = {}
+        for p in wanted:
+            why = _fp8_reason(c.module, name, head) if p.startswith(FP8_PREFIX) else None
+            if why is not None:
+                entry.not_measured[p] = why.split(" (")[0].split(", which")[0]  # the rule, without its advice
+                continue
+            runs[p] = _Run(c, p, fp16_scale if p == "fp16" else 1.0)
+        if progress is not None:
+            progress(f"  layer {name} ({entry.shape}): {', '.join(runs)}")
+        for run in runs.values():
+            run()  # warm-up
+        timed = {p: run for p, run in runs.items() if p not in untimed}
+        rep = 0
+        while rep < _REPS or (rep < _MAX_REPS and _noise(timed) > timing.NOISY and time.perf_counter() < deadline):
+            order = list(timed.values()) if rep % 2 == 0 else list(reversed(timed.values()))
+            for run in order:
+                if time.perf_counter() < deadline:
+                    run()
+            rep += 1
+        entry.noise = _noise(timed)
+        reference = runs["fp32"].result
+        for p, run in runs.items():
+            if p in untimed:
+                entry.not_measured[p] = f"fp8 GEMMs emulated on {c.x.device.type}"
+            else:
+                entry.ms[p] = min(run.times[1:] or run.times) * 1e3  # a shared machine's load only adds time
+            if p != "fp32":
+                entry.sqnr_db[p] = min(sqnr(a, b) for a, b in zip(run.result, reference, strict=True))
+        out.append(entry)
+    return out, notes
+
+
+def _noise(runs: Mapping[str, _Run]) -> float:
+    """The worst precision's :func:`timing.fastest_noise` over its timed runs (after the warm-up)."""
+    return max((n for run in runs.values() if (n := timing.fastest_noise(run.times[1:])) is not None), default=0.0)
+
+
+def choose(measured: Sequence[Measured], default: str | Callable[[Measured], str], floor_db: float,
+           min_speedup: float, fp8_allowed: bool = True) -> tuple[LayerChoice, ...]:  # fmt: skip
+    """Each measured layer's precision (see the module docstring); ``default``: what the recipe gives a
+    layer (its dtype, or per layer)."""
+    choices = []
+    recipe_default = default
+    for m in measured:
+        default = recipe_default(m) if callable(recipe_default) else recipe_default
+        allowed, why_not = {}, []
+        for p, ms in m.ms.items():
+            quality = m.sqnr_db.get(p, math.inf)
+            if quality < floor_db:
+                why_not.append(f"{p} {quality:.1f} dB < {floor_db:g} dB")
+                continue
+            if p.startswith(FP8_PREFIX):
+                high = m.ms.get("bf16", m.ms.get(default))
+                if not fp8_allowed or (high is not None and ms >= high):
+                    why_not.append(f"{p} not faster than bf16 ({ms:.3f} vs {high:.3f} ms)" if high else p)
+                    continue
+            allowed[p] = ms
+        fastest = min(allowed, key=allowed.__getitem__)
+        need = max(min_speedup, 1.0 + m.noise)  # a speed-up within the timings' noise is not one
+        if default in allowed and allowed[default] <= allowed[fastest] * need:
+            choice = default
+            reason = "as the recipe has it"
+            if fastest != default and allowed[default] > allowed[fastest] * min_speedup:
+                reason += (f" ({fastest} measured {allowed[default] / allowed[fastest]:.2f}x faster, within the "
+                           f"timing noise ±{m.noise:.0%})")  # fmt: skip
+            elif fastest != default:
+                reason += f" (within {min_speedup:g}x of {fastest})"
+        else:
+            choice = fastest
+            reason = f"fastest above {floor_db:g} dB"
+            if default in m.ms:
+                reason += f" ({m.ms[default] / allowed[fastest]:.2f}x faster than {default})"
+        if why_not:
+            reason += "; not " + ", ".join(why_not)
+        unmeasured: dict[tuple[str, str], list[str]] = {}
+        for p, why in m.not_measured.items():
+            unmeasured.setdefault(("not timed" if p in m.sqnr_db else "not measured", why), []).append(p)
+        reason += "".join(f"; {', '.join(ps)} {what}: {why}" for (what, why), ps in unmeasured.items())
+        choices.append(LayerChoice(m.name, m.shape, tuple(m.ms.items()), tuple(m.sqnr_db.items()), choice, reason,
+                                   default, m.noise))  # fmt: skip
+    return tuple(choices)
+
+
+def apply(model: nn.Module, layers: Sequence[LayerChoice]) -> None:
+    """Set each layer the plan moves (its choice is not the recipe's default for it) to its precision (in place)."""
+    moved = [c for c in layers if c.moved]
+    for layer in moved:  # every name first: a plan for another model changes nothing
+        try:
+            layer_of(model, layer.name)
+        except ValueError as exc:
+            raise ValueError(f"the recipe's per-layer plan does not fit this model: {exc}") from None
+    for layer in moved:
+        set_layer_precision(model, layer.name, layer.choice)
+
+
+def check_choices(layers: Sequence[LayerChoice]) -> None:
+    """Raise for a choice :meth:`Recipe.apply` cannot apply by itself (delayed scaling needs prepare)."""
+    for layer in layers:
+        if fp8_recipe_of(layer.choice) is Fp8Recipe.DELAYED:
+            raise ValueError(f"layer {layer.name!r}: {DELAYED_PER_LAYER}")

@@ -1,0 +1,143 @@
+"""Per-layer precision: one linear or convolution computes in a precision of its own.
+
+``set_layer_precision(model, "blocks.0.fc1", "fp32")`` is what a tuned recipe's per-layer plan
+(:meth:`mixprec.Recipe.apply`) and the training guard (:class:`mixprec.Guard`) call. A layer's
+precision is one of :data:`PRECISIONS`:
+
+* ``"fp8-<recipe>"``: the layer is an fp8 linear of that recipe (``fp8_conversion.set_layer``);
+* ``"bf16"``, ``"fp16"``, ``"fp32"``: its GEMM runs in that dtype whatever the region around it
+  says (input, weight and bias cast to it, autocast off inside); the output stays in that dtype
+  inside an autocast region (the next op casts it, as autocast does) and is cast back to the
+  input's dtype outside one, so an fp32 model with one bf16 layer runs.
+
+The parameters, their names and the state dict are the layer's own (a dtype override adds
+nothing; fp8 adds what the fp8 recipe adds). Nothing here syncs with the device.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mixprec._src import bound_forward
+from mixprec._src.amp import compiled_backward
+from mixprec._src.dtypes import parse_dtype, short_name
+from mixprec._src.fp8 import conversion as fp8_conversion
+from mixprec._src.fp8.config import Fp8Config, Fp8Recipe
+
+FP8_PREFIX = "fp8-"
+#: Every precision a layer can be given, from the least precise to the most.
+PRECISIONS = (
+    *(FP8_PREFIX + r.value for r in (Fp8Recipe.DELAYED, Fp8Recipe.TENSORWISE, Fp8Recipe.ROWWISE,
+                                     Fp8Recipe.ROWWISE_WITH_GW_HP)),
+    "fp16",
+    "bf16",
+    "fp32",
+)  # fmt: skip
+_DTYPE = "_mixprec_layer_dtype"  # a dtype override, in the layer's __dict__
+_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
+def parse_precision(value: str | torch.dtype) -> str:
+    """A layer precision's canonical name: ``"fp8-tensorwise"``, ``"bf16"``; dtypes and their names accepted.
+
+    Raises:
+        ValueError: not a precision; the message lists them.
+    """
+    if isinstance(value, str) and value.startswith(FP8_PREFIX):
+        return FP8_PREFIX + Fp8Recipe.from_name(value[len(FP8_PREFIX) :]).value
+    try:
+        return short_name(parse_dtype(value, what="layer precision"))
+    except (TypeError, ValueError):
+        raise ValueError(f"unknown layer precision {value!r}; valid: {', '.join(PRECISIONS)}") from None
+
+
+def fp8_recipe_of(precision: str) -> Fp8Recipe | None:
+    """The fp8 recipe of ``"fp8-<recipe>"``, else ``None``."""
+    return Fp8Recipe.from_name(precision[len(FP8_PREFIX) :]) if precision.startswith(FP8_PREFIX) else None
+
+
+def is_layer(module: nn.Module) -> bool:
+    """Whether ``module`` can be given a precision: an ``nn.Linear`` or ``nn.Conv1d/2d/3d`` itself (or one
+    ``fully_shard`` made its own unit), not a subclass: a subclass may compute otherwise, or its owner
+    use its weight without calling it (``nn.MultiheadAttention``'s ``out_proj``)."""
+    cls = type(module)
+    return cls in (nn.Linear, *_CONVS) or any(cls.__name__ == f"FSDP{base.__name__}" and base in cls.__mro__
+                                              for base in (nn.Linear, *_CONVS))  # fmt: skip
+
+
+def layer_precision(model: nn.Module, name: str) -> str | None:
+    """The precision set on layer ``name`` (an fp8 recipe or a dtype override), or ``None``: the region's."""
+    module = model.get_submodule(name)
+    scaling = fp8_conversion.scaling_of(module)
+    if scaling is not None:
+        return FP8_PREFIX + scaling.config.recipe.value
+    dtype = module.__dict__.get(_DTYPE)
+    return None if dtype is None else short_name(dtype)
+
+
+def set_layer_precision(model: nn.Module, name: str, precision: str | torch.dtype | None) -> None:
+    """Make layer ``name`` of ``model`` compute in ``precision`` (in place; ``None``: as the region says).
+
+    Raises:
+        ValueError: not a linear or convolution, an unknown precision, fp8 on a layer fp8 cannot
+            convert (a convolution, a subclass, features not multiples of 16).
+    """
+    module = layer_of(model, name)
+    canonical = None if precision is None else parse_precision(precision)
+    recipe = None if canonical is None else fp8_recipe_of(canonical)
+    if recipe is Fp8Recipe.DELAYED:
+        raise ValueError(DELAYED_PER_LAYER)
+    if recipe is not None:
+        module.__dict__.pop(_DTYPE, None)
+        if module.__dict__.get("forward") is not None and not fp8_conversion.is_converted(module):
+            module.__dict__.pop("forward")
+        fp8_conversion.set_layer(model, name, Fp8Config(recipe))
+        return
+    if fp8_conversion.is_converted(module):
+        fp8_conversion.set_layer(model, name, None)
+    if canonical is None:
+        module.__dict__.pop(_DTYPE, None)
+        module.__dict__.pop("forward", None)
+        return
+    module.__dict__[_DTYPE] = parse_dtype(canonical)
+    bound_forward.bind(module, _dtype_forward)
+
+
+#: Why one layer cannot be given delayed scaling on its own.
+DELAYED_PER_LAYER = ("fp8-delayed keeps an amax history that prepare's step hook advances: a whole-model choice "
+                     "(mixprec.prepare(..., fp8='delayed'), Recipe(fp8='delayed')); one layer takes a dynamic "
+                     "recipe (fp8-tensorwise, fp8-rowwise)")  # fmt: skip
+
+
+def layer_of(model: nn.Module, name: str) -> nn.Module:
+    """The layer called ``name`` in ``model``.
+
+    Raises:
+        ValueError: no such module, or not a layer a precision can be given to.
+    """
+    try:
+        module = model.get_submodule(name)
+    except AttributeError:
+        raise ValueError(f"the model has no module {name!r} (names as model.named_modules() gives them)") from None
+    if not is_layer(module):
+        raise ValueError(f"{name!r} is a {type(module).__name__}; per-layer precision applies to nn.Linear and "
+                         "nn.Conv1d/2d/3d themselves (a subclass may compute otherwise, or its owner use its "
+                         "weight without calling it, as nn.MultiheadAttention does with out_proj)")  # fmt: skip
+    return module
+
+
+def _dtype_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
+    """The forward of a layer with a dtype override (bound to it by :func:`set_layer_precision`)."""
+    dtype: torch.dtype = self.__dict__[_DTYPE]
+    device_type = input.device.type
+    region = torch.is_autocast_enabled(device_type)
+    compiled_backward.backward_like_eager()  # its backward in its dtype too when compiled
+    weight: torch.Tensor = self.weight  # type: ignore[assignment]
+    bias: torch.Tensor | None = self.bias  # type: ignore[assignment]
+    with torch.autocast(device_type, enabled=False):  # the GEMM's dtype is the layer's, not the region's
+        x, w = input.to(dtype), weight.to(dtype)
+        b = None if bias is None else bias.to(dtype)
+        out = F.linear(x, w, b) if isinstance(self, nn.Linear) else self._conv_forward(x, w, b)  # type: ignore[operator]
+    return out if region or not input.is_floating_point() else out.to(input.dtype)

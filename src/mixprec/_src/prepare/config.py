@@ -1,0 +1,107 @@
+"""What :func:`mixprec.prepare` does to a model, as one value: :class:`PrepareConfig`.
+
+``prepare(model, optimizer, "O2")`` and ``prepare(model, optimizer, PrepareConfig(level="O2", ...))``
+do the same; the config is what integrations, :meth:`mixprec.Recipe.apply` and user code pass
+around, print and compare. Options of new precision formats and distributed engines join it as
+fields: the one place a model's conversion is described.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec._src.dtypes import LOW_PRECISION, NamedEnum, parse_dtype, short_name
+from mixprec._src.fp8.config import Fp8Config, as_fp8_config
+from mixprec._src.policy.grammar import get_policy, rule_items
+from mixprec._src.policy.policy import NORM_TYPES, ModuleFilter, ModuleRule, Policy
+
+
+class Level(NamedEnum):
+    """Precision levels of :func:`mixprec.prepare`."""
+
+    O1 = "O1"
+    O2 = "O2"
+    BF16_SR = "bf16-sr"
+    BF16_PURE = "bf16-pure"
+
+    @classmethod
+    def _what(cls) -> tuple[str, str]:
+        return "level", "levels"
+
+
+@dataclasses.dataclass(frozen=True)
+class PrepareConfig:
+    """How :func:`mixprec.prepare` converts a model and its optimizer.
+
+    Attributes:
+        level: ``"O1"``, ``"O2"``, ``"bf16-sr"`` or ``"bf16-pure"`` (see :func:`mixprec.prepare`).
+        dtype: the low precision (bf16 or fp16; the bf16 levels need bf16).
+        keep_types: module types kept in fp32 (stored and computed); norm layers by default.
+        keep_names: qualified-name globs of modules kept in fp32 (``"head"``, ``"blocks.*.attn"``).
+        keep_filter: ``(module, name) -> bool``; a module it accepts is kept in fp32 too.
+        output_dtype: the model's floating outputs are cast to this (``None``: as computed).
+        policy: the autocast policy the prepared forward runs under (a :class:`Policy` or a
+            policy string); ``None``: the device's built-in lists.
+        fp8: linears that compute in fp8 (a recipe name or an :class:`Fp8Config`); ``None``: none.
+            Modules kept in fp32 stay out of fp8.
+
+    Raises:
+        ValueError: a bad level or dtype, or a bf16 level with another dtype (at construction).
+    """
+
+    level: Level = Level.O2
+    dtype: torch.dtype = torch.bfloat16
+    keep_types: tuple[type[nn.Module], ...] = NORM_TYPES
+    keep_names: tuple[str, ...] = ()
+    keep_filter: ModuleFilter | None = None
+    output_dtype: torch.dtype | None = torch.float32
+    policy: Policy | None = None
+    fp8: Fp8Config | None = None
+    # What keep_types and keep_names match, built once in __post_init__.
+    _rule: ModuleRule | None = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        level = Level.from_name(self.level)
+        dtype = parse_dtype(self.dtype, what="prepare dtype", allowed=LOW_PRECISION)
+        if level in (Level.BF16_SR, Level.BF16_PURE) and dtype is not torch.bfloat16:
+            raise ValueError(
+                f"level {level.value!r} keeps weights in bf16; pass dtype=torch.bfloat16 (or use level 'O2')"
+            )
+        types: Any = self.keep_types
+        names: Any = self.keep_names
+        object.__setattr__(self, "level", level)
+        object.__setattr__(self, "dtype", dtype)
+        object.__setattr__(self, "keep_types", (types,) if isinstance(types, type) else tuple(types))
+        object.__setattr__(self, "keep_names", (names,) if isinstance(names, str) else tuple(names))
+        if self.output_dtype is not None:
+            object.__setattr__(self, "output_dtype", parse_dtype(self.output_dtype, what="output dtype"))
+        if self.policy is not None:
+            object.__setattr__(self, "policy", get_policy(self.policy))
+        object.__setattr__(self, "fp8", as_fp8_config(self.fp8))  # type: ignore[arg-type]
+        if self.keep_filter is not None and not callable(self.keep_filter):
+            raise TypeError("keep_filter must be a callable (module, qualified_name) -> bool")
+        rule = ModuleRule(self.keep_types, self.keep_names) if (self.keep_types or self.keep_names) else None
+        object.__setattr__(self, "_rule", rule)  # checks the types are modules
+
+    def keeps(self, module: nn.Module, name: str) -> bool:
+        """Whether ``module``, called ``name`` in the model, is kept in fp32."""
+        if self._rule is not None and self._rule.matches(module, name):
+            return True
+        return self.keep_filter is not None and bool(self.keep_filter(module, name))
+
+    def __str__(self) -> str:
+        """One line, e.g. ``O2 bf16, keep=norm, output=fp32``."""
+        kept = rule_items(self._rule) if self._rule is not None else []
+        if self.keep_filter is not None:
+            kept.append(getattr(self.keep_filter, "__name__", "filter"))
+        parts = [f"{self.level.value} {short_name(self.dtype)}", f"keep={'+'.join(kept) or '-'}"]
+        parts.append(f"output={short_name(self.output_dtype)}")
+        if self.policy is not None:
+            parts.append(f"policy={self.policy}")
+        if self.fp8 is not None:
+            parts.append(str(self.fp8))
+        return ", ".join(parts)

@@ -1,0 +1,622 @@
+"""Precision levels for a model and its optimizer: O1, O2 master weights, pure bf16 with stochastic rounding.
+
+``model, optimizer = mixprec.prepare(model, optimizer, level=..., dtype=...)``:
+
+* ``"O1"``: autocast only; the model's forward runs under :func:`mixprec.autocast`.
+* ``"O2"``: the parameters stay fp32 and are the master weights the optimizer steps; the
+  forward of each module computes with a low-precision copy of its parameters, made once
+  after every optimizer step (or write into a weight), not once per forward. Buffers are
+  stored in ``dtype``. Gradients flow into the fp32 parameters, summed in fp32. State
+  dicts, clipping, ``torch.distributed.checkpoint`` and DDP see fp32 parameters.
+* ``"bf16-sr"``: weights and optimizer state in bf16 only, no master copy; the optimizer
+  steps in fp32 and writes the weights back with stochastic rounding
+  (``stochastic_rounding.py``), seeded from the optimizer's param groups, so a
+  checkpoint resumes bit for bit.
+* ``"bf16-pure"``: bf16 weights and state with round-to-nearest updates; the baseline that
+  shows what stochastic rounding fixes.
+
+Modules kept in fp32 (norm layers by default, or by name) are stored in fp32 and compute in
+fp32 at every level: their own hooks turn autocast off and cast their floating inputs to fp32,
+so activation checkpointing replays them with no extra argument. At every level the model's
+forward runs under :func:`mixprec.autocast` (ops on the lists still run in fp32 where they
+should) and floating outputs are returned as fp32, in the output's own container type.
+
+Under FSDP2 (``fully_shard``), prepare after sharding and after building the optimizer: each
+level becomes FSDP2's own mixed precision (see ``sharding.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import sys
+import threading
+import types
+import warnings
+from collections.abc import Callable, Iterable
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from mixprec._src import casting, input_checks, sharding
+from mixprec._src.amp import compiled_backward, region
+from mixprec._src.amp.autocast import autocast
+from mixprec._src.dtypes import short_name
+from mixprec._src.errors import PrepareOrderError
+from mixprec._src.fp8 import all_gather as fp8_all_gather
+from mixprec._src.fp8 import conversion as fp8_conversion
+from mixprec._src.fp8.config import Fp8Config
+from mixprec._src.fp8.linear import Fp8Scaling
+from mixprec._src.policy.grammar import default_policy
+from mixprec._src.policy.policy import NORM_TYPES, ModuleFilter, Policy
+from mixprec._src.prepare import stochastic_rounding
+from mixprec._src.prepare.config import Level, PrepareConfig
+
+_ATTR = "_mixprec"  # where prepare keeps its state, on the model and on the optimizer
+
+
+@dataclasses.dataclass
+class Prepared:
+    """What prepare set up for a model and its optimizer; kept on both."""
+
+    config: PrepareConfig
+    device_type: str
+    original_forward: Callable[..., Any]
+    handles: list[Any]
+    lowp_params: list[nn.Parameter]  # stored in dtype (bf16 levels) or computed from a copy in dtype (O2)
+    kept_modules: list[nn.Module]  # outermost modules kept in fp32
+    buffers: list[tuple[nn.Module, str]]  # buffers prepare stored in dtype
+    copies: _ComputeCopies | None = None  # O2, parameters FSDP2 does not manage
+    sharded: bool = False  # FSDP2 units were set up for the level
+    checked: bool = False  # the first forward looked for FSDP2 units added since
+    told_outer: bool = False  # a forward inside an autocast region of another dtype was told of, once
+    fused: bool = False  # bf16-sr: Adam(W) steps the bf16 weights with the compiled fused kernel
+
+    @property
+    def level(self) -> Level:
+        return self.config.level
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.config.dtype
+
+    @property
+    def output_dtype(self) -> torch.dtype | None:
+        return self.config.output_dtype
+
+
+def prepared_state(obj: nn.Module | torch.optim.Optimizer) -> Prepared | None:
+    """What :func:`prepare` set up for this model or optimizer, or ``None`` if it was not prepared."""
+    state: Prepared | None = obj.__dict__.get(_ATTR)
+    return state
+
+
+def master_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The tensors the optimizer updates: at every level, the model's parameters (fp32 at O2)."""
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def prepare(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    level: Level | str | PrepareConfig = Level.O2,
+    dtype: torch.dtype | str = torch.bfloat16,
+    *,
+    keep_types: type[nn.Module] | Iterable[type[nn.Module]] = NORM_TYPES,
+    keep_names: str | Iterable[str] = (),
+    keep_filter: ModuleFilter | None = None,
+    output_dtype: torch.dtype | None = torch.float32,
+    policy: Policy | str | None = None,
+    fp8: Fp8Config | str | None = None,
+) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """Put ``model`` and ``optimizer`` at a precision level; returns them (changed in place).
+
+    ``prepare(model, optimizer, "O2", keep_names="head")`` and
+    ``prepare(model, optimizer, PrepareConfig(level="O2", keep_names=("head",)))`` are the same.
+
+    Under FSDP2, call it after ``fully_shard`` and after building the optimizer, before the first
+    forward; it is then collective (every rank calls it). Under DDP, call it before wrapping.
+
+    Args:
+        model: an fp32 model, already on its device (and sharded, with FSDP2).
+        optimizer: any ``torch.optim`` optimizer over the model's parameters, created after the
+            model was moved (and sharded).
+        level: ``"O1"``, ``"O2"``, ``"bf16-sr"`` or ``"bf16-pure"``, or a whole
+            :class:`PrepareConfig` (then give no other option).
+        dtype: the low precision (bf16 or fp16; the bf16 levels need bf16).
+        keep_types, keep_names: modules kept in fp32, by type or qualified-name glob.
+        keep_filter: ``(module, qualified_name) -> bool``; modules it accepts are kept in fp32 too.
+        output_dtype: floating outputs of the model's forward are cast to this (``None``: as computed).
+        policy: the autocast policy of the prepared forward (default: the device's built-in lists).
+        fp8: linears computed in fp8: a recipe (``"tensorwise"``, ``"rowwise"``,
+            ``"rowwise_with_gw_hp"``, ``"delayed"``) or an :class:`Fp8Config` choosing layers and
+            scaling; ``mixprec.fp8_layers(model)`` lists the layers converted and those left out.
+
+    Raises:
+        ValueError: a model not in fp32, an optimizer holding tensors that are not this model's
+            parameters or holding one twice, a prepared model, a model wrapped in DDP or the older
+            FSDP, a sharded model that already ran a forward, a bad level or dtype.
+        TypeError: a PrepareConfig together with other options.
+    """
+    if isinstance(level, PrepareConfig):
+        given = (dtype is not torch.bfloat16, keep_types is not NORM_TYPES, keep_names != (), keep_filter is not None,
+                 output_dtype is not torch.float32, policy is not None, fp8 is not None)  # fmt: skip
+        if any(given):
+            raise TypeError("prepare takes a PrepareConfig or options, not both; put the options in the config "
+                            "(dataclasses.replace(config, ...))")  # fmt: skip
+        config = level
+    else:
+        config = PrepareConfig(level, dtype, keep_types, keep_names, keep_filter, output_dtype, policy, fp8)  # type: ignore[arg-type]
+    level, dtype = config.level, config.dtype
+    if level in (Level.O2, Level.BF16_SR) and isinstance(optimizer, torch.optim.LBFGS):
+        raise ValueError(
+            f"LBFGS re-evaluates the model inside step(), and level {level.value!r} updates the low-precision "
+            "weights only after step(); use level 'O1' or 'bf16-pure' with LBFGS"
+        )
+    _check_wrapping(model)
+    if prepared_state(model) is not None:
+        raise ValueError("this model was already prepared; call mixprec.export_fp32(model) first to prepare it anew")
+    sharded = bool(sharding.fsdp_modules(model))
+    if sharded and sharding.lazily_initialized(model):
+        raise ValueError(
+            "this fully_shard model already ran a forward, where FSDP2 fixes the dtypes it gathers and reduces "
+            "in; call mixprec.prepare(model, optimizer, ...) after fully_shard and building the optimizer, before "
+            "the first forward"
+        )
+    _check(model, optimizer, sharded)
+    if config.fp8 is not None:  # before anything is installed: a refusal leaves the model as it was
+        fp8_conversion.check_device(model, config.fp8)
+        if config.fp8.all_gather and not sharded:
+            raise ValueError("Fp8Config(all_gather=True) sets FSDP2's all-gather of the fp8 weights; this model has no "
+                             "fully_shard units: shard it first, or leave all_gather off")  # fmt: skip
+    device_type = input_checks.device_type_of(model)
+    kept_modules = _outermost(model, config)
+    state = Prepared(config, device_type, model.forward, [], [], kept_modules, [], sharded=sharded)
+    # Registered first, so it runs before any other step hook (bf16-sr's, the user's).
+    state.handles.append(optimizer.register_step_pre_hook(functools.partial(_check_still_ours, model, state)))
+    _keep_in_fp32(kept_modules, device_type, state.handles)
+    layers = None
+    if config.fp8 is not None:
+        inside_kept = {id(m) for k in kept_modules for m in k.modules()}
+        layers = fp8_conversion.convert(model, config.fp8, inside_kept)
+        group = sharding.process_group(model) if sharded else None
+        state.handles.append(optimizer.register_step_post_hook(lambda *_: fp8_conversion.advance(layers, group)))
+    # Every prepared model loads checkpoints of the same model under another fp8 recipe, or none.
+    state.handles.append(model.register_load_state_dict_pre_hook(fp8_conversion.drop_foreign_fp8_state))  # type: ignore[no-untyped-call]
+
+    if level is not Level.O1:
+        _lower(model, optimizer, state)
+    if level in (Level.BF16_SR, Level.BF16_PURE):
+        _narrow_state(optimizer, state.lowp_params, dtype)
+    if level is Level.BF16_SR:
+        seed = stochastic_rounding.draw_seed(sharding.process_group(model) if sharded else None)
+        stochastic_rounding.add_counters(optimizer, seed, state.handles)
+        state.fused = stochastic_rounding.install(optimizer, state.lowp_params, state.handles)
+    else:  # the keys every level's checkpoint holds; nothing rounds stochastically here
+        stochastic_rounding.add_counters(optimizer, 0, state.handles)
+    if layers is not None and layers.config.all_gather:  # on the shards as _lower left them
+        fp8_all_gather.install(model, layers)
+
+    # Bound to the model (a deep copy rebinds them to the copy). _call_impl runs before every
+    # module hook, FSDP2's included: the place to refuse a model sharded after prepare.
+    model.forward = types.MethodType(_prepared_forward, model)  # type: ignore[method-assign]
+    if not sharded:
+        model._call_impl = types.MethodType(_prepared_call, model)  # type: ignore[method-assign]
+    model.__dict__[_ATTR] = optimizer.__dict__[_ATTR] = state
+    return model, optimizer
+
+
+def _lower(model: nn.Module, optimizer: torch.optim.Optimizer, state: Prepared) -> None:
+    """Put the parameters and buffers of the modules not kept in fp32 at the level's precision."""
+    level, dtype, kept_modules = state.level, state.dtype, state.kept_modules
+    if state.sharded and level is Level.O2:  # every shard stays fp32: the kept ones are gathered in fp32
+        sharding.gather_kept_in_fp32(model, _param_ids(kept_modules))
+    elif state.sharded:  # bf16 shards: a unit stores one dtype, so the kept modules move to fp32 units
+        _replace_in_optimizer(optimizer, sharding.split_kept_units(model, _param_ids(kept_modules), kept_modules))
+    kept = _param_ids(kept_modules)
+    inside_kept = {id(m) for k in kept_modules for m in k.modules()}
+    converted = [m for m in model.modules() if id(m) not in inside_kept]
+    seen: set[int] = set()  # shared parameters are converted once
+    for module in converted:
+        for param in module.parameters(recurse=False):
+            if id(param) not in kept and id(param) not in seen and param.is_floating_point():
+                seen.add(id(param))
+                state.lowp_params.append(param)
+    in_units: set[int] = set()
+    for unit in sharding.fsdp_units(model):
+        params = [fp.sharded_param for fp in unit.fsdp_params]
+        in_units.update(id(p) for p in params)
+        if any(id(p) in seen for p in params):
+            sharding.set_unit_precision(unit, dtype if level is Level.O2 else None, unit._module_fqn or "model")
+    if level is Level.O2:  # FSDP2 gathers its units' low-precision weights; copies for the rest
+        unmanaged = [p for p in state.lowp_params if id(p) not in in_units]
+        if unmanaged:
+            copies = state.copies = _ComputeCopies(dtype, unmanaged)
+            _install_copies(converted, copies, state.handles)
+            state.handles.append(optimizer.register_step_post_hook(lambda *_: copies.refresh()))
+    else:
+        for param in state.lowp_params:
+            _convert(param, dtype)
+    for module in converted:
+        for name, buffer in module.named_buffers(recurse=False):
+            if isinstance(module, Fp8Scaling):  # amax histories stay fp32
+                continue
+            if buffer is not None and buffer.is_floating_point() and buffer.dtype is not dtype:
+                module._buffers[name] = buffer.to(dtype)
+                state.buffers.append((module, name))
+
+
+def _narrow_state(optimizer: torch.optim.Optimizer, params: list[nn.Parameter], dtype: torch.dtype) -> None:
+    """The optimizer state the bf16 weights already have (a warm-up step, a checkpoint loaded before prepare)
+    stored in ``dtype`` too, as the state these levels create (and as exactly as a bf16 run's saved state
+    reloads): else it stays fp32, the memory the level saves is lost and the run drifts from one that
+    started prepared."""
+    for param in params:
+        state = optimizer.state.get(param)
+        for key, value in (state or {}).items():
+            if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() > 0 and key != "step":
+                state[key] = value.to(dtype)  # type: ignore[index]
+
+
+def export_fp32(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> nn.Module:
+    """Undo :func:`prepare`: fp32 parameters and buffers, the original forward.
+
+    With ``optimizer``, its state is kept (in fp32), so training can go on in fp32.
+    """
+    state = prepared_state(model)
+    if state is None:
+        raise ValueError("this model was not prepared by mixprec.prepare")
+    for handle in state.handles:
+        handle.remove()
+    with torch.no_grad():
+        if state.level in (Level.BF16_SR, Level.BF16_PURE):
+            for param in state.lowp_params:
+                grad = None if param.grad is None else param.grad.float()
+                param.grad = None
+                _convert(param, torch.float32)
+                param.grad = grad
+        for module, name in state.buffers:
+            buffer = module._buffers.get(name)
+            if buffer is not None:
+                module._buffers[name] = buffer.float()
+    if optimizer is not None:
+        for group_state in optimizer.state.values():
+            for key, value in group_state.items():
+                if isinstance(value, torch.Tensor) and value.dtype is torch.bfloat16 and key != "step":
+                    group_state[key] = value.float()
+        stochastic_rounding.remove_counters(optimizer)
+        optimizer.__dict__.pop(_ATTR, None)
+    fp8_conversion.revert(model)
+    model.__dict__.pop("forward", None)
+    model.__dict__.pop("_call_impl", None)
+    del model.__dict__[_ATTR]
+    return model
+
+
+# ----- checks --------------------------------------------------------------------------------
+
+
+def _check_wrapping(model: nn.Module) -> None:
+    if sharding.uses_fsdp1(model):
+        raise ValueError(
+            "this model is wrapped in FullyShardedDataParallel (FSDP1), whose flat parameters mixprec.prepare "
+            "cannot set up; use FSDP2 instead: torch.distributed.fsdp.fully_shard(module) on each block and on the "
+            "model, build the optimizer, then mixprec.prepare(model, optimizer, level=...)"
+        )
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        raise ValueError(
+            "prepare the module before wrapping it in DistributedDataParallel: "
+            "model, opt = mixprec.prepare(model, opt, level=...); model = DDP(model)"
+        )
+
+
+def _check(model: nn.Module, optimizer: torch.optim.Optimizer, sharded: bool) -> None:
+    low = [(n, p.dtype) for n, p in model.named_parameters() if p.is_floating_point() and p.dtype is not torch.float32]
+    if low:
+        raise ValueError(
+            f"prepare() needs an fp32 model to make exact fp32 masters, but {low[0][0]!r} is {low[0][1]}; "
+            "call prepare() on the fp32 model instead of converting it first"
+        )
+    model_params = {id(p) for p in model.parameters()}
+    seen: set[int] = set()
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in model_params:
+                if sharded:
+                    raise ValueError(
+                        "the optimizer holds a tensor that is not a parameter of this model: fully_shard replaces each "
+                        "parameter with a sharded one, so build the optimizer from model.parameters() after fully_shard"
+                    )
+                raise ValueError(
+                    "the optimizer holds a tensor that is not a parameter of this model (was the optimizer created "
+                    "before the model was moved or copied?); create it from model.parameters() after moving the model"
+                )
+            if id(p) in seen:
+                raise ValueError("a parameter appears in two optimizer param groups; give each parameter one group")
+            seen.add(id(p))
+
+
+def _prepared_forward(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """A prepared model's forward: the original under the level's autocast region, outputs cast."""
+    state = model.__dict__[_ATTR]
+    if not torch.compiler.is_compiling():
+        if not state.checked:  # compiled: the optimizer's step checks it
+            state.checked = True
+            _check_not_sharded_since(model, state)
+        if not state.told_outer:
+            _tell_outer_autocast(state)
+    policy = state.config.policy if state.config.policy is not None else default_policy(state.device_type)
+    with autocast(state.device_type, dtype=state.dtype, policy=policy):
+        out = state.original_forward(*args, **kwargs)
+    return out if state.output_dtype is None else casting.cast_floating(out, state.output_dtype)
+
+
+def _tell_outer_autocast(state: Prepared) -> None:
+    """Warn, once per model, where the forward runs inside an autocast region of another dtype."""
+    device_type = state.device_type
+    if not torch.is_autocast_enabled(device_type) or torch.get_autocast_dtype(device_type) is state.dtype:
+        return
+    state.told_outer = True
+    outer, mine = short_name(torch.get_autocast_dtype(device_type)), short_name(state.dtype)
+    warnings.warn(
+        f"this model was prepared to compute in {mine} and runs inside an autocast region of {outer}: it computes "
+        f"in {mine}, as prepared (its precision is its own; the outer region applies around it). To compute in "
+        f"{outer}, prepare it with dtype={outer!r}; otherwise leave the outer autocast out (said once per model)",
+        UserWarning,
+        stacklevel=_caller_level(),
+    )
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` of the first frame outside mixprec and torch.nn (the user's ``model(x)``)."""
+    frame: types.FrameType | None = sys._getframe(2)  # the caller of warnings.warn's caller
+    level = 2
+    while frame is not None and frame.f_code.co_filename.startswith(_NOT_THE_CALLER):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+_NOT_THE_CALLER = (os.path.dirname(os.path.dirname(__file__)), os.path.dirname(nn.__file__))
+
+
+def _prepared_call(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    state = prepared_state(model)
+    if state is not None and not state.sharded and sharding.is_fsdp_module(model):
+        _check_not_sharded_since(model, state)
+    return type(model)._call_impl(model, *args, **kwargs)  # type: ignore[no-untyped-call]
+
+
+def _check_not_sharded_since(model: nn.Module, state: Prepared) -> None:
+    if not state.sharded and sharding.fsdp_modules(model):
+        raise PrepareOrderError(
+            "fully_shard was applied after mixprec.prepare, which set the model and optimizer up unsharded (a "
+            "prepared optimizer would step tensors the model no longer uses); the order is: fully_shard, build the "
+            "optimizer, then mixprec.prepare(model, optimizer, level=...)"
+        )
+
+
+def _check_still_ours(model: nn.Module, state: Prepared, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+    """Before each step: the optimizer still steps the model's parameters (a host-side check, no sync)."""
+    _check_not_sharded_since(model, state)
+    if not input_checks.holds_only_parameters_of(optimizer, model):
+        raise PrepareOrderError(
+            "the prepared optimizer steps tensors that are no longer this model's parameters (they were replaced "
+            "after mixprec.prepare: fully_shard, load_state_dict(assign=True), to_empty); set the model up first, "
+            "then build the optimizer and call mixprec.prepare"
+        )
+
+
+def _convert(param: nn.Parameter, dtype: torch.dtype) -> None:
+    """Store ``param`` in ``dtype``, the same object (the optimizer and hooks keep holding it)."""
+    if sharding.is_sharded(param):
+        # A DTensor keeps its dtype in its metadata, which a .data swap would leave stale.
+        converted = nn.Parameter(param.detach().to(dtype), requires_grad=param.requires_grad)
+        torch.utils.swap_tensors(param, converted)  # type: ignore[no-untyped-call]
+    else:
+        param.data = param.data.to(dtype)
+
+
+# ----- modules kept in fp32 ------------------------------------------------------------------
+
+
+def _outermost(model: nn.Module, config: PrepareConfig) -> list[nn.Module]:
+    """The modules ``config`` keeps, without those inside another kept one."""
+    found: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if config.keeps(module, name) and not any(name.startswith(f"{outer}.") or outer == "" for outer, _ in found):
+            found.append((name, module))
+    return [m for _, m in found]
+
+
+def _param_ids(modules: Iterable[nn.Module]) -> set[int]:
+    return {id(p) for m in modules for p in m.parameters()}
+
+
+_keep = threading.local()
+
+
+def _keep_stack() -> list[tuple[bool, torch.dtype] | None]:
+    stack: list[tuple[bool, torch.dtype] | None] | None = getattr(_keep, "stack", None)
+    if stack is None:
+        stack = _keep.stack = []
+    return stack
+
+
+@torch.fx.node.has_side_effect
+@torch._dynamo.allow_in_graph  # type: ignore[untyped-decorator]
+def _keep_enter(device_type: str) -> None:
+    """Enter a kept module: autocast off for ``device_type`` (the state outside is restored on exit)."""
+    stack = _keep_stack()
+    if torch.compiler.is_compiling():
+        region.unwind_on_failed_trace_with(functools.partial(_keep_exit_to, device_type, len(stack)))
+        compiled_backward.backward_like_eager()
+    enabled = torch.is_autocast_enabled(device_type)
+    stack.append((enabled, torch.get_autocast_dtype(device_type)) if enabled else None)
+    if enabled:
+        torch.set_autocast_enabled(device_type, False)
+
+
+@torch.fx.node.has_side_effect
+@torch._dynamo.allow_in_graph  # type: ignore[untyped-decorator]
+def _keep_exit(device_type: str) -> None:
+    outside = _keep_stack().pop()
+    if outside is not None:
+        torch.set_autocast_enabled(device_type, outside[0])
+        torch.set_autocast_dtype(device_type, outside[1])
+
+
+def _keep_exit_to(device_type: str, depth: int) -> None:
+    while len(_keep_stack()) > depth:
+        _keep_exit(device_type)
+
+
+def _keep_in_fp32(modules: Iterable[nn.Module], device_type: str, handles: list[Any]) -> None:
+    """Hooks on each kept module: autocast off inside it, floating inputs cast to fp32.
+
+    The hooks belong to the module, so they run wherever the module runs: in a checkpoint's
+    recompute, under FSDP2, in a copy of the model; torch's own autocast state is all they read.
+    """
+
+    def enter(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        cast_inputs = torch.is_autocast_enabled(device_type)
+        _keep_enter(device_type)
+        if not cast_inputs:
+            return None
+        return casting.cast_floating((args, kwargs), torch.float32, device_type)
+
+    def leave(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        _keep_exit(device_type)
+
+    for module in modules:
+        handles.append(module.register_forward_pre_hook(enter, with_kwargs=True, prepend=True))
+        handles.append(module.register_forward_hook(leave, always_call=True))
+
+
+# ----- O2: low-precision copies for the forward ------------------------------------------------
+
+
+class _ComputeCopies:
+    """O2's low-precision copies of fp32 parameters, made once per change of the parameter.
+
+    Refreshed together after each optimizer step (one fused copy) and, one by one, whenever a
+    parameter's version counter moved since (``load_state_dict``, ``nn.init``, in-place writes
+    under ``no_grad``). Checking a version is host-side: no sync.
+    """
+
+    def __init__(self, dtype: torch.dtype, params: list[nn.Parameter]) -> None:
+        self.dtype = dtype
+        self.params = params
+        self.copies: dict[int, torch.Tensor] = {}
+        self.versions: dict[int, int] = {}
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Copy every parameter into its low-precision copy (after an optimizer step)."""
+        with torch.no_grad():
+            for p in self.params:
+                held = self.copies.get(id(p))
+                if held is None or held.shape != p.shape or held.device != p.device:
+                    self.copies[id(p)] = torch.empty_like(p, dtype=self.dtype, memory_format=torch.preserve_format)
+            if self.params:
+                torch._foreach_copy_([self.copies[id(p)] for p in self.params], [p.detach() for p in self.params])
+        self.versions = {id(p): p._version for p in self.params}
+
+    def of(self, param: torch.Tensor) -> torch.Tensor:
+        """``param``'s copy, refreshed first if the parameter was written since."""
+        held = self.copies[id(param)]
+        if param._version != self.versions[id(param)] or held.device != param.device or held.shape != param.shape:
+            with torch.no_grad():
+                if held.device != param.device or held.shape != param.shape:
+                    held = self.copies[id(param)] = torch.empty_like(param, dtype=self.dtype,
+                                                                     memory_format=torch.preserve_format)  # fmt: skip
+                held.copy_(param)
+            self.versions[id(param)] = param._version
+        return held
+
+    def nbytes(self) -> int:
+        return sum(c.numel() * c.element_size() for c in self.copies.values())
+
+
+class _FromCopy(torch.autograd.Function):
+    """The low-precision copy as the forward's weight; its gradient goes to the fp32 parameter, widened."""
+
+    @staticmethod
+    def forward(master: torch.Tensor, held: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return held.detach()
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.master_dtype = inputs[0].dtype
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return grad.to(ctx.master_dtype), None
+
+
+def _from_copy(master: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
+    return cast(torch.Tensor, _FromCopy.apply(master, held))  # type: ignore[no-untyped-call]
+
+
+class _Swap:
+    """Hooks that put one module's parameters' copies in place around its forward, as FSDP2 puts gathered ones."""
+
+    def __init__(self, module: nn.Module, names: list[str], copies: _ComputeCopies) -> None:
+        self.masters = {n: module._parameters[n] for n in names}
+        self.copies = copies
+        self.depth = 0  # a module may call itself inside its own forward: swap once
+        self.rnn = isinstance(module, nn.RNNBase)  # RNNs read weights from a list made when they are set
+
+    def enter(self, module: nn.Module, args: Any) -> None:
+        self.depth += 1
+        if self.depth > 1:
+            return
+        grad = torch.is_grad_enabled()
+        for name, master in self.masters.items():
+            if module._parameters[name] is not master:
+                self.depth -= 1
+                raise RuntimeError(
+                    f"parameter {name!r} of a {type(module).__name__} was replaced after mixprec.prepare "
+                    "(fully_shard, load_state_dict(assign=True), to_empty); the prepared optimizer no longer steps "
+                    "it. Set the model up first, then build the optimizer and call mixprec.prepare"
+                )
+            if torch.compiler.is_compiling():  # a cast in the graph: fresh whatever wrote the weight
+                module._parameters[name] = master.to(self.copies.dtype)  # type: ignore[assignment,union-attr]
+                continue
+            held = self.copies.of(master)  # type: ignore[arg-type]
+            need_grad = grad and master.requires_grad  # type: ignore[union-attr]
+            module._parameters[name] = _from_copy(master, held) if need_grad else held  # type: ignore[arg-type,assignment]
+        if self.rnn:
+            module._init_flat_weights()  # type: ignore[operator]
+
+    def leave(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.depth -= 1
+        if self.depth:
+            return
+        module._parameters.update(self.masters)
+        if self.rnn:
+            module._init_flat_weights()  # type: ignore[operator]
+
+
+def _install_copies(modules: list[nn.Module], copies: _ComputeCopies, handles: list[Any]) -> None:
+    ours = {id(p) for p in copies.params}
+    for module in modules:
+        names = [n for n, p in module._parameters.items() if p is not None and id(p) in ours]
+        if names:
+            swap = _Swap(module, names, copies)
+            handles.append(module.register_forward_pre_hook(swap.enter, prepend=True))
+            handles.append(module.register_forward_hook(swap.leave, always_call=True))
+
+
+# ----- optimizer and outputs ----------------------------------------------------------------
+
+
+def _replace_in_optimizer(optimizer: torch.optim.Optimizer, swap: dict[int, Any]) -> None:
+    for group in optimizer.param_groups:
+        for i, p in enumerate(group["params"]):
+            new = swap.get(id(p))
+            if new is not None:
+                group["params"][i] = new
+                if p in optimizer.state:
+                    optimizer.state[new] = optimizer.state.pop(p)

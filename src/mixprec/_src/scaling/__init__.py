@@ -1,0 +1,7 @@
+"""Scaling: the dynamic loss scaler.
+
+Owns :class:`GradScaler` (``scaler``), the scale as a frozen value with one ``adjust``
+(``loss_scale``), unscaling and the inf/NaN check (``unscaling``), what happened at each step
+(``events``), the scaler's settings (``settings``) and fail-fast on a collapsing scale (``fail_fast``).
+May import: the base modules only.
+"""

@@ -1,0 +1,837 @@
+"""tune: find the fastest precision recipe that keeps a model's accuracy, measured on this machine.
+
+``recipe = mixprec.tune(model, inputs, loss_fn, targets=targets)`` measures, on the real model
+and batch, full training steps (forward, backward, optimizer step) of candidate recipes and
+returns the fastest one whose numerics stay within ``tolerance`` of fp32. A :class:`Recipe` is
+data: a compute dtype, op moves into fp32, modules kept in fp32, a memory layout, a
+:func:`mixprec.prepare` level, and the measurements that chose it. The search::
+
+    diagnose(model, dtype) for each low dtype       -> modules kept in fp32 (a constraint on every candidate)
+    round 1: torch.amp's default, each dtype, fp32  -> the dtype
+    profile the chosen dtype and fp32 (torch.profiler): ops whose forward+backward is slower in
+             low precision than in fp32
+    round 2: those ops moved to fp32 (each, all), channels_last if the model has 4-D/5-D weights
+    round 3: prepare levels (O2, and bf16-sr for bf16; bf16-pure if asked) with the best layout
+    choose:  the fastest candidate that passed the accuracy guard; torch.amp's default unless
+             another beats it by ``min_speedup``
+
+Per-layer plan (``per_layer=True``, first, in at most a quarter of the budget): each linear and
+convolution is timed at its own shapes (forward and both backward GEMMs) in each searched dtype and,
+on devices with fp8 GEMMs, fp8 (tensorwise, rowwise), and its SQNR against fp32 measured
+(:mod:`layer_plan`). Before the final round, the best recipe of each dtype gets a plan: each layer
+takes the fastest precision above ``layer_sqnr_db`` (as the recipe has it unless another is
+``min_speedup`` faster; never fp8 slower than bf16); where any layer moves, the planned recipe races
+torch.amp's default through the accuracy guard (round 4) and, if it passes, the final round. The
+table is the chosen recipe's ``Recipe.layers`` (applied only if the planned recipe won).
+
+In every round the candidates train in lockstep, one step each in alternating order (as
+``mixprec bench`` does), so that a shared machine's load falls on all alike; a candidate's speed
+is the median of its warm steps against torch.amp's default in the same round, with its noise (how
+uncertain that median is, from the step-to-step ratios: :mod:`timing`); a noisy round is repeated, up
+to ``_MAX_STEPS`` steps, and a candidate must beat the default by its noise as well as by
+``min_speedup`` (a note says when the noise decided). Every candidate
+starts from a deep copy of the same weights and optimizer state; its first steps are compared with
+fp32's (see :class:`Tolerance`). The search stops at ``budget_s`` and keeps the best so far.
+``torch.compile`` is not searched: compiling a model takes longer than a tuning budget of a minute.
+
+Everything here syncs with the device: it times steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import functools
+import math
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec._src import input_checks, timing
+from mixprec._src.dtypes import parse_dtype, short_name
+from mixprec._src.layers import plan as layer_plan
+from mixprec._src.observe.diagnostics import diagnose
+from mixprec._src.policy.grammar import default_policy
+from mixprec._src.prepare.config import Level
+from mixprec._src.prepare.prepare import prepared_state
+from mixprec._src.tune.recipe import Measurement, Recipe, Tolerance
+from mixprec._src.tune.tables import line
+
+Progress = Callable[[str], None]
+
+_ACCURACY_STEPS = 2  # steps compared with fp32; the first is also the warm-up, never timed
+_STEPS = 4  # steps per candidate per round: 3 timed, their median is the candidate's time
+_MAX_STEPS = 8  # ... repeated up to this many while the speed ratios are noisy (see timing.NOISY)
+_SLOW = 1.5  # a candidate this much slower than the default after its checked steps cannot win: stopped
+_COLD_SLOW = 10.0  # ... or this much slower on its first (cold) step than the first round's: an emulated dtype
+_FINALISTS = 3  # the fastest candidates raced again, head to head, before choosing
+_DIAGNOSE_STEPS = 4  # diagnose costs about this many training steps (fp32 and low-precision passes with hooks)
+_PLAN_SHARE = 0.25  # the share of the budget the per-layer measurements may take
+
+
+class _Trial:
+    """One candidate training on a deep copy of the user's model and optimizer."""
+
+    def __init__(self, recipe: Recipe, model: nn.Module, optimizer: torch.optim.Optimizer, inputs: Any,
+                 loss_of: Callable[[Any], torch.Tensor], device: torch.device) -> None:  # fmt: skip
+        self.recipe = recipe
+        self.name = recipe.name
+        copied_model, copied_optimizer = copy.deepcopy((model, optimizer))  # one memo: the optimizer keeps its params
+        self.run = recipe.apply(copied_model, copied_optimizer)
+        self.params = [p for p in self.run.model.parameters() if p.requires_grad]
+        self.start = [p.detach().float().clone() for p in self.params]
+        self.inputs = self.run.inputs(inputs)
+        self.loss_of, self.device = loss_of, device
+        self.losses: list[float] = []
+        self.times: list[float] = []  # of the current round
+        self.grad: torch.Tensor | None = None
+        self.update: torch.Tensor | None = None
+        self.stopped = ""  # why it stopped early, if it did
+        self.failed = ""  # the error it raised, if it did
+        self.first_estimate_s = 0.0  # what its first step should take, before it took one (see _first_step_s)
+
+    def step(self) -> None:
+        # Every candidate draws the same random numbers (dropout) at the same step; the caller's RNG is left alone.
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            torch.manual_seed(len(self.times))
+            self._step()
+
+    def _step(self) -> None:
+        _sync(self.device)
+        begin = timing.clock()
+        self.run.optimizer.zero_grad(set_to_none=True)
+        with self.run.autocast():
+            loss = self.loss_of(input_checks.call_model(self.run.model, self.inputs))
+        self.run.backward(loss)
+        first = not self.losses
+        if first:  # the gradients fp32's are compared with, before any update (scaled: cosine ignores it)
+            self.grad = _flat([p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params])
+        self.run.step()
+        _sync(self.device)
+        self.times.append(timing.clock() - begin)
+        if len(self.losses) < _ACCURACY_STEPS:
+            self.losses.append(float(loss.detach().float()))
+            if len(self.losses) == _ACCURACY_STEPS:
+                self.update = _flat([p.detach().float() - s for p, s in zip(self.params, self.start, strict=True)])
+                self.start = []
+
+    @property
+    def checked(self) -> bool:
+        return len(self.losses) == _ACCURACY_STEPS
+
+    def median_s(self) -> float | None:
+        timed = self.times[1:]  # each round's first step is warm-up (first calls, caches, allocations)
+        return statistics.median(timed) if timed else None
+
+    def noise(self, default: _Trial) -> float | None:
+        """How uncertain its speed against ``default`` is in this round, from the per-step ratios (see
+        :func:`timing.ratio_noise`; for ``default`` itself, its step time's)."""
+        if self is default:
+            timed = self.times[1:]
+            middle = statistics.median(timed) if timed else 0.0
+            return timing.ratio_noise([t / middle for t in timed]) if middle > 0 else None
+        pairs = list(zip(default.times[1:], self.times[1:], strict=False))  # the same lockstep steps
+        return timing.ratio_noise([d / t for d, t in pairs if t > 0])
+
+    def expected_s(self, default: _Trial) -> float:
+        """How long the next step should take: its last one, else the default's (or its own estimate)."""
+        if self.times:
+            return self.times[-1]
+        return max(default.times[-1] if default.times else 0.0, self.first_estimate_s)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.detach().float().reshape(-1) for t in tensors]) if tensors else torch.zeros(1)
+
+
+def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    # in fp64: the norms of millions of squared fp32 values
+    a64, b64 = a.double(), b.double()
+    denom = float(a64.norm() * b64.norm())
+    return float(a64 @ b64) / denom if denom > 0 else (1.0 if float(a64.norm()) == float(b64.norm()) else 0.0)
+
+
+def _judge(trial: _Trial, ref: _Trial, tol: Tolerance) -> tuple[float | None, float | None, float | None, str]:
+    """(loss error, gradient cosine, update cosine, why rejected or "")."""
+    for i, value in enumerate(trial.losses):
+        if not math.isfinite(value):
+            return None, None, None, f"loss is {value} at step {i + 1}"
+    err = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(trial.losses, ref.losses, strict=True))
+    assert trial.grad is not None and ref.grad is not None and trial.update is not None and ref.update is not None
+    if not bool(torch.isfinite(trial.grad).all()):
+        return err, None, None, "non-finite gradients at step 1"
+    gcos, ucos = _cosine(trial.grad, ref.grad), _cosine(trial.update, ref.update)
+    if err > tol.loss_rtol:
+        return err, gcos, ucos, f"loss differs from fp32 by {err:.2%} > {tol.loss_rtol:.2%}"
+    if gcos < tol.grad_cos:
+        return err, gcos, ucos, f"gradient cosine {gcos:.5f} < {tol.grad_cos}"
+    if ucos < tol.update_cos:
+        return err, gcos, ucos, f"update cosine {ucos:.4f} < {tol.update_cos}"
+    return err, gcos, ucos, ""
+
+
+class _Search:
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, inputs: Any,
+                 loss_of: Callable[[Any], torch.Tensor], device: torch.device, tol: Tolerance,
+                 deadline: float, progress: Progress | None) -> None:  # fmt: skip
+        self.model, self.optimizer, self.inputs, self.loss_of = model, optimizer, inputs, loss_of
+        self.device, self.tol, self.deadline, self.progress = device, tol, deadline, progress
+        self.results: dict[str, Measurement] = {}
+        self.recipes: dict[str, Recipe] = {}
+        self.out_of_time = False
+        self.ref: _Trial | None = None  # fp32, for accuracy
+        self.cold_s: float | None = None  # the default's first step in the first round
+        self.setup_s = 0.0  # the longest a candidate took to set up (a deep copy, prepare)
+        self.first_step_s: dict[torch.dtype, float] = {}  # a first step's estimate, by dtype (see _first_step_s)
+        self.repeated = 0  # the most steps a noisy round took (0: none was repeated)
+
+    def say(self, text: str) -> None:
+        if self.progress is not None:
+            self.progress(text)
+
+    def fits(self, seconds: float) -> bool:
+        """Whether work of ``seconds`` ends inside the budget (if not, the search did not finish)."""
+        if time.perf_counter() + seconds > self.deadline:
+            self.out_of_time = True  # the search did not finish; a cheaper round later may still fit
+            return False
+        return True
+
+    def time_left(self) -> bool:
+        return self.fits(0.0)
+
+    def trial(self, recipe: Recipe) -> _Trial:
+        begin = time.perf_counter()
+        trial = _Trial(recipe, self.model, self.optimizer, self.inputs, self.loss_of, self.device)
+        self.setup_s = max(self.setup_s, time.perf_counter() - begin)
+        trial.first_estimate_s = self.first_step_s.get(recipe.dtype, 0.0)
+        return trial
+
+    def round(self, default: _Trial, recipes: list[Recipe], label: str) -> list[str]:
+        """Race ``recipes`` against ``default`` if their checked steps fit in the budget; returns their names.
+
+        Copying a large model for every candidate takes seconds: a round that cannot finish is not started.
+        """
+        step_s = default.median_s() or default.expected_s(default)
+        if not self.fits(self.setup_s * len(recipes) + step_s * (len(recipes) + 1) * _ACCURACY_STEPS):
+            for r in recipes:
+                self.recipes[r.name] = r
+                self.results[r.name] = Measurement(r.name, "not measured", reason="the budget ran out")
+            self.say(f"{label}: skipped, the budget would run out: {', '.join(r.name for r in recipes)}")
+            return [r.name for r in recipes]
+        self.race(default, [self.trial(r) for r in recipes], label)
+        return [r.name for r in recipes]
+
+    def race(self, default: _Trial, trials: list[_Trial], label: str) -> None:
+        """Step ``default`` and ``trials`` in lockstep; record each trial's speed and accuracy."""
+        everyone = [default, *[t for t in trials if t is not default]]
+        for t in everyone:
+            t.times = []
+        self.say(f"{label}: {', '.join(t.name for t in trials)}")
+        self._lockstep(default, everyone, stop_slow=True)
+        base = default.median_s()
+        for t in trials:
+            self.record(t, default, base)
+        for t in trials:
+            self.say(f"  {self.results[t.name].name}: {line(self.results[t.name])}")
+
+    def _lockstep(self, default: _Trial, everyone: list[_Trial], *, stop_slow: bool) -> None:
+        """``_STEPS`` steps of each, in alternating order, none past the deadline; up to ``_MAX_STEPS``
+        while a running candidate's speed against ``default`` (or the default's own time) is noisy.
+
+        Raises:
+            Exception: what a step of ``default`` or of the fp32 reference raised (a candidate's is its
+                rejection, recorded in ``stopped`` and ``failed``).
+        """
+        step = 0
+        while step < _STEPS or self._noisy(default, everyone, step):
+            for t in everyone if step % 2 == 0 else reversed(everyone):
+                # An emulated dtype's first step is started only if it leaves half the time left to the others.
+                left = self.deadline - time.perf_counter()
+                if not t.times and t.first_estimate_s and t.first_estimate_s > left / 2:
+                    t.stopped = t.stopped or (
+                        f"a step would take about {t.first_estimate_s:.0f} s, past the budget "
+                        f"({short_name(t.recipe.dtype)} matmuls are emulated on this device)"
+                    )
+                # Skip a step that would end past the deadline: the budget is the user's.
+                if t.stopped or not self.time_left() or time.perf_counter() + t.expected_s(default) > self.deadline:
+                    if not t.stopped:
+                        self.out_of_time = True
+                    continue
+                try:
+                    t.step()
+                except Exception as exc:  # a candidate that cannot train here: rejected with its reason, never fatal
+                    if t is default or t is self.ref:
+                        raise
+                    t.stopped = t.failed = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+            if stop_slow:
+                self._stop_slow(default, everyone)
+            step += 1
+
+    def _noisy(self, default: _Trial, everyone: list[_Trial], steps: int) -> bool:
+        """Whether another lockstep step is worth its time: a running candidate's speed is noisy."""
+        if steps >= _MAX_STEPS or not self.time_left():
+            return False
+        running = [t for t in everyone if not t.stopped and len(t.times) == steps]
+        step_s = sum(t.expected_s(default) for t in running)
+        if not running or time.perf_counter() + step_s > self.deadline:  # optional: not "out of time"
+            return False
+        if any((t.noise(default) or 0.0) > timing.NOISY for t in running):
+            self.repeated = max(self.repeated, steps + 1)
+            return True
+        return False
+
+    def _stop_slow(self, default: _Trial, trials: list[_Trial]) -> None:
+        base = default.median_s()
+        for t in trials:
+            if t is default or t.stopped or (t is self.ref and not t.checked):  # fp32 must finish its checked steps
+                continue
+            mine = t.median_s()
+            if self.cold_s is None and default.times and default.times[0] > 0:
+                self.cold_s = default.times[0]  # first steps pay one-time costs: compare them with a first step
+            # (and over a second: one-time costs of a few ms, module hooks or a first fp16 kernel, are not slowness)
+            if len(t.times) == 1 and self.cold_s is not None and t.times[0] > max(_COLD_SLOW * self.cold_s, 1.0):
+                t.stopped = f"{self.cold_s / t.times[0]:.2f}x torch.amp's default on the first step"
+            elif t.checked and base is not None and mine is not None and mine > _SLOW * base:
+                t.stopped = f"{base / mine:.2f}x torch.amp's default"
+
+    def record(self, t: _Trial, default: _Trial, base: float | None) -> None:
+        mine = t.median_s()
+        vs = base / mine if base is not None and mine is not None else None
+        ms = None if mine is None else mine * 1e3
+        noise = t.noise(default)
+        self.recipes[t.name] = t.recipe
+        if t.failed:
+            self.results[t.name] = Measurement(t.name, "rejected", reason=t.failed)
+            return
+        if t.stopped and not t.checked:
+            why = f"slower: {t.stopped} (stopped early)"
+            first_ms = t.times[0] * 1e3 if t.times else None
+            self.results[t.name] = Measurement(t.name, "rejected", first_ms, None, reason=why)
+            return
+        if not t.checked or mine is None:
+            self.results[t.name] = Measurement(t.name, "not measured", ms, vs, reason="the budget ran out",
+                                               noise=noise)  # fmt: skip
+            return
+        assert self.ref is not None
+        if t is self.ref:
+            self.results[t.name] = Measurement(t.name, "passed", ms, vs, 0.0, 1.0, 1.0, "the fp32 reference", noise)
+            return
+        err, gcos, ucos, why = _judge(t, self.ref, self.tol)
+        status = "rejected" if why else "passed"
+        if not why and t.stopped:  # checked and timed: it passed, and was stopped only to save the budget
+            why = f"slower: {t.stopped} (stopped early)"
+        self.results[t.name] = Measurement(t.name, status, ms, vs, err, gcos, ucos, why, noise)
+
+    def final_round(
+        self, default_recipe: Recipe, dtypes: list[torch.dtype], min_speedup: float, notes: list[str]
+    ) -> list[str] | None:
+        """Race the finalists and torch.amp's default again, together, for figures that compare.
+
+        Rounds run minutes apart on a shared machine: a step's time moves between them. The finalists
+        are the fastest passed candidates and the simplest within ``min_speedup`` of the fastest. Their
+        ``ms/step`` and ``x default`` become this round's; the others keep their own round's ratio
+        and lose their ``ms/step`` (not comparable). Returns the finalists' names, or ``None`` when
+        there are none or the round does not fit in the budget.
+        """
+        passed = sorted(
+            (n for n, m in self.results.items() if m.status == "passed" and m.vs_default is not None
+             and n != default_recipe.name and self.recipes[n].dtype in dtypes),
+            key=lambda n: -(self.results[n].vs_default or 0.0),
+        )  # fmt: skip
+        if not passed:
+            return None
+        fastest = self.results[passed[0]].vs_default or 0.0
+        near = [n for n in passed if (self.results[n].vs_default or 0.0) * min_speedup >= fastest]
+        simplest = min(near, key=lambda n: _changes(self.recipes[n]))
+        finalists = list(dict.fromkeys([*passed[:_FINALISTS], simplest]))
+        steps = [m.step_ms / 1e3 for n in (*finalists, default_recipe.name)
+                 if (m := self.results.get(n)) is not None and m.step_ms is not None]  # fmt: skip
+        if not self.fits((self.setup_s + max(steps, default=0.0) * _STEPS) * (len(finalists) + 1)):
+            notes.append("no head-to-head round for the finalists (the budget would run out): "
+                         "ms/step come from rounds measured apart")  # fmt: skip
+            return None
+        self.say(f"final round (head to head): {', '.join(finalists)}")
+        default = self.trial(default_recipe)
+        trials = [self.trial(self.recipes[n]) for n in finalists]
+        try:
+            self._lockstep(default, [default, *trials], stop_slow=False)
+        except Exception:  # the default trained in round 1: leave every figure as it was
+            return None
+        base = default.median_s()
+        if base is None:
+            return None
+        timed = {t.name: t.median_s() for t in trials if not t.stopped}
+        noise = {t.name: t.noise(default) for t in (default, *trials)}
+        for name, result in list(self.results.items()):
+            mine = base if name == default_recipe.name else timed.get(name)
+            if mine is not None:
+                self.results[name] = dataclasses.replace(result, step_ms=mine * 1e3, vs_default=base / mine,
+                                                         noise=noise.get(name))  # fmt: skip
+            elif result.status in ("passed", "rejected") and result.step_ms is not None:
+                self.results[name] = dataclasses.replace(result, step_ms=None)
+        for name in (default_recipe.name, *finalists):
+            self.say(f"  {name}: {line(self.results[name])}")
+        notes.append("ms/step: the finalists and torch.amp's default raced head to head in a final round; "
+                     "the others' speed is against the default in their own round")  # fmt: skip
+        return [n for n in finalists if n in timed]
+
+    def best(self, names: Sequence[str]) -> str | None:
+        passed = [n for n in names if n in self.results and self.results[n].status == "passed"]
+
+        def speed(name: str) -> tuple[bool, float]:  # against the default where it was timed, else by time
+            m = self.results[name]
+            return (m.vs_default is not None, m.vs_default if m.vs_default is not None else -(m.step_ms or math.inf))
+
+        return max(passed, key=speed, default=None)
+
+
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """File descriptor 2 sent to /dev/null (C++ writes there directly, past ``sys.stderr``)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def _profile(trial: _Trial, lower: frozenset[str]) -> dict[str, float]:
+    """Seconds per op of ``lower`` (forward and its backward) in one step of ``trial``.
+
+    Backward work is attributed to the forward op through the autograd sequence number the
+    profiler records on both (the op whose outermost ancestor on ``lower`` created the node).
+    """
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if trial.device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    prof: Any = torch.profiler.profile(activities=activities)
+    with _quiet_stderr():  # the profiler's C++ side prints start/stop lines on the process's stderr
+        prof.__enter__()
+    try:
+        trial.step()
+    finally:
+        with _quiet_stderr():
+            prof.__exit__(None, None, None)
+    events = prof.events() or []
+    backward = "autograd::engine::evaluate_function: "
+    on_device = trial.device.type == "cuda"
+
+    def cost(e: Any) -> float:
+        return float(getattr(e, "device_time_total", 0.0) if on_device else e.cpu_time_total) * 1e-6
+
+    def owner(e: Any) -> str | None:
+        """The outermost op of ``lower`` around ``e`` in forward; None in backward (its ops are attributed below)."""
+        found = None
+        while e is not None:
+            if e.name.startswith(backward):
+                return None
+            if e.name.startswith("aten::") and e.name[6:] in lower:
+                found = e.name[6:]
+            e = e.cpu_parent
+        return found
+
+    totals: dict[str, float] = {}
+    by_seq: dict[int, str] = {}
+    for e in events:
+        if e.name.startswith(backward):
+            continue
+        op = owner(e)
+        if op is None:
+            continue
+        if e.sequence_nr >= 0:
+            by_seq.setdefault(e.sequence_nr, op)
+        if e.name[6:] == op and (e.cpu_parent is None or owner(e.cpu_parent) is None):
+            totals[op] = totals.get(op, 0.0) + cost(e)
+    for e in events:
+        if e.name.startswith(backward) and e.sequence_nr in by_seq:
+            op = by_seq[e.sequence_nr]
+            totals[op] = totals.get(op, 0.0) + cost(e)
+    return totals
+
+
+def _matmul_slowdown(dtype: torch.dtype, device: torch.device) -> float:
+    """How many times slower a matmul runs in ``dtype`` than in fp32 here (best of five, 256x256).
+
+    Where a CPU has no instructions for a dtype, torch emulates it, often 10-100x slower than fp32.
+    """
+
+    def best(dt: torch.dtype) -> float:
+        a = torch.full((256, 256), 0.5, device=device, dtype=dt)  # values do not matter; the RNG is the caller's
+        times = []
+        for _ in range(5):
+            _sync(device)
+            begin = time.perf_counter()
+            a @ a
+            _sync(device)
+            times.append(time.perf_counter() - begin)
+        return min(times)
+
+    return best(dtype) / max(best(torch.float32), 1e-9)
+
+
+def _first_step_s(forward_s: float, dtypes: list[torch.dtype], device: torch.device) -> dict[torch.dtype, float]:
+    """A first step's cost by dtype, before any ran: three fp32 forwards (forward, backward, step), slowed
+    by the dtype's matmul slowdown where that is large (an emulated dtype; otherwise 0: not needed)."""
+    estimates = {}
+    for dtype in dtypes:
+        slowdown = 1.0 if dtype is torch.float32 else _matmul_slowdown(dtype, device)
+        if slowdown >= _COLD_SLOW:
+            estimates[dtype] = 3 * forward_s * slowdown
+    return estimates
+
+
+def _has_conv_weights(model: nn.Module) -> bool:
+    return any(p.dim() in (4, 5) for p in model.parameters())
+
+
+def tune(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    *,
+    targets: Any = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    device: torch.device | str | None = None,
+    budget_s: float = 60.0,
+    tolerance: Tolerance | None = None,
+    dtypes: Sequence[torch.dtype | str] = ("bf16", "fp16", "fp32"),
+    levels: Sequence[Level | str] = ("O1", "O2", "bf16-sr"),
+    min_speedup: float = 1.02,
+    per_layer: bool = True,
+    layer_sqnr_db: float = 20.0,
+    progress: Progress | None = None,
+) -> Recipe:
+    """Find the fastest recipe for ``model`` on this machine that keeps its accuracy; see the module docstring.
+
+    The loss is ``loss_fn(model(batch), targets)`` with ``targets``, else ``loss_fn(model(batch))``
+    (default: the mean square of the floating outputs), as in :func:`mixprec.diagnose`. ``model``
+    and ``optimizer`` are not changed: every candidate trains a deep copy.
+
+    Args:
+        model: the fp32 model, on its device.
+        batch: a tensor, a tuple/list of positional inputs or a dict of keyword inputs, on the model's device.
+        loss_fn: see above.
+        targets: the second argument of ``loss_fn``.
+        optimizer: the optimizer you train with (its state is copied, not stepped); default
+            ``torch.optim.AdamW(model.parameters())``.
+        device: where the model is; default and only valid value: the device of its parameters.
+        budget_s: seconds the search may take; it stops there and keeps the best so far.
+        tolerance: the accuracy guard; default :class:`Tolerance`'s.
+        dtypes: compute dtypes to search (fp32 counts: if it is the fastest, the recipe is fp32).
+        levels: :func:`mixprec.prepare` levels to search besides O1 (always searched). bf16-pure is left
+            out by default: its round-to-nearest updates lose those smaller than 2**-8 of a weight, which
+            a few steps cannot show; pass it to search it.
+        min_speedup: how much faster than torch.amp's default another recipe must be to be chosen
+            (the measurements' noise on a shared machine is a few percent); also how much faster than
+            the recipe's dtype another precision must be for one layer.
+        per_layer: plan each linear and convolution's precision (see "Per-layer plan" above); the
+            measurements take at most a quarter of the budget.
+        layer_sqnr_db: a layer's SQNR floor against fp32 (the worst of its output and both gradients).
+        progress: called with a line of text as the search goes.
+
+    Returns:
+        The chosen :class:`Recipe`, with every measurement and notes.
+
+    Raises:
+        ValueError: ``budget_s <= 0``, a model prepared by :func:`mixprec.prepare`, a batch on another
+            device, a loss that is not a scalar, an optimizer over other tensors, a bad dtype.
+        TypeError: ``loss_fn`` is not callable.
+    """
+    start = time.perf_counter()
+    if not (isinstance(budget_s, (int, float)) and budget_s > 0 and math.isfinite(budget_s)):
+        raise ValueError(f"budget_s must be a positive number of seconds, got {budget_s!r}")
+    if prepared_state(model) is not None:
+        raise ValueError("tune needs the fp32 model: this one was prepared by mixprec.prepare; "
+                         "call mixprec.export_fp32(model) first, or tune before preparing")  # fmt: skip
+    found = input_checks.check_inputs(model, (batch, targets), loss_fn)
+    if device is not None and torch.device(device).type != found.type:
+        raise ValueError(f"device={device!r} but the model is on {found}; move the model and batch there first")
+    if min_speedup < 1:
+        raise ValueError(f"min_speedup must be >= 1, got {min_speedup}")
+    if not (isinstance(layer_sqnr_db, (int, float)) and math.isfinite(layer_sqnr_db)):
+        raise ValueError(f"layer_sqnr_db must be a finite number of dB, got {layer_sqnr_db!r}")
+    tol = tolerance if tolerance is not None else Tolerance()
+    searched = [parse_dtype(d, what="tune dtype") for d in dtypes]
+    search_levels = [Level.from_name(lv).value for lv in levels if Level.from_name(lv) is not Level.O1]
+    if not searched:
+        raise ValueError("dtypes names no dtype to search; e.g. dtypes=('bf16', 'fp32')")
+    if targets is not None and loss_fn is None:
+        raise ValueError("targets= needs loss_fn(output, targets) to compute the loss with them")
+    loss_of = _loss_of(loss_fn, targets)
+    if optimizer is None:
+        optimizer = torch.optim.AdamW(model.parameters())
+    _check_optimizer(model, optimizer)
+    with torch.no_grad():  # the loss must be a scalar: fail here, not inside a candidate (on a copy: BatchNorm)
+        copied = copy.deepcopy(model)
+        _sync(found)
+        begin = time.perf_counter()
+        loss_of(input_checks.call_model(copied, batch))
+        _sync(found)
+        forward_s = time.perf_counter() - begin
+        del copied
+    device_type = found.type
+    default_dtype = torch.get_autocast_dtype(device_type)
+    search = _Search(model, optimizer, batch, loss_of, found, tol, start + budget_s, progress)
+    search.first_step_s = _first_step_s(forward_s, list(dict.fromkeys([*searched, default_dtype])), found)
+    notes: list[str] = ["torch.compile is not searched: compiling takes longer than a tuning budget"]
+    # The caller's random state is left as it was (bf16-sr draws its rounding seed from it).
+    with torch.random.fork_rng(devices=[found] if found.type == "cuda" else []):
+        plan = None
+        if per_layer:
+            search.say("per-layer plan: each linear and convolution at its shapes")
+            wanted = [short_name(d) for d in searched] + list(layer_plan.FP8_CANDIDATES)
+            # dtypes whose matmuls are emulated here, with how much slower than fp32's they are
+            emulated = {short_name(d): s / (3 * forward_s) for d, s in search.first_step_s.items() if forward_s > 0}
+            measured, plan_notes = layer_plan.measure(model, batch, loss_of, wanted, start + _PLAN_SHARE * budget_s,
+                                                      emulated, search.say)  # fmt: skip
+            notes += plan_notes
+            plan = _Plan(measured, layer_sqnr_db, min_speedup) if measured else None
+        recipe = _run_search(search, model, batch, loss_fn, targets, searched, search_levels, default_dtype,
+                             min_speedup, notes, plan)  # fmt: skip
+        if plan is not None:
+            recipe = plan.attach(recipe)
+    measured_on = f"{found.type}" + (f" ({torch.cuda.get_device_name(found)})" if found.type == "cuda" else "")
+    return dataclasses.replace(recipe, measured_on=f"{measured_on}, torch {torch.__version__}",
+                               tuning_s=time.perf_counter() - start)  # fmt: skip
+
+
+@dataclasses.dataclass
+class _Plan:
+    """The per-layer measurements, and how a recipe's layers are chosen from them."""
+
+    measured: list[layer_plan.Measured]
+    floor_db: float
+    min_speedup: float
+    outcome: dict[str, str] = dataclasses.field(default_factory=dict)  # recipe name -> what its plan became
+
+    def choices(self, recipe: Recipe) -> tuple[layer_plan.LayerChoice, ...]:
+        """The plan for ``recipe``: each layer's default is what the recipe gives it."""
+        return layer_plan.choose(self.measured, lambda m: recipe.layer_default(m.name, m.shape), self.floor_db,
+                                 self.min_speedup)  # fmt: skip
+
+    def planned(self, recipe: Recipe) -> Recipe | None:
+        """``recipe`` with its per-layer plan, or ``None`` where every layer stays as the recipe has it."""
+        planned = dataclasses.replace(recipe, layers=self.choices(recipe))
+        return planned if planned.moved_layers else None
+
+    def attach(self, recipe: Recipe) -> Recipe:
+        """The chosen recipe with the plan's table (choices reset to its defaults if it is not the planned one)."""
+        if recipe.layers:
+            return recipe
+        choices = self.choices(recipe)
+        if not any(c.moved for c in choices):
+            note = "per-layer plan: every layer stays as the recipe has it"
+            return dataclasses.replace(recipe, layers=choices, notes=(*recipe.notes, note))
+        if recipe.name in self.outcome:
+            why = self.outcome[recipe.name]
+            why += f", but {recipe.name} was faster" if why.endswith("passed") else ""
+        elif self.outcome:
+            why = (f"{recipe.name} won the final round; round 4 raced the plans of "
+                   f"{', '.join(self.outcome)}, the best of each dtype then")  # fmt: skip
+        else:
+            why = "the budget ran out before round 4 raced it"
+        kept = tuple(c if not c.moved else dataclasses.replace(
+                         c, choice=c.default, reason=f"{c.choice} measured best, not applied; {c.reason}")
+                     for c in choices)  # fmt: skip
+        return dataclasses.replace(recipe, layers=kept, notes=(*recipe.notes, f"per-layer plan not applied: {why}"))
+
+
+def _loss_of(loss_fn: Callable[..., torch.Tensor] | None, targets: Any) -> Callable[[Any], torch.Tensor]:
+    if targets is None:
+        return functools.partial(input_checks.scalar_loss, loss_fn=loss_fn)
+    assert loss_fn is not None
+    return functools.partial(
+        input_checks.scalar_loss, loss_fn=functools.partial(input_checks.with_targets, loss_fn, targets)
+    )
+
+
+def _check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    if prepared_state(optimizer) is not None:
+        raise ValueError("this optimizer was prepared by mixprec.prepare; tune the fp32 model and its fp32 optimizer")
+    if not input_checks.holds_only_parameters_of(optimizer, model):
+        raise ValueError(
+            "the optimizer holds a tensor that is not a parameter of this model; create it from model.parameters()"
+        )
+
+
+def _run_search(search: _Search, model: nn.Module, batch: Any, loss_fn: Any, targets: Any,
+                dtypes: list[torch.dtype], levels: list[str], default_dtype: torch.dtype, min_speedup: float,
+                notes: list[str], plan: _Plan | None = None) -> Recipe:  # fmt: skip
+    torch_default = Recipe(dtype=default_dtype)
+    lows = [d for d in dtypes if d is not torch.float32]
+    keep: dict[torch.dtype, tuple[str, ...]] = {}
+    scale: dict[torch.dtype, float] = {}
+
+    def base(dtype: torch.dtype, **changes: Any) -> Recipe:
+        if dtype is torch.float32:
+            return Recipe(dtype=torch.float32)
+        return Recipe(dtype=dtype, keep_fp32=keep.get(dtype, ()), loss_scale=scale.get(dtype, 2.0**16), **changes)
+
+    # Round 1: the dtype, with torch's lists.
+    default = search.trial(torch_default)
+    search.ref = search.trial(Recipe(dtype=torch.float32))
+    round1 = [default, *[search.trial(Recipe(dtype=d)) for d in lows if d is not default_dtype], search.ref]
+    search.race(default, round1, "round 1 (dtype)")
+    # A dtype that fails the accuracy guard gets diagnose's findings as a constraint: the modules
+    # whose values leave its range stay in fp32 (bf16 has fp32's range and rarely needs any).
+    for dtype in lows:
+        result = search.results.get(Recipe(dtype=dtype).name)
+        if (
+            result is None
+            or result.status != "rejected"
+            or result.reason.startswith("slower")
+            or not search.fits(_DIAGNOSE_STEPS * (default.expected_s(default) + search.ref.expected_s(default)))
+        ):
+            continue
+        search.say(f"diagnose in {short_name(dtype)}: which modules leave its range")
+        report = diagnose(copy.deepcopy(model), batch, loss_fn, targets=targets, dtype=dtype)
+        if report.keep_fp32:
+            keep[dtype], scale[dtype] = tuple(report.keep_fp32), report.suggested_loss_scale
+            notes.append(f"diagnose({short_name(dtype)}) keeps {', '.join(report.keep_fp32)} in fp32 "
+                         f"in every {short_name(dtype)} candidate")  # fmt: skip
+    if keep and search.time_left():
+        retry = [search.trial(base(d)) for d in keep]
+        search.race(default, retry, "round 1b (modules diagnose keeps in fp32)")
+        round1 += retry
+    allowed = [base(d).name for d in dtypes]
+    best = search.best([t.name for t in round1 if t.name in allowed])
+    # Rounds 2 and 3 improve the best low-precision dtype, which may then beat fp32.
+    best_low = search.best([t.name for t in round1 if t.name in allowed and t.recipe.dtype is not torch.float32])
+    best_trial = next((t for t in round1 if t.name == best_low), None)
+    # The profile takes a step of each: only if both fit in the budget.
+    if best_trial is not None and search.fits(best_trial.expected_s(default) + search.ref.expected_s(default)):
+        assert best_low is not None
+        dtype = best_trial.recipe.dtype
+        # Round 2: op moves the profile suggests, and the layout.
+        lower = default_policy(search.device.type).lower
+        low_cost, fp32_cost = _profile(best_trial, lower), _profile(search.ref, lower)
+        slower = sorted((op for op in low_cost if low_cost[op] > fp32_cost.get(op, math.inf)),
+                        key=lambda op: fp32_cost[op] - low_cost[op])  # fmt: skip
+        if slower:
+            notes.append("profile: slower in " + short_name(dtype) + " than fp32 (fwd+bwd): " + ", ".join(
+                f"{op} {low_cost[op] * 1e3:.1f} vs {fp32_cost[op] * 1e3:.1f} ms" for op in slower))  # fmt: skip
+        candidates = [base(dtype, fp32_ops=(op,)) for op in slower[:3]]
+        if len(slower) > 1:
+            candidates.append(base(dtype, fp32_ops=tuple(slower)))
+        conv = _has_conv_weights(model)
+        if conv:
+            candidates.append(base(dtype, layout="channels_last"))
+        del round1
+        if candidates:
+            search.round(default, candidates, "round 2 (ops, layout)")
+        best_low = search.best([best_low, *[r.name for r in candidates]])
+        assert best_low is not None
+        chosen = search.recipes[best_low]
+        if conv and chosen.fp32_ops and chosen.layout == "contiguous" and search.time_left():
+            both = dataclasses.replace(chosen, layout="channels_last")
+            search.round(default, [both], "round 2b (ops with channels_last)")
+            best_low = search.best([best_low, both.name])
+        # Round 3: prepare levels, with the best layout (op moves apply at O1 only).
+        assert best_low is not None
+        layout = search.recipes[best_low].layout
+        levels = [lv for lv in levels if dtype is torch.bfloat16 or lv == "O2"]  # the other levels keep bf16 weights
+        if levels and search.time_left():
+            names = search.round(default, [base(dtype, level=lv, layout=layout) for lv in levels], "round 3 (levels)")
+            best_low = search.best([best_low, *names])
+        best = search.best([n for n in (best, best_low) if n is not None])
+    # Round 4: the best recipe of each dtype with its per-layer plan, through the accuracy guard (then in the
+    # final round): a plan depends on the recipe's dtype, and either may win.
+    if plan is not None:
+        bests = [search.best([n for n, r in search.recipes.items() if r.dtype is d]) for d in dtypes]
+        planned = {n: p for n in bests if n is not None and (p := plan.planned(search.recipes[n])) is not None}
+        if planned and search.time_left():
+            search.round(search.trial(torch_default), list(planned.values()), "round 4 (per-layer plans)")
+            for name, p in planned.items():
+                result = search.results[p.name]
+                plan.outcome[name] = f"{p.name}: {result.status}" + (f" ({result.reason})" if result.reason else "")
+            best = search.best([n for n in (best, *(p.name for p in planned.values())) if n is not None])
+    finalists = search.final_round(torch_default, dtypes, min_speedup, notes)
+    if finalists is not None:
+        best = search.best([*finalists, *([torch_default.name] if torch_default.dtype in dtypes else [])])
+    return _choose(search, best, torch_default, dtypes, min_speedup, notes, finalists)
+
+
+def _changes(recipe: Recipe) -> int:
+    """How far a recipe is from plain torch.autocast (diagnose's kept modules are a constraint, not a change)."""
+    moved = bool(recipe.moved_layers)
+    if recipe.dtype is torch.float32:
+        return 1 + moved
+    return len(recipe.fp32_ops) + (recipe.layout != "contiguous") + (recipe.level != "O1") + recipe.compile + moved
+
+
+def _choose(search: _Search, best: str | None, torch_default: Recipe, dtypes: list[torch.dtype], min_speedup: float,
+            notes: list[str], finalists: list[str] | None) -> Recipe:  # fmt: skip
+    if search.out_of_time:
+        notes.append("the search left out work that would not have ended inside the budget (a round, a step): "
+                     "the best recipe measured so far")  # fmt: skip
+    default_result = search.results.get(torch_default.name)
+    default_ok = torch_default.dtype in dtypes and default_result is not None and default_result.status == "passed"
+    if default_result is not None and default_result.status == "rejected":
+        if default_result.reason.startswith("slower"):
+            notes.append(f"torch.amp's default is too slow here: {default_result.reason}")
+        else:
+            notes.append(f"torch.amp's default fails the accuracy guard: {default_result.reason}")
+    winner = search.recipes.get(best) if best is not None else None
+    speed = search.results[best].vs_default if best is not None else None
+    # A speed-up within the measurements' noise is not one: the bar rises to the chosen candidate's noise.
+    need = min_speedup
+    if best is not None and best != torch_default.name:
+        need = max(min_speedup, 1.0 + (search.results[best].noise or 0.0))
+    if best is not None and best != torch_default.name and winner is not None and speed is not None:
+        # Within the noise of the fastest, the simplest recipe: fp32 rather than low precision with every matmul
+        # moved back to fp32, no op moves rather than some.
+        near = [n for n, m in search.results.items() if m.status == "passed" and m.vs_default is not None
+                and m.vs_default * need >= speed and n != torch_default.name
+                and search.recipes[n].dtype in dtypes and (finalists is None or n in finalists)]  # fmt: skip
+        simplest: str = min(
+            near, key=lambda n: (_changes(search.recipes[n]), -(search.results[n].vs_default or 0.0)), default=best
+        )
+        if simplest != best:
+            notes.append(f"{simplest} is within {need:.2f}x of the fastest ({best}) and simpler: chosen")
+            best, winner, speed = simplest, search.recipes[simplest], search.results[simplest].vs_default
+    if default_ok and (winner is None or speed is None or speed < need):
+        if winner is not None and best != torch_default.name and speed is not None and speed >= min_speedup:
+            notes.append(f"{best} measured {speed:.2f}x torch.amp's default, within the noise of its measurements "
+                         f"(±{need - 1:.0%}): keeping torch.amp's default")  # fmt: skip
+        elif winner is not None and best != torch_default.name:
+            notes.append(f"nothing beat torch.amp's default by {min_speedup:.2f}x or more "
+                         f"(best: {best}, {speed or 0:.2f}x): keeping torch.amp's default")  # fmt: skip
+        else:
+            notes.append("nothing beat torch.amp's default: keeping it")
+        winner, best = torch_default, torch_default.name
+    elif winner is None:
+        notes.append("no candidate passed the accuracy guard in the budget: fp32")
+        winner = Recipe(dtype=torch.float32)
+    elif winner.dtype is torch.float32:
+        notes.append("fp32 was the fastest recipe that passed: no mixed precision on this machine")
+    results = dict(search.results)
+    if best in results:
+        results[best] = dataclasses.replace(results[best], status="chosen")
+    order = {"chosen": 0, "passed": 1, "rejected": 2, "not measured": 3}
+    measured = sorted(results.values(), key=lambda m: (order[m.status], -(m.vs_default or 0.0)))
+    noises = [m.noise for m in measured if m.noise is not None]
+    noise = statistics.median(noises) if noises else None
+    if noise is not None and (noise > timing.NOISY or search.repeated):
+        notes.append(f"timing noise: a candidate's speed against torch.amp's default is known to ±{noise:.0%} "
+                     "(an approximate 95% interval, median over candidates"
+                     + ("; the machine is busy)" if noise > timing.NOISY else ")")
+                     + (f"; rounds where a candidate's was over {timing.NOISY:.0%} took up to {search.repeated} "
+                        "steps" if search.repeated else "")
+                     + "; a recipe must beat the default by its own noise to be chosen")  # fmt: skip
+    return dataclasses.replace(winner, measurements=tuple(measured), notes=tuple(notes), timing_noise=noise)
