@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mixprec
-from mixprec._src.observe.fp8_diagnostics import sqnr
+from mixprec._src.numerics import sqnr
 
 
 def model_with_an_outlier() -> nn.Sequential:

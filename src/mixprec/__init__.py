@@ -31,8 +31,8 @@ from mixprec._src.observe.diagnostics import diagnose
 from mixprec._src.observe.monitor import Incident, Monitor
 from mixprec._src.observe.report import DiagnosticReport
 from mixprec._src.op_names import op_name
-from mixprec._src.policy.grammar import builtin_policy, default_policy, get_policy
-from mixprec._src.policy.policy import NORM_TYPES, ModuleRule, OpCategory, Policy
+from mixprec._src.policy.grammar import get_policy
+from mixprec._src.policy.policy import NORM_TYPES, ModuleRule, OpCategory, Policy, builtin_policy, default_policy
 from mixprec._src.prepare.config import Level, PrepareConfig
 from mixprec._src.prepare.memory import MemoryReport, memory_report, state_bytes
 from mixprec._src.prepare.prepare import export_fp32, master_params, prepare

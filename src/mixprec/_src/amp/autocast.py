@@ -26,13 +26,15 @@ from typing import Any, TypeVar
 
 import torch
 
-# module_rules is imported for its effect: it gives regions their rule hooks.
 from mixprec._src.amp import dispatch, region
+
+# module_rules is imported for its effect: it gives regions their rule hooks.
+from mixprec._src.amp import module_rules as module_rules
 from mixprec._src.amp.dispatch import state as _state
 from mixprec._src.dtypes import parse_dtype
 from mixprec._src.policy import interning
-from mixprec._src.policy.grammar import default_policy, get_policy
-from mixprec._src.policy.policy import Policy
+from mixprec._src.policy.grammar import get_policy
+from mixprec._src.policy.policy import Policy, default_policy
 
 F = TypeVar("F", bound=Callable[..., Any])
 

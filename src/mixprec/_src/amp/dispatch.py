@@ -33,8 +33,7 @@ from torch._C import DispatchKey, DispatchKeySet, _ExcludeDispatchKeyGuard
 from mixprec._src.casting import eligible
 from mixprec._src.errors import CheckpointReplayError
 from mixprec._src.op_names import PYTHON_OPS
-from mixprec._src.policy.grammar import default_policy
-from mixprec._src.policy.policy import OpCategory, Policy
+from mixprec._src.policy.policy import OpCategory, Policy, default_policy
 
 _LOWER = OpCategory.LOWER
 _FP32 = OpCategory.FP32

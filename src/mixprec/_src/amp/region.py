@@ -23,8 +23,7 @@ from torch import nn
 from mixprec._src.amp import compiled_backward, dispatch
 from mixprec._src.amp.dispatch import state as _state
 from mixprec._src.policy import interning
-from mixprec._src.policy.grammar import default_policy
-from mixprec._src.policy.policy import Policy
+from mixprec._src.policy.policy import Policy, default_policy
 
 __all__ = ["enter_traced", "exit_traced", "needs_kernels", "pop", "pop_to", "push", "set_rule_hooks",
            "unwind_on_failed_trace"]  # fmt: skip

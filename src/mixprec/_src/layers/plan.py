@@ -46,7 +46,7 @@ from mixprec._src.layers.precision import (
     parse_precision,
     set_layer_precision,
 )
-from mixprec._src.observe.fp8_diagnostics import sqnr
+from mixprec._src.numerics import sqnr
 
 #: The fp8 recipes the planner considers (delayed scaling needs prepare's step hook: a whole-model choice).
 FP8_CANDIDATES = (FP8_PREFIX + Fp8Recipe.TENSORWISE.value, FP8_PREFIX + Fp8Recipe.ROWWISE.value)

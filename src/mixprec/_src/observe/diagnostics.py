@@ -33,8 +33,8 @@ from mixprec._src.fp8.config import Fp8Config, as_fp8_config
 from mixprec._src.input_checks import LossFn
 from mixprec._src.observe import fp8_diagnostics
 from mixprec._src.observe.report import DiagnosticReport, ModuleReport, NonFinite, TensorStats
-from mixprec._src.policy.grammar import default_policy, get_policy
-from mixprec._src.policy.policy import ModuleRule, Policy
+from mixprec._src.policy.grammar import get_policy
+from mixprec._src.policy.policy import ModuleRule, Policy, default_policy
 
 
 def _checkable(t: Any) -> bool:

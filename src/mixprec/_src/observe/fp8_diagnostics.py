@@ -21,19 +21,10 @@ from mixprec._src.amp.autocast import autocast
 from mixprec._src.fp8 import conversion as fp8_conversion
 from mixprec._src.fp8.config import Fp8Config
 from mixprec._src.input_checks import LossFn
+from mixprec._src.numerics import sqnr
 from mixprec._src.observe.report import Fp8LayerReport
 from mixprec._src.policy.policy import Policy
 from mixprec._src.prepare.prepare import prepared_state
-
-
-def sqnr(x: torch.Tensor, reference: torch.Tensor) -> float:
-    """Signal-to-quantization-noise ratio in dB (inf where ``x`` equals the reference, -inf where it holds an
-    inf or NaN the reference does not; syncs)."""
-    noise = float((x.double() - reference.double()).norm())
-    signal = float(reference.double().norm())
-    if noise == 0:
-        return math.inf
-    return 20 * math.log10(signal / noise) if signal > 0 and math.isfinite(noise) else -math.inf
 
 
 def cast_stats(model: nn.Module) -> dict[str, dict[str, dict[str, float]]]:

@@ -8,7 +8,11 @@ output dtype for low-precision ops, and per-module rules. Change it with
 ``dataclasses.replace``; each returns a new policy.
 
 Ops are named as torch's own autocast lists name them (ATen names). A policy
-equal to torch's list for a device costs nothing: autocast is then torch's.
+equal to torch's list for a device costs nothing: autocast is then torch's. The
+built-in policies (torch's lists, :func:`builtin_policy`, :func:`default_policy`)
+and the printer of a policy's string form (:func:`format_policy`, ``str(policy)``)
+live here too, so that printing needs no module that imports this one; ``grammar``
+parses the string back.
 
 Example:
     >>> import torch, mixprec
@@ -36,6 +40,7 @@ from mixprec._src.dtypes import NamedEnum, parse_dtype, short_name
 from mixprec._src.errors import PolicyError
 from mixprec._src.op_names import Op, op_name
 from mixprec._src.policy import interning
+from mixprec._src.policy import op_tables as tables
 
 
 class OpCategory(NamedEnum):
@@ -200,9 +205,7 @@ class Policy:
     def __str__(self) -> str:
         """The policy as the string :func:`mixprec.get_policy` parses back into an equal policy:
         ``base=cpu,compute=bf16,fp32=exp+softmax,none=stack,keep=norm``."""
-        from mixprec._src.policy import grammar as policy_grammar
-
-        return policy_grammar.format_policy(self)
+        return format_policy(self)
 
     def __repr__(self) -> str:
         """``Policy('<the string form>')``, one line."""
@@ -295,3 +298,100 @@ class Policy:
 EDITED = " (edited)"
 #: The error text of an op banned without a hint.
 BANNED_HINT = "this op is banned by the active mixprec policy"
+
+
+# --- the built-in policies ---------------------------------------------------------------------------
+
+
+def _builtin(name: str) -> Policy:
+    if name == "cpu":
+        return Policy(
+            lower=frozenset(tables.CPU_LOWER),
+            fp32=frozenset(tables.CPU_FP32),
+            promote=frozenset(tables.CPU_PROMOTE),
+            name="cpu",
+        )
+    return Policy(
+        lower=frozenset(tables.CUDA_LOWER),
+        fp32=frozenset(tables.CUDA_FP32),
+        fp32_set_dtype=frozenset(tables.CUDA_FP32_SET_DTYPE),
+        promote=frozenset(tables.CUDA_PROMOTE),
+        banned=tables.CUDA_BANNED,
+        name="cuda",
+    )
+
+
+_DEVICE_POLICY = {"cpu": "cpu", "cuda": "cuda", "xpu": "cuda", "mps": "cuda", "hpu": "cpu", "xla": "cpu"}
+# Built at import: cheap (a few hundred getattrs), and never inside a torch.compile trace.
+BUILTINS: dict[str, Policy] = {name: _builtin(name) for name in ("cpu", "cuda")}
+
+
+def builtin_policy(name: str) -> Policy:
+    """torch's own lists for ``"cpu"`` or ``"cuda"`` (any policy may be used on any device)."""
+    policy = BUILTINS.get(name)
+    if policy is None:
+        raise PolicyError(f"unknown policy {name!r}; built-in policies: {', '.join(BUILTINS)}")
+    return policy
+
+
+def default_policy(device_type: str) -> Policy:
+    """The built-in policy autocast uses on ``device_type`` when none is given."""
+    return builtin_policy(_DEVICE_POLICY.get(device_type, "cuda"))
+
+
+# --- printing -----------------------------------------------------------------------------------
+
+
+def format_policy(policy: Policy) -> str:
+    """The string form of ``policy`` (see the module docstring); :func:`get_policy` parses it back."""
+    base_name, moves = min(((name, _moves(policy, base)) for name, base in BUILTINS.items()), key=_length)
+    fields = [f"base={base_name}"]
+    if policy.compute_dtype is not None:
+        fields.append(f"compute={short_name(policy.compute_dtype)}")
+    if policy.output_dtype is not None:
+        fields.append(f"output={short_name(policy.output_dtype)}")
+    fields += moves
+    for rule in policy.module_rules:
+        items = "+".join(rule_items(rule))
+        fields.append(f"keep={items}" if rule.dtype is torch.float32 else f"rule={items}:{short_name(rule.dtype)}")
+    return ",".join(fields)
+
+
+def _length(found: tuple[str, list[str]]) -> int:
+    return len(",".join(found[1]))
+
+
+def _moves(policy: Policy, base: Policy) -> list[str]:
+    """The fields that take ``base``'s op lists to ``policy``'s."""
+    table, other = policy.op_table, base.op_table
+    out = []
+    for category in OpCategory:
+        if category is OpCategory.BANNED:
+            moved = sorted(n for n, text in policy.banned.items() if base.banned.get(n) != text)
+            items = [n if policy.banned[n] == BANNED_HINT else f"{n}:{policy.banned[n]!r}" for n in moved]
+        else:
+            items = sorted(n for n, c in table.items() if c is category and other.get(n) is not category)
+        if items:
+            out.append(f"{category.value}={'+'.join(items)}")
+    dropped = sorted(n for n in other if n not in table)
+    if dropped:
+        out.append(f"none={'+'.join(dropped)}")
+    return out
+
+
+def rule_items(rule: ModuleRule) -> list[str]:
+    """What a rule matches, as the string form writes it: ``norm``, type names, quoted name globs."""
+    types = list(rule.types)
+    items = []
+    if tuple(types[: len(NORM_TYPES)]) == NORM_TYPES:
+        items.append("norm")
+        del types[: len(NORM_TYPES)]
+    items += [_type_name(t) for t in types]
+    items += [repr(n) for n in rule.names]
+    return items
+
+
+def _type_name(cls: type) -> str:
+    if getattr(nn, cls.__name__, None) is cls:
+        return str(cls.__name__)
+    return f"{cls.__module__}.{cls.__qualname__}"

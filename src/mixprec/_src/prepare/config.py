@@ -16,8 +16,8 @@ from torch import nn
 
 from mixprec._src.dtypes import LOW_PRECISION, NamedEnum, parse_dtype, short_name
 from mixprec._src.fp8.config import Fp8Config, as_fp8_config
-from mixprec._src.policy.grammar import get_policy, rule_items
-from mixprec._src.policy.policy import NORM_TYPES, ModuleFilter, ModuleRule, Policy
+from mixprec._src.policy.grammar import get_policy
+from mixprec._src.policy.policy import NORM_TYPES, ModuleFilter, ModuleRule, Policy, rule_items
 
 
 class Level(NamedEnum):

@@ -49,8 +49,7 @@ from mixprec._src.fp8 import all_gather as fp8_all_gather
 from mixprec._src.fp8 import conversion as fp8_conversion
 from mixprec._src.fp8.config import Fp8Config
 from mixprec._src.fp8.linear import Fp8Scaling
-from mixprec._src.policy.grammar import default_policy
-from mixprec._src.policy.policy import NORM_TYPES, ModuleFilter, Policy
+from mixprec._src.policy.policy import NORM_TYPES, ModuleFilter, Policy, default_policy
 from mixprec._src.prepare import stochastic_rounding
 from mixprec._src.prepare.config import Level, PrepareConfig
 

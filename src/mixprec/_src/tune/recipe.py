@@ -27,8 +27,7 @@ from mixprec._src.layers import plan as layer_plan
 from mixprec._src.layers.plan import LayerChoice
 from mixprec._src.layout import to_channels_last
 from mixprec._src.op_names import op_name
-from mixprec._src.policy.grammar import default_policy
-from mixprec._src.policy.policy import Policy
+from mixprec._src.policy.policy import Policy, default_policy
 from mixprec._src.prepare.config import Level, PrepareConfig
 from mixprec._src.prepare.prepare import prepare, prepared_state
 from mixprec._src.scaling.scaler import GradScaler

@@ -58,7 +58,7 @@ from mixprec._src import input_checks, timing
 from mixprec._src.dtypes import parse_dtype, short_name
 from mixprec._src.layers import plan as layer_plan
 from mixprec._src.observe.diagnostics import diagnose
-from mixprec._src.policy.grammar import default_policy
+from mixprec._src.policy.policy import default_policy
 from mixprec._src.prepare.config import Level
 from mixprec._src.prepare.prepare import prepared_state
 from mixprec._src.tune.recipe import Measurement, Recipe, Tolerance
