@@ -144,7 +144,7 @@ MUTANTS = (
            S + "prepare/memory.py", "            if id(p) in lowp:", "            if False:",
            (S + "prepare/memory.py", "docs/distributed.md")),
     Mutant("policy-string-drops-hints", "a banned op's hint is left out of the policy's string form",
-           S + "policy/grammar.py",
+           S + "policy/policy.py",
            '''            items = [n if policy.banned[n] == BANNED_HINT else f"{n}:{policy.banned[n]!r}"'''
            ''' for n in moved]''',
            "            items = moved", POLICY_TESTS),
