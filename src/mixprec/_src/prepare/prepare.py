@@ -31,17 +31,15 @@ import dataclasses
 import functools
 import os
 import sys
-import threading
 import types
 import warnings
 from collections.abc import Callable, Iterable
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import nn
 
 from mixprec._src import casting, input_checks, sharding
-from mixprec._src.amp import compiled_backward, region
 from mixprec._src.amp.autocast import autocast
 from mixprec._src.dtypes import short_name
 from mixprec._src.errors import PrepareOrderError
@@ -50,7 +48,7 @@ from mixprec._src.fp8 import conversion as fp8_conversion
 from mixprec._src.fp8.config import Fp8Config
 from mixprec._src.fp8.linear import Fp8Scaling
 from mixprec._src.policy.policy import NORM_TYPES, ModuleFilter, Policy, default_policy
-from mixprec._src.prepare import stochastic_rounding
+from mixprec._src.prepare import kept, o2_copies, stochastic_rounding
 from mixprec._src.prepare.config import Level, PrepareConfig
 
 _ATTR = "_mixprec"  # where prepare keeps its state, on the model and on the optimizer
@@ -67,7 +65,7 @@ class Prepared:
     lowp_params: list[nn.Parameter]  # stored in dtype (bf16 levels) or computed from a copy in dtype (O2)
     kept_modules: list[nn.Module]  # outermost modules kept in fp32
     buffers: list[tuple[nn.Module, str]]  # buffers prepare stored in dtype
-    copies: _ComputeCopies | None = None  # O2, parameters FSDP2 does not manage
+    copies: o2_copies.ComputeCopies | None = None  # O2, parameters FSDP2 does not manage
     sharded: bool = False  # FSDP2 units were set up for the level
     checked: bool = False  # the first forward looked for FSDP2 units added since
     told_outer: bool = False  # a forward inside an autocast region of another dtype was told of, once
@@ -171,11 +169,11 @@ def prepare(
             raise ValueError("Fp8Config(all_gather=True) sets FSDP2's all-gather of the fp8 weights; this model has no "
                              "fully_shard units: shard it first, or leave all_gather off")  # fmt: skip
     device_type = input_checks.device_type_of(model)
-    kept_modules = _outermost(model, config)
+    kept_modules = kept.outermost(model, config)
     state = Prepared(config, device_type, model.forward, [], [], kept_modules, [], sharded=sharded)
     # Registered first, so it runs before any other step hook (bf16-sr's, the user's).
     state.handles.append(optimizer.register_step_pre_hook(functools.partial(_check_still_ours, model, state)))
-    _keep_in_fp32(kept_modules, device_type, state.handles)
+    kept.keep_in_fp32(kept_modules, device_type, state.handles)
     layers = None
     if config.fp8 is not None:
         inside_kept = {id(m) for k in kept_modules for m in k.modules()}
@@ -211,16 +209,16 @@ def _lower(model: nn.Module, optimizer: torch.optim.Optimizer, state: Prepared) 
     """Put the parameters and buffers of the modules not kept in fp32 at the level's precision."""
     level, dtype, kept_modules = state.level, state.dtype, state.kept_modules
     if state.sharded and level is Level.O2:  # every shard stays fp32: the kept ones are gathered in fp32
-        sharding.gather_kept_in_fp32(model, _param_ids(kept_modules))
+        sharding.gather_kept_in_fp32(model, kept.param_ids(kept_modules))
     elif state.sharded:  # bf16 shards: a unit stores one dtype, so the kept modules move to fp32 units
-        _replace_in_optimizer(optimizer, sharding.split_kept_units(model, _param_ids(kept_modules), kept_modules))
-    kept = _param_ids(kept_modules)
+        _replace_in_optimizer(optimizer, sharding.split_kept_units(model, kept.param_ids(kept_modules), kept_modules))
+    kept_ids = kept.param_ids(kept_modules)
     inside_kept = {id(m) for k in kept_modules for m in k.modules()}
     converted = [m for m in model.modules() if id(m) not in inside_kept]
     seen: set[int] = set()  # shared parameters are converted once
     for module in converted:
         for param in module.parameters(recurse=False):
-            if id(param) not in kept and id(param) not in seen and param.is_floating_point():
+            if id(param) not in kept_ids and id(param) not in seen and param.is_floating_point():
                 seen.add(id(param))
                 state.lowp_params.append(param)
     in_units: set[int] = set()
@@ -232,8 +230,8 @@ def _lower(model: nn.Module, optimizer: torch.optim.Optimizer, state: Prepared) 
     if level is Level.O2:  # FSDP2 gathers its units' low-precision weights; copies for the rest
         unmanaged = [p for p in state.lowp_params if id(p) not in in_units]
         if unmanaged:
-            copies = state.copies = _ComputeCopies(dtype, unmanaged)
-            _install_copies(converted, copies, state.handles)
+            copies = state.copies = o2_copies.ComputeCopies(dtype, unmanaged)
+            o2_copies.install_copies(converted, copies, state.handles)
             state.handles.append(optimizer.register_step_post_hook(lambda *_: copies.refresh()))
     else:
         for param in state.lowp_params:
@@ -415,197 +413,6 @@ def _convert(param: nn.Parameter, dtype: torch.dtype) -> None:
         torch.utils.swap_tensors(param, converted)  # type: ignore[no-untyped-call]
     else:
         param.data = param.data.to(dtype)
-
-
-# ----- modules kept in fp32 ------------------------------------------------------------------
-
-
-def _outermost(model: nn.Module, config: PrepareConfig) -> list[nn.Module]:
-    """The modules ``config`` keeps, without those inside another kept one."""
-    found: list[tuple[str, nn.Module]] = []
-    for name, module in model.named_modules():
-        if config.keeps(module, name) and not any(name.startswith(f"{outer}.") or outer == "" for outer, _ in found):
-            found.append((name, module))
-    return [m for _, m in found]
-
-
-def _param_ids(modules: Iterable[nn.Module]) -> set[int]:
-    return {id(p) for m in modules for p in m.parameters()}
-
-
-_keep = threading.local()
-
-
-def _keep_stack() -> list[tuple[bool, torch.dtype] | None]:
-    stack: list[tuple[bool, torch.dtype] | None] | None = getattr(_keep, "stack", None)
-    if stack is None:
-        stack = _keep.stack = []
-    return stack
-
-
-@torch.fx.node.has_side_effect
-@torch._dynamo.allow_in_graph  # type: ignore[untyped-decorator]
-def _keep_enter(device_type: str) -> None:
-    """Enter a kept module: autocast off for ``device_type`` (the state outside is restored on exit)."""
-    stack = _keep_stack()
-    if torch.compiler.is_compiling():
-        region.unwind_on_failed_trace_with(functools.partial(_keep_exit_to, device_type, len(stack)))
-        compiled_backward.backward_like_eager()
-    enabled = torch.is_autocast_enabled(device_type)
-    stack.append((enabled, torch.get_autocast_dtype(device_type)) if enabled else None)
-    if enabled:
-        torch.set_autocast_enabled(device_type, False)
-
-
-@torch.fx.node.has_side_effect
-@torch._dynamo.allow_in_graph  # type: ignore[untyped-decorator]
-def _keep_exit(device_type: str) -> None:
-    outside = _keep_stack().pop()
-    if outside is not None:
-        torch.set_autocast_enabled(device_type, outside[0])
-        torch.set_autocast_dtype(device_type, outside[1])
-
-
-def _keep_exit_to(device_type: str, depth: int) -> None:
-    while len(_keep_stack()) > depth:
-        _keep_exit(device_type)
-
-
-def _keep_in_fp32(modules: Iterable[nn.Module], device_type: str, handles: list[Any]) -> None:
-    """Hooks on each kept module: autocast off inside it, floating inputs cast to fp32.
-
-    The hooks belong to the module, so they run wherever the module runs: in a checkpoint's
-    recompute, under FSDP2, in a copy of the model; torch's own autocast state is all they read.
-    """
-
-    def enter(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        cast_inputs = torch.is_autocast_enabled(device_type)
-        _keep_enter(device_type)
-        if not cast_inputs:
-            return None
-        return casting.cast_floating((args, kwargs), torch.float32, device_type)
-
-    def leave(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        _keep_exit(device_type)
-
-    for module in modules:
-        handles.append(module.register_forward_pre_hook(enter, with_kwargs=True, prepend=True))
-        handles.append(module.register_forward_hook(leave, always_call=True))
-
-
-# ----- O2: low-precision copies for the forward ------------------------------------------------
-
-
-class _ComputeCopies:
-    """O2's low-precision copies of fp32 parameters, made once per change of the parameter.
-
-    Refreshed together after each optimizer step (one fused copy) and, one by one, whenever a
-    parameter's version counter moved since (``load_state_dict``, ``nn.init``, in-place writes
-    under ``no_grad``). Checking a version is host-side: no sync.
-    """
-
-    def __init__(self, dtype: torch.dtype, params: list[nn.Parameter]) -> None:
-        self.dtype = dtype
-        self.params = params
-        self.copies: dict[int, torch.Tensor] = {}
-        self.versions: dict[int, int] = {}
-        self.refresh()
-
-    def refresh(self) -> None:
-        """Copy every parameter into its low-precision copy (after an optimizer step)."""
-        with torch.no_grad():
-            for p in self.params:
-                held = self.copies.get(id(p))
-                if held is None or held.shape != p.shape or held.device != p.device:
-                    self.copies[id(p)] = torch.empty_like(p, dtype=self.dtype, memory_format=torch.preserve_format)
-            if self.params:
-                torch._foreach_copy_([self.copies[id(p)] for p in self.params], [p.detach() for p in self.params])
-        self.versions = {id(p): p._version for p in self.params}
-
-    def of(self, param: torch.Tensor) -> torch.Tensor:
-        """``param``'s copy, refreshed first if the parameter was written since."""
-        held = self.copies[id(param)]
-        if param._version != self.versions[id(param)] or held.device != param.device or held.shape != param.shape:
-            with torch.no_grad():
-                if held.device != param.device or held.shape != param.shape:
-                    held = self.copies[id(param)] = torch.empty_like(param, dtype=self.dtype,
-                                                                     memory_format=torch.preserve_format)  # fmt: skip
-                held.copy_(param)
-            self.versions[id(param)] = param._version
-        return held
-
-    def nbytes(self) -> int:
-        return sum(c.numel() * c.element_size() for c in self.copies.values())
-
-
-class _FromCopy(torch.autograd.Function):
-    """The low-precision copy as the forward's weight; its gradient goes to the fp32 parameter, widened."""
-
-    @staticmethod
-    def forward(master: torch.Tensor, held: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return held.detach()
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.master_dtype = inputs[0].dtype
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        return grad.to(ctx.master_dtype), None
-
-
-def _from_copy(master: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
-    return cast(torch.Tensor, _FromCopy.apply(master, held))  # type: ignore[no-untyped-call]
-
-
-class _Swap:
-    """Hooks that put one module's parameters' copies in place around its forward, as FSDP2 puts gathered ones."""
-
-    def __init__(self, module: nn.Module, names: list[str], copies: _ComputeCopies) -> None:
-        self.masters = {n: module._parameters[n] for n in names}
-        self.copies = copies
-        self.depth = 0  # a module may call itself inside its own forward: swap once
-        self.rnn = isinstance(module, nn.RNNBase)  # RNNs read weights from a list made when they are set
-
-    def enter(self, module: nn.Module, args: Any) -> None:
-        self.depth += 1
-        if self.depth > 1:
-            return
-        grad = torch.is_grad_enabled()
-        for name, master in self.masters.items():
-            if module._parameters[name] is not master:
-                self.depth -= 1
-                raise RuntimeError(
-                    f"parameter {name!r} of a {type(module).__name__} was replaced after mixprec.prepare "
-                    "(fully_shard, load_state_dict(assign=True), to_empty); the prepared optimizer no longer steps "
-                    "it. Set the model up first, then build the optimizer and call mixprec.prepare"
-                )
-            if torch.compiler.is_compiling():  # a cast in the graph: fresh whatever wrote the weight
-                module._parameters[name] = master.to(self.copies.dtype)  # type: ignore[assignment,union-attr]
-                continue
-            held = self.copies.of(master)  # type: ignore[arg-type]
-            need_grad = grad and master.requires_grad  # type: ignore[union-attr]
-            module._parameters[name] = _from_copy(master, held) if need_grad else held  # type: ignore[arg-type,assignment]
-        if self.rnn:
-            module._init_flat_weights()  # type: ignore[operator]
-
-    def leave(self, module: nn.Module, args: Any, output: Any) -> None:
-        self.depth -= 1
-        if self.depth:
-            return
-        module._parameters.update(self.masters)
-        if self.rnn:
-            module._init_flat_weights()  # type: ignore[operator]
-
-
-def _install_copies(modules: list[nn.Module], copies: _ComputeCopies, handles: list[Any]) -> None:
-    ours = {id(p) for p in copies.params}
-    for module in modules:
-        names = [n for n, p in module._parameters.items() if p is not None and id(p) in ours]
-        if names:
-            swap = _Swap(module, names, copies)
-            handles.append(module.register_forward_pre_hook(swap.enter, prepend=True))
-            handles.append(module.register_forward_hook(swap.leave, always_call=True))
 
 
 # ----- optimizer and outputs ----------------------------------------------------------------

@@ -1,0 +1,129 @@
+"""O2's low-precision copies: the forward of each module computes with copies of its fp32 master weights.
+
+:class:`ComputeCopies` holds one low-precision copy per parameter, refreshed together after each
+optimizer step (one fused copy) and one by one when a parameter was written since (its version
+counter, read on the host: no sync). :func:`install_copies` puts a module's copies in place
+around its forward, as FSDP2 puts gathered parameters; their gradients flow into the fp32
+masters, widened. Compiled, the forward casts the master in the graph instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+__all__ = ["ComputeCopies", "install_copies"]
+
+
+class ComputeCopies:
+    """O2's low-precision copies of fp32 parameters, made once per change of the parameter.
+
+    Refreshed together after each optimizer step (one fused copy) and, one by one, whenever a
+    parameter's version counter moved since (``load_state_dict``, ``nn.init``, in-place writes
+    under ``no_grad``). Checking a version is host-side: no sync.
+    """
+
+    def __init__(self, dtype: torch.dtype, params: list[nn.Parameter]) -> None:
+        self.dtype = dtype
+        self.params = params
+        self.copies: dict[int, torch.Tensor] = {}
+        self.versions: dict[int, int] = {}
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Copy every parameter into its low-precision copy (after an optimizer step)."""
+        with torch.no_grad():
+            for p in self.params:
+                held = self.copies.get(id(p))
+                if held is None or held.shape != p.shape or held.device != p.device:
+                    self.copies[id(p)] = torch.empty_like(p, dtype=self.dtype, memory_format=torch.preserve_format)
+            if self.params:
+                torch._foreach_copy_([self.copies[id(p)] for p in self.params], [p.detach() for p in self.params])
+        self.versions = {id(p): p._version for p in self.params}
+
+    def of(self, param: torch.Tensor) -> torch.Tensor:
+        """``param``'s copy, refreshed first if the parameter was written since."""
+        held = self.copies[id(param)]
+        if param._version != self.versions[id(param)] or held.device != param.device or held.shape != param.shape:
+            with torch.no_grad():
+                if held.device != param.device or held.shape != param.shape:
+                    held = self.copies[id(param)] = torch.empty_like(param, dtype=self.dtype,
+                                                                     memory_format=torch.preserve_format)  # fmt: skip
+                held.copy_(param)
+            self.versions[id(param)] = param._version
+        return held
+
+    def nbytes(self) -> int:
+        return sum(c.numel() * c.element_size() for c in self.copies.values())
+
+
+class _FromCopy(torch.autograd.Function):
+    """The low-precision copy as the forward's weight; its gradient goes to the fp32 parameter, widened."""
+
+    @staticmethod
+    def forward(master: torch.Tensor, held: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return held.detach()
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.master_dtype = inputs[0].dtype
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return grad.to(ctx.master_dtype), None
+
+
+def _from_copy(master: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
+    return cast(torch.Tensor, _FromCopy.apply(master, held))  # type: ignore[no-untyped-call]
+
+
+class _Swap:
+    """Hooks that put one module's parameters' copies in place around its forward, as FSDP2 puts gathered ones."""
+
+    def __init__(self, module: nn.Module, names: list[str], copies: ComputeCopies) -> None:
+        self.masters = {n: module._parameters[n] for n in names}
+        self.copies = copies
+        self.depth = 0  # a module may call itself inside its own forward: swap once
+        self.rnn = isinstance(module, nn.RNNBase)  # RNNs read weights from a list made when they are set
+
+    def enter(self, module: nn.Module, args: Any) -> None:
+        self.depth += 1
+        if self.depth > 1:
+            return
+        grad = torch.is_grad_enabled()
+        for name, master in self.masters.items():
+            if module._parameters[name] is not master:
+                self.depth -= 1
+                raise RuntimeError(
+                    f"parameter {name!r} of a {type(module).__name__} was replaced after mixprec.prepare "
+                    "(fully_shard, load_state_dict(assign=True), to_empty); the prepared optimizer no longer steps "
+                    "it. Set the model up first, then build the optimizer and call mixprec.prepare"
+                )
+            if torch.compiler.is_compiling():  # a cast in the graph: fresh whatever wrote the weight
+                module._parameters[name] = master.to(self.copies.dtype)  # type: ignore[assignment,union-attr]
+                continue
+            held = self.copies.of(master)  # type: ignore[arg-type]
+            need_grad = grad and master.requires_grad  # type: ignore[union-attr]
+            module._parameters[name] = _from_copy(master, held) if need_grad else held  # type: ignore[arg-type,assignment]
+        if self.rnn:
+            module._init_flat_weights()  # type: ignore[operator]
+
+    def leave(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.depth -= 1
+        if self.depth:
+            return
+        module._parameters.update(self.masters)
+        if self.rnn:
+            module._init_flat_weights()  # type: ignore[operator]
+
+
+def install_copies(modules: list[nn.Module], copies: ComputeCopies, handles: list[Any]) -> None:
+    ours = {id(p) for p in copies.params}
+    for module in modules:
+        names = [n for n, p in module._parameters.items() if p is not None and id(p) in ours]
+        if names:
+            swap = _Swap(module, names, copies)
+            handles.append(module.register_forward_pre_hook(swap.enter, prepend=True))
+            handles.append(module.register_forward_hook(swap.leave, always_call=True))
