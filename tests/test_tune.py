@@ -135,14 +135,15 @@ def test_tune_respects_the_budget(monkeypatch: pytest.MonkeyPatch) -> None:
     # (at least 8 if it stops slow candidates), the profile 2 and round 3 more, so a whole search cannot fit
     # in 1 s anywhere, while round 1's first 6 steps (its accuracy checks) usually do: then the budget also
     # stops the search between rounds. A step past the budget is short everywhere.
+    from mixprec._src.tune import probes, trial
     from mixprec._src.tune import search as tune_module
 
     steps: list[tuple[float, float]] = []
     diagnoses: list[tuple[float, float]] = []
-    monkeypatch.setattr(tune_module._Trial, "step", _timed(tune_module._Trial.step, steps))
+    monkeypatch.setattr(trial.Trial, "step", _timed(trial.Trial.step, steps))
     monkeypatch.setattr(tune_module, "diagnose", _timed(tune_module.diagnose, diagnoses))
     # As on a CPU with bf16 and fp16 instructions: the candidates run, so the budget is what stops them.
-    monkeypatch.setattr(tune_module, "_matmul_slowdown", lambda dtype, device: 1.0)
+    monkeypatch.setattr(probes, "matmul_slowdown", lambda dtype, device: 1.0)
 
     def slow_loss(out: torch.Tensor) -> torch.Tensor:
         time.sleep(0.1)
@@ -336,9 +337,9 @@ def test_a_dtype_emulated_here_is_rejected_without_spending_the_budget(monkeypat
     # On a CPU without bf16/fp16 instructions torch emulates them, 10-100x slower than fp32: one step of a
     # real model can take minutes. tune measures a matmul in each dtype first and does not start a step
     # that would end past the budget. (Planted here: the probe reports a 1000x slowdown for low dtypes.)
-    from mixprec._src.tune import search as tune_module
+    from mixprec._src.tune import probes
 
-    monkeypatch.setattr(tune_module, "_matmul_slowdown", lambda dtype, device: 1000.0)
+    monkeypatch.setattr(probes, "matmul_slowdown", lambda dtype, device: 1000.0)
 
     def slow_loss(out: torch.Tensor) -> torch.Tensor:
         time.sleep(0.02)  # a forward of 20 ms: a low-precision step would take about a minute
@@ -401,9 +402,9 @@ def test_a_noisy_machine_is_measured_repeated_and_said(monkeypatch: pytest.Monke
 
 
 def _search_with(results: dict[str, Measurement]) -> Any:
-    from mixprec._src.tune import search as tune_module
+    from mixprec._src.tune import rounds
 
-    search = tune_module._Search.__new__(tune_module._Search)
+    search = rounds.Search.__new__(rounds.Search)
     search.results = dict(results)
     search.recipes = {"bf16 O1": Recipe(dtype=torch.bfloat16), "bf16 O2": Recipe(dtype=torch.bfloat16, level="O2")}
     search.out_of_time, search.repeated = False, 8

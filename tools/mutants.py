@@ -139,7 +139,7 @@ MUTANTS = (
            S + "tune/search.py", "    finalists = search.final_round(torch_default, dtypes, min_speedup, notes)",
            "    finalists = None", ("tests/test_tune.py",)),
     Mutant("tune-ignores-loss", "tune's guard accepts any loss",
-           S + "tune/search.py", "    if err > tol.loss_rtol:", "    if False:", ("tests/test_tune.py",)),
+           S + "tune/trial.py", "    if err > tol.loss_rtol:", "    if False:", ("tests/test_tune.py",)),
     Mutant("memory-masters-as-parameters", "memory_report counts O2's fp32 masters as parameters",
            S + "prepare/memory.py", "            if id(p) in lowp:", "            if False:",
            (S + "prepare/memory.py", "docs/distributed.md")),
@@ -292,7 +292,7 @@ MUTANTS = (
     Mutant("old-paths-gone", "a module's old flat path no longer imports (old pickles fail to load)",
            S + "__init__.py", "    sys.meta_path.append(_OldPaths())", "    pass", ("tests/test_old_pickles.py",)),
     Mutant("tune-never-repeats", "tune does not repeat a noisy round",
-           S + "tune/search.py", "if any((t.noise(default) or 0.0) > timing.NOISY for t in running):",
+           S + "tune/rounds.py", "if any((t.noise(default) or 0.0) > timing.NOISY for t in running):",
            "if False:", ("tests/test_tune.py",)),
 )  # fmt: skip
 

@@ -28,7 +28,7 @@ In every round the candidates train in lockstep, one step each in alternating or
 ``mixprec bench`` does), so that a shared machine's load falls on all alike; a candidate's speed
 is the median of its warm steps against torch.amp's default in the same round, with its noise (how
 uncertain that median is, from the step-to-step ratios: :mod:`timing`); a noisy round is repeated, up
-to ``_MAX_STEPS`` steps, and a candidate must beat the default by its noise as well as by
+to ``MAX_STEPS`` steps, and a candidate must beat the default by its noise as well as by
 ``min_speedup`` (a note says when the noise decided). Every candidate
 starts from a deep copy of the same weights and optimizer state; its first steps are compared with
 fp32's (see :class:`Tolerance`). The search stops at ``budget_s`` and keeps the best so far.
@@ -39,16 +39,13 @@ Everything here syncs with the device: it times steps.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import functools
 import math
-import os
 import statistics
-import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -61,443 +58,13 @@ from mixprec._src.observe.diagnostics import diagnose
 from mixprec._src.policy.policy import default_policy
 from mixprec._src.prepare.config import Level
 from mixprec._src.prepare.prepare import prepared_state
-from mixprec._src.tune.recipe import Measurement, Recipe, Tolerance
-from mixprec._src.tune.tables import line
+from mixprec._src.tune import probes
+from mixprec._src.tune.recipe import Recipe, Tolerance
+from mixprec._src.tune.rounds import Progress, Search, changes
+from mixprec._src.tune.trial import sync
 
-Progress = Callable[[str], None]
-
-_ACCURACY_STEPS = 2  # steps compared with fp32; the first is also the warm-up, never timed
-_STEPS = 4  # steps per candidate per round: 3 timed, their median is the candidate's time
-_MAX_STEPS = 8  # ... repeated up to this many while the speed ratios are noisy (see timing.NOISY)
-_SLOW = 1.5  # a candidate this much slower than the default after its checked steps cannot win: stopped
-_COLD_SLOW = 10.0  # ... or this much slower on its first (cold) step than the first round's: an emulated dtype
-_FINALISTS = 3  # the fastest candidates raced again, head to head, before choosing
 _DIAGNOSE_STEPS = 4  # diagnose costs about this many training steps (fp32 and low-precision passes with hooks)
 _PLAN_SHARE = 0.25  # the share of the budget the per-layer measurements may take
-
-
-class _Trial:
-    """One candidate training on a deep copy of the user's model and optimizer."""
-
-    def __init__(self, recipe: Recipe, model: nn.Module, optimizer: torch.optim.Optimizer, inputs: Any,
-                 loss_of: Callable[[Any], torch.Tensor], device: torch.device) -> None:  # fmt: skip
-        self.recipe = recipe
-        self.name = recipe.name
-        copied_model, copied_optimizer = copy.deepcopy((model, optimizer))  # one memo: the optimizer keeps its params
-        self.run = recipe.apply(copied_model, copied_optimizer)
-        self.params = [p for p in self.run.model.parameters() if p.requires_grad]
-        self.start = [p.detach().float().clone() for p in self.params]
-        self.inputs = self.run.inputs(inputs)
-        self.loss_of, self.device = loss_of, device
-        self.losses: list[float] = []
-        self.times: list[float] = []  # of the current round
-        self.grad: torch.Tensor | None = None
-        self.update: torch.Tensor | None = None
-        self.stopped = ""  # why it stopped early, if it did
-        self.failed = ""  # the error it raised, if it did
-        self.first_estimate_s = 0.0  # what its first step should take, before it took one (see _first_step_s)
-
-    def step(self) -> None:
-        # Every candidate draws the same random numbers (dropout) at the same step; the caller's RNG is left alone.
-        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-            torch.manual_seed(len(self.times))
-            self._step()
-
-    def _step(self) -> None:
-        _sync(self.device)
-        begin = timing.clock()
-        self.run.optimizer.zero_grad(set_to_none=True)
-        with self.run.autocast():
-            loss = self.loss_of(input_checks.call_model(self.run.model, self.inputs))
-        self.run.backward(loss)
-        first = not self.losses
-        if first:  # the gradients fp32's are compared with, before any update (scaled: cosine ignores it)
-            self.grad = _flat([p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params])
-        self.run.step()
-        _sync(self.device)
-        self.times.append(timing.clock() - begin)
-        if len(self.losses) < _ACCURACY_STEPS:
-            self.losses.append(float(loss.detach().float()))
-            if len(self.losses) == _ACCURACY_STEPS:
-                self.update = _flat([p.detach().float() - s for p, s in zip(self.params, self.start, strict=True)])
-                self.start = []
-
-    @property
-    def checked(self) -> bool:
-        return len(self.losses) == _ACCURACY_STEPS
-
-    def median_s(self) -> float | None:
-        timed = self.times[1:]  # each round's first step is warm-up (first calls, caches, allocations)
-        return statistics.median(timed) if timed else None
-
-    def noise(self, default: _Trial) -> float | None:
-        """How uncertain its speed against ``default`` is in this round, from the per-step ratios (see
-        :func:`timing.ratio_noise`; for ``default`` itself, its step time's)."""
-        if self is default:
-            timed = self.times[1:]
-            middle = statistics.median(timed) if timed else 0.0
-            return timing.ratio_noise([t / middle for t in timed]) if middle > 0 else None
-        pairs = list(zip(default.times[1:], self.times[1:], strict=False))  # the same lockstep steps
-        return timing.ratio_noise([d / t for d, t in pairs if t > 0])
-
-    def expected_s(self, default: _Trial) -> float:
-        """How long the next step should take: its last one, else the default's (or its own estimate)."""
-        if self.times:
-            return self.times[-1]
-        return max(default.times[-1] if default.times else 0.0, self.first_estimate_s)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([t.detach().float().reshape(-1) for t in tensors]) if tensors else torch.zeros(1)
-
-
-def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
-    # in fp64: the norms of millions of squared fp32 values
-    a64, b64 = a.double(), b.double()
-    denom = float(a64.norm() * b64.norm())
-    return float(a64 @ b64) / denom if denom > 0 else (1.0 if float(a64.norm()) == float(b64.norm()) else 0.0)
-
-
-def _judge(trial: _Trial, ref: _Trial, tol: Tolerance) -> tuple[float | None, float | None, float | None, str]:
-    """(loss error, gradient cosine, update cosine, why rejected or "")."""
-    for i, value in enumerate(trial.losses):
-        if not math.isfinite(value):
-            return None, None, None, f"loss is {value} at step {i + 1}"
-    err = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(trial.losses, ref.losses, strict=True))
-    assert trial.grad is not None and ref.grad is not None and trial.update is not None and ref.update is not None
-    if not bool(torch.isfinite(trial.grad).all()):
-        return err, None, None, "non-finite gradients at step 1"
-    gcos, ucos = _cosine(trial.grad, ref.grad), _cosine(trial.update, ref.update)
-    if err > tol.loss_rtol:
-        return err, gcos, ucos, f"loss differs from fp32 by {err:.2%} > {tol.loss_rtol:.2%}"
-    if gcos < tol.grad_cos:
-        return err, gcos, ucos, f"gradient cosine {gcos:.5f} < {tol.grad_cos}"
-    if ucos < tol.update_cos:
-        return err, gcos, ucos, f"update cosine {ucos:.4f} < {tol.update_cos}"
-    return err, gcos, ucos, ""
-
-
-class _Search:
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, inputs: Any,
-                 loss_of: Callable[[Any], torch.Tensor], device: torch.device, tol: Tolerance,
-                 deadline: float, progress: Progress | None) -> None:  # fmt: skip
-        self.model, self.optimizer, self.inputs, self.loss_of = model, optimizer, inputs, loss_of
-        self.device, self.tol, self.deadline, self.progress = device, tol, deadline, progress
-        self.results: dict[str, Measurement] = {}
-        self.recipes: dict[str, Recipe] = {}
-        self.out_of_time = False
-        self.ref: _Trial | None = None  # fp32, for accuracy
-        self.cold_s: float | None = None  # the default's first step in the first round
-        self.setup_s = 0.0  # the longest a candidate took to set up (a deep copy, prepare)
-        self.first_step_s: dict[torch.dtype, float] = {}  # a first step's estimate, by dtype (see _first_step_s)
-        self.repeated = 0  # the most steps a noisy round took (0: none was repeated)
-
-    def say(self, text: str) -> None:
-        if self.progress is not None:
-            self.progress(text)
-
-    def fits(self, seconds: float) -> bool:
-        """Whether work of ``seconds`` ends inside the budget (if not, the search did not finish)."""
-        if time.perf_counter() + seconds > self.deadline:
-            self.out_of_time = True  # the search did not finish; a cheaper round later may still fit
-            return False
-        return True
-
-    def time_left(self) -> bool:
-        return self.fits(0.0)
-
-    def trial(self, recipe: Recipe) -> _Trial:
-        begin = time.perf_counter()
-        trial = _Trial(recipe, self.model, self.optimizer, self.inputs, self.loss_of, self.device)
-        self.setup_s = max(self.setup_s, time.perf_counter() - begin)
-        trial.first_estimate_s = self.first_step_s.get(recipe.dtype, 0.0)
-        return trial
-
-    def round(self, default: _Trial, recipes: list[Recipe], label: str) -> list[str]:
-        """Race ``recipes`` against ``default`` if their checked steps fit in the budget; returns their names.
-
-        Copying a large model for every candidate takes seconds: a round that cannot finish is not started.
-        """
-        step_s = default.median_s() or default.expected_s(default)
-        if not self.fits(self.setup_s * len(recipes) + step_s * (len(recipes) + 1) * _ACCURACY_STEPS):
-            for r in recipes:
-                self.recipes[r.name] = r
-                self.results[r.name] = Measurement(r.name, "not measured", reason="the budget ran out")
-            self.say(f"{label}: skipped, the budget would run out: {', '.join(r.name for r in recipes)}")
-            return [r.name for r in recipes]
-        self.race(default, [self.trial(r) for r in recipes], label)
-        return [r.name for r in recipes]
-
-    def race(self, default: _Trial, trials: list[_Trial], label: str) -> None:
-        """Step ``default`` and ``trials`` in lockstep; record each trial's speed and accuracy."""
-        everyone = [default, *[t for t in trials if t is not default]]
-        for t in everyone:
-            t.times = []
-        self.say(f"{label}: {', '.join(t.name for t in trials)}")
-        self._lockstep(default, everyone, stop_slow=True)
-        base = default.median_s()
-        for t in trials:
-            self.record(t, default, base)
-        for t in trials:
-            self.say(f"  {self.results[t.name].name}: {line(self.results[t.name])}")
-
-    def _lockstep(self, default: _Trial, everyone: list[_Trial], *, stop_slow: bool) -> None:
-        """``_STEPS`` steps of each, in alternating order, none past the deadline; up to ``_MAX_STEPS``
-        while a running candidate's speed against ``default`` (or the default's own time) is noisy.
-
-        Raises:
-            Exception: what a step of ``default`` or of the fp32 reference raised (a candidate's is its
-                rejection, recorded in ``stopped`` and ``failed``).
-        """
-        step = 0
-        while step < _STEPS or self._noisy(default, everyone, step):
-            for t in everyone if step % 2 == 0 else reversed(everyone):
-                # An emulated dtype's first step is started only if it leaves half the time left to the others.
-                left = self.deadline - time.perf_counter()
-                if not t.times and t.first_estimate_s and t.first_estimate_s > left / 2:
-                    t.stopped = t.stopped or (
-                        f"a step would take about {t.first_estimate_s:.0f} s, past the budget "
-                        f"({short_name(t.recipe.dtype)} matmuls are emulated on this device)"
-                    )
-                # Skip a step that would end past the deadline: the budget is the user's.
-                if t.stopped or not self.time_left() or time.perf_counter() + t.expected_s(default) > self.deadline:
-                    if not t.stopped:
-                        self.out_of_time = True
-                    continue
-                try:
-                    t.step()
-                except Exception as exc:  # a candidate that cannot train here: rejected with its reason, never fatal
-                    if t is default or t is self.ref:
-                        raise
-                    t.stopped = t.failed = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
-            if stop_slow:
-                self._stop_slow(default, everyone)
-            step += 1
-
-    def _noisy(self, default: _Trial, everyone: list[_Trial], steps: int) -> bool:
-        """Whether another lockstep step is worth its time: a running candidate's speed is noisy."""
-        if steps >= _MAX_STEPS or not self.time_left():
-            return False
-        running = [t for t in everyone if not t.stopped and len(t.times) == steps]
-        step_s = sum(t.expected_s(default) for t in running)
-        if not running or time.perf_counter() + step_s > self.deadline:  # optional: not "out of time"
-            return False
-        if any((t.noise(default) or 0.0) > timing.NOISY for t in running):
-            self.repeated = max(self.repeated, steps + 1)
-            return True
-        return False
-
-    def _stop_slow(self, default: _Trial, trials: list[_Trial]) -> None:
-        base = default.median_s()
-        for t in trials:
-            if t is default or t.stopped or (t is self.ref and not t.checked):  # fp32 must finish its checked steps
-                continue
-            mine = t.median_s()
-            if self.cold_s is None and default.times and default.times[0] > 0:
-                self.cold_s = default.times[0]  # first steps pay one-time costs: compare them with a first step
-            # (and over a second: one-time costs of a few ms, module hooks or a first fp16 kernel, are not slowness)
-            if len(t.times) == 1 and self.cold_s is not None and t.times[0] > max(_COLD_SLOW * self.cold_s, 1.0):
-                t.stopped = f"{self.cold_s / t.times[0]:.2f}x torch.amp's default on the first step"
-            elif t.checked and base is not None and mine is not None and mine > _SLOW * base:
-                t.stopped = f"{base / mine:.2f}x torch.amp's default"
-
-    def record(self, t: _Trial, default: _Trial, base: float | None) -> None:
-        mine = t.median_s()
-        vs = base / mine if base is not None and mine is not None else None
-        ms = None if mine is None else mine * 1e3
-        noise = t.noise(default)
-        self.recipes[t.name] = t.recipe
-        if t.failed:
-            self.results[t.name] = Measurement(t.name, "rejected", reason=t.failed)
-            return
-        if t.stopped and not t.checked:
-            why = f"slower: {t.stopped} (stopped early)"
-            first_ms = t.times[0] * 1e3 if t.times else None
-            self.results[t.name] = Measurement(t.name, "rejected", first_ms, None, reason=why)
-            return
-        if not t.checked or mine is None:
-            self.results[t.name] = Measurement(t.name, "not measured", ms, vs, reason="the budget ran out",
-                                               noise=noise)  # fmt: skip
-            return
-        assert self.ref is not None
-        if t is self.ref:
-            self.results[t.name] = Measurement(t.name, "passed", ms, vs, 0.0, 1.0, 1.0, "the fp32 reference", noise)
-            return
-        err, gcos, ucos, why = _judge(t, self.ref, self.tol)
-        status = "rejected" if why else "passed"
-        if not why and t.stopped:  # checked and timed: it passed, and was stopped only to save the budget
-            why = f"slower: {t.stopped} (stopped early)"
-        self.results[t.name] = Measurement(t.name, status, ms, vs, err, gcos, ucos, why, noise)
-
-    def final_round(
-        self, default_recipe: Recipe, dtypes: list[torch.dtype], min_speedup: float, notes: list[str]
-    ) -> list[str] | None:
-        """Race the finalists and torch.amp's default again, together, for figures that compare.
-
-        Rounds run minutes apart on a shared machine: a step's time moves between them. The finalists
-        are the fastest passed candidates and the simplest within ``min_speedup`` of the fastest. Their
-        ``ms/step`` and ``x default`` become this round's; the others keep their own round's ratio
-        and lose their ``ms/step`` (not comparable). Returns the finalists' names, or ``None`` when
-        there are none or the round does not fit in the budget.
-        """
-        passed = sorted(
-            (n for n, m in self.results.items() if m.status == "passed" and m.vs_default is not None
-             and n != default_recipe.name and self.recipes[n].dtype in dtypes),
-            key=lambda n: -(self.results[n].vs_default or 0.0),
-        )  # fmt: skip
-        if not passed:
-            return None
-        fastest = self.results[passed[0]].vs_default or 0.0
-        near = [n for n in passed if (self.results[n].vs_default or 0.0) * min_speedup >= fastest]
-        simplest = min(near, key=lambda n: _changes(self.recipes[n]))
-        finalists = list(dict.fromkeys([*passed[:_FINALISTS], simplest]))
-        steps = [m.step_ms / 1e3 for n in (*finalists, default_recipe.name)
-                 if (m := self.results.get(n)) is not None and m.step_ms is not None]  # fmt: skip
-        if not self.fits((self.setup_s + max(steps, default=0.0) * _STEPS) * (len(finalists) + 1)):
-            notes.append("no head-to-head round for the finalists (the budget would run out): "
-                         "ms/step come from rounds measured apart")  # fmt: skip
-            return None
-        self.say(f"final round (head to head): {', '.join(finalists)}")
-        default = self.trial(default_recipe)
-        trials = [self.trial(self.recipes[n]) for n in finalists]
-        try:
-            self._lockstep(default, [default, *trials], stop_slow=False)
-        except Exception:  # the default trained in round 1: leave every figure as it was
-            return None
-        base = default.median_s()
-        if base is None:
-            return None
-        timed = {t.name: t.median_s() for t in trials if not t.stopped}
-        noise = {t.name: t.noise(default) for t in (default, *trials)}
-        for name, result in list(self.results.items()):
-            mine = base if name == default_recipe.name else timed.get(name)
-            if mine is not None:
-                self.results[name] = dataclasses.replace(result, step_ms=mine * 1e3, vs_default=base / mine,
-                                                         noise=noise.get(name))  # fmt: skip
-            elif result.status in ("passed", "rejected") and result.step_ms is not None:
-                self.results[name] = dataclasses.replace(result, step_ms=None)
-        for name in (default_recipe.name, *finalists):
-            self.say(f"  {name}: {line(self.results[name])}")
-        notes.append("ms/step: the finalists and torch.amp's default raced head to head in a final round; "
-                     "the others' speed is against the default in their own round")  # fmt: skip
-        return [n for n in finalists if n in timed]
-
-    def best(self, names: Sequence[str]) -> str | None:
-        passed = [n for n in names if n in self.results and self.results[n].status == "passed"]
-
-        def speed(name: str) -> tuple[bool, float]:  # against the default where it was timed, else by time
-            m = self.results[name]
-            return (m.vs_default is not None, m.vs_default if m.vs_default is not None else -(m.step_ms or math.inf))
-
-        return max(passed, key=speed, default=None)
-
-
-@contextlib.contextmanager
-def _quiet_stderr() -> Iterator[None]:
-    """File descriptor 2 sent to /dev/null (C++ writes there directly, past ``sys.stderr``)."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    try:
-        with open(os.devnull, "w") as devnull:
-            os.dup2(devnull.fileno(), 2)
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-
-
-def _profile(trial: _Trial, lower: frozenset[str]) -> dict[str, float]:
-    """Seconds per op of ``lower`` (forward and its backward) in one step of ``trial``.
-
-    Backward work is attributed to the forward op through the autograd sequence number the
-    profiler records on both (the op whose outermost ancestor on ``lower`` created the node).
-    """
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if trial.device.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    prof: Any = torch.profiler.profile(activities=activities)
-    with _quiet_stderr():  # the profiler's C++ side prints start/stop lines on the process's stderr
-        prof.__enter__()
-    try:
-        trial.step()
-    finally:
-        with _quiet_stderr():
-            prof.__exit__(None, None, None)
-    events = prof.events() or []
-    backward = "autograd::engine::evaluate_function: "
-    on_device = trial.device.type == "cuda"
-
-    def cost(e: Any) -> float:
-        return float(getattr(e, "device_time_total", 0.0) if on_device else e.cpu_time_total) * 1e-6
-
-    def owner(e: Any) -> str | None:
-        """The outermost op of ``lower`` around ``e`` in forward; None in backward (its ops are attributed below)."""
-        found = None
-        while e is not None:
-            if e.name.startswith(backward):
-                return None
-            if e.name.startswith("aten::") and e.name[6:] in lower:
-                found = e.name[6:]
-            e = e.cpu_parent
-        return found
-
-    totals: dict[str, float] = {}
-    by_seq: dict[int, str] = {}
-    for e in events:
-        if e.name.startswith(backward):
-            continue
-        op = owner(e)
-        if op is None:
-            continue
-        if e.sequence_nr >= 0:
-            by_seq.setdefault(e.sequence_nr, op)
-        if e.name[6:] == op and (e.cpu_parent is None or owner(e.cpu_parent) is None):
-            totals[op] = totals.get(op, 0.0) + cost(e)
-    for e in events:
-        if e.name.startswith(backward) and e.sequence_nr in by_seq:
-            op = by_seq[e.sequence_nr]
-            totals[op] = totals.get(op, 0.0) + cost(e)
-    return totals
-
-
-def _matmul_slowdown(dtype: torch.dtype, device: torch.device) -> float:
-    """How many times slower a matmul runs in ``dtype`` than in fp32 here (best of five, 256x256).
-
-    Where a CPU has no instructions for a dtype, torch emulates it, often 10-100x slower than fp32.
-    """
-
-    def best(dt: torch.dtype) -> float:
-        a = torch.full((256, 256), 0.5, device=device, dtype=dt)  # values do not matter; the RNG is the caller's
-        times = []
-        for _ in range(5):
-            _sync(device)
-            begin = time.perf_counter()
-            a @ a
-            _sync(device)
-            times.append(time.perf_counter() - begin)
-        return min(times)
-
-    return best(dtype) / max(best(torch.float32), 1e-9)
-
-
-def _first_step_s(forward_s: float, dtypes: list[torch.dtype], device: torch.device) -> dict[torch.dtype, float]:
-    """A first step's cost by dtype, before any ran: three fp32 forwards (forward, backward, step), slowed
-    by the dtype's matmul slowdown where that is large (an emulated dtype; otherwise 0: not needed)."""
-    estimates = {}
-    for dtype in dtypes:
-        slowdown = 1.0 if dtype is torch.float32 else _matmul_slowdown(dtype, device)
-        if slowdown >= _COLD_SLOW:
-            estimates[dtype] = 3 * forward_s * slowdown
-    return estimates
-
-
-def _has_conv_weights(model: nn.Module) -> bool:
-    return any(p.dim() in (4, 5) for p in model.parameters())
 
 
 def tune(
@@ -579,16 +146,16 @@ def tune(
     _check_optimizer(model, optimizer)
     with torch.no_grad():  # the loss must be a scalar: fail here, not inside a candidate (on a copy: BatchNorm)
         copied = copy.deepcopy(model)
-        _sync(found)
+        sync(found)
         begin = time.perf_counter()
         loss_of(input_checks.call_model(copied, batch))
-        _sync(found)
+        sync(found)
         forward_s = time.perf_counter() - begin
         del copied
     device_type = found.type
     default_dtype = torch.get_autocast_dtype(device_type)
-    search = _Search(model, optimizer, batch, loss_of, found, tol, start + budget_s, progress)
-    search.first_step_s = _first_step_s(forward_s, list(dict.fromkeys([*searched, default_dtype])), found)
+    search = Search(model, optimizer, batch, loss_of, found, tol, start + budget_s, progress)
+    search.first_step_s = probes.first_step_s(forward_s, list(dict.fromkeys([*searched, default_dtype])), found)
     notes: list[str] = ["torch.compile is not searched: compiling takes longer than a tuning budget"]
     # The caller's random state is left as it was (bf16-sr draws its rounding seed from it).
     with torch.random.fork_rng(devices=[found] if found.type == "cuda" else []):
@@ -670,7 +237,7 @@ def _check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None
         )
 
 
-def _run_search(search: _Search, model: nn.Module, batch: Any, loss_fn: Any, targets: Any,
+def _run_search(search: Search, model: nn.Module, batch: Any, loss_fn: Any, targets: Any,
                 dtypes: list[torch.dtype], levels: list[str], default_dtype: torch.dtype, min_speedup: float,
                 notes: list[str], plan: _Plan | None = None) -> Recipe:  # fmt: skip
     torch_default = Recipe(dtype=default_dtype)
@@ -720,7 +287,7 @@ def _run_search(search: _Search, model: nn.Module, batch: Any, loss_fn: Any, tar
         dtype = best_trial.recipe.dtype
         # Round 2: op moves the profile suggests, and the layout.
         lower = default_policy(search.device.type).lower
-        low_cost, fp32_cost = _profile(best_trial, lower), _profile(search.ref, lower)
+        low_cost, fp32_cost = probes.profile(best_trial, lower), probes.profile(search.ref, lower)
         slower = sorted((op for op in low_cost if low_cost[op] > fp32_cost.get(op, math.inf)),
                         key=lambda op: fp32_cost[op] - low_cost[op])  # fmt: skip
         if slower:
@@ -729,7 +296,7 @@ def _run_search(search: _Search, model: nn.Module, batch: Any, loss_fn: Any, tar
         candidates = [base(dtype, fp32_ops=(op,)) for op in slower[:3]]
         if len(slower) > 1:
             candidates.append(base(dtype, fp32_ops=tuple(slower)))
-        conv = _has_conv_weights(model)
+        conv = probes.has_conv_weights(model)
         if conv:
             candidates.append(base(dtype, layout="channels_last"))
         del round1
@@ -767,15 +334,7 @@ def _run_search(search: _Search, model: nn.Module, batch: Any, loss_fn: Any, tar
     return _choose(search, best, torch_default, dtypes, min_speedup, notes, finalists)
 
 
-def _changes(recipe: Recipe) -> int:
-    """How far a recipe is from plain torch.autocast (diagnose's kept modules are a constraint, not a change)."""
-    moved = bool(recipe.moved_layers)
-    if recipe.dtype is torch.float32:
-        return 1 + moved
-    return len(recipe.fp32_ops) + (recipe.layout != "contiguous") + (recipe.level != "O1") + recipe.compile + moved
-
-
-def _choose(search: _Search, best: str | None, torch_default: Recipe, dtypes: list[torch.dtype], min_speedup: float,
+def _choose(search: Search, best: str | None, torch_default: Recipe, dtypes: list[torch.dtype], min_speedup: float,
             notes: list[str], finalists: list[str] | None) -> Recipe:  # fmt: skip
     if search.out_of_time:
         notes.append("the search left out work that would not have ended inside the budget (a round, a step): "
@@ -800,7 +359,7 @@ def _choose(search: _Search, best: str | None, torch_default: Recipe, dtypes: li
                 and m.vs_default * need >= speed and n != torch_default.name
                 and search.recipes[n].dtype in dtypes and (finalists is None or n in finalists)]  # fmt: skip
         simplest: str = min(
-            near, key=lambda n: (_changes(search.recipes[n]), -(search.results[n].vs_default or 0.0)), default=best
+            near, key=lambda n: (changes(search.recipes[n]), -(search.results[n].vs_default or 0.0)), default=best
         )
         if simplest != best:
             notes.append(f"{simplest} is within {need:.2f}x of the fastest ({best}) and simpler: chosen")

@@ -1,0 +1,257 @@
+"""tune's rounds: candidates racing torch.amp's default in lockstep, each judged against fp32.
+
+A :class:`Search` holds every measurement so far and the budget. :meth:`Search.race` steps the
+default and the candidates in alternating order (a shared machine's load falls on all alike),
+repeats a noisy round (:mod:`timing`), stops a candidate that cannot win, and records each
+one's speed, noise and accuracy; :meth:`Search.final_round` races the finalists head to head.
+Everything here syncs with the device: it times steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec._src import timing
+from mixprec._src.dtypes import short_name
+from mixprec._src.tune.probes import COLD_SLOW
+from mixprec._src.tune.recipe import Measurement, Recipe, Tolerance
+from mixprec._src.tune.tables import line
+from mixprec._src.tune.trial import ACCURACY_STEPS, Trial, judge
+
+__all__ = ["FINALISTS", "MAX_STEPS", "SLOW", "STEPS", "Progress", "Search", "changes"]
+
+Progress = Callable[[str], None]
+STEPS = 4  # steps per candidate per round: 3 timed, their median is the candidate's time
+MAX_STEPS = 8  # ... repeated up to this many while the speed ratios are noisy (see timing.NOISY)
+SLOW = 1.5  # a candidate this much slower than the default after its checked steps cannot win: stopped
+FINALISTS = 3  # the fastest candidates raced again, head to head, before choosing
+
+
+class Search:
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, inputs: Any,
+                 loss_of: Callable[[Any], torch.Tensor], device: torch.device, tol: Tolerance,
+                 deadline: float, progress: Progress | None) -> None:  # fmt: skip
+        self.model, self.optimizer, self.inputs, self.loss_of = model, optimizer, inputs, loss_of
+        self.device, self.tol, self.deadline, self.progress = device, tol, deadline, progress
+        self.results: dict[str, Measurement] = {}
+        self.recipes: dict[str, Recipe] = {}
+        self.out_of_time = False
+        self.ref: Trial | None = None  # fp32, for accuracy
+        self.cold_s: float | None = None  # the default's first step in the first round
+        self.setup_s = 0.0  # the longest a candidate took to set up (a deep copy, prepare)
+        self.first_step_s: dict[torch.dtype, float] = {}  # a first step's estimate, by dtype (see first_step_s)
+        self.repeated = 0  # the most steps a noisy round took (0: none was repeated)
+
+    def say(self, text: str) -> None:
+        if self.progress is not None:
+            self.progress(text)
+
+    def fits(self, seconds: float) -> bool:
+        """Whether work of ``seconds`` ends inside the budget (if not, the search did not finish)."""
+        if time.perf_counter() + seconds > self.deadline:
+            self.out_of_time = True  # the search did not finish; a cheaper round later may still fit
+            return False
+        return True
+
+    def time_left(self) -> bool:
+        return self.fits(0.0)
+
+    def trial(self, recipe: Recipe) -> Trial:
+        begin = time.perf_counter()
+        trial = Trial(recipe, self.model, self.optimizer, self.inputs, self.loss_of, self.device)
+        self.setup_s = max(self.setup_s, time.perf_counter() - begin)
+        trial.first_estimate_s = self.first_step_s.get(recipe.dtype, 0.0)
+        return trial
+
+    def round(self, default: Trial, recipes: list[Recipe], label: str) -> list[str]:
+        """Race ``recipes`` against ``default`` if their checked steps fit in the budget; returns their names.
+
+        Copying a large model for every candidate takes seconds: a round that cannot finish is not started.
+        """
+        step_s = default.median_s() or default.expected_s(default)
+        if not self.fits(self.setup_s * len(recipes) + step_s * (len(recipes) + 1) * ACCURACY_STEPS):
+            for r in recipes:
+                self.recipes[r.name] = r
+                self.results[r.name] = Measurement(r.name, "not measured", reason="the budget ran out")
+            self.say(f"{label}: skipped, the budget would run out: {', '.join(r.name for r in recipes)}")
+            return [r.name for r in recipes]
+        self.race(default, [self.trial(r) for r in recipes], label)
+        return [r.name for r in recipes]
+
+    def race(self, default: Trial, trials: list[Trial], label: str) -> None:
+        """Step ``default`` and ``trials`` in lockstep; record each trial's speed and accuracy."""
+        everyone = [default, *[t for t in trials if t is not default]]
+        for t in everyone:
+            t.times = []
+        self.say(f"{label}: {', '.join(t.name for t in trials)}")
+        self._lockstep(default, everyone, stop_slow=True)
+        base = default.median_s()
+        for t in trials:
+            self.record(t, default, base)
+        for t in trials:
+            self.say(f"  {self.results[t.name].name}: {line(self.results[t.name])}")
+
+    def _lockstep(self, default: Trial, everyone: list[Trial], *, stop_slow: bool) -> None:
+        """``STEPS`` steps of each, in alternating order, none past the deadline; up to ``MAX_STEPS``
+        while a running candidate's speed against ``default`` (or the default's own time) is noisy.
+
+        Raises:
+            Exception: what a step of ``default`` or of the fp32 reference raised (a candidate's is its
+                rejection, recorded in ``stopped`` and ``failed``).
+        """
+        step = 0
+        while step < STEPS or self._noisy(default, everyone, step):
+            for t in everyone if step % 2 == 0 else reversed(everyone):
+                # An emulated dtype's first step is started only if it leaves half the time left to the others.
+                left = self.deadline - time.perf_counter()
+                if not t.times and t.first_estimate_s and t.first_estimate_s > left / 2:
+                    t.stopped = t.stopped or (
+                        f"a step would take about {t.first_estimate_s:.0f} s, past the budget "
+                        f"({short_name(t.recipe.dtype)} matmuls are emulated on this device)"
+                    )
+                # Skip a step that would end past the deadline: the budget is the user's.
+                if t.stopped or not self.time_left() or time.perf_counter() + t.expected_s(default) > self.deadline:
+                    if not t.stopped:
+                        self.out_of_time = True
+                    continue
+                try:
+                    t.step()
+                except Exception as exc:  # a candidate that cannot train here: rejected with its reason, never fatal
+                    if t is default or t is self.ref:
+                        raise
+                    t.stopped = t.failed = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+            if stop_slow:
+                self._stop_slow(default, everyone)
+            step += 1
+
+    def _noisy(self, default: Trial, everyone: list[Trial], steps: int) -> bool:
+        """Whether another lockstep step is worth its time: a running candidate's speed is noisy."""
+        if steps >= MAX_STEPS or not self.time_left():
+            return False
+        running = [t for t in everyone if not t.stopped and len(t.times) == steps]
+        step_s = sum(t.expected_s(default) for t in running)
+        if not running or time.perf_counter() + step_s > self.deadline:  # optional: not "out of time"
+            return False
+        if any((t.noise(default) or 0.0) > timing.NOISY for t in running):
+            self.repeated = max(self.repeated, steps + 1)
+            return True
+        return False
+
+    def _stop_slow(self, default: Trial, trials: list[Trial]) -> None:
+        base = default.median_s()
+        for t in trials:
+            if t is default or t.stopped or (t is self.ref and not t.checked):  # fp32 must finish its checked steps
+                continue
+            mine = t.median_s()
+            if self.cold_s is None and default.times and default.times[0] > 0:
+                self.cold_s = default.times[0]  # first steps pay one-time costs: compare them with a first step
+            # (and over a second: one-time costs of a few ms, module hooks or a first fp16 kernel, are not slowness)
+            if len(t.times) == 1 and self.cold_s is not None and t.times[0] > max(COLD_SLOW * self.cold_s, 1.0):
+                t.stopped = f"{self.cold_s / t.times[0]:.2f}x torch.amp's default on the first step"
+            elif t.checked and base is not None and mine is not None and mine > SLOW * base:
+                t.stopped = f"{base / mine:.2f}x torch.amp's default"
+
+    def record(self, t: Trial, default: Trial, base: float | None) -> None:
+        mine = t.median_s()
+        vs = base / mine if base is not None and mine is not None else None
+        ms = None if mine is None else mine * 1e3
+        noise = t.noise(default)
+        self.recipes[t.name] = t.recipe
+        if t.failed:
+            self.results[t.name] = Measurement(t.name, "rejected", reason=t.failed)
+            return
+        if t.stopped and not t.checked:
+            why = f"slower: {t.stopped} (stopped early)"
+            first_ms = t.times[0] * 1e3 if t.times else None
+            self.results[t.name] = Measurement(t.name, "rejected", first_ms, None, reason=why)
+            return
+        if not t.checked or mine is None:
+            self.results[t.name] = Measurement(t.name, "not measured", ms, vs, reason="the budget ran out",
+                                               noise=noise)  # fmt: skip
+            return
+        assert self.ref is not None
+        if t is self.ref:
+            self.results[t.name] = Measurement(t.name, "passed", ms, vs, 0.0, 1.0, 1.0, "the fp32 reference", noise)
+            return
+        err, gcos, ucos, why = judge(t, self.ref, self.tol)
+        status = "rejected" if why else "passed"
+        if not why and t.stopped:  # checked and timed: it passed, and was stopped only to save the budget
+            why = f"slower: {t.stopped} (stopped early)"
+        self.results[t.name] = Measurement(t.name, status, ms, vs, err, gcos, ucos, why, noise)
+
+    def final_round(
+        self, default_recipe: Recipe, dtypes: list[torch.dtype], min_speedup: float, notes: list[str]
+    ) -> list[str] | None:
+        """Race the finalists and torch.amp's default again, together, for figures that compare.
+
+        Rounds run minutes apart on a shared machine: a step's time moves between them. The finalists
+        are the fastest passed candidates and the simplest within ``min_speedup`` of the fastest. Their
+        ``ms/step`` and ``x default`` become this round's; the others keep their own round's ratio
+        and lose their ``ms/step`` (not comparable). Returns the finalists' names, or ``None`` when
+        there are none or the round does not fit in the budget.
+        """
+        passed = sorted(
+            (n for n, m in self.results.items() if m.status == "passed" and m.vs_default is not None
+             and n != default_recipe.name and self.recipes[n].dtype in dtypes),
+            key=lambda n: -(self.results[n].vs_default or 0.0),
+        )  # fmt: skip
+        if not passed:
+            return None
+        fastest = self.results[passed[0]].vs_default or 0.0
+        near = [n for n in passed if (self.results[n].vs_default or 0.0) * min_speedup >= fastest]
+        simplest = min(near, key=lambda n: changes(self.recipes[n]))
+        finalists = list(dict.fromkeys([*passed[:FINALISTS], simplest]))
+        steps = [m.step_ms / 1e3 for n in (*finalists, default_recipe.name)
+                 if (m := self.results.get(n)) is not None and m.step_ms is not None]  # fmt: skip
+        if not self.fits((self.setup_s + max(steps, default=0.0) * STEPS) * (len(finalists) + 1)):
+            notes.append("no head-to-head round for the finalists (the budget would run out): "
+                         "ms/step come from rounds measured apart")  # fmt: skip
+            return None
+        self.say(f"final round (head to head): {', '.join(finalists)}")
+        default = self.trial(default_recipe)
+        trials = [self.trial(self.recipes[n]) for n in finalists]
+        try:
+            self._lockstep(default, [default, *trials], stop_slow=False)
+        except Exception:  # the default trained in round 1: leave every figure as it was
+            return None
+        base = default.median_s()
+        if base is None:
+            return None
+        timed = {t.name: t.median_s() for t in trials if not t.stopped}
+        noise = {t.name: t.noise(default) for t in (default, *trials)}
+        for name, result in list(self.results.items()):
+            mine = base if name == default_recipe.name else timed.get(name)
+            if mine is not None:
+                self.results[name] = dataclasses.replace(result, step_ms=mine * 1e3, vs_default=base / mine,
+                                                         noise=noise.get(name))  # fmt: skip
+            elif result.status in ("passed", "rejected") and result.step_ms is not None:
+                self.results[name] = dataclasses.replace(result, step_ms=None)
+        for name in (default_recipe.name, *finalists):
+            self.say(f"  {name}: {line(self.results[name])}")
+        notes.append("ms/step: the finalists and torch.amp's default raced head to head in a final round; "
+                     "the others' speed is against the default in their own round")  # fmt: skip
+        return [n for n in finalists if n in timed]
+
+    def best(self, names: Sequence[str]) -> str | None:
+        passed = [n for n in names if n in self.results and self.results[n].status == "passed"]
+
+        def speed(name: str) -> tuple[bool, float]:  # against the default where it was timed, else by time
+            m = self.results[name]
+            return (m.vs_default is not None, m.vs_default if m.vs_default is not None else -(m.step_ms or math.inf))
+
+        return max(passed, key=speed, default=None)
+
+
+def changes(recipe: Recipe) -> int:
+    """How far a recipe is from plain torch.autocast (diagnose's kept modules are a constraint, not a change)."""
+    moved = bool(recipe.moved_layers)
+    if recipe.dtype is torch.float32:
+        return 1 + moved
+    return len(recipe.fp32_ops) + (recipe.layout != "contiguous") + (recipe.level != "O1") + recipe.compile + moved
