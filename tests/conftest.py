@@ -12,11 +12,12 @@ import torch
 from helpers import HostSyncs
 from mixprec._src.amp import autocast as autocast_module
 from mixprec._src.amp import dispatch as dispatch_module
+from mixprec._src.amp import thread_state
 
 
 @pytest.fixture(autouse=True)
 def _clean_autocast_state() -> Iterator[None]:
-    state = dispatch_module.state()
+    state = thread_state.state()
     assert not state.regions and not torch.is_autocast_enabled("cpu"), "a previous test left autocast on"
     yield
     for device_type in list(state.switched_on):

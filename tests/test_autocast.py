@@ -13,6 +13,7 @@ from torch import nn
 import mixprec
 from helpers import bitwise_equal, mm_dtype, requires_cuda
 from mixprec._src.amp import dispatch as dispatch_module
+from mixprec._src.amp import thread_state
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -110,7 +111,7 @@ def test_state_is_thread_local() -> None:
             seen["inside"] = mm_dtype()
             inside.set()
             release.wait(10)
-        dispatch_module._tls.__dict__.clear()
+        thread_state._tls.__dict__.clear()
 
     with mixprec.autocast("cpu", dtype=BF16):
         worker = threading.Thread(target=other_thread)

@@ -16,6 +16,7 @@ from helpers import bitwise_equal
 from mixprec import OpCategory
 from mixprec._src.amp import dispatch as dispatch_module
 from mixprec._src.amp import region as region_module
+from mixprec._src.amp import thread_state
 
 DTYPES = [torch.bfloat16, torch.float16]
 _LISTS = AutocastCPUTestLists(torch.device("cpu"))
@@ -126,7 +127,7 @@ class _held_in_other_thread:  # noqa: N801 - a context manager
         with mixprec.autocast("cpu", policy=self.policy):
             self.opened.set()
             self.release.wait(30)
-        dispatch_module._tls.__dict__.clear()
+        thread_state._tls.__dict__.clear()
 
     def __enter__(self) -> None:
         self.thread.start()

@@ -18,6 +18,7 @@ from torch.utils.checkpoint import checkpoint
 import mixprec
 from helpers import bitwise_equal, requires_cuda
 from mixprec._src.amp import dispatch as dispatch_module
+from mixprec._src.amp import thread_state
 
 DTYPES = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")]
 # Every op torch's CPU list lowers, moved to fp32: a region with it must compute what fp32 computes, bit
@@ -361,7 +362,7 @@ def test_edited_region_in_another_thread_changes_nothing_here() -> None:
             assert _step(torch.autocast("cpu"))[0].dtype is torch.bfloat16  # exp in lower there
             opened.set()
             release.wait(30)
-        dispatch_module._tls.__dict__.clear()
+        thread_state._tls.__dict__.clear()
 
     worker = threading.Thread(target=other)
     worker.start()

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from mixprec._src.amp import region
-from mixprec._src.amp.dispatch import state as _state
+from mixprec._src.amp.thread_state import state as _state
 from mixprec._src.policy.policy import Policy
 
 __all__ = ["Snapshot", "checkpoint_context", "replay", "snapshot"]

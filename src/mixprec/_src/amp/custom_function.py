@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 import torch
 
 from mixprec._src import casting
-from mixprec._src.amp import dispatch
+from mixprec._src.amp import dispatch, thread_state
 from mixprec._src.amp.autocast import TorchAutocast, autocast, get_autocast_policy
 from mixprec._src.dtypes import parse_dtype
 from mixprec._src.op_names import PYTHON_OPS
@@ -100,7 +100,7 @@ def op(func: F) -> F:
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        st = dispatch.state()
+        st = thread_state.state()
         if st.policy:
             for t in dispatch.tensors_in(args, kwargs):
                 device_type = t.device.type

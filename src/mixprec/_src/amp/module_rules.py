@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from mixprec._src import casting
-from mixprec._src.amp import compiled_backward, dispatch, region
-from mixprec._src.amp.dispatch import state as _state
+from mixprec._src.amp import compiled_backward, dispatch, region, thread_state
+from mixprec._src.amp.thread_state import state as _state
 from mixprec._src.policy import interning
 from mixprec._src.policy.policy import ModuleRule, Policy
 
@@ -34,7 +34,7 @@ class _CompiledWrapper:
         self.ident = ident
 
 
-def _qualified_name(st: dispatch.ThreadState, module: nn.Module) -> str:
+def _qualified_name(st: thread_state.ThreadState, module: nn.Module) -> str:
     if not st.module_stack:
         return ""
     parent, parent_name, _ = st.module_stack[-1]
@@ -100,7 +100,7 @@ def _traced_policy_tokens() -> tuple[tuple[str, str], ...]:
     return tuple((d, p.compile_token) for d, p in _state().traced_policy.items())
 
 
-def _policies_in_force(st: dispatch.ThreadState) -> dict[str, Policy]:
+def _policies_in_force(st: thread_state.ThreadState) -> dict[str, Policy]:
     if not torch.compiler.is_compiling():
         return st.policy
     return {**st.policy, **{d: interning.policy_for(token) for d, token in _traced_policy_tokens()}}

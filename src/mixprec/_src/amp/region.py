@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec._src.amp import compiled_backward, dispatch
-from mixprec._src.amp.dispatch import state as _state
+from mixprec._src.amp import compiled_backward, dispatch, thread_state
+from mixprec._src.amp.thread_state import state as _state
 from mixprec._src.policy import interning
 from mixprec._src.policy.policy import Policy, default_policy
 
@@ -46,7 +46,9 @@ def push(device_type: str, policy: Policy, torch_ctx: Any, traced: bool = False)
     plan = dispatch.acquire(policy, device_type) if edited else ()
     table = st.traced_policy if traced else st.policy
     st.regions.append(
-        dispatch.OpenRegion(device_type, torch_ctx, table.get(device_type), st.edited.get(device_type), plan, traced)
+        thread_state.OpenRegion(
+            device_type, torch_ctx, table.get(device_type), st.edited.get(device_type), plan, traced
+        )
     )
     table[device_type] = policy
     if edited:
@@ -140,7 +142,7 @@ def set_rule_hooks(pre_hook: Callable[..., Any], post_hook: Callable[..., Any]) 
     _rule_hooks = (pre_hook, post_hook)
 
 
-def _count_rule_user(st: dispatch.ThreadState, delta: int) -> None:
+def _count_rule_user(st: thread_state.ThreadState, delta: int) -> None:
     """A region with rules opens (+1) or closes (-1); the first installs the hooks, the last removes them."""
     global _hook_users
     st.rule_users += delta
