@@ -27,9 +27,6 @@ from typing import Any, TypeVar
 import torch
 
 from mixprec._src.amp import dispatch, region
-
-# module_rules is imported for its effect: it gives regions their rule hooks.
-from mixprec._src.amp import module_rules as module_rules
 from mixprec._src.amp.thread_state import state as _state
 from mixprec._src.dtypes import parse_dtype
 from mixprec._src.policy import interning

@@ -4,8 +4,8 @@
 nodes (:func:`enter_traced`, :func:`exit_traced`). A policy whose op lists equal torch's
 for the device needs nothing beyond torch's own autocast state; one that differs acquires
 dispatcher kernels (``dispatch.acquire``) while it is in force. A policy with module rules
-keeps global module hooks installed (``module_rules`` provides them) while any region with
-rules is open.
+keeps global module hooks installed while any region with rules is open: at each module
+boundary they ask ``module_rules`` which rule matches and enter or leave it here.
 
 Nothing here syncs with the device.
 """
@@ -20,12 +20,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec._src.amp import compiled_backward, dispatch, thread_state
+from mixprec._src import casting
+from mixprec._src.amp import compiled_backward, dispatch, module_rules, thread_state
 from mixprec._src.amp.thread_state import state as _state
 from mixprec._src.policy import interning
 from mixprec._src.policy.policy import Policy, default_policy
 
-__all__ = ["enter_traced", "exit_traced", "needs_kernels", "pop", "pop_to", "push", "set_rule_hooks",
+__all__ = ["enter_traced", "exit_traced", "needs_kernels", "pop", "pop_to", "push",
            "unwind_on_failed_trace"]  # fmt: skip
 
 
@@ -128,18 +129,11 @@ def exit_traced(device_type: str) -> None:
 
 _hooks_lock = threading.Lock()
 _hook_users = 0
-_rule_hooks: tuple[Callable[..., Any], Callable[..., Any]] | None = None
 # The hooks sit in torch's global hook dicts under a fixed key rather than behind a
 # RemovableHandle: creating a handle bumps a class counter, which Dynamo cannot trace,
 # while dict stores it can, so a region with rules can open inside a compiled function.
 _HOOK_KEY = -0x6D69787072  # negative: never one of torch's handle ids
 _module = nn.modules.module
-
-
-def set_rule_hooks(pre_hook: Callable[..., Any], post_hook: Callable[..., Any]) -> None:
-    """The forward pre- and post-hooks that apply module rules (``module_rules`` sets them at import)."""
-    global _rule_hooks
-    _rule_hooks = (pre_hook, post_hook)
 
 
 def _count_rule_user(st: thread_state.ThreadState, delta: int) -> None:
@@ -149,9 +143,8 @@ def _count_rule_user(st: thread_state.ThreadState, delta: int) -> None:
     with _hooks_lock:
         _hook_users += delta
         if delta > 0 and _HOOK_KEY not in _module._global_forward_pre_hooks:
-            assert _rule_hooks is not None, "mixprec._src.amp.module_rules sets the hooks when imported"
-            _module._global_forward_pre_hooks[_HOOK_KEY] = _rule_hooks[0]
-            _module._global_forward_hooks[_HOOK_KEY] = _rule_hooks[1]
+            _module._global_forward_pre_hooks[_HOOK_KEY] = _pre_hook
+            _module._global_forward_hooks[_HOOK_KEY] = _post_hook
             _module._global_forward_hooks_always_called[_HOOK_KEY] = True
         # While compiling, the hooks stay (the compiled frame's guards read them after tracing);
         # they do nothing while no region with rules is open, and the next eager exit removes them.
@@ -159,3 +152,77 @@ def _count_rule_user(st: thread_state.ThreadState, delta: int) -> None:
             del _module._global_forward_pre_hooks[_HOOK_KEY]
             del _module._global_forward_hooks[_HOOK_KEY]
             del _module._global_forward_hooks_always_called[_HOOK_KEY]
+
+
+# ----- entering and leaving a module a rule matches (the hooks above install these) ---------------------
+
+
+@torch.fx.node.has_side_effect
+@torch._dynamo.allow_in_graph  # type: ignore[untyped-decorator]
+def _rule_enter(device_type: str, dtype: torch.dtype) -> None:
+    """Enter a kept module: autocast off (fp32) or on in ``dtype``, the policy without rules."""
+    st = _state()
+    policy = st.traced_policy.get(device_type) or st.policy[device_type]
+    dispatch.check_checkpoint(st)
+    if torch.compiler.is_compiling():
+        unwind_on_failed_trace(len(st.regions))
+        compiled_backward.backward_like_eager()
+    outside = (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
+    if dtype is torch.float32:
+        torch.set_autocast_enabled(device_type, False)
+    else:
+        torch.set_autocast_enabled(device_type, True)
+        torch.set_autocast_dtype(device_type, dtype)
+    push(device_type, policy.without_rules, outside, traced=torch.compiler.is_compiling())
+
+
+@torch.fx.node.has_side_effect
+@torch._dynamo.allow_in_graph  # type: ignore[untyped-decorator]
+def _rule_exit(device_type: str) -> None:
+    pop()
+
+
+def _pre_hook(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    st = _state()
+    if not torch.compiler.is_compiling() and st.rule_users == 0:
+        return None
+    in_force = module_rules.policies_in_force(st)
+    if not any(p.module_rules for p in in_force.values()):
+        return None
+    name = module_rules.qualified_name(st, module)
+    if isinstance(module, module_rules.OptimizedModule):
+        # torch.compile's wrapper: its _orig_mod runs the hooks again and takes this name,
+        # found here, eagerly. The stack holds a stand-in: Dynamo must not reach the
+        # module it traces through another path.
+        st.module_stack.append((module_rules.CompiledWrapper(id(module)), name, None))
+        return None
+    entered: list[str] = []
+    new_args = None
+    for device_type, policy in in_force.items():
+        if not policy.module_rules or not torch.is_autocast_enabled(device_type):
+            continue
+        rule = module_rules.match_rule(policy.module_rules, module, name)
+        if rule is None:
+            continue
+        _rule_enter(device_type, rule.dtype)
+        entered.append(device_type)
+        new_args = casting.cast_floating(args if new_args is None else new_args, rule.dtype, device_type)
+    st.module_stack.append((module, name, tuple(entered)))
+    return new_args
+
+
+def _post_hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+    st = _state()
+    if not st.module_stack:
+        return
+    top = st.module_stack[-1][0]
+    if top is not module and not (isinstance(top, module_rules.CompiledWrapper) and top.ident == id(module)):
+        return
+    _, _, entered = st.module_stack.pop()
+    for device_type in reversed(entered or ()):
+        _rule_exit(device_type)
+
+
+# Dynamo must never compile the hooks as frames of their own (see autocast.py).
+for _func in (_pre_hook, _post_hook):
+    dispatch.never_a_frame(_func)
