@@ -242,19 +242,21 @@ def _shard_rounding(world: int) -> list[torch.Tensor]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from mixprec._src.prepare import stochastic_rounding as sr
+    from mixprec._src.prepare import sr_noise
 
     whole = torch.randn(7, 5, generator=torch.Generator().manual_seed(3))  # 7 rows: uneven shards
-    seed = sr.tensor_seed(11, 1, 0)
+    seed = sr_noise.tensor_seed(11, 1, 0)
     mesh = init_device_mesh("cpu", (world,))
     shard = distribute_tensor(whole, mesh, [Shard(0)])
     local = shard.to_local().reshape(-1)
-    rounded = sr.sr_bits(local, torch.tensor(sr.shard_seed(seed, shard), dtype=torch.int32)).view(torch.float32)
+    rounded = sr_noise.sr_bits(local, torch.tensor(sr_noise.shard_seed(seed, shard), dtype=torch.int32)).view(
+        torch.float32
+    )
     gathered = [torch.empty(0)] * world
     dist.all_gather_object(gathered, rounded)
     return [
         torch.cat(gathered),
-        sr.sr_bits(whole.reshape(-1), torch.tensor(seed, dtype=torch.int32)).view(torch.float32),
+        sr_noise.sr_bits(whole.reshape(-1), torch.tensor(seed, dtype=torch.int32)).view(torch.float32),
     ]
 
 

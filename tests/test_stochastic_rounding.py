@@ -14,7 +14,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import mixprec
 from helpers import bitwise_equal, one_step, regression_data, regression_model
-from mixprec._src.prepare import stochastic_rounding
+from mixprec._src.prepare import sr_kernel, sr_noise
 
 
 def test_stochastic_rounding_is_unbiased() -> None:
@@ -38,8 +38,8 @@ def test_weyl_noise_rounding_is_unbiased_over_steps() -> None:
     torch.manual_seed(0)
     x = torch.full((256,), 1.0 + 3 * 2**-10)  # 3/8 of the way from 1 to the next bf16 value
     steps = 2000
-    seeds = [torch.tensor(stochastic_rounding.tensor_seed(12345, step, 0), dtype=torch.int32) for step in range(steps)]
-    draws = torch.stack([stochastic_rounding.sr_bits(x, seed).view(torch.float32) for seed in seeds])
+    seeds = [torch.tensor(sr_noise.tensor_seed(12345, step, 0), dtype=torch.int32) for step in range(steps)]
+    draws = torch.stack([sr_noise.sr_bits(x, seed).view(torch.float32) for seed in seeds])
     assert set(draws.unique().tolist()) == {1.0, 1.0 + 2**-7}
     assert (draws.mean(0) - x).abs().max() < 0.06 * 2**-7  # every element, on average over steps
     # and within one step, about 3/8 of the elements round up
@@ -51,12 +51,12 @@ def test_fused_adam_sr_kernel_matches_its_eager_form() -> None:
     p, g, m, v = (torch.randn(1000).mul(0.1).to(torch.bfloat16) for _ in range(4))
     v = v.abs()
     group = {"lr": 1e-2, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.1}
-    seed = torch.tensor(stochastic_rounding.tensor_seed(7, 1, 0), dtype=torch.int32)
-    scalars = stochastic_rounding.adam_scalars(group, 3.0, True)
+    seed = torch.tensor(sr_noise.tensor_seed(7, 1, 0), dtype=torch.int32)
+    scalars = sr_kernel.adam_scalars(group, 3.0, True)
     eager = [t.clone() for t in (p, g, m, v)]
-    stochastic_rounding.adam_sr_update(*eager, seed, scalars)
+    sr_kernel.adam_sr_update(*eager, seed, scalars)
     compiled = [t.clone() for t in (p, g, m, v)]
-    torch.compile(stochastic_rounding.adam_sr_update, fullgraph=True, dynamic=True)(*compiled, seed, scalars)
+    torch.compile(sr_kernel.adam_sr_update, fullgraph=True, dynamic=True)(*compiled, seed, scalars)
     assert not torch.equal(eager[0], p)
     assert torch.equal(compiled[0], eager[0])  # the same noise: the same rounding
     for got, want in zip(compiled[2:], eager[2:], strict=True):

@@ -48,7 +48,7 @@ from mixprec._src.fp8 import conversion as fp8_conversion
 from mixprec._src.fp8.config import Fp8Config
 from mixprec._src.fp8.linear import Fp8Scaling
 from mixprec._src.policy.policy import NORM_TYPES, ModuleFilter, Policy, default_policy
-from mixprec._src.prepare import kept, o2_copies, stochastic_rounding
+from mixprec._src.prepare import kept, o2_copies, sr_noise, stochastic_rounding
 from mixprec._src.prepare.config import Level, PrepareConfig
 
 _ATTR = "_mixprec"  # where prepare keeps its state, on the model and on the optimizer
@@ -188,7 +188,7 @@ def prepare(
     if level in (Level.BF16_SR, Level.BF16_PURE):
         _narrow_state(optimizer, state.lowp_params, dtype)
     if level is Level.BF16_SR:
-        seed = stochastic_rounding.draw_seed(sharding.process_group(model) if sharded else None)
+        seed = sr_noise.draw_seed(sharding.process_group(model) if sharded else None)
         stochastic_rounding.add_counters(optimizer, seed, state.handles)
         state.fused = stochastic_rounding.install(optimizer, state.lowp_params, state.handles)
     else:  # the keys every level's checkpoint holds; nothing rounds stochastically here

@@ -1,0 +1,119 @@
+"""Stochastic rounding's noise: fp32 rounded to bf16 unbiased, with noise from integers alone.
+
+The noise is a pure function of a seed, a step counter, the tensor's position in the optimizer
+and each element's index in the *whole* tensor (a Weyl sequence), so a checkpoint carries it
+and a weight sharded by FSDP2 rounds as it would in one process. Nothing here syncs with the
+device but :func:`draw_seed` (one broadcast under a process group).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mixprec._src import sharding
+
+__all__ = ["draw_seed", "seed_tensor", "shard_seed", "sr_bits", "stochastic_round", "tensor_seed"]
+
+
+def stochastic_round(x: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tensor:
+    """Round fp32 ``x`` to bf16, up with probability equal to the discarded fraction (unbiased).
+
+    ``noise`` holds uniform random integers in [0, 2**16) (int32, ``x``'s shape or broadcastable);
+    drawn with torch's generator when not given.
+
+    Example:
+        >>> import torch, mixprec
+        >>> x = torch.full((100_000,), 1.0 + 2**-10)          # between two bf16 values
+        >>> y = mixprec.stochastic_round(x).float()
+        >>> sorted(y.unique().tolist())
+        [1.0, 1.0078125]
+        >>> abs(y.mean().item() - (1.0 + 2**-10)) < 2e-4     # on average, the fp32 value
+        True
+    """
+    if x.dtype is not torch.float32:
+        raise TypeError(f"stochastic_round takes an fp32 tensor, got {x.dtype}")
+    if noise is None:
+        noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device)
+    bits = x.contiguous().view(torch.int32)
+    # Adding the noise below the kept 16 bits carries into them with probability equal to the
+    # discarded fraction; masking then truncates. On the magnitude bits, so negatives round alike.
+    rounded = (bits + noise) & -(1 << 16)
+    finite = torch.isfinite(x)
+    return torch.where(finite, rounded.view(torch.float32), x).to(torch.bfloat16)
+
+
+# Noise for stochastic rounding: a Weyl sequence, element i of a tensor gets the high 16 bits of
+# (i * 0x9E3779B1 + seed) mod 2**32. With the seed uniform and fresh for every tensor and step, each
+# element's noise is uniform on [0, 2**16) and independent from step to step, so the rounding is
+# unbiased; neighbouring elements get evenly spread, not independent, noise (a dither). Computed
+# in place from the index: no buffer to read and no generator call per element (torch's CPU
+# generator makes about 200 M integers a second, slower than the optimizer step itself).
+_WEYL = -1640531535  # 0x9E3779B1 (2**32 / golden ratio) as an int32
+_MASK32 = (1 << 32) - 1
+_MASK64 = (1 << 64) - 1
+
+
+def _int32(value: int) -> int:
+    value &= _MASK32
+    return value - (1 << 32) if value >= 1 << 31 else value
+
+
+def tensor_seed(base: int, step: int, index: int) -> int:
+    """The 32-bit seed of the tensor at ``index`` in the optimizer, at the group's ``step``.
+
+    splitmix64's finaliser over the three integers: independent-looking, uniform values for
+    every (step, index), computed on the host (Python ints never wrap).
+    """
+    z = (base + step * 0x9E3779B97F4A7C15 + index * 0xD1B54A32D192ED03) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return _int32((z ^ (z >> 31)) >> 32)
+
+
+def shard_seed(seed: int, tensor: torch.Tensor) -> int:
+    """``seed`` moved along the Weyl sequence to where ``tensor``'s local shard starts.
+
+    Element ``i`` of the shard is element ``offset + i`` of the whole tensor, and
+    ``(offset + i) * W + seed == i * W + (seed + offset * W)``: the shard rounds its elements as
+    the whole tensor would. Shards that are not one run of the whole (other placements) start
+    from the seed mixed with their offsets, which keeps the rounding unbiased.
+    """
+    where = sharding.flat_offset(tensor)
+    if where is None:
+        return seed
+    offset, contiguous = where
+    if not contiguous:  # not one run of the whole tensor: a distinct seed per shard
+        return tensor_seed(seed, 0, offset + 1)
+    return _int32(seed + offset * _WEYL)
+
+
+def seed_tensor(seed: int, device: torch.device) -> torch.Tensor:
+    """``seed`` as an int32 scalar on ``device`` (a host-to-device copy, no sync)."""
+    value = torch.tensor(seed, dtype=torch.int32)
+    return value if device.type == "cpu" else value.to(device, non_blocking=True)
+
+
+def sr_bits(x: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
+    """fp32 ``x`` (1-D) stochastically rounded to bf16 precision, as fp32 bits with 16 low zeros."""
+    index = torch.arange(x.numel(), dtype=torch.int32, device=x.device)
+    noise = ((index * _WEYL + seed) >> 16) & 0xFFFF
+    return (x.view(torch.int32) + noise) & -(1 << 16)
+
+
+def draw_seed(group: Any = None) -> int:
+    """A seed from torch's CPU generator (``torch.manual_seed`` repeats it).
+
+    With ``group`` (the process group of a sharded model) every rank takes rank 0's, one
+    broadcast: shards then round as one process would. Replicas (DDP) that must stay bitwise
+    equal need every rank's generator seeded alike before :func:`mixprec.prepare`, as DDP
+    training scripts do.
+    """
+    seed = int(torch.randint(0, 1 << 62, ()))
+    if group is not None and dist.get_world_size(group) > 1:
+        box: list[Any] = [seed]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+        seed = int(box[0])
+    return seed
