@@ -1,0 +1,174 @@
+"""``mixprec bench``: train the bench workloads in each mode, print the table, write the report."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from mixprec.bench.modes import MODES
+from mixprec.bench.runner import COMPILE_MODES, DEFAULT_MODES
+from mixprec.bench.workloads import WORKLOADS
+from mixprec.cli import common
+
+__all__ = ["run"]
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    from mixprec.bench import report as report_module
+    from mixprec.bench.runner import BenchConfig, BenchInterrupted, ModeResult, resolve_device, resolve_dtype, run
+
+    size = args.size or ("quick" if args.quick else "default")
+    if args.nproc is not None:
+        return run_sharded(args, size)
+    compile_ = args.compile or args.compile_modes is not None
+    modes, compile_modes = compile_choice(args.modes, args.compile_modes, compile_)
+    try:
+        config = BenchConfig(workloads=args.workloads, modes=modes, steps=args.steps, device=args.device,
+                             dtype=args.dtype, size=size, compile=compile_, compile_modes=compile_modes,
+                             count_fp8_kernels=compile_ and args.fp8_kernels,
+                             tune_budget_s=args.tune_budget)  # fmt: skip
+        device = resolve_device(config.device)
+        dtype = resolve_dtype(config.dtype, device)
+    except ValueError as exc:
+        return common.refuse(str(exc))
+    problem = common.check_outputs(args.out, args.json)
+    if problem:
+        return common.refuse(problem)
+    console = Console(stderr=False, quiet=False)
+    runs = [(w, m) for w in config.workloads for m in config.modes if MODES[m].trains(WORKLOADS[w].conv)]
+    if config.compile:
+        runs += [(w, m) for w, m in runs if m in (config.compile_modes or config.modes)]
+    if dtype is torch.float16 and device.type == "cpu":
+        print("mixprec bench: warning: fp16 has no fast path on most CPUs (it is emulated, often 10-100x slower "
+              "than fp32); use --dtype bf16 (or auto) on a CPU", file=sys.stderr, flush=True)  # fmt: skip
+    short = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+    header = f"mixprec bench: {len(runs)} runs of {config.total_steps} steps, size {size}, {device.type}, {short}"
+    print(header, flush=True)
+
+    def line(workload: str, mode: str, r: ModeResult) -> str:
+        extra = f" {r.speedup_vs_fp32:.2f}x fp32" if r.speedup_vs_fp32 is not None else ""
+        extra += f", {r.vs_torch_amp:.2f}x torch-amp" if r.vs_torch_amp is not None else ""
+        extra += f", tuned in {r.tuning_s:.0f} s: {r.recipe}" if r.tuning_s is not None else ""
+        extra += f", {r.vs_eager:.2f}x eager" if r.vs_eager is not None else ""
+        extra += f", compiled in {r.compile_s:.0f} s, {r.recompiles} recompiles" if r.compiled else ""
+        return f"{workload:13} {mode:13} {r.steps_per_s:8.2f} steps/s{extra}, final loss {r.final_loss:.4f}"
+
+    try:
+        if args.quiet or not sys.stdout.isatty():  # progress bars are for a terminal, not a log
+            report = run(config, on_result=lambda w, m, r: print(line(w, m, r), flush=True))
+        else:
+            columns = (TextColumn("{task.description:28}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+            with Progress(*columns, console=console, transient=True) as progress:
+                overall = progress.add_task("all runs", total=len(runs))
+                current = progress.add_task("", total=config.total_steps)
+
+                def on_step(workload: str, mode: str, done: int, total: int) -> None:
+                    progress.update(current, description=f"{workload}: step, all modes", completed=done, total=total)
+
+                def on_result(workload: str, mode: str, r: ModeResult) -> None:
+                    progress.console.print(line(workload, mode, r), soft_wrap=True)
+                    progress.advance(overall)
+
+                report = run(config, progress=on_step, on_result=on_result)
+    except BenchInterrupted as exc:
+        report = exc.report
+        finished = ", ".join(report.results)
+        print(f"mixprec bench: interrupted: {len(report.results)} of {len(config.workloads)} workloads finished "
+              f"({finished}); writing a partial report", file=sys.stderr, flush=True)  # fmt: skip
+    except KeyboardInterrupt:
+        print("mixprec bench: interrupted before any workload finished; nothing written", file=sys.stderr)
+        return 130
+    text = report_module.text_table(report)
+    # A rich table squeezes cells to fit ("mixpr…", "0.24…"): plain text in logs and narrow terminals.
+    n_columns = len(report_module.HEADER)
+    cells = max(len(line) for line in text.splitlines()[1:]) - 2 * (n_columns - 1)
+    table_width = cells + 3 * n_columns + 1  # rich: a border and a space of padding either side of each cell
+    if sys.stdout.isatty() and console.width >= table_width:
+        table = Table(title=report_module.title(report))
+        for name in report_module.HEADER:
+            table.add_column(name, justify="left" if name in ("workload", "mode") else "right")
+        for row in report_module.table_rows(report):
+            table.add_row(*row)
+        console.print(table)
+    else:
+        print(text, flush=True)
+    if report_module.fp8_emulated(report):
+        print(report_module.FP8_EMULATED, flush=True)
+    if compiled := report_module.compiled_text(report):
+        print(compiled, flush=True)
+    paths = report_module.write(report, args.out, args.json)
+    if "png" not in paths:
+        print(report_module.PLOT_SKIPPED.format(name="bench.png"), file=sys.stderr)
+    print("wrote " + ", ".join(str(p) for p in paths.values()) + f" in {report.seconds:.0f} s")
+    return 130 if report.interrupted else 0  # 128 + SIGINT, as a shell reports a Ctrl-C
+
+
+def run_sharded(args: argparse.Namespace, size: str) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from mixprec.bench import sharded
+
+    workloads = args.workloads if args.workloads != tuple(WORKLOADS) else ("transformer",)
+    modes = sharded.SHARDED_MODES
+    explicit = [m for m in args.modes or () if m in sharded.SHARDED_MODES]
+    if args.modes is not None and args.modes != DEFAULT_MODES and explicit:
+        modes = tuple(explicit)
+    try:
+        config = sharded.ShardedConfig(nproc=args.nproc, workloads=workloads, modes=modes, size=size,
+                                       steps=args.steps, device=args.device,
+                                       dtype="bf16" if args.dtype == "auto" else args.dtype)  # fmt: skip
+    except ValueError as exc:
+        return common.refuse(str(exc))
+    problem = common.check_outputs(args.out, args.json)
+    if problem:
+        return common.refuse(problem)
+    print(f"mixprec bench: {len(workloads)} workload(s) x {len(modes)} modes, FSDP2 over {args.nproc} processes "
+          f"and then 1, {config.total_steps} steps, size {size}, {config.dtype}", flush=True)  # fmt: skip
+    try:
+        if args.quiet or not sys.stdout.isatty():
+            report = sharded.run(config)
+        else:
+            columns = (TextColumn("{task.description:36}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+            with Progress(*columns, console=Console(), transient=True) as progress:
+                task = progress.add_task("starting processes", total=config.total_steps)
+
+                def on_step(ranks: str, name: str, done: int, total: int) -> None:
+                    progress.update(task, description=f"{ranks}: {name}", completed=done, total=total)
+
+                report = sharded.run(config, progress=on_step)
+    except KeyboardInterrupt:
+        print("mixprec bench: interrupted; nothing written", file=sys.stderr)
+        return 130
+    except ValueError as exc:
+        print(f"mixprec bench: {exc}", file=sys.stderr)
+        return 2
+    print(sharded.text_table(report), flush=True)
+    paths = sharded.write(report, args.out)
+    if args.json:
+        import json
+        import pathlib
+
+        pathlib.Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        paths.append(pathlib.Path(args.json))
+    print("wrote " + ", ".join(str(p) for p in paths) + f" in {report['seconds']:.0f} s")
+    return 0
+
+
+def compile_choice(modes: tuple[str, ...] | None, compile_modes: tuple[str, ...] | None,
+                    compile_: bool) -> tuple[tuple[str, ...], tuple[str, ...] | None]:  # fmt: skip
+    """The bench's modes and compiled modes from --modes, --compile-modes and --compile (see --compile's help)."""
+    if compile_modes is not None:  # each compiled mode also trains eagerly
+        base = modes if modes is not None else ("fp32",)
+        return (*base, *(m for m in compile_modes if m not in base)), compile_modes
+    if modes is not None:
+        return modes, None  # every mode, compiled too (with --compile)
+    if compile_:
+        return ("fp32", *COMPILE_MODES), COMPILE_MODES
+    return DEFAULT_MODES, None
