@@ -298,7 +298,7 @@ MUTANTS = (
 
 
 def _copy(into: Path) -> None:
-    for name in ("src", "tests", "docs", "benchmarks", "pyproject.toml", "README.md"):
+    for name in ("src", "tests", "tools", "docs", "benchmarks", "pyproject.toml", "README.md"):
         source = ROOT / name
         if source.is_dir():
             shutil.copytree(source, into / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
