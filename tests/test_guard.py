@@ -15,7 +15,7 @@ from torch import nn
 
 import mixprec
 from helpers import bitwise_equal
-from mixprec._src.layers.guard import LADDER
+from mixprec._src.layers.ladder import LADDER
 
 _spec = importlib.util.spec_from_file_location(
     "guard_outlier", Path(__file__).resolve().parent.parent / "benchmarks" / "guard_outlier.py"

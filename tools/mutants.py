@@ -205,11 +205,11 @@ MUTANTS = (
            LAYER_TESTS),
     Mutant("guard-blames-a-nonfinite-output-gradient",
            "a layer whose output gradient was already inf/NaN is blamed for its input gradient",
-           S + "layers/guard.py", "(finite_grad_out > 0) & ~amax.isfinite()", "~amax.isfinite()",
+           S + "layers/probes.py", "(finite_grad_out > 0) & ~amax.isfinite()", "~amax.isfinite()",
            LAYER_TESTS),
     Mutant("guard-blames-a-weight-gradient-of-a-nan-input",
            "a layer is blamed for a NaN weight gradient made from its NaN input",
-           S + "layers/guard.py", "math.isfinite(row[_GRAD_OUT] + row[_IN])", "math.isfinite(row[_GRAD_OUT])",
+           S + "layers/guard.py", "math.isfinite(row[GRAD_OUT] + row[IN])", "math.isfinite(row[GRAD_OUT])",
            LAYER_TESTS),
     Mutant("guard-ignores-saturation", "fp8 saturation is not a signal",
            S + "layers/guard.py", "        if saturated > th.saturated:", "        if False:", LAYER_TESTS),
@@ -218,8 +218,8 @@ MUTANTS = (
            "        for move in ():\n            set_layer_precision(", LAYER_TESTS),
     Mutant("guard-probe-reads-grad-in-python", "the guard reads an output gradient in a Python hook",
            S + "layers/guard.py",
-           "            return _ProbeOut.apply(out, token, self._bwd, index)",
-           "            out.register_hook(lambda grad: _fold(self._bwd, index, _GRAD_OUT, _amax(grad)))\n"
+           "            return probes.ProbeOut.apply(out, token, self._bwd, index)",
+           "            out.register_hook(lambda grad: probes.fold(self._bwd, index, GRAD_OUT, probes.amax_of(grad)))\n"
            "            return None", LAYER_TESTS + COMPILE_TESTS),
     # --- under torch.compile --------------------------------------------------------------------------
     Mutant("compile-recompiles-at-step-two", "a prepared model's first-forward flag is guarded on, compiled",

@@ -23,7 +23,8 @@ from mixprec._src.errors import (
 )
 from mixprec._src.fp8.config import AmaxAlgo, Fp8Config, Fp8Recipe
 from mixprec._src.fp8.conversion import Fp8Layers, fp8_layers
-from mixprec._src.layers.guard import Guard, GuardThresholds, LayerMove
+from mixprec._src.layers.guard import Guard
+from mixprec._src.layers.ladder import GuardThresholds, LayerMove
 from mixprec._src.layers.plan import LayerChoice
 from mixprec._src.layers.precision import layer_precision, set_layer_precision
 from mixprec._src.layout import to_channels_last

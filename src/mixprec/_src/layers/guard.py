@@ -37,166 +37,29 @@ from torch import nn
 
 from mixprec._src.dtypes import short_name
 from mixprec._src.fp8 import conversion as fp8_conversion
+from mixprec._src.layers import probes
+from mixprec._src.layers.ladder import GuardThresholds, LayerMove
 from mixprec._src.layers.precision import (
     FP8_PREFIX,
-    PRECISIONS,
     is_layer,
     layer_precision,
-    parse_precision,
     set_layer_precision,
+)
+from mixprec._src.layers.probes import (
+    BAD_WEIGHT_GRAD,
+    BWD_ORIGIN,
+    FLUSHED,
+    FP16_MAX,
+    FWD_ORIGIN,
+    GRAD_OUT,
+    IN,
+    KIND,
+    KINDS,
+    OUT,
+    SATURATED,
 )
 
 logger = logging.getLogger("mixprec.guard")
-
-#: The default ladder: where a layer goes when it fails in its precision.
-LADDER: dict[str, str] = {
-    "fp8-delayed": "fp8-tensorwise",
-    "fp8-tensorwise": "fp8-rowwise",
-    "fp8-rowwise": "bf16",
-    "fp8-rowwise_with_gw_hp": "bf16",
-    "fp16": "bf16",
-    "bf16": "fp32",
-}
-# Columns of what a step records per layer: amaxes (max over the layer's calls), then per-call origin flags
-# (1: some call of the layer made inf/NaN from finite values), then the weight gradient and fp8 columns.
-_IN, _OUT, _GRAD_OUT, _GRAD_IN, _FWD_ORIGIN, _BWD_ORIGIN = range(6)
-_BAD_WEIGHT_GRAD, _SATURATED, _FLUSHED, _KIND = range(6, 10)
-# What a layer computed in, recorded in the graph as a code (1 + its index here; 0: not called this step).
-_KINDS = (*PRECISIONS, "fp64")
-_FP16_MAX = torch.finfo(torch.float16).max
-_RUNG = {**{p: 0 for p in PRECISIONS if p.startswith(FP8_PREFIX)}, "fp16": 1, "bf16": 1, "fp32": 2}
-
-
-@dataclasses.dataclass(frozen=True)
-class GuardThresholds:
-    """When :class:`Guard` moves a layer, as data.
-
-    Attributes:
-        patience: consecutive steps with a signal before the layer moves (one bad batch is not a bad layer).
-        backward_scale: a non-finite backward counts against a layer when the loss scale it ran with
-            was at or below this (without a scaler the scale is 1): above it, backing off is the scaler's job.
-        fp16_margin: an fp16 layer whose output amax exceeds this fraction of fp16's largest value
-            (65504) is about to overflow.
-        saturated: fp8: largest fraction of a cast tensor's values clamped at the format's max.
-        flushed: fp8: largest fraction of a cast tensor's non-zero values flushed to zero.
-        amax_jump: fp8: an input or output-gradient amax this many times its peak of earlier steps.
-        warmup: steps before amax jumps count (early training moves amaxes a lot).
-        ladder: precision -> the next one up (see :data:`LADDER`); a precision without an entry stays.
-    """
-
-    patience: int = 2
-    backward_scale: float = 1.0
-    fp16_margin: float = 0.5
-    saturated: float = 1e-3
-    flushed: float = 0.5
-    amax_jump: float = 100.0
-    warmup: int = 10
-    ladder: Mapping[str, str] = dataclasses.field(default_factory=lambda: dict(LADDER))
-
-    def __post_init__(self) -> None:
-        if not (isinstance(self.patience, int) and not isinstance(self.patience, bool) and self.patience >= 1):
-            raise ValueError(f"patience must be an int >= 1, got {self.patience!r}")
-        if not (isinstance(self.warmup, int) and self.warmup >= 0):
-            raise ValueError(f"warmup must be an int >= 0, got {self.warmup!r}")
-        for field, low, high in (("backward_scale", 0, math.inf), ("fp16_margin", 0, 1), ("saturated", 0, 1),
-                                 ("flushed", 0, 1), ("amax_jump", 1, math.inf)):  # fmt: skip
-            value = getattr(self, field)
-            if not (isinstance(value, (int, float)) and low < value <= high):
-                raise ValueError(f"{field} must be a number in ({low:g}, {high:g}], got {value!r}")
-        ladder = {parse_precision(a): parse_precision(b) for a, b in dict(self.ladder).items()}
-        for a, b in ladder.items():
-            if b == "fp8-delayed" or _RUNG[b] < _RUNG[a] or a == "fp32":
-                raise ValueError(f"the ladder moves {a} down to {b}; a rung goes up: fp8 -> 16 bits -> fp32, and "
-                                 "never to fp8-delayed (a whole-model recipe)")  # fmt: skip
-        for start in ladder:  # fp16 and bf16 are one rung: a ladder may go either way, not both
-            seen, at = {start}, start
-            while at in ladder:
-                at = ladder[at]
-                if at in seen:
-                    raise ValueError(f"the ladder goes round from {start} back to {at}; leave one of them out")
-                seen.add(at)
-        object.__setattr__(self, "ladder", ladder)
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready."""
-        out = dataclasses.asdict(self)
-        out["ladder"] = dict(self.ladder)
-        return out
-
-
-@dataclasses.dataclass(frozen=True)
-class LayerMove:
-    """One decision of the guard: ``layer`` moved ``from_`` -> ``to`` after ``step`` for ``signal``."""
-
-    step: int
-    layer: str
-    from_: str
-    to: str
-    signal: str
-    detail: str
-
-    def __str__(self) -> str:
-        return f"step {self.step}: {self.layer} {self.from_} -> {self.to} ({self.signal}: {self.detail})"
-
-
-def _fold(stats: torch.Tensor, index: int, column: int, value: torch.Tensor) -> None:
-    """``stats[index, column] = max(it, value)`` in place (a NaN stays: torch.maximum keeps it)."""
-    with torch.no_grad():
-        stats[index, column] = torch.maximum(stats[index, column], value.float())
-
-
-def _amax(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s largest magnitude in fp32; 0 for an empty tensor (folding 0 into a statistic changes nothing)."""
-    return t.detach().abs().amax().float() if t.numel() else t.new_zeros((), dtype=torch.float32)
-
-
-# The probes are autograd Functions of tensors only, folding into the guard's statistics tensor in place:
-# under torch.compile, Dynamo traces them into the model's graph (forward and backward), no graph break.
-# A call's two probes talk through autograd: the input probe's second output (a token) is an input of
-# the output probe, whose backward sends back, as the token's gradient, whether the call's output
-# gradient was finite; so each call pairs its own gradients, however often the layer is called.
-
-
-class _ProbeIn(torch.autograd.Function):
-    """Identity before a layer whose backward sees the layer's own input gradient (not the sum a shared
-    input receives): its amax, and whether this call made it inf/NaN from a finite output gradient."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, stats: torch.Tensor, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        ctx.stats = stats  # not saved for backward: the probes write it in place, so its version moves
-        ctx.index = index
-        return x.view_as(x), x.new_zeros((), dtype=torch.float32)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor, finite_grad_out: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        stats, amax = ctx.stats, _amax(grad)
-        _fold(stats, ctx.index, _GRAD_IN, amax)
-        # finite_grad_out: 1 where the call's output gradient was finite, 0 where not or never computed
-        _fold(stats, ctx.index, _BWD_ORIGIN, (finite_grad_out > 0) & ~amax.isfinite())
-        return grad, None, None
-
-
-class _ProbeOut(torch.autograd.Function):
-    """Identity after a layer whose backward records the output gradient's amax and answers the token."""
-
-    @staticmethod
-    def forward(ctx: Any, out: torch.Tensor, token: torch.Tensor, stats: torch.Tensor, index: int) -> torch.Tensor:
-        ctx.stats = stats  # not saved for backward: the probes write it in place, so its version moves
-        ctx.index = index
-        return out.view_as(out)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:
-        amax = _amax(grad)
-        _fold(ctx.stats, ctx.index, _GRAD_OUT, amax)
-        return grad, amax.isfinite().float(), None, None
-
-
-def _local(weight: Any) -> torch.Tensor | None:
-    """A weight's gradient as a plain tensor (FSDP2's is this rank's shard of a DTensor; the step all-reduces)."""
-    grad = getattr(weight, "grad", None)
-    to_local = getattr(grad, "to_local", None)
-    return to_local() if to_local is not None else grad
 
 
 class Guard:
@@ -260,7 +123,7 @@ class Guard:
         # the open calls of each layer: (input amax, token) of a call whose forward has not returned yet
         self._calls: list[list[tuple[torch.Tensor, torch.Tensor | None]]] = [[] for _ in self._names]
         self._seen: dict[int, str] = {}  # the precision each layer computed in (read from _kind at each step)
-        self._kind = torch.zeros(len(self._names), device=device)  # this step's, as codes of _KINDS
+        self._kind = torch.zeros(len(self._names), device=device)  # this step's, as codes of KINDS
         self._handles: list[Any] = []
         for index, module in enumerate(self.layers.values()):
             # Traced by torch.compile into the model's graph: device tensors only, no sync, no .grad read.
@@ -275,10 +138,10 @@ class Guard:
             if not args or not isinstance(args[0], torch.Tensor) or not args[0].is_floating_point():
                 return None
             x = args[0]
-            amax = _amax(x)
-            _fold(self._fwd, index, _IN, amax)
+            amax = probes.amax_of(x)
+            probes.fold(self._fwd, index, IN, amax)
             if x.requires_grad and torch.is_grad_enabled():
-                x, token = _ProbeIn.apply(x, self._bwd, index)  # type: ignore[no-untyped-call]
+                x, token = probes.ProbeIn.apply(x, self._bwd, index)  # type: ignore[no-untyped-call]
                 self._calls[index].append((amax, token))
                 return (x, *args[1:])
             self._calls[index].append((amax, None))
@@ -294,17 +157,17 @@ class Guard:
             x_amax, token = call
             scaling = fp8_conversion.scaling_of(module)
             kind = FP8_PREFIX + scaling.config.recipe.value if scaling else short_name(out.dtype)
-            if kind in _KINDS:  # a constant of the trace: a Python dict written here would be guarded on
+            if kind in KINDS:  # a constant of the trace: a Python dict written here would be guarded on
                 with torch.no_grad():
-                    self._kind[index] = 1.0 + _KINDS.index(kind)
-            amax = _amax(out)
-            _fold(self._fwd, index, _OUT, amax)
-            _fold(self._fwd, index, _FWD_ORIGIN, ~amax.isfinite() & x_amax.isfinite())  # made here
+                    self._kind[index] = 1.0 + KINDS.index(kind)
+            amax = probes.amax_of(out)
+            probes.fold(self._fwd, index, OUT, amax)
+            probes.fold(self._fwd, index, FWD_ORIGIN, ~amax.isfinite() & x_amax.isfinite())  # made here
             if not out.requires_grad:
                 return None
             if token is None:  # an input that needed no gradient: the output's is still recorded
                 token = out.new_zeros((), dtype=torch.float32)
-            return _ProbeOut.apply(out, token, self._bwd, index)  # type: ignore[no-untyped-call]
+            return probes.ProbeOut.apply(out, token, self._bwd, index)  # type: ignore[no-untyped-call]
 
         return hook
 
@@ -327,7 +190,7 @@ class Guard:
             raise RuntimeError("this guard is closed: its probes are gone, so a step would see nothing")
         self.steps += 1
         readings = self._read()
-        if all(row[_KIND] == 0 for row in readings):
+        if all(row[KIND] == 0 for row in readings):
             raise RuntimeError(
                 "the guard saw no call of any layer it watches since the last step. Was the model compiled and "
                 "run before the guard was made? torch.compile does not guard on module hooks by default, so its "
@@ -347,7 +210,7 @@ class Guard:
                     move = self._move(name, *found)
                     if move is not None:
                         moves.append(move)
-            for k, column in enumerate((_IN, _GRAD_OUT)):
+            for k, column in enumerate((IN, GRAD_OUT)):
                 value = readings[index][column]
                 if math.isfinite(value) and name not in {m.layer for m in moves}:
                     self.peaks[name][k] = max(self.peaks[name][k], value)
@@ -358,7 +221,7 @@ class Guard:
         weight gradient non-finite (1/0), fp8 saturated and flushed fractions (the largest over casts);
         inf for non-finite."""
         zero, zeros = self._fwd.new_zeros(()), self._fwd.new_zeros(2)
-        grads = [_local(getattr(m, "weight", None)) for m in self.layers.values()]
+        grads = [probes.local_grad(getattr(m, "weight", None)) for m in self.layers.values()]
         bad_weight = [(~torch.isfinite(g).all()).float() if g is not None else zero for g in grads]
         fp8 = []
         for module in self.layers.values():
@@ -386,8 +249,8 @@ class Guard:
                 scaling.clear_stats()
         rows: list[list[float]] = table.tolist()  # the sync
         for index, row in enumerate(rows):
-            if row[_KIND] > 0:
-                self._seen[index] = _KINDS[int(row[_KIND]) - 1]
+            if row[KIND] > 0:
+                self._seen[index] = KINDS[int(row[KIND]) - 1]
         return rows
 
     def _signals(self, rows: list[list[float]], scale_used: float) -> dict[int, tuple[str, str]]:
@@ -396,16 +259,19 @@ class Guard:
         found: dict[int, tuple[str, str]] = {}
         for index, name in enumerate(self._names):
             row, seen = rows[index], self._seen.get(index)
-            if row[_FWD_ORIGIN] > 0:
+            if row[FWD_ORIGIN] > 0:
                 found[index] = ("nonfinite_forward", "output inf/NaN from a finite input")
             # (a weight gradient is the layer's doing only where its output gradients and inputs were finite)
-            elif scale_used <= th.backward_scale and (row[_BWD_ORIGIN] > 0 or (
-                    row[_BAD_WEIGHT_GRAD] > 0 and math.isfinite(row[_GRAD_OUT] + row[_IN]))):  # fmt: skip
-                which = "input" if row[_BWD_ORIGIN] > 0 else "weight"
+            elif scale_used <= th.backward_scale and (row[BWD_ORIGIN] > 0 or (
+                    row[BAD_WEIGHT_GRAD] > 0 and math.isfinite(row[GRAD_OUT] + row[IN]))):  # fmt: skip
+                which = "input" if row[BWD_ORIGIN] > 0 else "weight"
                 found[index] = ("nonfinite_backward", f"{which} gradient inf/NaN from a finite output gradient at "
                                                       f"loss scale {scale_used:g}")  # fmt: skip
-            elif seen == "fp16" and math.isfinite(row[_OUT]) and row[_OUT] > th.fp16_margin * _FP16_MAX:
-                found[index] = ("fp16_overflow", f"output amax {row[_OUT]:.4g} > {th.fp16_margin:g} x {_FP16_MAX:g}")
+            elif seen == "fp16" and math.isfinite(row[OUT]) and row[OUT] > th.fp16_margin * FP16_MAX:
+                found[index] = (
+                    "fp16_overflow",
+                    f"output amax {row[OUT]:.4g} > {th.fp16_margin:g} x {FP16_MAX:g}",
+                )
             elif seen is not None and seen.startswith(FP8_PREFIX):
                 signal = self._fp8_signal(name, row)
                 if signal is not None:
@@ -414,13 +280,13 @@ class Guard:
 
     def _fp8_signal(self, name: str, row: list[float]) -> tuple[str, str] | None:
         th = self.thresholds
-        saturated, flushed = row[_SATURATED], row[_FLUSHED]
+        saturated, flushed = row[SATURATED], row[FLUSHED]
         if saturated > th.saturated:
             return "saturated", f"{saturated:.2%} of a cast's values clamped at the fp8 max (> {th.saturated:.2%})"
         if flushed > th.flushed:
             return "flushed", f"{flushed:.2%} of a cast's non-zero values flushed to zero (> {th.flushed:.2%})"
         if self.steps > th.warmup:
-            for k, (column, what) in enumerate(((_IN, "input"), (_GRAD_OUT, "output gradient"))):
+            for k, (column, what) in enumerate(((IN, "input"), (GRAD_OUT, "output gradient"))):
                 peak, value = self.peaks[name][k], row[column]
                 if peak > 0 and math.isfinite(value) and value > th.amax_jump * peak:
                     return "amax_jump", f"{what} amax {value:.4g} = {value / peak:.3g} x its peak {peak:.4g}"
