@@ -5,14 +5,13 @@
 a PNG. The CLI (``mixprec bench``) wraps it with progress bars.
 """
 
+from mixprec.bench.devices import resolve_device, resolve_dtype
 from mixprec.bench.modes import MODES, Mode, register_mode
 from mixprec.bench.runner import (
     BenchConfig,
     BenchInterrupted,
     BenchReport,
     ModeResult,
-    resolve_device,
-    resolve_dtype,
     run,
 )
 from mixprec.bench.workloads import WORKLOADS, Workload

@@ -9,6 +9,7 @@ from typing import Any
 
 from mixprec.bench.modes import MODES
 from mixprec.bench.runner import BenchReport
+from mixprec.bench.tables import aligned, markdown_table
 
 
 def _mb(value: int | None) -> str:
@@ -115,10 +116,6 @@ def kernel_rows(kernels: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
-def _md_table(header: list[str], rows: list[list[str]]) -> list[str]:
-    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *("| " + " | ".join(r) + " |" for r in rows)]
-
-
 def compiled_markdown(report: BenchReport) -> list[str]:
     """The compiled section of the report (empty without compiled runs or kernel counts)."""
     lines: list[str] = []
@@ -130,7 +127,7 @@ def compiled_markdown(report: BenchReport) -> list[str]:
             "Each mode below also trained as `torch.compile(model)` of the model the mode prepared (default "
             "inductor backend), in lockstep with the eager runs.",
             "",
-            *_md_table(COMPILED_HEADER, rows),
+            *markdown_table(COMPILED_HEADER, rows),
             "",
             "vs eager: compiled steps/s over the same mode's eager steps/s. vs compiled torch-amp: over compiled "
             "torch.autocast's. Compile: the warm-up steps' time beyond as many timed steps (compiling forward and "
@@ -161,7 +158,7 @@ def kernels_markdown(kernels: dict[str, Any]) -> list[str]:
         "reference. Kernels: those inductor generated (Triton on CUDA, C++ on a CPU); launches: their calls; "
         "extern calls: library kernels (the GEMMs); fallbacks: ATen ops left eager.",
         "",
-        *_md_table(KERNELS_HEADER, kernel_rows(kernels)),
+        *markdown_table(KERNELS_HEADER, kernel_rows(kernels)),
         "",
         *_higher(higher),
         "",
@@ -190,20 +187,9 @@ def title(report: BenchReport) -> str:
     return f"{report.dtype} on {report.device} ({report.device_name}), torch {report.torch_version}"
 
 
-def _aligned(header: list[str], rows: list[list[str]], left: tuple[str, ...] = _LEFT) -> list[str]:
-    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-
-    def line(row: list[str]) -> str:
-        cells = [c.ljust(w) if h in left else c.rjust(w) for c, w, h in zip(row, widths, header, strict=True)]
-        return "  ".join(cells).rstrip()
-
-    rule = "  ".join("-" * w for w in widths)
-    return [line(header), rule, *(line(row) for row in rows)]
-
-
 def text_table(report: BenchReport) -> str:
     """The results table as aligned plain text, for logs and narrow terminals (nothing is cut)."""
-    return "\n".join([title(report), *_aligned(HEADER, table_rows(report))])
+    return "\n".join([title(report), *aligned(HEADER, table_rows(report))])
 
 
 def compiled_text(report: BenchReport) -> str:
@@ -211,11 +197,11 @@ def compiled_text(report: BenchReport) -> str:
     parts: list[str] = []
     if rows := compiled_rows(report):
         parts += ["compiled (torch.compile, inductor) against eager and against compiled torch-amp",
-                  *_aligned(COMPILED_HEADER, rows), *compiled_summary(report)]  # fmt: skip
+                  *aligned(COMPILED_HEADER, rows), *compiled_summary(report)]  # fmt: skip
     if report.fp8_kernels is not None:
         k = report.fp8_kernels
         parts += [*([""] if parts else []), f"inductor kernels, forward and backward, {k['linears']} fp8 linears "
-                  f"({k['recipe']}), {k['device']}", *_aligned(KERNELS_HEADER, kernel_rows(k), ("variant",)),
+                  f"({k['recipe']}), {k['device']}", *aligned(KERNELS_HEADER, kernel_rows(k), ("variant",)),
                   *(f"mixprec higher: {line}" for line in k["mixprec_higher"])]  # fmt: skip
     return "\n".join(parts)
 
@@ -235,11 +221,7 @@ def markdown(report: BenchReport) -> str:
         done = len(report.results)
         lines += [f"**Interrupted** (Ctrl-C): {done} of {len(cfg.workloads)} workloads finished; only they are shown.",
                   ""]  # fmt: skip
-    lines += [
-        "| " + " | ".join(HEADER) + " |",
-        "|" + "---|" * len(HEADER),
-    ]
-    lines += ["| " + " | ".join(row) + " |" for row in table_rows(report)]
+    lines += markdown_table(HEADER, table_rows(report))
     lines += [
         "",
         "steps/s: median over timed windows after warm-up. vs fp32, vs torch-amp: ratios of steps/s from "

@@ -43,7 +43,6 @@ import math
 import os
 import platform
 import statistics
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -53,7 +52,9 @@ import torch
 import mixprec
 from mixprec._src.prepare.memory import state_bytes
 from mixprec._src.tune.tables import layer_table
+from mixprec.bench.devices import resolve_device, resolve_dtype, sync
 from mixprec.bench.modes import MODES, Mode
+from mixprec.bench.peak_memory import PeakMemory
 from mixprec.bench.workloads import SIZES, WORKLOADS, Task
 
 # Default steps per size; each mode of a workload runs the same number.
@@ -180,110 +181,6 @@ class BenchInterrupted(KeyboardInterrupt):
         self.report = report
 
 
-def resolve_device(device: str) -> torch.device:
-    """``"auto"``: CUDA if present, else CPU."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        resolved = torch.device(device)
-    except RuntimeError as exc:
-        raise ValueError(f"unknown device {device!r}; use auto, cpu or cuda") from exc
-    if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' was asked for but CUDA is not available; use --device cpu or auto")
-    if resolved.type not in ("cpu", "cuda"):
-        raise ValueError(f"the bench runs on cpu or cuda, not {resolved.type!r}")
-    return resolved
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """``"auto"``: bf16 where it is fast (CPUs with AVX512-BF16/AMX, GPUs since Ampere), else fp16 on CUDA."""
-    if dtype == "auto":
-        if device.type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.bfloat16  # emulated (and slow) on CPUs without bf16 instructions; fp16 is slower still
-    names = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
-    if dtype not in names:
-        raise ValueError(f"unknown dtype {dtype!r}; valid: auto, bf16, fp16")
-    return names[dtype]
-
-
-def _glibc() -> Any:
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt  # noqa: B018 - glibc only
-        return libc
-    except (OSError, AttributeError):
-        return None
-
-
-_LIBC = _glibc()
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-
-
-def _allocator_tracks_live_memory(on: bool) -> None:
-    """Switch glibc between memory measurement and timing.
-
-    On: large buffers are mmapped and returned to the OS when freed, so the resident set
-    follows live tensor memory. Off (for timed runs): buffers up to 32 MiB are reused from the
-    heap, as in a long training run; mmapping every activation would time page faults instead.
-    """
-    if _LIBC is None:
-        return
-    _LIBC.mallopt(_M_MMAP_THRESHOLD, 128 * 1024 if on else 32 * 1024 * 1024)
-    _LIBC.mallopt(_M_TRIM_THRESHOLD, 128 * 1024 if on else 256 * 1024 * 1024)
-    if on:
-        _LIBC.malloc_trim(0)
-
-
-class _PeakMemory:
-    """Peak memory above the level at start; see the module docstring for what is measured."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self._stop = threading.Event()
-        self._peak = 0
-        self._base = 0
-        self._thread: threading.Thread | None = None
-        self._statm = "/proc/self/statm" if os.path.exists("/proc/self/statm") else None
-
-    def _rss(self) -> int:
-        assert self._statm is not None
-        with open(self._statm) as fh:
-            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-    def _sample(self) -> None:
-        while not self._stop.wait(0.002):
-            self._peak = max(self._peak, self._rss())
-
-    def __enter__(self) -> _PeakMemory:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            self._base = torch.cuda.memory_allocated(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-        elif self._statm is not None:
-            _allocator_tracks_live_memory(True)
-            self._base = self._peak = self._rss()
-            self._thread = threading.Thread(target=self._sample, daemon=True)
-            self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-        _allocator_tracks_live_memory(False)
-
-    @property
-    def peak_bytes(self) -> int | None:
-        if self.device.type == "cuda":
-            return int(torch.cuda.max_memory_allocated(self.device) - self._base)
-        if self._statm is None:
-            return None
-        return max(0, self._peak - self._base)
-
-
 def make_optimizer(task: Task, params: Any) -> torch.optim.Optimizer:
     """The task's optimizer over ``params``."""
     # Fused kernels: the same choice in every mode, and the fixed fp32 cost of a step stays small.
@@ -320,7 +217,7 @@ class _Run:
         inputs = self.mode.prepare_input(inputs)
         before = dynamo_counts() if self.compiled else None
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            sync(self.device)
         start = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
         with self.mode.context(self.device.type, self.dtype):
@@ -334,7 +231,7 @@ class _Run:
             loss.backward()  # type: ignore[no-untyped-call]
             self.optimizer.step()
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            sync(self.device)
         elapsed = time.perf_counter() - start
         if before is not None:
             after = dynamo_counts()
@@ -366,7 +263,7 @@ def measure_memory(workload: str, mode: Mode, config: BenchConfig, device: torch
         warm = _Run(workload, mode, dataclasses.replace(config, size="tiny"), device, dtype)
         warm.step(0)
         del warm
-    memory = _PeakMemory(device)
+    memory = PeakMemory(device)
     with memory:
         run = _Run(workload, mode, config, device, dtype)
         for step in range(steps):

@@ -41,6 +41,8 @@ import torch.distributed as dist
 from torch import nn
 
 import mixprec
+from mixprec.bench.devices import rank_device, resolve_dtype, sync
+from mixprec.bench.tables import aligned, markdown_table
 from mixprec.bench.workloads import SIZES, WORKLOADS, Task
 
 #: the bench's modes under FSDP2, in the order they are reported
@@ -157,7 +159,7 @@ class _ModeRun:
     def step(self, step: int, rank: int, world: int, device: torch.device) -> None:
         inputs, targets = self.task.batch(step)
         inputs, targets = inputs.chunk(world)[rank], targets.chunk(world)[rank]
-        _sync(device, world)
+        sync(device, world)
         start = time.perf_counter()
         self.opt.zero_grad(set_to_none=True)
         with self.context():
@@ -169,7 +171,7 @@ class _ModeRun:
             self.scaler.scale(loss).backward()  # type: ignore[no-untyped-call]
             self.scaler.step(self.opt)
             self.scaler.update()
-        _sync(device, world)
+        sync(device, world)
         self.times.append(time.perf_counter() - start)
         self.losses.append(loss.detach().float())
 
@@ -208,13 +210,6 @@ def _rank_run(config: ShardedConfig, rank: int, world: int, device: torch.device
     return out
 
 
-def _sync(device: torch.device, world: int) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    if world > 1:
-        dist.barrier()
-
-
 def _quiet() -> None:
     """No library notes in the bench's output (FSDP2 warns that the workloads' heads return views)."""
     import warnings
@@ -224,7 +219,7 @@ def _quiet() -> None:
 
 def _worker(rank: int, world: int, port: int, results: Any, config: ShardedConfig, queue: Any) -> None:
     _quiet()
-    device = _device(config.device, rank)
+    device = rank_device(config.device, rank)
     backend = "nccl" if device.type == "cuda" else "gloo"
     if world > 1:
         os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))
@@ -237,24 +232,10 @@ def _worker(rank: int, world: int, port: int, results: Any, config: ShardedConfi
             queue.put((world, workload, mode, done, total))
 
     try:
-        results[rank] = _rank_run(config, rank, world, device, _dtype(config.dtype), progress)
+        results[rank] = _rank_run(config, rank, world, device, resolve_dtype(config.dtype, device), progress)
     finally:
         if world > 1:
             dist.destroy_process_group()
-
-
-def _device(name: str, rank: int) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda":
-        return torch.device("cuda", rank % max(1, torch.cuda.device_count()))
-    if name != "cpu":
-        raise ValueError(f"unknown device {name!r}; use auto, cpu or cuda")
-    return torch.device("cpu")
-
-
-def _dtype(name: str) -> torch.dtype:
-    return {"bf16": torch.bfloat16, "fp16": torch.float16}[name]
 
 
 # ----- the whole run ----------------------------------------------------------------------------
@@ -294,7 +275,7 @@ def run(config: ShardedConfig, progress: Progress | None = None) -> dict[str, An
 
     import torch.multiprocessing as mp
 
-    device = _device(config.device, 0)
+    device = rank_device(config.device, 0)
     if device.type == "cuda" and config.nproc > torch.cuda.device_count():
         raise ValueError(f"--nproc {config.nproc} needs as many GPUs; this machine has {torch.cuda.device_count()}")
     start = time.perf_counter()
@@ -364,7 +345,7 @@ def rows(report: dict[str, Any]) -> Iterable[tuple[str, ...]]:
                 yield (
                     workload,
                     mode,
-                    world,
+                    str(world),
                     f"{r['steps_per_s']:.3g}",
                     "" if r["vs_torch"] is None else f"{r['vs_torch']:.2f}x",
                     f"{r['state_bytes'] / mib:.1f} MiB",
@@ -375,17 +356,14 @@ def rows(report: dict[str, Any]) -> Iterable[tuple[str, ...]]:
 
 
 def text_table(report: dict[str, Any]) -> str:
-    """The report as a plain aligned table (logs, narrow terminals) and Markdown's rows below it."""
-    table = [HEADER, *rows(report)]
-    widths = [max(len(str(row[i])) for row in table) for i in range(len(HEADER))]
-    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)) for row in table)
+    """The report as a plain aligned table (logs, narrow terminals)."""
+    return "\n".join(aligned(HEADER, list(rows(report)), left=("workload", "mode")))
 
 
 def markdown(report: dict[str, Any]) -> str:
     lines = [f"mixprec bench --nproc {report['config']['nproc']}: {report['device_name']}, {report['dtype']}, "
              f"size {report['config']['size']}, torch {report['torch']}", "",
-             "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]  # fmt: skip
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows(report)]
+             *markdown_table(HEADER, list(rows(report)))]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
@@ -425,7 +403,7 @@ def _torchrun(argv: list[str]) -> int:
         torch.cuda.set_device(device)
     start = time.perf_counter()
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    measured = _rank_run(config, rank, world, device, _dtype(args.dtype), None)
+    measured = _rank_run(config, rank, world, device, resolve_dtype(args.dtype, device), None)
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, measured)
     dist.destroy_process_group()

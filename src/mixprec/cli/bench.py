@@ -21,7 +21,8 @@ def run(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from mixprec.bench import report as report_module
-    from mixprec.bench.runner import BenchConfig, BenchInterrupted, ModeResult, resolve_device, resolve_dtype, run
+    from mixprec.bench.devices import resolve_device, resolve_dtype
+    from mixprec.bench.runner import BenchConfig, BenchInterrupted, ModeResult, run
 
     size = args.size or ("quick" if args.quick else "default")
     if args.nproc is not None:

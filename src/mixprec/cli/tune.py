@@ -23,7 +23,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         optimizer = None
         if args.workload:
-            from mixprec.bench.runner import make_optimizer, resolve_device
+            from mixprec.bench.devices import resolve_device
+            from mixprec.bench.runner import make_optimizer
 
             device = resolve_device("auto")
             task = WORKLOADS[args.workload].build(args.size, device)
