@@ -201,7 +201,7 @@ def bench_steps(recipes: list[str], device: torch.device, size: str, steps: int,
 
 def sqnr_table(recipes: list[str]) -> dict[str, dict[str, float]]:
     """SQNR (dB) of one fp8 linear 256 -> 512 on 256 bf16 tokens against the same layer in bf16, per recipe
-    (the layer and batch of tests/test_fp8_linear.py::test_sqnr_against_bf16_reference); numerics, any device."""
+    (the layer and batch of tests/fp8/test_fp8_linear.py::test_sqnr_against_bf16_reference); numerics, any device."""
     from mixprec._src.observe.fp8_diagnostics import sqnr
 
     table = {}

@@ -3,7 +3,7 @@
 From step ``--outlier-at`` on, the batches carry an unnormalized feature (1e5): layer ``0``'s fp16
 output overflows at every step. Without the guard GradScaler skips every step from there and its
 scale collapses (the loss stops moving); with ``mixprec.Guard`` the layer moves to bf16 after two
-steps and training goes on beside fp32's. ``tests/test_guard.py`` runs this scenario.
+steps and training goes on beside fp32's. ``tests/layers/test_guard.py`` runs this scenario.
 
     python benchmarks/guard_outlier.py [--steps 200] [--plot docs/images/guard_outlier.png]
 """

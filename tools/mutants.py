@@ -37,21 +37,25 @@ class Mutant:
 
 S = "src/mixprec/_src/"  # where the modules live
 
-# The test files that cover each area (tests mirror the modules they test).
+# The test files that cover each area (tests/<room>/ mirrors src/mixprec/_src/<room>/).
 SCALER_TESTS = (
-    "tests/test_scaler.py",
-    "tests/test_loss_scale.py",
-    "tests/test_scaler_events.py",
-    "tests/test_fail_fast.py",
-    "tests/test_scaler_settings.py",
+    "tests/scaling/test_scaler.py",
+    "tests/scaling/test_loss_scale.py",
+    "tests/scaling/test_scaler_events.py",
+    "tests/scaling/test_fail_fast.py",
+    "tests/scaling/test_scaler_settings.py",
 )
-PREPARE_TESTS = ("tests/test_master_weights.py", "tests/test_stochastic_rounding.py", "tests/test_prepare_config.py")
-POLICY_TESTS = ("tests/test_policy.py", "tests/test_policy_grammar.py")
-AUTOCAST_TESTS = ("tests/test_autocast.py", "tests/test_module_rules.py")
-LAYER_TESTS = ("tests/test_guard.py", "tests/test_layer_precision.py", "tests/test_layer_plan.py")
+PREPARE_TESTS = (
+    "tests/prepare/test_master_weights.py",
+    "tests/prepare/test_stochastic_rounding.py",
+    "tests/prepare/test_prepare_config.py",
+)
+POLICY_TESTS = ("tests/policy/test_policy.py", "tests/policy/test_policy_grammar.py")
+AUTOCAST_TESTS = ("tests/amp/test_autocast.py", "tests/amp/test_module_rules.py")
+LAYER_TESTS = ("tests/layers/test_guard.py", "tests/layers/test_layer_precision.py", "tests/layers/test_layer_plan.py")
 COMPILE_TESTS = ("tests/test_compiled_training.py",)
-FP8_TESTS = ("tests/test_fp8_gemm.py", "tests/test_fp8_linear.py", "tests/test_fp8_layers.py",
-             "tests/test_fp8_diagnostics.py")  # fmt: skip
+FP8_TESTS = ("tests/fp8/test_fp8_gemm.py", "tests/fp8/test_fp8_linear.py", "tests/fp8/test_fp8_layers.py",
+             "tests/observe/test_fp8_diagnostics.py")  # fmt: skip
 
 MUTANTS = (
     # --- the six the suite was first checked against -------------------------------------------------
@@ -64,14 +68,14 @@ MUTANTS = (
            PREPARE_TESTS),
     Mutant("edits-are-no-ops", "a policy's edits register no kernels",
            S + "amp/dispatch.py", "    if device_type not in AUTOCAST_KEYS:\n        return ()",
-           "    if True:\n        return ()", ("tests/test_autocast_ops.py", "tests/test_drop_in.py")),
+           "    if True:\n        return ()", ("tests/amp/test_autocast_ops.py", "tests/amp/test_drop_in.py")),
     Mutant("weight-cast-cache-off", "edited-op kernels cast a weight again at every use (two casts, two gradients)",
            S + "amp/dispatch.py", "        and torch.is_autocast_cache_enabled()\n",
            "        and torch.is_autocast_cache_enabled() and False\n", AUTOCAST_TESTS),
     Mutant("promote-no-op", "the promote category casts nothing",
            S + "amp/dispatch.py",
            "        args, kwargs = cast_all(args, kwargs, _promote_dtype(tensors, device_type), device_type)\n", "",
-           ("tests/test_autocast_ops.py",)),
+           ("tests/amp/test_autocast_ops.py",)),
     Mutant("fused-step-syncs", "the fused-optimizer scaler step reads found_inf on the host every iteration",
            S + "scaling/scaler.py", "        optimizer.found_inf = found_tensor  # type: ignore[attr-defined]\n",
            "        optimizer.found_inf = found_tensor  # type: ignore[attr-defined]\n        found_tensor.tolist()\n",
@@ -79,11 +83,11 @@ MUTANTS = (
     # --- kernels and casting ------------------------------------------------------------------------
     Mutant("fp32-set-dtype-no-op", "ops in fp32_set_dtype run without dtype=fp32",
            S + "amp/dispatch.py", '                kwargs = {**kwargs, "dtype": _float32}',
-           "                pass", ("tests/test_autocast_ops.py",)),
+           "                pass", ("tests/amp/test_autocast_ops.py",)),
     Mutant("replay-skips-policy", "checkpoint_context's recompute runs without the policy",
            S + "amp/checkpoint_replay.py", "            region.push(device_type, policy, None)\n",
            "            pass\n",
-           ("tests/test_drop_in.py",)),
+           ("tests/amp/test_drop_in.py",)),
     # --- module rules and prepare levels ------------------------------------------------------------
     Mutant("kept-inputs-not-fp32", "a module kept in fp32 gets its low-precision inputs as they are",
            S + "prepare/kept.py",
@@ -115,16 +119,16 @@ MUTANTS = (
     Mutant("fsdp-unit-precision-unset", "FSDP2 units keep gathering fp32 at O2",
            S + "sharding.py",
            "    unit.mp_policy = dataclasses.replace(current, param_dtype=param_dtype, reduce_dtype=reduce_dtype)",
-           "    pass", ("tests/test_sharding.py",)),
+           "    pass", ("tests/prepare/test_sharding.py",)),
     Mutant("fsdp-kept-gathered-low", "O2 under FSDP2 gathers the kept norms in low precision",
            S + "sharding.py", "    fsdp_param.param_dtype = None", "    pass",
-           ("tests/test_sharding.py",)),
+           ("tests/prepare/test_sharding.py",)),
     Mutant("sr-shard-offset-ignored", "a shard rounds as if it were the start of the tensor",
            S + "prepare/sr_noise.py", "    return _int32(seed + offset * _WEYL)", "    return seed",
-           ("tests/test_sharding.py",)),
+           ("tests/prepare/test_sharding.py",)),
     Mutant("sharded-after-prepare-unseen", "prepare then fully_shard trains without a word",
            S + "prepare/prepare.py", "    if not state.sharded and sharding.fsdp_modules(model):",
-           "    if False:", ("tests/test_sharding.py",)),
+           "    if False:", ("tests/prepare/test_sharding.py",)),
     # --- scaler and tune ----------------------------------------------------------------------------------
     Mutant("scaler-ranks-disagree", "with process_group, each rank still skips on its own flags only",
            S + "scaling/unscaling.py", "dist.all_reduce(found, op=dist.ReduceOp.SUM, group=process_group)",
@@ -137,9 +141,9 @@ MUTANTS = (
            "        back_off = overflow", SCALER_TESTS),
     Mutant("tune-no-head-to-head", "tune chooses from figures measured in rounds apart, without a final race",
            S + "tune/search.py", "    finalists = search.final_round(torch_default, dtypes, min_speedup, notes)",
-           "    finalists = None", ("tests/test_tune.py",)),
+           "    finalists = None", ("tests/tune/test_tune.py",)),
     Mutant("tune-ignores-loss", "tune's guard accepts any loss",
-           S + "tune/trial.py", "    if err > tol.loss_rtol:", "    if False:", ("tests/test_tune.py",)),
+           S + "tune/trial.py", "    if err > tol.loss_rtol:", "    if False:", ("tests/tune/test_tune.py",)),
     Mutant("memory-masters-as-parameters", "memory_report counts O2's fp32 masters as parameters",
            S + "prepare/memory.py", "            if id(p) in lowp:", "            if False:",
            (S + "prepare/memory.py", "docs/distributed.md")),
@@ -174,10 +178,10 @@ MUTANTS = (
            S + "amp/dispatch.py",
            "        args, kwargs = cast_all(args, kwargs, _float32, device_type)\n        return func(*args, **kwargs)",
            "        args, kwargs = cast_all(args, kwargs, _float32, device_type)\n        return func(*args)",
-           ("tests/test_autocast_ops.py",)),
+           ("tests/amp/test_autocast_ops.py",)),
     Mutant("output-tuple-not-cast", "output_dtype casts single outputs only, not a tuple's",
            S + "amp/dispatch.py", "        return tuple(_cast_output(o, dtype) for o in out)",
-           "        return out", ("tests/test_autocast_ops.py",)),
+           "        return out", ("tests/amp/test_autocast_ops.py",)),
     # --- per-layer precision: the plan and the guard ---------------------------------------------------
     Mutant("layer-dtype-ignored", "a layer given a dtype computes in the region's",
            S + "layers/precision.py", "x, w = input.to(dtype), weight.to(dtype)", "x, w = input, weight",
@@ -274,7 +278,7 @@ MUTANTS = (
            S + "layers/plan.py", "(rep < _MAX_REPS and", "(False and", LAYER_TESTS),
     Mutant("tune-ignores-noise", "tune chooses a recipe faster than the default only within its noise",
            S + "tune/search.py", "need = max(min_speedup, 1.0 + (search.results[best].noise or 0.0))",
-           "need = min_speedup", ("tests/test_tune.py",)),
+           "need = min_speedup", ("tests/tune/test_tune.py",)),
     Mutant("outer-autocast-told-every-call", "a prepared model warns of an outer autocast at every forward",
            S + "prepare/prepare.py", "    state.told_outer = True\n", "", PREPARE_TESTS),
     Mutant("outer-autocast-silent", "a prepared model inside an autocast of another dtype says nothing",
@@ -293,7 +297,7 @@ MUTANTS = (
            S + "__init__.py", "    sys.meta_path.append(_OldPaths())", "    pass", ("tests/test_old_pickles.py",)),
     Mutant("tune-never-repeats", "tune does not repeat a noisy round",
            S + "tune/rounds.py", "if any((t.noise(default) or 0.0) > timing.NOISY for t in running):",
-           "if False:", ("tests/test_tune.py",)),
+           "if False:", ("tests/tune/test_tune.py",)),
 )  # fmt: skip
 
 

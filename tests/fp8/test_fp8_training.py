@@ -17,7 +17,7 @@ import pytest
 pytestmark = pytest.mark.slow
 
 _spec = importlib.util.spec_from_file_location(
-    "fp8_convergence", Path(__file__).resolve().parent.parent / "benchmarks" / "fp8_convergence.py"
+    "fp8_convergence", Path(__file__).resolve().parents[2] / "benchmarks" / "fp8_convergence.py"
 )
 assert _spec is not None and _spec.loader is not None
 convergence = importlib.util.module_from_spec(_spec)

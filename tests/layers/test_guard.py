@@ -18,7 +18,7 @@ from helpers import bitwise_equal
 from mixprec._src.layers.ladder import LADDER
 
 _spec = importlib.util.spec_from_file_location(
-    "guard_outlier", Path(__file__).resolve().parent.parent / "benchmarks" / "guard_outlier.py"
+    "guard_outlier", Path(__file__).resolve().parents[2] / "benchmarks" / "guard_outlier.py"
 )
 assert _spec is not None and _spec.loader is not None
 scenario = importlib.util.module_from_spec(_spec)
