@@ -80,3 +80,15 @@ def test_a_package_outside_the_layering_fails(tree: pathlib.Path) -> None:
     (tree / "attic").mkdir()
     (tree / "attic" / "__init__.py").write_text('"""Nothing."""\n')
     assert any("subsystem 'attic' is not in the layering" in p for p in layering.check(tree))
+
+
+def test_every_module_declares_its_public_names() -> None:
+    import ast
+
+    missing = []
+    for path in sorted(layering.SRC.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        names = {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+        if path.name != "__init__.py" and "__all__" not in names:
+            missing.append(str(path.relative_to(layering.SRC)))
+    assert missing == []

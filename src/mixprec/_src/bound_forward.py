@@ -12,6 +12,8 @@ from typing import Any
 
 from torch import nn
 
+__all__ = ["bind", "bound_function", "BoundForward"]
+
 
 class BoundForward:
     """``func(module, *args, **kwargs)`` as ``module.forward``."""

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+__all__ = ["cast_floating", "eligible"]
+
 _Tensor = torch.Tensor
 _float64 = torch.float64
 

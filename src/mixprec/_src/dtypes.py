@@ -7,6 +7,8 @@ from typing import TypeVar
 
 import torch
 
+__all__ = ["E", "LOW_PRECISION", "NamedEnum", "parse_dtype", "short_name"]
+
 E = TypeVar("E", bound="NamedEnum")
 
 

@@ -7,6 +7,8 @@ Every message says what went wrong and what to do.
 
 from __future__ import annotations
 
+__all__ = ["CheckpointReplayError", "LossScaleCollapseError", "MixprecError", "PolicyError", "PrepareOrderError"]
+
 
 class MixprecError(Exception):
     """Base of every error specific to mixprec."""

@@ -14,6 +14,16 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+__all__ = [
+    "call_model",
+    "check_inputs",
+    "device_type_of",
+    "holds_only_parameters_of",
+    "LossFn",
+    "scalar_loss",
+    "with_targets",
+]
+
 LossFn = Callable[[Any], torch.Tensor]
 
 

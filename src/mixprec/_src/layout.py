@@ -13,6 +13,8 @@ from typing import TypeVar
 import torch
 from torch import nn
 
+__all__ = ["T", "to_channels_last"]
+
 T = TypeVar("T", nn.Module, torch.Tensor)
 
 

@@ -13,6 +13,8 @@ import torch
 
 from mixprec._src.errors import PolicyError
 
+__all__ = ["PYTHON_OPS", "names", "Op", "op_name"]
+
 Op = str | Callable[..., Any]
 
 # Python functions in torch whose ATen op has another name.

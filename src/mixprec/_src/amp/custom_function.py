@@ -19,6 +19,8 @@ from mixprec._src.amp.autocast import TorchAutocast, autocast, get_autocast_poli
 from mixprec._src.dtypes import parse_dtype
 from mixprec._src.op_names import PYTHON_OPS
 
+__all__ = ["F", "custom_bwd", "custom_fwd", "op"]
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 

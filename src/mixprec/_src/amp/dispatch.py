@@ -35,6 +35,18 @@ from mixprec._src.errors import CheckpointReplayError
 from mixprec._src.op_names import PYTHON_OPS
 from mixprec._src.policy.policy import OpCategory, Policy, default_policy
 
+__all__ = [
+    "AUTOCAST_KEYS",
+    "acquire",
+    "apply_category",
+    "cast_all",
+    "check_checkpoint",
+    "never_a_frame",
+    "registered",
+    "release",
+    "tensors_in",
+]
+
 _LOWER = OpCategory.LOWER
 _FP32 = OpCategory.FP32
 _FP32_SET_DTYPE = OpCategory.FP32_SET_DTYPE

@@ -25,6 +25,8 @@ from mixprec._src.fp8.config import E4M3
 from mixprec._src.fp8.conversion import Fp8Layers
 from mixprec._src.fp8.linear import WEIGHT, Fp8Scaling, scale_from_history
 
+__all__ = ["install"]
+
 
 def install(model: torch.nn.Module, layers: Fp8Layers) -> int:
     """Give the weight shards of ``layers`` FSDP2's fp8 all-gather; returns how many got it."""

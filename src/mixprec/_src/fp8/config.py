@@ -18,6 +18,19 @@ from torch import nn
 from mixprec._src.dtypes import NamedEnum
 from mixprec._src.policy.policy import ModuleFilter
 
+__all__ = [
+    "E4M3",
+    "E5M2",
+    "RECIPE_OPERANDS",
+    "AmaxAlgo",
+    "as_fp8_config",
+    "Fp8Config",
+    "Fp8Recipe",
+    "is_plain_linear",
+    "Operand",
+    "RecipeOperands",
+]
+
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
 

@@ -24,6 +24,22 @@ from mixprec._src.fp8 import gemm as fp8_gemm
 from mixprec._src.fp8.config import Fp8Config, Fp8Recipe, is_plain_linear
 from mixprec._src.fp8.linear import Fp8Scaling, fp8_forward
 
+__all__ = [
+    "advance",
+    "check_device",
+    "convert",
+    "drop_foreign_fp8_state",
+    "fp8_layers",
+    "Fp8Layers",
+    "is_converted",
+    "keep_out_of_save_pretrained",
+    "reason_to_skip",
+    "revert",
+    "revert_layer",
+    "scaling_of",
+    "set_layer",
+]
+
 _ATTR = "_mixprec_fp8"  # the Fp8Layers of a converted model, on the model
 logger = logging.getLogger("mixprec.fp8")
 

@@ -17,6 +17,18 @@ import torch.nn.functional as F
 
 from mixprec._src.fp8.config import E5M2, Operand
 
+__all__ = [
+    "ALIGN",
+    "EPS",
+    "amax_of",
+    "check_cuda_rules",
+    "fp8_max",
+    "gemm",
+    "quantize",
+    "saturation_threshold",
+    "scale_from_amax",
+]
+
 #: Smallest amax a scale is made from, as torchao (an all-zero tensor gets a large finite scale).
 EPS = 1e-12
 #: fp8 GEMMs on CUDA need each dimension of the second operand and the reduction dim a multiple of this.

@@ -30,6 +30,8 @@ from mixprec._src.fp8 import gemm as fp8_gemm
 from mixprec._src.fp8.config import AmaxAlgo, Fp8Config
 from mixprec._src.policy.policy import OpCategory
 
+__all__ = ["ROLES", "CastStats", "compute_dtype", "fp8_forward", "Fp8Scaling", "scale_from_history"]
+
 INPUT, WEIGHT, GRAD_OUTPUT = 0, 1, 2
 ROLES = ("input", "weight", "grad_output")
 

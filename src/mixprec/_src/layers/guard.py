@@ -59,6 +59,8 @@ from mixprec._src.layers.probes import (
     SATURATED,
 )
 
+__all__ = ["Guard"]
+
 logger = logging.getLogger("mixprec.guard")
 
 

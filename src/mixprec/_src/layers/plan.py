@@ -48,6 +48,18 @@ from mixprec._src.layers.precision import (
 )
 from mixprec._src.numerics import sqnr
 
+__all__ = [
+    "FP8_CANDIDATES",
+    "apply",
+    "check_choices",
+    "choose",
+    "device_has_fp8",
+    "LayerChoice",
+    "measure",
+    "Measured",
+    "settled_loss_scale",
+]
+
 #: The fp8 recipes the planner considers (delayed scaling needs prepare's step hook: a whole-model choice).
 FP8_CANDIDATES = (FP8_PREFIX + Fp8Recipe.TENSORWISE.value, FP8_PREFIX + Fp8Recipe.ROWWISE.value)
 _REPS = 3  # timed repetitions per layer and precision (after one warm-up): the fastest counts

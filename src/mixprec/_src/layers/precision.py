@@ -26,6 +26,18 @@ from mixprec._src.dtypes import parse_dtype, short_name
 from mixprec._src.fp8 import conversion as fp8_conversion
 from mixprec._src.fp8.config import Fp8Config, Fp8Recipe
 
+__all__ = [
+    "DELAYED_PER_LAYER",
+    "FP8_PREFIX",
+    "PRECISIONS",
+    "fp8_recipe_of",
+    "is_layer",
+    "layer_of",
+    "layer_precision",
+    "parse_precision",
+    "set_layer_precision",
+]
+
 FP8_PREFIX = "fp8-"
 #: Every precision a layer can be given, from the least precise to the most.
 PRECISIONS = (

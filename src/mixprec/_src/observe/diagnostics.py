@@ -36,6 +36,8 @@ from mixprec._src.observe.report import DiagnosticReport, ModuleReport, NonFinit
 from mixprec._src.policy.grammar import get_policy
 from mixprec._src.policy.policy import ModuleRule, Policy, default_policy
 
+__all__ = ["diagnose"]
+
 
 def _checkable(t: Any) -> bool:
     """A floating tensor ``isfinite`` takes: not fp8 (an fp8 layer's casts saturate; its GEMM output is checked)."""

@@ -26,6 +26,8 @@ from mixprec._src.observe.report import Fp8LayerReport
 from mixprec._src.policy.policy import Policy
 from mixprec._src.prepare.prepare import prepared_state
 
+__all__ = ["cast_stats", "fp8_layer_reports", "set_recording"]
+
 
 def cast_stats(model: nn.Module) -> dict[str, dict[str, dict[str, float]]]:
     """The last recorded cast statistics of each fp8 layer of ``model``, as host numbers (syncs)."""

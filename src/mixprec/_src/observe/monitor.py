@@ -37,6 +37,8 @@ from mixprec._src.fp8 import conversion as fp8_conversion
 from mixprec._src.observe import fp8_diagnostics
 from mixprec._src.scaling.scaler import GradScaler, ScalerEvent
 
+__all__ = ["Incident", "Monitor"]
+
 logger = logging.getLogger("mixprec.monitor")
 
 

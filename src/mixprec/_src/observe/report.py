@@ -19,6 +19,8 @@ from mixprec._src.observe import reporting
 from mixprec._src.policy.grammar import get_policy
 from mixprec._src.policy.policy import ModuleRule, Policy
 
+__all__ = ["DiagnosticReport", "Fp8LayerReport", "ModuleReport", "NonFinite", "TensorStats"]
+
 
 @dataclasses.dataclass
 class TensorStats:

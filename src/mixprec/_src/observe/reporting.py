@@ -17,6 +17,8 @@ from mixprec._src.dtypes import short_name
 if TYPE_CHECKING:  # types only: the report imports this module to draw itself
     from mixprec._src.observe.report import DiagnosticReport, TensorStats
 
+__all__ = ["diagnostic_plot", "diagnostic_table"]
+
 
 def diagnostic_table(report: DiagnosticReport) -> Any:
     """A rich Table of the modules, worst first in each column's colour."""

@@ -36,6 +36,8 @@ from mixprec._src.errors import PolicyError
 from mixprec._src.op_names import op_name
 from mixprec._src.policy.policy import BUILTINS, NORM_TYPES, ModuleRule, Policy, default_policy
 
+__all__ = ["get_policy"]
+
 _CATEGORY_KEYS = ("lower", "fp32", "fp32_set_dtype", "promote", "banned")
 _REPEATABLE = ("keep", "rule")
 _KEYS = ("base", "compute", "output", *_CATEGORY_KEYS, "none", *_REPEATABLE)

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from mixprec._src.policy.policy import Policy
 
+__all__ = ["canonical", "policy_for", "token_for"]
+
 _TOKENS: dict[Policy, str] = {}
 _BY_TOKEN: dict[str, Policy] = {}
 _CANONICAL: dict[Policy, Policy] = {}

@@ -8,6 +8,17 @@ A test checks the tables against the kernels registered in the installed torch.
 
 from __future__ import annotations
 
+__all__ = [
+    "CPU_FP32",
+    "CPU_LOWER",
+    "CPU_PROMOTE",
+    "CUDA_BANNED",
+    "CUDA_FP32",
+    "CUDA_FP32_SET_DTYPE",
+    "CUDA_LOWER",
+    "CUDA_PROMOTE",
+]
+
 # aten/src/ATen/autocast_mode.cpp, AutocastCPU.
 CPU_LOWER = (
     "conv1d", "conv2d", "conv3d", "bmm", "mm", "linalg_vecdot", "baddbmm", "addmm",

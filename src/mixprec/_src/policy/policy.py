@@ -42,6 +42,21 @@ from mixprec._src.op_names import Op, op_name
 from mixprec._src.policy import interning
 from mixprec._src.policy import op_tables as tables
 
+__all__ = [
+    "BANNED_HINT",
+    "BUILTINS",
+    "EDITED",
+    "NORM_TYPES",
+    "builtin_policy",
+    "default_policy",
+    "format_policy",
+    "ModuleFilter",
+    "ModuleRule",
+    "OpCategory",
+    "Policy",
+    "rule_items",
+]
+
 
 class OpCategory(NamedEnum):
     """What autocast does with an op; torch's CastPolicy, by name."""

@@ -19,6 +19,8 @@ from mixprec._src.fp8.config import Fp8Config, as_fp8_config
 from mixprec._src.policy.grammar import get_policy
 from mixprec._src.policy.policy import NORM_TYPES, ModuleFilter, ModuleRule, Policy, rule_items
 
+__all__ = ["Level", "PrepareConfig"]
+
 
 class Level(NamedEnum):
     """Precision levels of :func:`mixprec.prepare`."""

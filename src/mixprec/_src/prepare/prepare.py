@@ -51,6 +51,8 @@ from mixprec._src.policy.policy import NORM_TYPES, ModuleFilter, Policy, default
 from mixprec._src.prepare import kept, o2_copies, sr_noise, stochastic_rounding
 from mixprec._src.prepare.config import Level, PrepareConfig
 
+__all__ = ["export_fp32", "master_params", "prepare", "Prepared", "prepared_state"]
+
 _ATTR = "_mixprec"  # where prepare keeps its state, on the model and on the optimizer
 
 

@@ -18,6 +18,8 @@ import torch
 
 from mixprec._src.scaling.loss_scale import LossScaleRule
 
+__all__ = ["EventLog", "ScalerEvent", "ScalerStats"]
+
 logger = logging.getLogger("mixprec.scaler")
 
 

@@ -12,6 +12,8 @@ from collections.abc import Callable
 
 from mixprec._src.errors import LossScaleCollapseError
 
+__all__ = ["DEFAULT_FLOOR", "FUSED_CHECK_INTERVAL", "check", "due"]
+
 # With no min_scale, a scale at or below this counts as "at the floor".
 DEFAULT_FLOOR = 1.0
 # Fused optimizers report found_inf only on the device: the check reads it this often.

@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+__all__ = ["DeviceLossScale", "LossScaleRule", "LossScaleState"]
+
 
 def _host_where(condition: Any, a: Any, b: Any) -> Any:
     return a if condition else b

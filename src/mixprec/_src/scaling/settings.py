@@ -9,6 +9,8 @@ from typing import Any
 
 from mixprec._src.scaling.loss_scale import LossScaleRule, LossScaleState
 
+__all__ = ["TORCH_KEYS", "check_bounds", "checked", "from_state_dict", "to_state_dict"]
+
 # (integer?, None allowed?, test, what is valid), by setting or state-dict key.
 _RULES: dict[str, tuple[bool, bool, Any, str]] = {
     "scale": (False, False, lambda v: 0 < v < math.inf, "positive and finite (the loss scale)"),

@@ -11,6 +11,17 @@ from typing import Any
 
 import torch
 
+__all__ = [
+    "agree",
+    "first_device",
+    "grads_of",
+    "inverse",
+    "manual_sources",
+    "summed",
+    "unscale_and_check",
+    "unscale_manually",
+]
+
 
 def inverse(scale: torch.Tensor) -> torch.Tensor:
     """``1 / scale``, taken in fp64: fp32 division can be inexact under some compile options."""

@@ -33,6 +33,8 @@ from mixprec._src.prepare.prepare import prepare, prepared_state
 from mixprec._src.scaling.scaler import GradScaler
 from mixprec._src.tune import tables
 
+__all__ = ["LAYOUTS", "Applied", "Measurement", "Recipe", "Tolerance"]
+
 #: The memory layouts a recipe can ask for.
 LAYOUTS = ("contiguous", "channels_last")
 

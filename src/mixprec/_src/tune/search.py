@@ -63,6 +63,8 @@ from mixprec._src.tune.recipe import Recipe, Tolerance
 from mixprec._src.tune.rounds import Progress, Search, changes
 from mixprec._src.tune.trial import sync
 
+__all__ = ["tune"]
+
 _DIAGNOSE_STEPS = 4  # diagnose costs about this many training steps (fp32 and low-precision passes with hooks)
 _PLAN_SHARE = 0.25  # the share of the budget the per-layer measurements may take
 

@@ -16,6 +16,8 @@ if TYPE_CHECKING:  # types only: recipe imports this module to print itself
     from mixprec._src.layers.plan import LayerChoice
     from mixprec._src.tune.recipe import Measurement, Recipe
 
+__all__ = ["layer_table", "line", "recipe_table"]
+
 
 def recipe_table(recipe: Recipe) -> str:
     """The candidates as a text table: speed against torch.amp's default, error against fp32, why rejected."""
