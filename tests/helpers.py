@@ -261,3 +261,27 @@ def one_step(model: nn.Module, opt: torch.optim.Optimizer) -> None:
 
 def mm_dtype() -> torch.dtype:
     return torch.mm(torch.randn(2, 2), torch.randn(2, 2)).dtype
+
+
+def train_next_token(model: nn.Module, opt: torch.optim.Optimizer, steps: range, rank: int, world: int, *,
+                     vocab: int = 64, seq: int = 16, batch: int = 8,
+                     after_step: Callable[[], None] | None = None) -> list[float]:  # fmt: skip
+    """Next-token training on seeded random tokens (step ``s`` draws the same batch everywhere), each rank its
+    share of the batch; returns each step's loss averaged over ranks (an all-reduce where ``world > 1``)."""
+    import torch.distributed as dist
+
+    losses = []
+    for step in steps:
+        tokens = torch.randint(0, vocab, (batch, seq + 1), generator=torch.Generator().manual_seed(100 + step))
+        x, y = tokens[:, :-1].chunk(world)[rank], tokens[:, 1:].chunk(world)[rank]
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        opt.step()
+        total = loss.detach().clone()
+        if world > 1:
+            dist.all_reduce(total)
+        losses.append(total.item() / world)
+        if after_step is not None:
+            after_step()
+    return losses

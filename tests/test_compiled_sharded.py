@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import mixprec
-from helpers import bitwise_equal, init_process_group, spawn
+from helpers import bitwise_equal, init_process_group, spawn, train_next_token
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed")]
 
@@ -76,20 +76,8 @@ def _build(backend: Any) -> tuple[nn.Module, torch.optim.Optimizer]:
 
 def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: range, rank: int, world: int,
            frames: list[int] | None = None, counter: Any = None) -> list[float]:  # fmt: skip
-    losses = []
-    for step in steps:
-        tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(100 + step))
-        x, y = tokens[:, :-1].chunk(world)[rank], tokens[:, 1:].chunk(world)[rank]
-        opt.zero_grad()
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-        loss.backward()
-        opt.step()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append(total.item() / world)
-        if frames is not None:
-            frames.append(counter.frame_count)
-    return losses
+    after_step = None if frames is None else lambda: frames.append(counter.frame_count)
+    return train_next_token(model, opt, steps, rank, world, vocab=VOCAB, seq=SEQ, batch=BATCH, after_step=after_step)
 
 
 def _full(model: nn.Module) -> list[torch.Tensor]:

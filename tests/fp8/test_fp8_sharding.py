@@ -13,11 +13,10 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 import mixprec
-from helpers import bitwise_equal, init_process_group, spawn
+from helpers import bitwise_equal, init_process_group, spawn, train_next_token
 from mixprec.bench.workloads import TinyLM
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed")]
@@ -44,19 +43,7 @@ def _build(recipe: str, world: int) -> tuple[nn.Module, torch.optim.Optimizer]:
 
 
 def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: range, rank: int, world: int) -> list[float]:
-    losses = []
-    for step in steps:
-        tokens = torch.randint(0, 64, (BATCH, 17), generator=torch.Generator().manual_seed(100 + step))
-        x, y = tokens[:, :-1].chunk(world)[rank], tokens[:, 1:].chunk(world)[rank]
-        opt.zero_grad()
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-        loss.backward()
-        opt.step()
-        total = loss.detach().clone()
-        if world > 1:
-            dist.all_reduce(total)
-        losses.append(total.item() / world)
-    return losses
+    return train_next_token(model, opt, steps, rank, world, batch=BATCH)
 
 
 def _histories(model: nn.Module) -> dict[str, torch.Tensor]:
