@@ -21,7 +21,9 @@ import statistics
 import time
 from collections.abc import Sequence
 
-__all__ = ["NOISY", "clock", "fastest_noise", "ratio_noise"]
+import torch
+
+__all__ = ["NOISY", "clock", "fastest_noise", "ratio_noise", "sync"]
 
 #: Relative noise above which a measurement is repeated (while the budget allows).
 NOISY = 0.05
@@ -32,6 +34,12 @@ _MEDIAN_95 = 1.96 * 1.2533 * 1.4826
 def clock() -> float:
     """Seconds, for timing steps (``time.perf_counter``; tests replace it with a noisy one)."""
     return time.perf_counter()
+
+
+def sync(device: torch.device) -> None:
+    """Wait for ``device``'s queued work (CUDA; CPU work is done when the call returns)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def ratio_noise(ratios: Sequence[float]) -> float | None:

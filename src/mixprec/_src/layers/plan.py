@@ -208,11 +208,11 @@ class _Run:
         layer.zero_grad(set_to_none=True)
         x = c.x.clone().requires_grad_(c.x_needs_grad)
         device = x.device
-        _sync(device)
+        timing.sync(device)
         begin = timing.clock()
         out = layer(x)
         out.backward(self.grad.to(out.dtype))
-        _sync(device)
+        timing.sync(device)
         seconds = timing.clock() - begin
         weight: Any = layer.weight
         grads = (weight.grad, *((x.grad,) if c.x_needs_grad else ()))
@@ -220,11 +220,6 @@ class _Run:
         self.result = (out.detach().float(), *(g.float() * unscale for g in grads if g is not None))
         self.times.append(seconds)
         return seconds
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _fp8_reason(module: nn.Module, name: str, head: str | None) -> str | None:

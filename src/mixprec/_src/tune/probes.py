@@ -17,7 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec._src.tune.trial import Trial, sync
+from mixprec._src import timing
+from mixprec._src.tune.trial import Trial
 
 __all__ = ["COLD_SLOW", "first_step_s", "has_conv_weights", "matmul_slowdown", "profile"]
 
@@ -102,10 +103,10 @@ def matmul_slowdown(dtype: torch.dtype, device: torch.device) -> float:
         a = torch.full((256, 256), 0.5, device=device, dtype=dt)  # values do not matter; the RNG is the caller's
         times = []
         for _ in range(5):
-            sync(device)
+            timing.sync(device)
             begin = time.perf_counter()
             a @ a
-            sync(device)
+            timing.sync(device)
             times.append(time.perf_counter() - begin)
         return min(times)
 

@@ -61,7 +61,6 @@ from mixprec._src.prepare.prepare import prepared_state
 from mixprec._src.tune import probes
 from mixprec._src.tune.recipe import Recipe, Tolerance
 from mixprec._src.tune.rounds import Progress, Search, changes
-from mixprec._src.tune.trial import sync
 
 __all__ = ["tune"]
 
@@ -148,10 +147,10 @@ def tune(
     _check_optimizer(model, optimizer)
     with torch.no_grad():  # the loss must be a scalar: fail here, not inside a candidate (on a copy: BatchNorm)
         copied = copy.deepcopy(model)
-        sync(found)
+        timing.sync(found)
         begin = time.perf_counter()
         loss_of(input_checks.call_model(copied, batch))
-        sync(found)
+        timing.sync(found)
         forward_s = time.perf_counter() - begin
         del copied
     device_type = found.type

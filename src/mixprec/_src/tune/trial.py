@@ -20,7 +20,7 @@ from torch import nn
 from mixprec._src import input_checks, timing
 from mixprec._src.tune.recipe import Recipe, Tolerance
 
-__all__ = ["ACCURACY_STEPS", "Trial", "judge", "sync"]
+__all__ = ["ACCURACY_STEPS", "Trial", "judge"]
 
 ACCURACY_STEPS = 2  # steps compared with fp32; the first is also the warm-up, never timed
 
@@ -53,7 +53,7 @@ class Trial:
             self._step()
 
     def _step(self) -> None:
-        sync(self.device)
+        timing.sync(self.device)
         begin = timing.clock()
         self.run.optimizer.zero_grad(set_to_none=True)
         with self.run.autocast():
@@ -63,7 +63,7 @@ class Trial:
         if first:  # the gradients fp32's are compared with, before any update (scaled: cosine ignores it)
             self.grad = _flat([p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params])
         self.run.step()
-        sync(self.device)
+        timing.sync(self.device)
         self.times.append(timing.clock() - begin)
         if len(self.losses) < ACCURACY_STEPS:
             self.losses.append(float(loss.detach().float()))
@@ -94,11 +94,6 @@ class Trial:
         if self.times:
             return self.times[-1]
         return max(default.times[-1] if default.times else 0.0, self.first_estimate_s)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
