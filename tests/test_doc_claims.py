@@ -228,20 +228,27 @@ class _WithAttention(nn.Module):
         return self.head(self.proj(self.attn(x, x, x)[0]))
 
 
-def test_a_linear_subclass_is_left_out_and_the_choice_is_logged(caplog: pytest.LogCaptureFixture) -> None:
+def test_attention_projections_are_converted_and_a_subclass_with_its_own_forward_is_left_out(
+        caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
     """docs/fp8.md: "Left out, and listed by `mixprec.fp8_layers(model)` (and logged on `mixprec.fp8` at
-    INFO): ... subclasses of `nn.Linear` (only `nn.Linear` itself is converted: `nn.MultiheadAttention`'s
-    `out_proj` is a subclass whose owner reads the weight without calling the layer)"."""
+    INFO): ... a subclass with a forward of its own ... An `nn.MultiheadAttention`'s packed in-projection
+    (`<attention>.in_proj`) and its `out_proj` are converted"."""
+
+    class Scaled(nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x) * 0.5
+
     model = _WithAttention()
+    model.proj = Scaled(32, 32)
     with caplog.at_level(logging.INFO, logger="mixprec.fp8"):
         mixprec.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), "O1", fp8="tensorwise")
     layers = mixprec.fp8_layers(model)
-    assert layers is not None and layers.converted == ["proj"]
-    assert "is a subclass of nn.Linear" in dict(layers.skipped)["attn.out_proj"]
-    assert not hasattr(model.attn.out_proj, "fp8")
+    assert layers is not None and layers.converted == ["attn.in_proj", "attn.out_proj"]
+    assert "Scaled overrides Linear's forward" in dict(layers.skipped)["proj"]
+    assert not hasattr(model.proj, "fp8") and hasattr(model.attn.out_proj, "fp8")
     logged = [r for r in caplog.records if r.name == "mixprec.fp8" and r.levelno == logging.INFO]
-    assert logged and "1 linear(s) in fp8, 2 left out" in logged[0].getMessage()
-    assert "attn.out_proj: NonDynamicallyQuantizableLinear is a subclass" in logged[0].getMessage()
+    assert logged and "2 layer(s) in fp8, 2 left out" in logged[0].getMessage()
+    assert "proj: Scaled overrides Linear's forward" in logged[0].getMessage()
 
 
 class _Net(nn.Module):

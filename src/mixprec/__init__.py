@@ -30,6 +30,7 @@ from mixprec._src.layers.precision import layer_precision, set_layer_precision
 from mixprec._src.layout import to_channels_last
 from mixprec._src.observe.diagnostics import diagnose
 from mixprec._src.observe.monitor import Incident, Monitor
+from mixprec._src.observe.reach import GemmReach, gemm_reach
 from mixprec._src.observe.report import DiagnosticReport
 from mixprec._src.op_names import op_name
 from mixprec._src.policy.grammar import get_policy
@@ -56,6 +57,7 @@ __all__ = [
     "Fp8Config",
     "Fp8Layers",
     "Fp8Recipe",
+    "GemmReach",
     "GradScaler",
     "Guard",
     "GuardThresholds",
@@ -85,6 +87,7 @@ __all__ = [
     "diagnose",
     "export_fp32",
     "fp8_layers",
+    "gemm_reach",
     "get_autocast_dtype",
     "get_autocast_policy",
     "get_policy",

@@ -72,7 +72,7 @@ def test_prepare_lists_the_layers_converted_and_those_left_out_with_reasons() ->
     assert reasons.keys() == {"odd", "kept", "head"}
     assert "out_features 40 not a multiple of 16" in reasons["odd"]
     assert "kept in fp32" in reasons["kept"] and "output head" in reasons["head"]
-    assert "3 linear(s) in fp8, 3 left out" in str(layers) and "odd: out_features 40" in str(layers)
+    assert "3 layer(s) in fp8, 3 left out" in str(layers) and "odd: out_features 40" in str(layers)
     assert isinstance(model.inp.fp8, Fp8Scaling) and not hasattr(model.head, "fp8")
 
 
@@ -232,7 +232,7 @@ def test_names_match_the_modules_holding_a_linear_as_keep_names_does() -> None:
 
 
 def test_converting_nothing_warns() -> None:
-    with pytest.warns(UserWarning, match=r"no linear was converted \(6 left out\)"):
+    with pytest.warns(UserWarning, match=r"no layer was converted \(6 left out\)"):
         prepared(mixprec.Fp8Config("tensorwise", names="block.*"))  # a typo: the model has no "block"
 
 

@@ -194,7 +194,7 @@ def test_fp8_is_measured_where_the_device_has_it(monkeypatch: pytest.MonkeyPatch
     assert "fp8-rowwise" in by_name["up"].sqnr_db
     assert "not a multiple of 16" in by_name["odd"].not_measured["fp8-tensorwise"]
     assert "output head" in by_name["head"].not_measured["fp8-tensorwise"]
-    assert "linears only" in by_name["conv"].not_measured["fp8-rowwise"]
+    assert "fp8 computes the GEMMs of linear kinds" in by_name["conv"].not_measured["fp8-rowwise"]
     odd = layer_plan.choose(measured, "bf16", 20.0, 1.02)[2]
     assert "fp8-tensorwise, fp8-rowwise not measured: out_features 40 not a multiple of 16" in odd.reason
 

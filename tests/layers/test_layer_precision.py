@@ -85,14 +85,14 @@ def test_fp8_on_one_layer_is_the_layer_prepare_makes_and_moves_back() -> None:
 
 
 def test_what_cannot_be_set_raises_with_what_to_do() -> None:
-    net = nn.Sequential(nn.Linear(16, 40), nn.LayerNorm(40), nn.Conv1d(4, 4, 1))
-    with pytest.raises(ValueError, match=r"per-layer precision applies to nn\.Linear"):
+    net = nn.Sequential(nn.Linear(16, 40), nn.LayerNorm(40), nn.Conv1d(4, 4, 3))
+    with pytest.raises(ValueError, match=r"a LayerNorm is not a GEMM layer; per-layer precision applies to linears"):
         mixprec.set_layer_precision(net, "1", "fp32")
     with pytest.raises(ValueError, match="unknown layer precision 'fp4'"):
         mixprec.set_layer_precision(net, "0", "fp4")
     with pytest.raises(ValueError, match="not a multiple of 16"):
         mixprec.set_layer_precision(net, "0", "fp8-tensorwise")
-    with pytest.raises(ValueError, match=r"fp8 converts nn\.Linear"):
+    with pytest.raises(ValueError, match=r"a convolution layer: fp8 computes the GEMMs of linear kinds"):
         mixprec.set_layer_precision(net, "2", "fp8-tensorwise")
     with pytest.raises(ValueError, match="unknown fp8 recipe"):
         parse_precision("fp8-blockwise")
@@ -132,8 +132,15 @@ def test_prepare_with_fp8_leaves_a_layers_own_precision_alone() -> None:
 
 
 def test_a_subclass_or_an_unknown_name_is_refused_and_delayed_fp8_is_whole_model() -> None:
-    attention = nn.Sequential(nn.MultiheadAttention(16, 2))
-    with pytest.raises(ValueError, match="its owner use its weight without calling it"):
+    class OwnForward(nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x) * 2
+
+    with pytest.raises(ValueError, match=r"OwnForward overrides Linear's forward \(in OwnForward\): it may compute"):
+        mixprec.set_layer_precision(nn.Sequential(OwnForward(16, 16)), "0", "fp32")
+    # an attention that cannot be routed: its out_proj never runs as a module
+    attention = nn.Sequential(nn.MultiheadAttention(16, 2, add_bias_kv=True))
+    with pytest.raises(ValueError, match=r"add_bias_kv=True\): its owner never calls it"):
         mixprec.set_layer_precision(attention, "0.out_proj", "fp32")
     with pytest.raises(ValueError, match="the model has no module 'nope'"):
         mixprec.set_layer_precision(_net(), "nope", "fp32")

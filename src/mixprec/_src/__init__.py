@@ -6,6 +6,8 @@ The subsystems, lowest first; each may import those before it, never one after i
 ==========  ===========================================================================
 (base)      the modules at this level: errors, dtypes, op names, casting, bound forwards,
             input checks, layouts, numerics, timing, sharding probes, per-thread state
+gemms/      GEMM layers: their kinds (linear, Conv1D, attention projections, convolutions),
+            the routed attention forward, the fused paths kept off, the FLOP count
 policy/     what runs in which precision: op tables, ``Policy``, its grammar, interning
 amp/        autocast: the region, the dispatch kernel, module rules, checkpoint replay
 scaling/    the loss scaler: ``GradScaler``, its rule, unscaling, events, settings

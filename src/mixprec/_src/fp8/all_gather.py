@@ -24,19 +24,23 @@ from mixprec._src.fp8 import gemm as fp8_gemm
 from mixprec._src.fp8.config import E4M3
 from mixprec._src.fp8.conversion import Fp8Layers
 from mixprec._src.fp8.linear import WEIGHT, Fp8Scaling, scale_from_history
+from mixprec._src.gemms import kinds
 
 __all__ = ["install"]
 
 
 def install(model: torch.nn.Module, layers: Fp8Layers) -> int:
     """Give the weight shards of ``layers`` FSDP2's fp8 all-gather; returns how many got it."""
-    scalings = {id(module): module.fp8 for module in layers.modules.values()}
+    scalings = {}
+    for module in layers.modules.values():
+        owner, param_name = kinds.weight_param(module)  # an attention's in-projection: its owner's in_proj_weight
+        scalings[id(owner), param_name] = module.fp8
     count = 0
     for unit in sharding.fsdp_units(model):
         for fsdp_param in unit.fsdp_params:
             info = fsdp_param._module_info
-            scaling = scalings.get(id(info.module))
-            if info.param_name == "weight" and isinstance(scaling, Fp8Scaling):
+            scaling = scalings.get((id(info.module), info.param_name))
+            if isinstance(scaling, Fp8Scaling):
                 _attach(fsdp_param, scaling)
                 count += 1
     return count

@@ -1,4 +1,9 @@
-"""Turning a model's linears into fp8 layers: which ones, which not and why, and their step.
+"""Turning a model's GEMM layers of linear kinds into fp8 layers: which ones, which not and why, and their step.
+
+The layers are :func:`mixprec._src.gemms.sites.gemm_layers`': ``nn.Linear`` and its forwarding
+subclasses, transformers' ``Conv1D`` (weight transposed, computed as the same ``nn.Linear``),
+an ``nn.MultiheadAttention``'s packed in-projection and its ``out_proj`` (the attention routed so
+that both run as modules); a convolution stays in its dtype.
 
 :func:`convert` is what :func:`mixprec.prepare` calls with ``PrepareConfig.fp8``; it applies
 CUDA's rules on every device (a layer whose features are not multiples of 16 is left out, with
@@ -21,8 +26,9 @@ from torch import nn
 
 from mixprec._src import bound_forward
 from mixprec._src.fp8 import gemm as fp8_gemm
-from mixprec._src.fp8.config import Fp8Config, Fp8Recipe, is_plain_linear
+from mixprec._src.fp8.config import Fp8Config, Fp8Recipe
 from mixprec._src.fp8.linear import Fp8Scaling, fp8_forward
+from mixprec._src.gemms import kinds, sites
 
 __all__ = [
     "advance",
@@ -50,17 +56,31 @@ class Fp8Layers:
 
     Attributes:
         config: the fp8 config applied.
-        converted: qualified names of the linears that compute in fp8.
-        skipped: ``(qualified name, reason)`` of each linear left in its dtype.
+        converted: qualified names of the layers that compute in fp8.
+        skipped: ``(qualified name, reason)`` of each GEMM layer left in its dtype, and of each module
+            holding a GEMM's weight that is not a layer (``gemms.sites.left_out``).
+        flops_per_row: per layer (converted or skipped), its GEMM's FLOPs per row (token): ``2 * in * out``.
     """
 
     config: Fp8Config
     converted: list[str]
     skipped: list[tuple[str, str]]
-    modules: dict[str, nn.Linear] = dataclasses.field(repr=False, default_factory=dict)
+    modules: dict[str, nn.Module] = dataclasses.field(repr=False, default_factory=dict)
+    flops_per_row: dict[str, int] = dataclasses.field(repr=False, default_factory=dict)
+
+    def share(self) -> float:
+        """The converted layers' share of the layers' GEMM FLOPs per row (each layer seeing every token once).
+
+        A forward's real shares, by the rows each layer saw, are ``mixprec.gemm_reach(model, batch)``'s.
+        """
+        total = sum(self.flops_per_row.values())
+        return sum(self.flops_per_row.get(n, 0) for n in self.converted) / total if total else 0.0
 
     def __str__(self) -> str:
-        lines = [f"{self.config}: {len(self.converted)} linear(s) in fp8, {len(self.skipped)} left out"]
+        lines = [
+            f"{self.config}: {len(self.converted)} layer(s) in fp8, {len(self.skipped)} left out"
+            + (f"; {self.share():.1%} of the GEMM FLOPs per token" if self.flops_per_row else "")
+        ]
         lines += [f"  {name or '<model>'}: {reason}" for name, reason in self.skipped]
         return "\n".join(lines)
 
@@ -78,18 +98,20 @@ def fp8_layers(model: nn.Module) -> Fp8Layers | None:
     return layers
 
 
-def reason_to_skip(module: nn.Linear, name: str, config: Fp8Config, kept: bool, head: str | None) -> str | None:
-    if not is_plain_linear(module):
-        return (f"{type(module).__name__} is a subclass of nn.Linear: only nn.Linear itself is converted (a "
-                "subclass may compute otherwise, or its owner use the weight without calling it, as "
-                "nn.MultiheadAttention does with its out_proj)")  # fmt: skip
+def reason_to_skip(module: nn.Module, name: str, config: Fp8Config, kept: bool, head: str | None) -> str | None:
+    """Why fp8 conversion leaves this GEMM layer in its dtype, or ``None``."""
+    kind = kinds.kind_of(module)
+    if kind is None:
+        return kinds.not_a_layer(module) or f"{type(module).__name__} is not a GEMM layer"
+    if not kind.linear:
+        return f"a {kind} layer: fp8 computes the GEMMs of linear kinds (linear, conv1d, attention projections)"
     if not config.selects(module, name):
         return "not selected by the fp8 names or filter"
     if kept:
         return "kept in fp32 by the prepare config"
     if name == head and not config.convert_head:
         return "the output head (the last linear; Fp8Config(convert_head=True) converts it)"
-    features = (("in_features", module.in_features), ("out_features", module.out_features))
+    features = tuple(zip(("in_features", "out_features"), kinds.features(module), strict=True))
     misaligned = [f"{what} {n}" for what, n in features if n % fp8_gemm.ALIGN]
     if misaligned:
         return f"{' and '.join(misaligned)} not a multiple of {fp8_gemm.ALIGN}, which fp8 GEMMs on CUDA need"
@@ -112,12 +134,18 @@ def check_device(model: nn.Module, config: Fp8Config) -> None:
 
 
 def convert(model: nn.Module, config: Fp8Config, kept: set[int]) -> Fp8Layers:
-    """Give the chosen linears of ``model`` an fp8 forward (in place); ``kept``: ids of modules kept in fp32."""
+    """Give the chosen GEMM layers of ``model`` an fp8 forward (in place); ``kept``: ids of modules kept in fp32.
+
+    Routes the model's attentions (``gemms.attention``) so their projections are layers; a module kept in
+    fp32 keeps what it holds (its attention's in-projection included).
+    """
     check_device(model, config)
-    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-    head = linears[-1][0] if linears else None
+    found = sites.gemm_layers(model)
+    kept = kept | {id(m) for _, m, _ in found if id(getattr(m, "owner", None)) in kept}
+    head = head_of(found)
     layers = Fp8Layers(config, [], [])
-    for name, module in linears:
+    for name, module, _ in found:
+        layers.flops_per_row[name] = kinds.flops_per_row(module)
         if is_converted(module):  # given its own fp8 recipe before (mixprec.set_layer_precision): it keeps it
             layers.converted.append(name)
             layers.modules[name] = module
@@ -128,38 +156,48 @@ def convert(model: nn.Module, config: Fp8Config, kept: set[int]) -> Fp8Layers:
         if reason is not None:
             layers.skipped.append((name, reason))
             continue
-        module.fp8 = Fp8Scaling(config, module.weight.device)
+        module.fp8 = Fp8Scaling(config, kinds.weight_of(module).device)
         bound_forward.bind(module, fp8_forward)
         layers.converted.append(name)
         layers.modules[name] = module
+    layers.skipped += sites.left_out(model)
     model.__dict__[_ATTR] = layers
     keep_out_of_save_pretrained(model)
+    sites.settle(model)
     logger.info("%s", layers)
     if not layers.converted:
-        warnings.warn(f"fp8 was asked for but no linear was converted ({len(layers.skipped)} left out); "
+        warnings.warn(f"fp8 was asked for but no layer was converted ({len(layers.skipped)} left out); "
                       "mixprec.fp8_layers(model) lists them with the reasons", UserWarning, stacklevel=3)  # fmt: skip
     return layers
 
 
+def head_of(found: list[tuple[str, nn.Module, kinds.Kind]]) -> str | None:
+    """The output head: the last GEMM layer of a linear kind that is not an attention's projection."""
+    linear = [n for n, m, k in found if k.linear and k is not kinds.ATTENTION_IN and not n.endswith(".out_proj")]
+    return linear[-1] if linear else None
+
+
 def is_converted(module: nn.Module) -> bool:
-    """Whether ``module`` is a linear with an fp8 forward."""
+    """Whether ``module`` is a layer with an fp8 forward."""
     return bound_forward.bound_function(module) is fp8_forward
 
 
 def scaling_of(module: nn.Module) -> Fp8Scaling | None:
-    """The :class:`Fp8Scaling` of a converted linear, else ``None``."""
+    """The :class:`Fp8Scaling` of a converted layer, else ``None``."""
     scaling = module._modules.get("fp8")
     return scaling if isinstance(scaling, Fp8Scaling) and is_converted(module) else None
 
 
 def set_layer(model: nn.Module, name: str, config: Fp8Config | None) -> None:
-    """Convert one linear of ``model`` with ``config`` (another recipe: its scaling state starts afresh),
-    or, with ``None``, give it back its ``nn.Linear`` forward (in place).
+    """Convert one GEMM layer of ``model`` with ``config`` (another recipe: its scaling state starts afresh),
+    or, with ``None``, give it back its own forward (in place).
 
     Raises:
-        ValueError: a layer fp8 cannot convert (not an ``nn.Linear``, a subclass, features not multiples
-            of 16), or a model whose fp8 weights are all-gathered in fp8 (their gather is set per layer).
+        ValueError: a layer fp8 cannot convert (not of a linear kind, a subclass with its own forward,
+            features not multiples of 16), or a model whose fp8 weights are all-gathered in fp8 (their
+            gather is set per layer).
     """
+    sites.gemm_layers(model)  # routes the attentions: their projections are layers
     module = model.get_submodule(name)
     layers = fp8_layers(model)
     if layers is not None and layers.config.all_gather:
@@ -170,23 +208,23 @@ def set_layer(model: nn.Module, name: str, config: Fp8Config | None) -> None:
             revert_layer(layers, name, "moved out of fp8")
             keep_out_of_save_pretrained(model)
         return
-    if not isinstance(module, nn.Linear):
-        raise ValueError(f"{name!r} is a {type(module).__name__}; fp8 converts nn.Linear layers")
     reason = reason_to_skip(module, name, dataclasses.replace(config, names=("*",), filter=None), False, None)
     if reason is not None:
         raise ValueError(f"{name!r} cannot compute in fp8: {reason}")
     if layers is None:
         layers = model.__dict__[_ATTR] = Fp8Layers(config, [], [])
     old = scaling_of(module)
-    scaling = Fp8Scaling(config, module.weight.device)  # type: ignore[arg-type]
+    scaling = Fp8Scaling(config, kinds.weight_of(module).device)
     scaling.recording = old is not None and old.recording
     module.fp8 = scaling
     bound_forward.bind(module, fp8_forward)
     layers.skipped = [(n, r) for n, r in layers.skipped if n != name]
     if name not in layers.modules:
         layers.converted.append(name)
-    layers.modules[name] = module  # type: ignore[assignment]
+    layers.modules[name] = module
+    layers.flops_per_row.setdefault(name, kinds.flops_per_row(module))
     keep_out_of_save_pretrained(model)
+    sites.settle(model)
 
 
 def revert_layer(layers: Fp8Layers, name: str, reason: str) -> None:
@@ -199,7 +237,7 @@ def revert_layer(layers: Fp8Layers, name: str, reason: str) -> None:
 
 
 def revert(model: nn.Module) -> None:
-    """Undo :func:`convert`: the linears compute as ``nn.Linear`` again; the fp8 state is dropped."""
+    """Undo :func:`convert`: the layers compute with their own forwards again; the fp8 state is dropped."""
     layers = model.__dict__.pop(_ATTR, None)
     if layers is None:
         return

@@ -1,4 +1,4 @@
-"""An ``nn.Linear`` that computes its three GEMMs in fp8, and its scaling state.
+"""A layer of a linear kind that computes its three GEMMs in fp8, and its scaling state.
 
 :func:`mixprec.prepare` converts a linear in place: its ``forward`` becomes :func:`fp8_forward`
 and it gains a child ``fp8`` (:class:`Fp8Scaling`). Parameters, their names and the state dict of
@@ -28,6 +28,7 @@ from torch import nn
 from mixprec._src.amp.autocast import get_autocast_policy
 from mixprec._src.fp8 import gemm as fp8_gemm
 from mixprec._src.fp8.config import AmaxAlgo, Fp8Config
+from mixprec._src.gemms import kinds
 from mixprec._src.policy.policy import OpCategory
 
 __all__ = ["ROLES", "CastStats", "compute_dtype", "fp8_forward", "Fp8Scaling", "scale_from_history"]
@@ -256,21 +257,28 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
-def fp8_forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
-    """The forward of a converted linear (bound to it by prepare)."""
+def fp8_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
+    """The forward of a converted layer of a linear kind (bound to it by prepare)."""
+    weight = kinds.linear_weight(self)  # (out, in): a view of a transposed (Conv1D) or patch kernel's weight
+    bias = kinds.bias_of(self)
+    if kinds.kind_of(self) is kinds.PATCH:  # a patch convolution: a linear over its patches
+        return kinds.unpatch(self, _fp8_linear(self, kinds.patches(self, input), weight, bias), input)
+    return _fp8_linear(self, input, weight, bias)
+
+
+def _fp8_linear(self: nn.Module, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     scaling: Fp8Scaling = self.fp8  # type: ignore[assignment]
     config = scaling.config
     dtype = compute_dtype(input)
     if input.numel() == 0:  # no tokens: nothing to scale (an amax of nothing is undefined), nothing recorded
-        return torch.nn.functional.linear(input.to(dtype), self.weight.to(dtype),
-                                          None if self.bias is None else self.bias.to(dtype))  # fmt: skip
+        return torch.nn.functional.linear(input.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
     delayed = _Delayed(config.margin, config.amax_algo, torch.is_grad_enabled()) if config.delayed else None
     history = scaling.history if delayed is not None else None
     pending = scaling.pending if delayed is not None else None
     with torch.autocast(input.device.type, enabled=False):  # the GEMMs' dtypes are the recipe's, not autocast's
         stats = (scaling.cast_fwd, scaling.cast_bwd) if scaling.recording else (None, None)
-        args = (input.to(dtype), self.weight, config, delayed, history, pending, *stats)
+        args = (input.to(dtype), weight, config, delayed, history, pending, *stats)
         out = _Fp8Matmul.apply(*args)  # type: ignore[no-untyped-call]
-        if self.bias is not None:
-            out = out + self.bias.to(out.dtype)
+        if bias is not None:
+            out = out + bias.to(out.dtype)
     return out  # type: ignore[no-any-return]

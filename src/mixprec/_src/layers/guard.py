@@ -37,11 +37,11 @@ from torch import nn
 
 from mixprec._src.dtypes import short_name
 from mixprec._src.fp8 import conversion as fp8_conversion
+from mixprec._src.gemms import sites
 from mixprec._src.layers import probes
 from mixprec._src.layers.ladder import GuardThresholds, LayerMove
 from mixprec._src.layers.precision import (
     FP8_PREFIX,
-    is_layer,
     layer_precision,
     set_layer_precision,
 )
@@ -102,14 +102,17 @@ class Guard:
             raise TypeError("callback must be callable: callback(move) for each LayerMove")
         self.thresholds = thresholds if thresholds is not None else GuardThresholds()
         patterns = (names,) if isinstance(names, str) else tuple(names)
-        watched = [(n, m) for n, m in model.named_modules() if n and is_layer(m)]
+        watched = [(n, m) for n, m, _ in sites.gemm_layers(model) if n]  # attentions routed: projections watched
         self.layers = {n: m for n, m in watched if any(fnmatch.fnmatchcase(n, p) for p in patterns)}
         if not self.layers:
-            raise ValueError("the guard found no linear or convolution to watch; check names=")
+            raise ValueError(
+                "the guard found no GEMM layer (linear, Conv1D, attention projection, convolution) to watch; "
+                "check names="
+            )
         unmatched = [p for p in patterns if not any(fnmatch.fnmatchcase(n, p) for n, _ in watched)]
         if unmatched:
             some = ", ".join(n for n, _ in watched[:8]) + (", ..." if len(watched) > 8 else "")
-            raise ValueError(f"names {unmatched} match no linear or convolution of the model (watchable: {some})")
+            raise ValueError(f"names {unmatched} match no GEMM layer of the model (watchable: {some})")
         self.model, self.scaler, self.callback = model, scaler, callback
         self.moves: list[LayerMove] = []
         self.steps = 0

@@ -37,11 +37,11 @@ from torch import nn
 from mixprec._src import input_checks, timing
 from mixprec._src.fp8 import conversion as fp8_conversion
 from mixprec._src.fp8.config import Fp8Config, Fp8Recipe
+from mixprec._src.gemms import kinds, sites
 from mixprec._src.layers.precision import (
     DELAYED_PER_LAYER,
     FP8_PREFIX,
     fp8_recipe_of,
-    is_layer,
     layer_of,
     parse_precision,
     set_layer_precision,
@@ -166,8 +166,8 @@ def _capture(
 
         return record
 
-    for name, module in copied.named_modules():
-        if name and is_layer(module):
+    for name, module, _ in sites.gemm_layers(copied):
+        if name:
             handles.append(module.register_forward_hook(hook(name)))
     try:
         loss_of(input_checks.call_model(copied, batch)).backward()  # type: ignore[no-untyped-call]
@@ -181,8 +181,11 @@ def _capture(
 
 
 def _shape(module: nn.Module, x: torch.Tensor) -> str:
-    if isinstance(module, nn.Linear):
-        return f"linear {module.in_features}->{module.out_features}, {x.numel() // max(x.shape[-1], 1)} rows"
+    kind = kinds.kind_of(module)
+    if kind is not None and kind.linear:
+        inp, out = kinds.features(module)
+        rows = kinds.patches(module, x) if kind is kinds.PATCH else x
+        return f"{kind} {inp}->{out}, {rows.numel() // max(rows.shape[-1], 1)} rows"
     conv: Any = module
     kernel = "x".join(str(k) for k in conv.kernel_size)
     return f"{type(module).__name__.lower()} {conv.in_channels}->{conv.out_channels} k{kernel}, input {tuple(x.shape)}"
@@ -206,6 +209,9 @@ class _Run:
         c = self.captured
         layer: Any = self.holder.layer
         layer.zero_grad(set_to_none=True)
+        for param in (kinds.weight_of(layer), kinds.bias_of(layer)):  # an in-projection's are its owner's
+            if param is not None:
+                param.grad = None
         x = c.x.clone().requires_grad_(c.x_needs_grad)
         device = x.device
         timing.sync(device)
@@ -224,8 +230,6 @@ class _Run:
 
 def _fp8_reason(module: nn.Module, name: str, head: str | None) -> str | None:
     """Why fp8 cannot take this layer (the rules of prepare's fp8 conversion), or None."""
-    if not isinstance(module, nn.Linear):
-        return "fp8 converts linears only"
     return fp8_conversion.reason_to_skip(module, name, Fp8Config(), False, head)
 
 
@@ -273,8 +277,7 @@ def measure(model: nn.Module, batch: Any, loss_of: Callable[[Any], torch.Tensor]
     if "fp16" in wanted:
         notes.append(f"per-layer plan: fp16 measured behind a loss scale of 2**{int(math.log2(fp16_scale))}, what "
                      f"a GradScaler trains this model at (largest gradient {largest_gradient:.3g})")  # fmt: skip
-    linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-    head = linears[-1] if linears else None
+    head = fp8_conversion.head_of(sites.gemm_layers(model, route=False))
     out: list[Measured] = []
     for name, c in captured.items():
         if time.perf_counter() > deadline:

@@ -1,10 +1,14 @@
-"""Per-layer precision: one linear or convolution computes in a precision of its own.
+"""Per-layer precision: one GEMM layer computes in a precision of its own.
+
+The layers are ``gemms.sites.gemm_layers``': linears (and their forwarding subclasses),
+transformers' ``Conv1D``, an ``nn.MultiheadAttention``'s packed in-projection (``<attention>.in_proj``)
+and its ``out_proj`` (the attention routed so both run as modules), and convolutions.
 
 ``set_layer_precision(model, "blocks.0.fc1", "fp32")`` is what a tuned recipe's per-layer plan
 (:meth:`mixprec.Recipe.apply`) and the training guard (:class:`mixprec.Guard`) call. A layer's
 precision is one of :data:`PRECISIONS`:
 
-* ``"fp8-<recipe>"``: the layer is an fp8 linear of that recipe (``fp8_conversion.set_layer``);
+* ``"fp8-<recipe>"``: the layer (of a linear kind) computes in fp8 with that recipe (``fp8_conversion.set_layer``);
 * ``"bf16"``, ``"fp16"``, ``"fp32"``: its GEMM runs in that dtype whatever the region around it
   says (input, weight and bias cast to it, autocast off inside); the output stays in that dtype
   inside an autocast region (the next op casts it, as autocast does) and is cast back to the
@@ -17,7 +21,6 @@ nothing; fp8 adds what the fp8 recipe adds). Nothing here syncs with the device.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mixprec._src import bound_forward
@@ -25,6 +28,7 @@ from mixprec._src.amp import compiled_backward
 from mixprec._src.dtypes import parse_dtype, short_name
 from mixprec._src.fp8 import conversion as fp8_conversion
 from mixprec._src.fp8.config import Fp8Config, Fp8Recipe
+from mixprec._src.gemms import kinds, sites
 
 __all__ = [
     "DELAYED_PER_LAYER",
@@ -48,7 +52,6 @@ PRECISIONS = (
     "fp32",
 )  # fmt: skip
 _DTYPE = "_mixprec_layer_dtype"  # a dtype override, in the layer's __dict__
-_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 
 def parse_precision(value: str | torch.dtype) -> str:
@@ -71,12 +74,9 @@ def fp8_recipe_of(precision: str) -> Fp8Recipe | None:
 
 
 def is_layer(module: nn.Module) -> bool:
-    """Whether ``module`` can be given a precision: an ``nn.Linear`` or ``nn.Conv1d/2d/3d`` itself (or one
-    ``fully_shard`` made its own unit), not a subclass: a subclass may compute otherwise, or its owner
-    use its weight without calling it (``nn.MultiheadAttention``'s ``out_proj``)."""
-    cls = type(module)
-    return cls in (nn.Linear, *_CONVS) or any(cls.__name__ == f"FSDP{base.__name__}" and base in cls.__mro__
-                                              for base in (nn.Linear, *_CONVS))  # fmt: skip
+    """Whether ``module`` is a GEMM layer of a kind ``gemms.kinds`` knows (an attention's ``out_proj`` is
+    one once its attention is routed: ask ``gemms.sites.gemm_layers``)."""
+    return kinds.kind_of(module) is not None
 
 
 def layer_precision(model: nn.Module, name: str) -> str | None:
@@ -93,8 +93,8 @@ def set_layer_precision(model: nn.Module, name: str, precision: str | torch.dtyp
     """Make layer ``name`` of ``model`` compute in ``precision`` (in place; ``None``: as the region says).
 
     Raises:
-        ValueError: not a linear or convolution, an unknown precision, fp8 on a layer fp8 cannot
-            convert (a convolution, a subclass, features not multiples of 16).
+        ValueError: not a GEMM layer, an unknown precision, fp8 on a layer fp8 cannot convert (a
+            convolution, a subclass with its own forward, features not multiples of 16).
     """
     module = layer_of(model, name)
     canonical = None if precision is None else parse_precision(precision)
@@ -115,6 +115,7 @@ def set_layer_precision(model: nn.Module, name: str, precision: str | torch.dtyp
         return
     module.__dict__[_DTYPE] = parse_dtype(canonical)
     bound_forward.bind(module, _dtype_forward)
+    sites.settle(model)
 
 
 #: Why one layer cannot be given delayed scaling on its own.
@@ -124,20 +125,24 @@ DELAYED_PER_LAYER = ("fp8-delayed keeps an amax history that prepare's step hook
 
 
 def layer_of(model: nn.Module, name: str) -> nn.Module:
-    """The layer called ``name`` in ``model``.
+    """The GEMM layer called ``name`` in ``model`` (its attentions routed first, so ``<attention>.in_proj``
+    and ``<attention>.out_proj`` name layers).
 
     Raises:
-        ValueError: no such module, or not a layer a precision can be given to.
+        ValueError: no such module, or not a layer a precision can be given to (with why).
     """
+    found = {n: m for n, m, _ in sites.gemm_layers(model)}
+    if name in found:
+        return found[name]
     try:
         module = model.get_submodule(name)
     except AttributeError:
         raise ValueError(f"the model has no module {name!r} (names as model.named_modules() gives them)") from None
-    if not is_layer(module):
-        raise ValueError(f"{name!r} is a {type(module).__name__}; per-layer precision applies to nn.Linear and "
-                         "nn.Conv1d/2d/3d themselves (a subclass may compute otherwise, or its owner use its "
-                         "weight without calling it, as nn.MultiheadAttention does with out_proj)")  # fmt: skip
-    return module
+    why = dict(sites.left_out(model)).get(name) or (
+        f"a {type(module).__name__} is not a GEMM layer; per-layer precision applies to linears (and their "
+        "subclasses that keep nn.Linear's forward), transformers' Conv1D, nn.MultiheadAttention's in_proj and "
+        "out_proj, and convolutions")  # fmt: skip
+    raise ValueError(f"{name!r}: {why}")
 
 
 def _dtype_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
@@ -146,10 +151,9 @@ def _dtype_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
     device_type = input.device.type
     region = torch.is_autocast_enabled(device_type)
     compiled_backward.backward_like_eager()  # its backward in its dtype too when compiled
-    weight: torch.Tensor = self.weight  # type: ignore[assignment]
-    bias: torch.Tensor | None = self.bias  # type: ignore[assignment]
+    weight, bias = kinds.weight_of(self), kinds.bias_of(self)
     with torch.autocast(device_type, enabled=False):  # the GEMM's dtype is the layer's, not the region's
         x, w = input.to(dtype), weight.to(dtype)
         b = None if bias is None else bias.to(dtype)
-        out = F.linear(x, w, b) if isinstance(self, nn.Linear) else self._conv_forward(x, w, b)  # type: ignore[operator]
+        out = kinds.compute(self, x, w, b)
     return out if region or not input.is_floating_point() else out.to(input.dtype)

@@ -13,13 +13,13 @@ import math
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mixprec._src import input_checks
 from mixprec._src.amp.autocast import autocast
 from mixprec._src.fp8 import conversion as fp8_conversion
 from mixprec._src.fp8.config import Fp8Config
+from mixprec._src.gemms import kinds
 from mixprec._src.input_checks import LossFn
 from mixprec._src.numerics import sqnr
 from mixprec._src.observe.report import Fp8LayerReport
@@ -62,10 +62,11 @@ def fp8_layer_reports(model: nn.Module, inputs: Any, loss_fn: LossFn | None, con
     set_recording(trial, True)
     outputs: dict[str, float] = {}
 
-    def measure(name: str, module: nn.Linear, args: tuple[Any, ...], out: torch.Tensor) -> None:
+    def measure(name: str, module: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> None:
         with torch.no_grad():
-            exact = F.linear(args[0].double(), module.weight.double(), None if module.bias is None
-                             else module.bias.double())  # fmt: skip
+            bias = kinds.bias_of(module)
+            exact = kinds.compute(module, args[0].double(), kinds.weight_of(module).double(),
+                                  None if bias is None else bias.double())  # fmt: skip
             outputs[name] = sqnr(out, exact)
 
     handles = [module.register_forward_hook(lambda m, a, o, name=name: measure(name, m, a, o))
