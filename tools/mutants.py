@@ -57,7 +57,29 @@ COMPILE_TESTS = ("tests/test_compiled_training.py",)
 FP8_TESTS = ("tests/fp8/test_fp8_gemm.py", "tests/fp8/test_fp8_linear.py", "tests/fp8/test_fp8_layers.py",
              "tests/observe/test_fp8_diagnostics.py")  # fmt: skip
 
+GEMM_TESTS = ("tests/gemms/test_gemm_layers.py",)
+
 MUTANTS = (
+    Mutant("gemm-conv1d-not-transposed", "a Conv1D's (in, out) weight is read as (out, in) without a transpose",
+           S + "gemms/kinds.py", "    if kind is CONV1D:\n        return w.t()",
+           "    if kind is CONV1D:\n        return w.reshape(w.shape[1], w.shape[0])", GEMM_TESTS),
+    Mutant("gemm-mha-qkv-misordered", "the routed attention splits its packed projection k, q, v",
+           S + "gemms/attention.py", "q, k, v = proj[0], proj[1], proj[2]", "q, k, v = proj[1], proj[0], proj[2]",
+           GEMM_TESTS),
+    Mutant("gemm-out-proj-not-called", "the routed attention computes its out-projection from the weights",
+           S + "gemms/attention.py", "    out = self.out_proj(out)  # the out-projection, as a layer",
+           "    out = F.linear(out, self.out_proj.weight, self.out_proj.bias)", GEMM_TESTS),
+    Mutant("gemm-kind-not-reported", "a module holding a GEMM's weight but no layer is not reported",
+           S + "gemms/sites.py", "        if reason is not None:\n            out.append((name, reason))\n", "",
+           GEMM_TESTS),
+    Mutant("gemm-fused-path-kept", "an encoder layer with layers of their own precision keeps torch's fused path",
+           S + "gemms/fused_paths.py", "            layer.register_forward_pre_hook(_no_fused_path)\n", "",
+           GEMM_TESTS),
+    Mutant("gemm-patch-order", "a patch convolution lays out its patches kernel before channels",
+           S + "gemms/kinds.py", "order = [0, *(2 + 2 * i for i in range(n)), 1, *(3 + 2 * i for i in range(n))]",
+           "order = [0, *(2 + 2 * i for i in range(n)), *(3 + 2 * i for i in range(n)), 1]", GEMM_TESTS),
+    Mutant("gemm-head-is-a-projection", "an attention's out_proj can be taken for the output head",
+           S + "fp8/conversion.py", ' and not n.endswith(".out_proj")]', "]", GEMM_TESTS),
     # --- the six the suite was first checked against -------------------------------------------------
     Mutant("scaler-never-skips", "GradScaler steps even when the gradients hold inf/NaN",
            S + "scaling/scaler.py", "        if skipped:\n            self._events.skipped(",
@@ -285,8 +307,8 @@ MUTANTS = (
            S + "prepare/prepare.py", "        if not state.told_outer:", "        if False:",
            PREPARE_TESTS),
     Mutant("fp8-history-in-save-pretrained", "save_pretrained writes the delayed-scaling histories",
-           S + "fp8/conversion.py", "    keep_out_of_save_pretrained(model)\n    logger.info",
-           "    logger.info", ("tests/test_integrations.py",)),
+           S + "fp8/conversion.py", "    keep_out_of_save_pretrained(model)\n    sites.settle(model)\n    logger.info",
+           "    sites.settle(model)\n    logger.info", ("tests/test_integrations.py",)),
     Mutant("fp8-unsaved-keys-stale", "a layer moved out of delayed scaling stays in the keys kept out",
            S + "fp8/conversion.py", "    ignore -= model.__dict__.get(_UNSAVED, set()) - now\n", "",
            ("tests/test_integrations.py",)),

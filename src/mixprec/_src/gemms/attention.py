@@ -8,7 +8,9 @@ in-projection: ``kdim == vdim == embed_dim``, no ``add_bias_kv``, no ``add_zero_
 ``in_proj`` (:class:`InProjection`, no parameters of its own: it computes with its owner's) and a
 forward of its own that runs self-attention as ``F.multi_head_attention_forward`` does, op for op,
 with the two projections called as modules. Parameters, their names and the state dict are the
-attention's; the numbers are torch's (bitwise, in fp32 and under autocast; tests/gemms).
+attention's; the numbers are torch's (bitwise, in fp32 and under autocast; tests/gemms), but for
+an unbatched input's gradient (torch projects an unbatched query, key and value with three GEMMs,
+the routed forward with one: the gradient sums the parts in another order).
 
 A call that is not self-attention (``query``, ``key`` and ``value`` not one tensor) or on nested
 tensors runs torch's own forward; its in-projection then computes as the region says, and where
