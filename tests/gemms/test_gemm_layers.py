@@ -406,3 +406,16 @@ def test_the_output_head_is_never_an_attentions_projection() -> None:
     layers = fp8_conversion.convert(HeadFirst(), mixprec.Fp8Config(), set())
     assert layers.converted == ["attn.in_proj", "attn.out_proj"]
     assert dict(layers.skipped)["head"].startswith("the output head")
+
+
+def test_the_per_layer_plan_says_what_share_of_the_gemms_its_layers_hold() -> None:
+    from mixprec._src.layers import plan
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Conv1D(64, 32), nn.GELU(), _OwnForward(64, 64), nn.Linear(64, 8))
+    measured, notes = plan.measure(model, torch.randn(16, 32), lambda out: out.square().mean(), ["bf16"], 1e12)
+    assert [m.name for m in measured] == ["0", "3"] and measured[0].shape.startswith("conv1d 32->64, 16 rows")
+    (note,) = [n for n in notes if n.startswith("per-layer plan: its layers hold")]
+    # Conv1D 2*32*64 and the head 2*64*8 per row, of those and the subclass's 2*64*64
+    assert "hold 38.5% of the forward's weight-GEMM FLOPs" in note
+    assert "not layers: 2 (61.5%: _OwnForward overrides Linear's forward" in note

@@ -37,7 +37,7 @@ from torch import nn
 from mixprec._src import input_checks, timing
 from mixprec._src.fp8 import conversion as fp8_conversion
 from mixprec._src.fp8.config import Fp8Config, Fp8Recipe
-from mixprec._src.gemms import kinds, sites
+from mixprec._src.gemms import flops, kinds, sites
 from mixprec._src.layers.precision import (
     DELAYED_PER_LAYER,
     FP8_PREFIX,
@@ -142,9 +142,10 @@ def settled_loss_scale(largest_gradient: float, init_scale: float = 2.0**16) -> 
 
 def _capture(
     model: nn.Module, batch: Any, loss_of: Callable[[Any], torch.Tensor]
-) -> tuple[dict[str, _Captured], float]:
-    """Each layer's first input and output gradient, from one fp32 forward and backward of a copy, and the
-    largest gradient of the step (the layers' output gradients and the parameters' gradients)."""
+) -> tuple[dict[str, _Captured], float, str]:
+    """Each layer's first input and output gradient, from one fp32 forward and backward of a copy, the
+    largest gradient of the step (the layers' output gradients and the parameters' gradients), and a note
+    on the share of the forward's weight-GEMM FLOPs the layers hold."""
     copied = copy.deepcopy(model)
     found: dict[str, _Captured] = {}
     handles = []
@@ -166,18 +167,31 @@ def _capture(
 
         return record
 
-    for name, module, _ in sites.gemm_layers(copied):
-        if name:
-            handles.append(module.register_forward_hook(hook(name)))
+    layers = [name for name, _, _ in sites.gemm_layers(copied) if name]
+    for name in layers:
+        handles.append(copied.get_submodule(name).register_forward_hook(hook(name)))
+    losses: list[torch.Tensor] = []
     try:
-        loss_of(input_checks.call_model(copied, batch)).backward()  # type: ignore[no-untyped-call]
+        counted = flops.count(copied, layers, lambda: losses.append(loss_of(input_checks.call_model(copied, batch))))
+        losses[0].backward()  # type: ignore[no-untyped-call]
     finally:
         for handle in handles:
             handle.remove()
+    reach = _reach_note(counted, dict(sites.left_out(copied)))
     grads = [c.grad for c in found.values() if c.grad.numel()]
     grads += [p.grad for p in copied.parameters() if p.grad is not None and p.grad.numel()]
     largest = max((float(g.detach().abs().max()) for g in grads), default=0.0)
-    return {n: c for n, c in found.items() if c.grad.numel()}, largest
+    return {n: c for n, c in found.items() if c.grad.numel()}, largest, reach
+
+
+def _reach_note(counted: flops.Count, left_out: Mapping[str, str]) -> str:
+    """The plan's reach: its layers' share of the forward's weight-GEMM FLOPs, and what holds the rest."""
+    total = counted.weight_total
+    share = sum(counted.layers.values()) / total if total else 1.0
+    note = f"per-layer plan: its layers hold {share:.1%} of the forward's weight-GEMM FLOPs"
+    rest = [f"{where or '<model>'} ({f / total:.1%}: {left_out.get(where, 'not a GEMM layer')})"
+            for where, f in counted.weights.most_common()]  # fmt: skip
+    return note + ("; not layers: " + "; ".join(rest) if rest else "")
 
 
 def _shape(module: nn.Module, x: torch.Tensor) -> str:
@@ -272,7 +286,8 @@ def measure(model: nn.Module, batch: Any, loss_of: Callable[[Any], torch.Tensor]
         wanted = [p for p in wanted if p not in slow]
         notes.append("per-layer plan: not run in " + ", ".join(f"{p} (a matmul {s:.0f}x slower than fp32: emulated)"
                                                               for p, s in slow.items()))  # fmt: skip
-    captured, largest_gradient = _capture(model, batch, loss_of)
+    captured, largest_gradient, reach = _capture(model, batch, loss_of)
+    notes.append(reach)
     fp16_scale = settled_loss_scale(largest_gradient)
     if "fp16" in wanted:
         notes.append(f"per-layer plan: fp16 measured behind a loss scale of 2**{int(math.log2(fp16_scale))}, what "
