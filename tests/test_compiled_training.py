@@ -238,6 +238,8 @@ RECIPES = [(level, None) for level in LEVELS] + [("O2", "tensorwise"), ("O2", "d
 
 
 @pytest.mark.slow
+# the cnn's GEMMs are 3x3 convolutions (and a misaligned 1x1 head), which fp8 does not take: prepare says so
+@pytest.mark.filterwarnings("ignore:fp8 was asked for but no layer was converted:UserWarning")
 @pytest.mark.parametrize(("level", "fp8"), RECIPES)
 @pytest.mark.parametrize("model", MODELS)
 def test_matrix_compiles_whole_and_trains_as_eager(model: str, level: str, fp8: str | None) -> None:
@@ -245,6 +247,7 @@ def test_matrix_compiles_whole_and_trains_as_eager(model: str, level: str, fp8: 
 
 
 @pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:fp8 was asked for but no layer was converted:UserWarning")
 @pytest.mark.filterwarnings("ignore:bf16 and fp16 are mixed in the scheduler node:UserWarning")  # inductor's note
 @pytest.mark.parametrize(("model", "fp8"), [(model, None) for model in MODELS] + [("llama", "delayed")])
 def test_matrix_under_inductor_trains_within_tolerance(model: str, fp8: str | None) -> None:

@@ -419,3 +419,28 @@ def test_the_per_layer_plan_says_what_share_of_the_gemms_its_layers_hold() -> No
     # Conv1D 2*32*64 and the head 2*64*8 per row, of those and the subclass's 2*64*64
     assert "hold 38.5% of the forward's weight-GEMM FLOPs" in note
     assert "not layers: 2 (61.5%: _OwnForward overrides Linear's forward" in note
+
+
+def test_a_projection_named_on_a_fresh_model_is_found_as_a_guards_resume_replays_it() -> None:
+    torch.manual_seed(0)
+    fresh = nn.TransformerEncoder(nn.TransformerEncoderLayer(32, 4, 64, batch_first=True), 1)
+    assert not attention.is_routed(fresh.layers[0].self_attn)
+    mixprec.set_layer_precision(fresh, "layers.0.self_attn.in_proj", "bf16")  # routes on demand
+    assert mixprec.layer_precision(fresh, "layers.0.self_attn.in_proj") == "bf16"
+    assert attention.is_routed(fresh.layers[0].self_attn)
+
+
+def test_an_attention_in_fp8_recomputes_under_activation_checkpointing_as_it_computed() -> None:
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+    fp8_conversion.convert(layer, mixprec.Fp8Config(convert_head=True), set())
+    x = torch.randn(2, 16, 32)
+
+    def run(checkpointed: bool) -> tuple[torch.Tensor, ...]:
+        layer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False) if checkpointed else layer(x)
+        out.float().square().sum().backward()
+        return (out.detach(), *(p.grad.clone() for p in layer.parameters()))  # type: ignore[union-attr]
+
+    assert bitwise_equal(run(True), run(False))
