@@ -142,7 +142,7 @@ def convert(model: nn.Module, config: Fp8Config, kept: set[int]) -> Fp8Layers:
     check_device(model, config)
     found = sites.gemm_layers(model)
     kept = kept | {id(m) for _, m, _ in found if id(getattr(m, "owner", None)) in kept}
-    head = head_of(found)
+    head = head_of(model, found)
     layers = Fp8Layers(config, [], [])
     for name, module, _ in found:
         layers.flops_per_row[name] = kinds.flops_per_row(module)
@@ -171,9 +171,9 @@ def convert(model: nn.Module, config: Fp8Config, kept: set[int]) -> Fp8Layers:
     return layers
 
 
-def head_of(found: list[tuple[str, nn.Module, kinds.Kind]]) -> str | None:
+def head_of(model: nn.Module, found: list[tuple[str, nn.Module, kinds.Kind]]) -> str | None:
     """The output head: the last GEMM layer of a linear kind that is not an attention's projection."""
-    linear = [n for n, m, k in found if k.linear and k is not kinds.ATTENTION_IN and not n.endswith(".out_proj")]
+    linear = [n for n, _, k in found if k.linear and sites.attention_of(model, n) is None]
     return linear[-1] if linear else None
 
 

@@ -32,7 +32,7 @@ from torch import nn
 from mixprec._src import bound_forward
 from mixprec._src.gemms import kinds
 
-__all__ = ["InProjection", "attentions", "is_routed", "route", "unroutable", "unroute"]
+__all__ = ["InProjection", "attentions", "is_routed", "route", "unroutable"]
 
 
 class InProjection(nn.Module):
@@ -108,15 +108,6 @@ def route(model: nn.Module) -> list[str]:
         bound_forward.bind(attention, routed_forward)
         newly.append(name)
     return newly
-
-
-def unroute(model: nn.Module) -> None:
-    """Give every routed attention back torch's forward (its ``in_proj`` must have no forward of its own)."""
-    for _, attention in attentions(model):
-        if is_routed(attention):
-            del attention.in_proj
-            attention.__dict__.pop("forward")
-            attention.__dict__.pop("_mixprec_told_cross", None)
 
 
 def _torch_forward(self: nn.MultiheadAttention, *args: Any, **kwargs: Any) -> Any:

@@ -24,7 +24,6 @@ from torch.utils.flop_counter import flop_registry
 
 __all__ = ["Count", "count"]
 
-_aten = torch.ops.aten
 _ATTENTION = {"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_attention_math",
               "_scaled_dot_product_fused_attention_overrideable"}  # fmt: skip
 #: Ops whose output is the same values as their one tensor input, reshaped, cast or copied.
@@ -85,7 +84,7 @@ class _Counter(TorchDispatchMode):  # type: ignore[no-untyped-call]
         flops = 0
         if name in _ATTENTION:
             flops = _attention_flops(args)
-        elif packet in flop_registry and name not in ("convolution_backward",) and not name.endswith("_backward"):
+        elif packet in flop_registry and not name.endswith("_backward"):
             flops = int(flop_registry[packet](*args, **kwargs, out_val=out))
         if flops:
             layer = next((n for n, is_layer in reversed(self.stack) if is_layer), None)

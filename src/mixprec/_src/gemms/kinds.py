@@ -43,7 +43,6 @@ __all__ = [
     "ATTENTION_IN",
     "CONV1D",
     "CONVOLUTION",
-    "KINDS",
     "LINEAR",
     "PATCH",
     "Kind",
@@ -84,7 +83,6 @@ CONV1D = Kind("conv1d", linear=True, transposed=True)
 ATTENTION_IN = Kind("attention-in", linear=True)
 PATCH = Kind("patch", linear=True)
 CONVOLUTION = Kind("convolution", linear=False)
-KINDS = (LINEAR, CONV1D, ATTENTION_IN, PATCH, CONVOLUTION)
 
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 #: Third-party classes by (defining package, class name): detected without importing the package.

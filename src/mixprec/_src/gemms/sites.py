@@ -12,21 +12,24 @@ from torch import nn
 from mixprec._src.gemms import attention, fused_paths
 from mixprec._src.gemms.kinds import Kind, kind_of, not_a_layer
 
-__all__ = ["gemm_layers", "left_out", "settle"]
+__all__ = ["attention_of", "gemm_layers", "left_out", "settle"]
 
 
-def _parent(model: nn.Module, name: str) -> nn.Module | None:
-    return model.get_submodule(name.rpartition(".")[0]) if name else None
+def attention_of(model: nn.Module, name: str) -> nn.MultiheadAttention | None:
+    """The ``nn.MultiheadAttention`` whose projection (``in_proj``, ``out_proj``) the module ``name`` is, or None."""
+    parent, _, last = name.rpartition(".")
+    if last not in ("in_proj", "out_proj"):
+        return None
+    owner = model.get_submodule(parent)
+    return owner if isinstance(owner, nn.MultiheadAttention) else None
 
 
 def _unreached_projection(model: nn.Module, name: str) -> str | None:
     """Why the ``out_proj`` called ``name`` never runs as a module (its attention is not routed), or None."""
-    parent = _parent(model, name)
-    if not isinstance(parent, nn.MultiheadAttention) or name.rpartition(".")[2] != "out_proj":
+    owner = attention_of(model, name)
+    if owner is None or attention.is_routed(owner):
         return None
-    if attention.is_routed(parent):
-        return None
-    why = attention.unroutable(parent) or "its forward is another library's"
+    why = attention.unroutable(owner) or "its forward is another library's"
     return f"the out-projection of an nn.MultiheadAttention mixprec cannot route ({why}): its owner never calls it"
 
 

@@ -167,9 +167,9 @@ def _capture(
 
         return record
 
-    layers = [name for name, _, _ in sites.gemm_layers(copied) if name]
-    for name in layers:
-        handles.append(copied.get_submodule(name).register_forward_hook(hook(name)))
+    layers = {name: module for name, module, _ in sites.gemm_layers(copied) if name}
+    for name, module in layers.items():
+        handles.append(module.register_forward_hook(hook(name)))
     losses: list[torch.Tensor] = []
     try:
         counted = flops.count(copied, layers, lambda: losses.append(loss_of(input_checks.call_model(copied, batch))))
@@ -292,7 +292,7 @@ def measure(model: nn.Module, batch: Any, loss_of: Callable[[Any], torch.Tensor]
     if "fp16" in wanted:
         notes.append(f"per-layer plan: fp16 measured behind a loss scale of 2**{int(math.log2(fp16_scale))}, what "
                      f"a GradScaler trains this model at (largest gradient {largest_gradient:.3g})")  # fmt: skip
-    head = fp8_conversion.head_of(sites.gemm_layers(model, route=False))
+    head = fp8_conversion.head_of(model, sites.gemm_layers(model, route=False))
     out: list[Measured] = []
     for name, c in captured.items():
         if time.perf_counter() > deadline:

@@ -104,7 +104,7 @@ def _fp8_reasons(model: nn.Module, found: list[tuple[str, nn.Module, Any]], conf
     if converted is not None:  # what prepare did (kept modules and names included)
         skipped = dict(converted.skipped)
         return {n: (None if n in converted.modules else skipped.get(n, "not converted")) for n, _, _ in found}
-    head = fp8_conversion.head_of(found)
+    head = fp8_conversion.head_of(model, found)
     return {n: fp8_conversion.reason_to_skip(m, n, config, False, head) for n, m, _ in found}
 
 
