@@ -319,7 +319,7 @@ def test_a_plan_for_another_model_changes_nothing() -> None:
 
 
 def test_the_guard_watches_convolutions() -> None:
-    """docs/per_layer.md: "The guard probes each linear and convolution"."""
+    """docs/per_layer.md: "The guard probes each GEMM layer"."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv1d(4, 8, 3), nn.Flatten(), nn.Linear(48, 4))
     with torch.no_grad():

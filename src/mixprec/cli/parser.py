@@ -95,9 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
         "tune",
         help="find the fastest precision recipe for a model that keeps its accuracy, measured here",
         description="Time candidate recipes (dtype, ops moved to fp32, memory layout, prepare level) on the model "
-        "and batch, keep those whose first steps stay within tolerance of fp32, plan each linear and "
-        "convolution's precision, and print the tables; --out writes the recipe as JSON for "
-        "mixprec.Recipe.from_json.",
+        "and batch, keep those whose first steps stay within tolerance of fp32, plan each GEMM layer's "
+        "precision (linears, Conv1D, attention projections, convolutions), and print the tables; --out "
+        "writes the recipe as JSON for mixprec.Recipe.from_json.",
     )
     common.add_target_arguments(tune, "a bench workload", "")
     tune.add_argument("--size", choices=SIZES, default="default", help="--workload's size (default: default)")

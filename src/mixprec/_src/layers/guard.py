@@ -1,6 +1,6 @@
 """A training guard: watch each low-precision layer and move one that fails up in precision.
 
-``guard = mixprec.Guard(model, scaler)`` puts light probes on the model's linears and convolutions;
+``guard = mixprec.Guard(model, scaler)`` puts light probes on the model's GEMM layers;
 ``guard.step()`` after each optimizer step reads what they saw (one host sync) and decides::
 
     per watched layer, signals this step:
@@ -65,13 +65,13 @@ logger = logging.getLogger("mixprec.guard")
 
 
 class Guard:
-    """Watch a model's linears and convolutions during training and move a failing one up in precision.
+    """Watch a model's GEMM layers during training and move a failing one up in precision.
 
     Args:
         model: the model (prepared or not; its layers as ``named_modules`` names them).
         scaler: the fp16 run's GradScaler (its scale decides whether a non-finite backward is the layer's).
         thresholds: when to move a layer; default :class:`GuardThresholds`'s.
-        names: qualified-name globs of the layers to watch (default: every linear and convolution).
+        names: qualified-name globs of the layers to watch (default: every GEMM layer).
         callback: called with each :class:`LayerMove` (also logged on ``mixprec.guard`` at WARNING).
 
     Each forward of a watched layer costs two amax reductions, each backward one or two; an fp8 layer

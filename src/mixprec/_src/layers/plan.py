@@ -1,4 +1,4 @@
-"""Per-layer planning: measure each linear and convolution in each precision, choose one per layer.
+"""Per-layer planning: measure each GEMM layer in each precision, choose one per layer.
 
 :func:`measure` runs the model once in fp32 on the user's batch to capture each layer's input and
 output gradient, then times, at those shapes, the layer's forward and backward (its output GEMM

@@ -93,7 +93,7 @@ class Recipe:
         fp8: the fp8 recipe of the model's linears (``"tensorwise"``, ``"rowwise"``,
             ``"rowwise_with_gw_hp"``, ``"delayed"``; :class:`Fp8Config`'s default choice of layers),
             or ``None``. With fp8, :meth:`apply` goes through :func:`mixprec.prepare` at every level.
-        layers: the per-layer plan (:func:`tune` with ``per_layer=True``): each linear and convolution
+        layers: the per-layer plan (:func:`tune` with ``per_layer=True``): each GEMM layer
             with what each precision cost there and its choice; a layer whose choice is not ``dtype``
             computes in its own precision (``"fp32"``, ``"bf16"``, ``"fp16"``, ``"fp8-tensorwise"``,
             ``"fp8-rowwise"``), whatever the region around it.

@@ -15,8 +15,8 @@ data: a compute dtype, op moves into fp32, modules kept in fp32, a memory layout
     choose:  the fastest candidate that passed the accuracy guard; torch.amp's default unless
              another beats it by ``min_speedup``
 
-Per-layer plan (``per_layer=True``, first, in at most a quarter of the budget): each linear and
-convolution is timed at its own shapes (forward and both backward GEMMs) in each searched dtype and,
+Per-layer plan (``per_layer=True``, first, in at most a quarter of the budget): each GEMM layer
+(``gemms.sites``) is timed at its own shapes (forward and both backward GEMMs) in each searched dtype and,
 on devices with fp8 GEMMs, fp8 (tensorwise, rowwise), and its SQNR against fp32 measured
 (:mod:`layer_plan`). Before the final round, the best recipe of each dtype gets a plan: each layer
 takes the fastest precision above ``layer_sqnr_db`` (as the recipe has it unless another is
@@ -108,7 +108,7 @@ def tune(
         min_speedup: how much faster than torch.amp's default another recipe must be to be chosen
             (the measurements' noise on a shared machine is a few percent); also how much faster than
             the recipe's dtype another precision must be for one layer.
-        per_layer: plan each linear and convolution's precision (see "Per-layer plan" above); the
+        per_layer: plan each GEMM layer's precision (see "Per-layer plan" above); the
             measurements take at most a quarter of the budget.
         layer_sqnr_db: a layer's SQNR floor against fp32 (the worst of its output and both gradients).
         progress: called with a line of text as the search goes.
@@ -162,7 +162,7 @@ def tune(
     with torch.random.fork_rng(devices=[found] if found.type == "cuda" else []):
         plan = None
         if per_layer:
-            search.say("per-layer plan: each linear and convolution at its shapes")
+            search.say("per-layer plan: each GEMM layer at its shapes")
             wanted = [short_name(d) for d in searched] + list(layer_plan.FP8_CANDIDATES)
             # dtypes whose matmuls are emulated here, with how much slower than fp32's they are
             emulated = {short_name(d): s / (3 * forward_s) for d, s in search.first_step_s.items() if forward_s > 0}
