@@ -58,8 +58,19 @@ FP8_TESTS = ("tests/fp8/test_fp8_gemm.py", "tests/fp8/test_fp8_linear.py", "test
              "tests/observe/test_fp8_diagnostics.py")  # fmt: skip
 
 GEMM_TESTS = ("tests/gemms/test_gemm_layers.py",)
+QUANTIZE_TESTS = ("tests/optim/test_quantize.py",)
 
 MUTANTS = (
+    Mutant("state-one-scale", "a state tensor's blocks share one scale (the whole tensor's maximum)",
+           S + "optim/quantize.py", "scale = blocks.abs().amax(dim=1).clamp(min=_EPS)",
+           "scale = blocks.abs().amax().clamp(min=_EPS).expand(blocks.shape[0])", QUANTIZE_TESTS),
+    Mutant("state-4bit-zero", "the 4-bit second moment's codebook has a zero entry",
+           S + "optim/quantize.py", "torch.linspace(0, 1, 17)[1:]", "torch.linspace(0, 1, 16)", QUANTIZE_TESTS),
+    Mutant("state-rounds-down", "a value takes the codebook entry below it, not the nearest",
+           S + "optim/quantize.py", "x - low >= (high - low) * 0.5", "x - low >= (high - low)", QUANTIZE_TESTS),
+    Mutant("state-4bit-packed-swapped", "4-bit codes packed second value first",
+           S + "optim/quantize.py", "codes = (codes[::2] << 4) | codes[1::2]",
+           "codes = (codes[1::2] << 4) | codes[::2]", QUANTIZE_TESTS),
     Mutant("gemm-conv1d-not-transposed", "a Conv1D's (in, out) weight is read as (out, in) without a transpose",
            S + "gemms/kinds.py", "    if kind is CONV1D:\n        return w.t()",
            "    if kind is CONV1D:\n        return w.reshape(w.shape[1], w.shape[0])", GEMM_TESTS),

@@ -13,6 +13,7 @@ amp/        autocast: the region, the dispatch kernel, module rules, checkpoint 
 scaling/    the loss scaler: ``GradScaler``, its rule, unscaling, events, settings
 fp8/        fp8 linears: config, GEMMs, the layer, conversion, FSDP2 all-gather
 layers/     per-layer precision: ``set_layer_precision``, the per-layer plan, ``Guard``
+optim/      optimizer state in low precision: the block-wise quantizer of moments
 prepare/    ``prepare``'s levels: kept modules, O2's copies, bf16 stochastic rounding, memory
 observe/    diagnose, the fp8 report, ``Monitor``, their tables and plots
 tune/       ``Recipe`` and ``tune``

@@ -1,0 +1,141 @@
+"""Block-wise quantization of optimizer state: codebooks, blocks, nearest codes, packed 4-bit codes.
+
+A state tensor is flattened and cut into blocks of ``block_size`` values; the last block is
+padded with zeros, so every tensor quantizes whatever its size and a block never spans two
+tensors. Each block keeps its absolute maximum as its scale (fp32; ``1e-12`` at least, so an
+all-zero block stays zero) and each value the index of the nearest entry of a codebook after
+dividing by the scale (a tie goes to the larger entry)::
+
+    scale[b] = max(|x[b]|, 1e-12)            code[i] = nearest(codebook, x[i] / scale[b])
+    x'[i]    = codebook[code[i]] * scale[b]
+
+The codebooks, and why (the anchors' choices; Dettmers et al. 2021, Li et al. 2023):
+
+* ``dynamic`` (8 bits, signed or unsigned): the dynamic tree of bitsandbytes and torchao's
+  ``AdamW8bit``: a decimal exponent then a fraction, from 1e-7 to 1 of the block's maximum, so
+  the small values of a block that spans seven orders of magnitude keep a code of their own.
+* ``dynamic`` (4 bits, signed, three exponent bits): the first moment at 4 bits, as torchao's
+  ``AdamW4bit``.
+* ``linear`` (4 bits, unsigned, no zero): the second moment at 4 bits; without a zero entry no
+  value is ever stored as zero, which would make ``m / (sqrt(v) + eps)`` blow up (the "zero-point
+  problem" of Li et al.).
+
+Nearest codes are found as torchao finds them (the largest entry at or below the value, then up
+where the value is at least half-way to the next), so the codes are bitwise torchao's. 4-bit codes
+are packed two to a byte, the first value in the high half. Nothing here syncs with the device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+
+__all__ = ["BITS", "Quantized", "codebook", "dequantize", "quantize"]
+
+#: The code widths a state can have.
+BITS = (8, 4)
+_EPS = 1e-12
+
+
+@functools.cache
+def _dynamic(signed: bool, exponent_bits: int, total_bits: int) -> tuple[float, ...]:
+    """The dynamic tree: per decimal exponent, fraction steps between 0.1 and 1 (bitsandbytes' construction)."""
+    values: list[float] = []
+    fraction_bits = total_bits - 1  # one bit is the sign, or (unsigned) the indicator of the exponent
+    for i in range(exponent_bits):
+        steps = 2 ** (i + fraction_bits - exponent_bits + (0 if signed else 1)) + 1
+        bounds = torch.linspace(0.1, 1, steps)
+        means = ((bounds[:-1] + bounds[1:]) / 2.0 * 10 ** (-(exponent_bits - 1) + i)).tolist()
+        values += means + ([-v for v in means] if signed else [])
+    extra = 2 ** (fraction_bits - exponent_bits) - 1  # the entries where every exponent bit is zero
+    if extra > 0:
+        bounds = torch.linspace(0.1, 1, extra + 1)
+        means = ((bounds[:-1] + bounds[1:]) / 2.0 * 10 ** (-(exponent_bits - 1) + exponent_bits - 1)).tolist()
+        values += means + ([-v for v in means] if signed else [])
+    values += [0.0, 1.0]
+    assert len(values) == 2**total_bits, len(values)
+    return tuple(sorted(values))
+
+
+def codebook(bits: int, signed: bool) -> tuple[float, ...]:
+    """The codebook of a state of ``bits`` bits, signed (a first moment) or not (a second moment)."""
+    if bits == 8:
+        return _dynamic(signed, 7, 8)
+    if bits == 4:
+        return _dynamic(True, 3, 4) if signed else tuple(torch.linspace(0, 1, 17)[1:].tolist())
+    raise ValueError(f"optimizer state of {bits} bits: valid widths are {', '.join(map(str, BITS))}")
+
+
+@dataclasses.dataclass
+class Quantized:
+    """A quantized state tensor.
+
+    Attributes:
+        codes: uint8, one code a value (8 bits) or two (4 bits, packed), the padding included.
+        scale: fp32, one per block.
+        shape: the state's shape.
+        bits: the code width.
+        signed: its codebook's sign.
+    """
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    shape: torch.Size
+    bits: int
+    signed: bool
+
+    @property
+    def block_size(self) -> int:
+        return self.codes.numel() * (8 // self.bits) // self.scale.numel()
+
+    def nbytes(self) -> int:
+        """Bytes held: codes and scales."""
+        return self.codes.numel() * self.codes.element_size() + self.scale.numel() * self.scale.element_size()
+
+
+def _table(bits: int, signed: bool, device: torch.device) -> torch.Tensor:
+    return torch.tensor(codebook(bits, signed), dtype=torch.float32, device=device)
+
+
+def _nearest(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """The index of the nearest entry of ``table`` (sorted) for each value; a tie goes up."""
+    down = (torch.bucketize(x, table, right=True) - 1).clamp(0, table.numel() - 1)
+    up = (down + 1).clamp(max=table.numel() - 1)
+    low, high = table[down], table[up]
+    return torch.where(x - low >= (high - low) * 0.5, up, down)
+
+
+def quantize(x: torch.Tensor, bits: int, signed: bool, block_size: int) -> Quantized:
+    """``x`` (any float dtype) as block-wise codes of ``bits`` bits; ``block_size`` values share a scale.
+
+    Raises:
+        ValueError: an unknown width, or a block size that is not a positive even number.
+    """
+    table = _table(bits, signed, x.device)
+    if block_size <= 0 or block_size % 2:
+        raise ValueError(f"block_size must be a positive even number, got {block_size}")
+    flat = x.detach().reshape(-1).float()
+    pad = -flat.numel() % block_size
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    blocks = flat.view(-1, block_size)
+    scale = blocks.abs().amax(dim=1).clamp(min=_EPS)
+    codes = _nearest((blocks / scale[:, None]).view(-1), table).to(torch.uint8)
+    if bits == 4:
+        codes = (codes[::2] << 4) | codes[1::2]
+    return Quantized(codes, scale, x.shape, bits, signed)
+
+
+def dequantize(q: Quantized, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The values ``q`` holds, in ``dtype``, shaped as the state."""
+    codes = q.codes
+    if q.bits == 4:
+        codes = torch.stack([codes >> 4, codes & 0b1111], dim=-1).view(-1)
+    table = _table(q.bits, q.signed, codes.device)
+    values = (table[codes.int()].view(q.scale.numel(), -1) * q.scale[:, None]).view(-1)
+    n = 1
+    for d in q.shape:
+        n *= d
+    return values[:n].view(q.shape).to(dtype)
