@@ -59,8 +59,19 @@ FP8_TESTS = ("tests/fp8/test_fp8_gemm.py", "tests/fp8/test_fp8_linear.py", "test
 
 GEMM_TESTS = ("tests/gemms/test_gemm_layers.py",)
 QUANTIZE_TESTS = ("tests/optim/test_quantize.py",)
+STATE_TESTS = ("tests/optim/test_low_bit_state.py",)
 
 MUTANTS = (
+    Mutant("state-codes-cast-on-load", "a loaded checkpoint's codes and scales are left as load_state_dict cast them",
+           S + "prepare/low_bit_state.py", "{k: v.to(param.device) for k, v in tensors.items()}",
+           "{k: v.to(param.device, param.dtype) for k, v in tensors.items()}", STATE_TESTS),
+    Mutant("state-small-quantized", "biases and other small parameters get quantized moments too",
+           S + "prepare/low_bit_state.py", "if p.grad is None or p.numel() < adam.MIN_NUMEL:",
+           "if p.grad is None:", STATE_TESTS),
+    Mutant("state-step-uses-stored-moments", "the update uses the moments as stored (quantized), not this step's",
+           S + "optim/adam.py", "    denom = (v.sqrt() / bias_correction2.sqrt()) + eps\n",
+           "    m = _load(state, 'exp_avg', p.shape, bits, True)\n"
+           "    denom = (v.sqrt() / bias_correction2.sqrt()) + eps\n", STATE_TESTS),
     Mutant("state-one-scale", "a state tensor's blocks share one scale (the whole tensor's maximum)",
            S + "optim/quantize.py", "scale = blocks.abs().amax(dim=1).clamp(min=_EPS)",
            "scale = blocks.abs().amax().clamp(min=_EPS).expand(blocks.shape[0])", QUANTIZE_TESTS),
@@ -267,7 +278,7 @@ MUTANTS = (
            "    if not torch.compiler.is_compiling():\n        return False",
            "    if True:\n        return False", COMPILE_TESTS),
     Mutant("compile-sr-step-traced", "bf16-sr's optimizer step is traced in a compiled training step",
-           S + "prepare/stochastic_rounding.py", "    _step_eagerly(optimizer, handles)\n", "", COMPILE_TESTS),
+           S + "prepare/stochastic_rounding.py", "    step_eagerly(optimizer, handles)\n", "", COMPILE_TESTS),
     Mutant("compile-o2-stale-copies", "O2's compiled forward reads the copies without refreshing them",
            S + "prepare/o2_copies.py",
            "                module._parameters[name] = master.to(self.copies.dtype)",

@@ -16,6 +16,7 @@ from torch import nn
 
 from mixprec._src.dtypes import LOW_PRECISION, NamedEnum, parse_dtype, short_name
 from mixprec._src.fp8.config import Fp8Config, as_fp8_config
+from mixprec._src.optim.adam import STATE_PRECISIONS
 from mixprec._src.policy.grammar import get_policy
 from mixprec._src.policy.policy import NORM_TYPES, ModuleFilter, ModuleRule, Policy, rule_items
 
@@ -50,6 +51,9 @@ class PrepareConfig:
             policy string); ``None``: the device's built-in lists.
         fp8: linears that compute in fp8 (a recipe name or an :class:`Fp8Config`); ``None``: none.
             Modules kept in fp32 stay out of fp8.
+        optimizer_state: the precision of Adam's and AdamW's moments: ``"fp32"`` (as the level
+            keeps them), ``"8bit"`` or ``"4bit"`` (block-wise quantized, torchao's formats, for
+            parameters of 4096 values or more).
 
     Raises:
         ValueError: a bad level or dtype, or a bf16 level with another dtype (at construction).
@@ -63,6 +67,7 @@ class PrepareConfig:
     output_dtype: torch.dtype | None = torch.float32
     policy: Policy | None = None
     fp8: Fp8Config | None = None
+    optimizer_state: str = "fp32"
     # What keep_types and keep_names match, built once in __post_init__.
     _rule: ModuleRule | None = dataclasses.field(init=False, repr=False, compare=False)
 
@@ -84,6 +89,12 @@ class PrepareConfig:
         if self.policy is not None:
             object.__setattr__(self, "policy", get_policy(self.policy))
         object.__setattr__(self, "fp8", as_fp8_config(self.fp8))  # type: ignore[arg-type]
+        if self.optimizer_state not in STATE_PRECISIONS:
+            raise ValueError(f"unknown optimizer_state {self.optimizer_state!r}; valid: {', '.join(STATE_PRECISIONS)}")
+        if self.optimizer_state != "fp32" and level is Level.BF16_SR:
+            raise ValueError(f"optimizer_state={self.optimizer_state!r} is not available at level 'bf16-sr' yet "
+                             "(its fused step rounds the weights itself); use 'bf16-pure', 'O2' or 'O1' with "
+                             "it")  # fmt: skip
         if self.keep_filter is not None and not callable(self.keep_filter):
             raise TypeError("keep_filter must be a callable (module, qualified_name) -> bool")
         rule = ModuleRule(self.keep_types, self.keep_names) if (self.keep_types or self.keep_names) else None
@@ -106,4 +117,6 @@ class PrepareConfig:
             parts.append(f"policy={self.policy}")
         if self.fp8 is not None:
             parts.append(str(self.fp8))
+        if self.optimizer_state != "fp32":
+            parts.append(f"state={self.optimizer_state}")
         return ", ".join(parts)

@@ -47,8 +47,9 @@ from mixprec._src.fp8 import all_gather as fp8_all_gather
 from mixprec._src.fp8 import conversion as fp8_conversion
 from mixprec._src.fp8.config import Fp8Config
 from mixprec._src.fp8.linear import Fp8Scaling
+from mixprec._src.optim import adam
 from mixprec._src.policy.policy import NORM_TYPES, ModuleFilter, Policy, default_policy
-from mixprec._src.prepare import kept, o2_copies, sr_noise, stochastic_rounding
+from mixprec._src.prepare import kept, low_bit_state, o2_copies, sr_noise, stochastic_rounding
 from mixprec._src.prepare.config import Level, PrepareConfig
 
 __all__ = ["export_fp32", "master_params", "prepare", "Prepared", "prepared_state"]
@@ -109,6 +110,7 @@ def prepare(
     output_dtype: torch.dtype | None = torch.float32,
     policy: Policy | str | None = None,
     fp8: Fp8Config | str | None = None,
+    optimizer_state: str = "fp32",
 ) -> tuple[nn.Module, torch.optim.Optimizer]:
     """Put ``model`` and ``optimizer`` at a precision level; returns them (changed in place).
 
@@ -132,6 +134,9 @@ def prepare(
         fp8: linears computed in fp8: a recipe (``"tensorwise"``, ``"rowwise"``,
             ``"rowwise_with_gw_hp"``, ``"delayed"``) or an :class:`Fp8Config` choosing layers and
             scaling; ``mixprec.fp8_layers(model)`` lists the layers converted and those left out.
+        optimizer_state: Adam's and AdamW's moments as the level keeps them (``"fp32"``), or
+            block-wise quantized (``"8bit"``, ``"4bit"``: torchao's formats) for parameters of 4096
+            values or more; ``optimizer.state_dict()`` holds the codes and scales.
 
     Raises:
         ValueError: a model not in fp32, an optimizer holding tensors that are not this model's
@@ -141,13 +146,15 @@ def prepare(
     """
     if isinstance(level, PrepareConfig):
         given = (dtype is not torch.bfloat16, keep_types is not NORM_TYPES, keep_names != (), keep_filter is not None,
-                 output_dtype is not torch.float32, policy is not None, fp8 is not None)  # fmt: skip
+                 output_dtype is not torch.float32, policy is not None, fp8 is not None,
+                 optimizer_state != "fp32")  # fmt: skip
         if any(given):
             raise TypeError("prepare takes a PrepareConfig or options, not both; put the options in the config "
                             "(dataclasses.replace(config, ...))")  # fmt: skip
         config = level
     else:
-        config = PrepareConfig(level, dtype, keep_types, keep_names, keep_filter, output_dtype, policy, fp8)  # type: ignore[arg-type]
+        config = PrepareConfig(level, dtype, keep_types, keep_names, keep_filter, output_dtype, policy, fp8,  # type: ignore[arg-type]
+                               optimizer_state)  # fmt: skip
     level, dtype = config.level, config.dtype
     if level in (Level.O2, Level.BF16_SR) and isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError(
@@ -165,6 +172,11 @@ def prepare(
             "the first forward"
         )
     _check(model, optimizer, sharded)
+    low_bit_state.check(optimizer, config.optimizer_state)
+    if config.optimizer_state != "fp32" and sharded:
+        raise ValueError(f"optimizer_state={config.optimizer_state!r} under fully_shard is not available yet "
+                         "(the quantized blocks are not aligned to FSDP2's shards); use optimizer_state='fp32' "
+                         "there")  # fmt: skip
     if config.fp8 is not None:  # before anything is installed: a refusal leaves the model as it was
         fp8_conversion.check_device(model, config.fp8)
         if config.fp8.all_gather and not sharded:
@@ -195,6 +207,8 @@ def prepare(
         state.fused = stochastic_rounding.install(optimizer, state.lowp_params, state.handles)
     else:  # the keys every level's checkpoint holds; nothing rounds stochastically here
         stochastic_rounding.add_counters(optimizer, 0, state.handles)
+    if config.optimizer_state != "fp32":
+        low_bit_state.install(optimizer, config.optimizer_state, state.handles)
     if layers is not None and layers.config.all_gather:  # on the shards as _lower left them
         fp8_all_gather.install(model, layers)
 
@@ -254,6 +268,8 @@ def _narrow_state(optimizer: torch.optim.Optimizer, params: list[nn.Parameter], 
     started prepared."""
     for param in params:
         state = optimizer.state.get(param)
+        if state is not None and adam.is_quantized(state):  # codes and scale bits: no floating tensor to narrow
+            continue
         for key, value in (state or {}).items():
             if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() > 0 and key != "step":
                 state[key] = value.to(dtype)  # type: ignore[index]
@@ -286,6 +302,7 @@ def export_fp32(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
                 if isinstance(value, torch.Tensor) and value.dtype is torch.bfloat16 and key != "step":
                     group_state[key] = value.float()
         stochastic_rounding.remove_counters(optimizer)
+        low_bit_state.restore_fp32(optimizer)
         optimizer.__dict__.pop(_ATTR, None)
     fp8_conversion.revert(model)
     model.__dict__.pop("forward", None)

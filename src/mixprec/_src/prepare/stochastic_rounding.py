@@ -23,7 +23,7 @@ from mixprec._src import sharding
 from mixprec._src.prepare.sr_kernel import adam_scalars, compiled_kernel, fused_supported
 from mixprec._src.prepare.sr_noise import seed_tensor, shard_seed, sr_bits, tensor_seed
 
-__all__ = ["SEED_KEY", "STEP_KEY", "Restore", "add_counters", "install", "remove_counters"]
+__all__ = ["SEED_KEY", "STEP_KEY", "Restore", "add_counters", "install", "remove_counters", "step_eagerly"]
 
 #: param-group keys that hold the rounding noise's seed and each group's step counter
 SEED_KEY = "mixprec_sr_seed"
@@ -188,14 +188,14 @@ def install(optimizer: torch.optim.Optimizer, lowp: Iterable[torch.Tensor], hand
     whether Adam(W)'s fused kernel is in use.
     """
     ids = {id(p) for p in lowp}
-    _step_eagerly(optimizer, handles)
+    step_eagerly(optimizer, handles)
     if fused_supported(optimizer) and _install_fused(optimizer, ids, handles):
         return True
     _install_generic(optimizer, ids, handles)
     return False
 
 
-def _step_eagerly(optimizer: torch.optim.Optimizer, handles: list[Any]) -> None:
+def step_eagerly(optimizer: torch.optim.Optimizer, handles: list[Any]) -> None:
     """In a compiled training step, this optimizer's ``step`` runs eagerly (one graph break around it).
 
     The rounding counts steps in Python and swaps or updates tensors inside ``_init_group``, which

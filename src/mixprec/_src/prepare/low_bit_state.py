@@ -1,0 +1,94 @@
+"""Adam(W) with its moments stored block-wise quantized: ``PrepareConfig(optimizer_state="8bit")``.
+
+The optimizer's own ``step`` stays (its hooks, LR schedulers' wrappers); Adam's ``_init_group``,
+which ``step`` calls once per param group, is overridden on this optimizer: it steps each
+parameter of at least ``optim.adam.MIN_NUMEL`` values with quantized moments
+(:func:`mixprec._src.optim.adam.adam_step`, one parameter's fp32 copies at a time) and hands the
+rest (biases, norms) to Adam's own. ``step`` runs eagerly in a compiled training step (one graph
+break), as bf16-sr's does. :func:`mixprec.export_fp32` puts fp32 moments back. Nothing here syncs.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+
+from mixprec._src.optim import adam
+from mixprec._src.prepare.sr_kernel import fused_supported
+from mixprec._src.prepare.stochastic_rounding import Restore, step_eagerly
+
+__all__ = ["check", "install", "restore_fp32"]
+
+
+def check(optimizer: torch.optim.Optimizer, precision: str) -> None:
+    """Raise where ``optimizer`` cannot keep its state at ``precision`` (before anything is installed)."""
+    if precision == "fp32":
+        return
+    if not fused_supported(optimizer):
+        raise ValueError(f"optimizer_state={precision!r} quantizes Adam's and AdamW's moments (torch.optim.Adam or "
+                         f"AdamW, without amsgrad, maximize, capturable, differentiable or fused); this optimizer is a "
+                         f"{type(optimizer).__name__} with {_flags(optimizer) or 'none of those'}: use one of them, "
+                         "or optimizer_state='fp32'")  # fmt: skip
+
+
+def _flags(optimizer: torch.optim.Optimizer) -> str:
+    names = ("amsgrad", "maximize", "capturable", "differentiable", "fused")
+    return ", ".join(n for n in names if any(g.get(n) for g in optimizer.param_groups))
+
+
+def install(optimizer: torch.optim.Optimizer, precision: str, handles: list[Any]) -> None:
+    """Make ``optimizer`` (Adam or AdamW) keep the moments of its large parameters at ``precision``."""
+    check(optimizer, precision)
+    step_eagerly(optimizer, handles)
+    adams_own = type(optimizer)._init_group  # type: ignore[attr-defined]
+
+    def _init_group(self: torch.optim.Optimizer, group: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+        decoupled = bool(group.get("decoupled_weight_decay", isinstance(self, torch.optim.AdamW)))
+        rest = []
+        for p in group["params"]:
+            if p.grad is None or p.numel() < adam.MIN_NUMEL:
+                rest.append(p)
+                continue
+            adam.adam_step(p, p.grad, self.state[p], group, decoupled, precision)
+        return adams_own(self, {**group, "params": rest}, *args, **kwargs)
+
+    optimizer._init_group = types.MethodType(_init_group, optimizer)  # type: ignore[attr-defined]
+    handles.append(Restore(optimizer, "_init_group"))
+    _keep_codes_on_load(optimizer, handles)
+
+
+def _keep_codes_on_load(optimizer: torch.optim.Optimizer, handles: list[Any]) -> None:
+    """``load_state_dict`` casts every state tensor but ``step`` to its parameter's dtype (uint8 codes and fp32
+    scales would become floats, bf16 at the bf16 levels): the codes and scales are set aside before the
+    load and put back after it, as saved (the checkpoint's own dict is not changed)."""
+    aside: dict[Any, dict[str, torch.Tensor]] = {}
+    saved_order: list[Any] = []
+
+    def before(opt: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+        aside.clear()
+        saved_order[:] = [i for g in state_dict["param_groups"] for i in g["params"]]
+        state = {}
+        for index, entry in state_dict["state"].items():
+            if isinstance(entry, dict) and adam.is_quantized(entry):
+                aside[index] = {k: v for k, v in entry.items() if k.endswith(("_codes", "_scale"))}
+                entry = {k: v for k, v in entry.items() if k not in aside[index]}
+            state[index] = entry
+        return {**state_dict, "state": state}
+
+    def after(opt: torch.optim.Optimizer) -> None:
+        params = [p for g in opt.param_groups for p in g["params"]]
+        for index, tensors in aside.items():
+            param = params[saved_order.index(index)]
+            opt.state[param].update({k: v.to(param.device) for k, v in tensors.items()})
+        aside.clear()
+
+    handles.append(optimizer.register_load_state_dict_pre_hook(before))  # type: ignore[arg-type]
+    handles.append(optimizer.register_load_state_dict_post_hook(after))
+
+
+def restore_fp32(optimizer: torch.optim.Optimizer) -> None:
+    """Every quantized state of ``optimizer`` back to fp32 moments (in place), as torch's Adam keeps them."""
+    for param, state in optimizer.state.items():
+        adam.fp32_state(state, param.shape)  # type: ignore[union-attr]

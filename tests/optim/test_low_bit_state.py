@@ -1,0 +1,189 @@
+"""Adam(W) with quantized moments through prepare: torchao's algorithm bitwise, its optimizers within a
+stated tolerance, bitwise resume, checkpoints across state precisions, the bytes it holds, the refusals."""
+
+from __future__ import annotations
+
+import copy
+import io
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import mixprec
+from mixprec._src.optim import adam
+
+
+def _torchao(name: str):  # type: ignore[no-untyped-def]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return pytest.importorskip(name)
+
+
+def _grads(steps: int, shape: tuple[int, ...]) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(shape, generator=g) * 10.0 ** -(i % 4) for i in range(steps)]
+
+
+@pytest.mark.parametrize("adamw", [True, False])
+@pytest.mark.parametrize("precision", ["8bit", "4bit"])
+def test_a_step_is_torchaos_single_param_adam_bitwise(precision: str, adamw: bool) -> None:
+    ao_adam = _torchao("torchao.optim.adam")
+    state_class = (_torchao("torchao.optim.subclass_8bit").OptimState8bit if precision == "8bit"
+                   else _torchao("torchao.optim.subclass_4bit").OptimState4bit)  # fmt: skip
+    _, block = adam.FORMATS[precision]
+    torch.manual_seed(0)
+    model = nn.Linear(128, 64, bias=False)
+    theirs = model.weight.detach().clone()
+    optimizer = (torch.optim.AdamW if adamw else torch.optim.Adam)(model.parameters(), lr=1e-2, weight_decay=0.1)
+    mixprec.prepare(model, optimizer, "O1", optimizer_state=precision)
+    m, v = state_class.zeros(theirs.shape, True, block), state_class.zeros(theirs.shape, False, block)
+    step, lr = torch.tensor(0.0), torch.tensor(1e-2)
+    for grad in _grads(5, theirs.shape):
+        model.weight.grad = grad.clone()
+        optimizer.step()
+        step += 1
+        ao_adam.single_param_adam(theirs, grad, step, m, v, None, lr, 0.9, 0.999, 0.1, 1e-8, adamw, False)
+        assert torch.equal(model.weight.detach(), theirs)
+    state = optimizer.state[model.weight]
+    assert set(state) == set(adam.KEYS) and state["exp_avg_codes"].dtype == torch.uint8
+    assert torch.equal(state["exp_avg_codes"], m.codes.view(-1)) and torch.equal(
+        state["exp_avg_sq_codes"], v.codes.view(-1)
+    )
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 1))
+
+
+def _data(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(2)
+    out = []
+    for _ in range(steps):
+        x = torch.randn(32, 64, generator=g)
+        out.append((x, x[:, :8].sin().sum(1, keepdim=True)))
+    return out
+
+
+def _train(model: nn.Module, optimizer: torch.optim.Optimizer, data: list) -> list[float]:
+    """Steps in a bf16 region (a prepared model opens its own: the unprepared reference computes the same)."""
+    losses = []
+    for x, y in data:
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = (model(x).float() - y).square().mean()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize(("precision", "theirs"), [("8bit", "AdamW8bit"), ("4bit", "AdamW4bit")])
+def test_training_is_torchaos_low_bit_adamw_bitwise_where_every_parameter_is_quantized(
+    precision: str, theirs: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torchao's optimizer run eagerly (its step compiles with inductor, whose arithmetic differs by roundings)."""
+    optim = _torchao("torchao.optim")
+    data = [(x, y.expand(-1, 16)) for x, y in _data(12)]
+    ours_model, their_model = _no_small_parameters(), _no_small_parameters()
+    ours_opt = torch.optim.AdamW(ours_model.parameters(), lr=3e-3, weight_decay=0.01)
+    mixprec.prepare(ours_model, ours_opt, "O1", optimizer_state=precision)
+    ours = _train(ours_model, ours_opt, data)
+    monkeypatch.setattr(torch, "compile", lambda fn, **_: fn)
+    reference = _train(their_model, getattr(optim, theirs)(their_model.parameters(), lr=3e-3, weight_decay=0.01), data)
+    assert ours == reference and ours[-1] < ours[0]
+
+
+@pytest.mark.parametrize(("precision", "theirs"), [("8bit", "AdamW8bit"), ("4bit", "AdamW4bit")])
+def test_training_follows_torchaos_compiled_low_bit_adamw(precision: str, theirs: str) -> None:
+    """Within 2% a step: torchao's step compiled by inductor rounds differently, and mixprec steps the small
+    parameters (biases, the 256-value head) with torch's own AdamW, which arranges the update differently from
+    torchao's; a rounding that flips a code compounds (measured over 40 steps: 0.6% at most, both widths)."""
+    optim = _torchao("torchao.optim")
+    data = _data(40)
+    ours_model, their_model = _mlp(), _mlp()
+    ours_opt = torch.optim.AdamW(ours_model.parameters(), lr=3e-3, weight_decay=0.01)
+    mixprec.prepare(ours_model, ours_opt, "O1", optimizer_state=precision)
+    ours = _train(ours_model, ours_opt, data)
+    reference = _train(their_model, getattr(optim, theirs)(their_model.parameters(), lr=3e-3, weight_decay=0.01), data)
+    assert ours[-1] < 0.5 * ours[0]
+    torch.testing.assert_close(torch.tensor(ours), torch.tensor(reference), rtol=0.02, atol=0)
+
+
+def _no_small_parameters() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 256, bias=False), nn.GELU(), nn.Linear(256, 256, bias=False), nn.GELU(),
+                         nn.Linear(256, 16, bias=False))  # fmt: skip
+
+
+@pytest.mark.parametrize(("level", "precision"), [("O1", "8bit"), ("O2", "4bit"), ("bf16-pure", "8bit")])
+def test_a_run_resumed_from_state_dicts_continues_bit_for_bit(level: str, precision: str) -> None:
+    data = _data(8)
+
+    def fresh() -> tuple[nn.Module, torch.optim.Optimizer]:
+        model = _mlp()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+        return mixprec.prepare(model, optimizer, level, optimizer_state=precision)
+
+    model, optimizer = fresh()
+    whole = _train(model, optimizer, data)
+    model, optimizer = fresh()
+    first = _train(model, optimizer, data[:4])
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer)
+    model, optimizer = fresh()
+    model.load_state_dict(saved["model"])
+    optimizer.load_state_dict(saved["optimizer"])
+    state = optimizer.state_dict()["state"][2]
+    assert state["exp_avg_codes"].dtype == torch.uint8 and state["exp_avg_scale"].dtype == torch.float32  # as saved
+    assert first + _train(model, optimizer, data[4:]) == whole
+
+
+def test_checkpoints_move_between_fp32_and_quantized_moments() -> None:
+    data = _data(6)
+    plain = _mlp()
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=3e-3)
+    _train(plain, plain_opt, data[:3])
+    model = copy.deepcopy(plain)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    mixprec.prepare(model, optimizer, "O1", optimizer_state="8bit")
+    optimizer.load_state_dict(plain_opt.state_dict())  # fp32 moments: quantized at the next step
+    _train(model, optimizer, data[3:5])
+    state = optimizer.state[model[2].weight]
+    assert adam.is_quantized(state) and "exp_avg" not in state and float(state["step"]) == 5
+    assert not adam.is_quantized(optimizer.state[model[2].bias])  # small: fp32 moments, torch's own step
+    mixprec.export_fp32(model, optimizer)  # back to fp32 moments a plain AdamW continues from
+    state = optimizer.state[model[2].weight]
+    assert state["exp_avg"].dtype == torch.float32 and not adam.is_quantized(state)
+    _train(model, optimizer, data[5:])  # torch's own step on the exported moments
+
+
+def test_quantized_moments_take_about_a_quarter_of_the_bytes() -> None:
+    reports = {}
+    for precision in ("fp32", "8bit", "4bit"):
+        model = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 512))
+        optimizer = torch.optim.AdamW(model.parameters())
+        mixprec.prepare(model, optimizer, "O1", optimizer_state=precision)
+        _train(model, optimizer, [(torch.randn(4, 512), torch.randn(4, 512))])
+        reports[precision] = mixprec.memory_report(model, optimizer)
+    params = sum(p.numel() for p in model.parameters())
+    per_param = {k: r.optimizer_state / params for k, r in reports.items()}
+    assert 8.0 <= per_param["fp32"] < 8.01
+    assert 2.0 < per_param["8bit"] < 2.1 and 1.0 < per_param["4bit"] < 1.1  # codes, block scales, fp32 biases
+
+
+def test_what_cannot_keep_quantized_moments_is_refused_with_what_to_do() -> None:
+    model = nn.Linear(64, 64)
+    with pytest.raises(ValueError, match=r"quantizes Adam's and AdamW's moments .* this optimizer is a SGD"):
+        mixprec.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), "O1", optimizer_state="8bit")
+    with pytest.raises(ValueError, match="AdamW with amsgrad: use one of them"):
+        mixprec.prepare(model, torch.optim.AdamW(model.parameters(), amsgrad=True), "O1", optimizer_state="4bit")
+    with pytest.raises(ValueError, match="not available at level 'bf16-sr' yet"):
+        mixprec.PrepareConfig("bf16-sr", optimizer_state="8bit")
+    with pytest.raises(ValueError, match="unknown optimizer_state '2bit'; valid: fp32, 8bit, 4bit"):
+        mixprec.PrepareConfig("O1", optimizer_state="2bit")
+    assert str(mixprec.PrepareConfig("O2", optimizer_state="4bit")).endswith("state=4bit")
