@@ -187,3 +187,29 @@ def test_what_cannot_keep_quantized_moments_is_refused_with_what_to_do() -> None
     with pytest.raises(ValueError, match="unknown optimizer_state '2bit'; valid: fp32, 8bit, 4bit"):
         mixprec.PrepareConfig("O1", optimizer_state="2bit")
     assert str(mixprec.PrepareConfig("O2", optimizer_state="4bit")).endswith("state=4bit")
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # one process, as intended
+def test_a_run_resumed_from_a_distributed_checkpoint_continues_bit_for_bit(tmp_path: object) -> None:
+    dcp = pytest.importorskip("torch.distributed.checkpoint")
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    data = _data(8)
+
+    def fresh() -> tuple[nn.Module, torch.optim.Optimizer]:
+        model = _mlp()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+        return mixprec.prepare(model, optimizer, "bf16-pure", optimizer_state="8bit")
+
+    whole = _train(*fresh(), data)
+    model, optimizer = fresh()
+    first = _train(model, optimizer, data[:4])
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp_path))
+    model, optimizer = fresh()
+    model_sd, optim_sd = get_state_dict(model, optimizer)  # DCP steps once with lr 0 to make the state
+    loaded = {"model": model_sd, "optim": optim_sd}
+    dcp.load(loaded, checkpoint_id=str(tmp_path))
+    set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+    assert optimizer.state[model[2].weight]["exp_avg_codes"].dtype == torch.uint8
+    assert first + _train(model, optimizer, data[4:]) == whole
