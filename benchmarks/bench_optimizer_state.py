@@ -1,7 +1,7 @@
 """Optimizer state precision: bytes per parameter, the optimizer step's time and the final loss, per recipe.
 
 For the bench's MLP and transformer (``--size``), each recipe (a prepare level with
-``optimizer_state`` fp32, 8bit or 4bit) trains ``--steps`` steps from the same weights and data with
+``optimizer_state`` fp32, 8bit, 4bit or fp8) trains ``--steps`` steps from the same weights and data with
 AdamW; it reports ``mixprec.memory_report``'s bytes per parameter (weights, masters, gradients,
 optimizer state; activations aside), the median time of ``optimizer.step()`` against torch's fused
 AdamW on the same parameters at that level (a ratio from one run), and the final loss (mean of the
@@ -25,7 +25,7 @@ import mixprec
 from mixprec.bench.workloads import WORKLOADS
 
 RECIPES = [("fp32", None, "fp32")] + [(level, level, state) for level in ("O1", "O2", "bf16-pure")
-                                     for state in ("fp32", "8bit", "4bit")]  # fmt: skip
+                                     for state in ("fp32", "8bit", "4bit", "fp8")]  # fmt: skip
 
 
 def run(workload: str, size: str, level: str | None, state: str, steps: int, fused: bool = False) -> dict[str, Any]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import io
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -26,19 +27,25 @@ def _grads(steps: int, shape: tuple[int, ...]) -> list[torch.Tensor]:
     return [torch.randn(shape, generator=g) * 10.0 ** -(i % 4) for i in range(steps)]
 
 
+def _state_zeros(precision: str, shape: torch.Size, signed: bool) -> Any:
+    """torchao's zero state of ``precision``."""
+    _, block = adam.FORMATS[precision]
+    if precision == "fp8":
+        return _torchao("torchao.optim.subclass_fp8").OptimStateFp8.zeros(shape, block)
+    module = _torchao(f"torchao.optim.subclass_{precision}")
+    return getattr(module, f"OptimState{precision}").zeros(shape, signed, block)
+
+
 @pytest.mark.parametrize("adamw", [True, False])
-@pytest.mark.parametrize("precision", ["8bit", "4bit"])
+@pytest.mark.parametrize("precision", ["8bit", "4bit", "fp8"])
 def test_a_step_is_torchaos_single_param_adam_bitwise(precision: str, adamw: bool) -> None:
     ao_adam = _torchao("torchao.optim.adam")
-    state_class = (_torchao("torchao.optim.subclass_8bit").OptimState8bit if precision == "8bit"
-                   else _torchao("torchao.optim.subclass_4bit").OptimState4bit)  # fmt: skip
-    _, block = adam.FORMATS[precision]
     torch.manual_seed(0)
     model = nn.Linear(128, 64, bias=False)
     theirs = model.weight.detach().clone()
     optimizer = (torch.optim.AdamW if adamw else torch.optim.Adam)(model.parameters(), lr=1e-2, weight_decay=0.1)
     mixprec.prepare(model, optimizer, "O1", optimizer_state=precision)
-    m, v = state_class.zeros(theirs.shape, True, block), state_class.zeros(theirs.shape, False, block)
+    m, v = _state_zeros(precision, theirs.shape, True), _state_zeros(precision, theirs.shape, False)
     step, lr = torch.tensor(0.0), torch.tensor(1e-2)
     for grad in _grads(5, theirs.shape):
         model.weight.grad = grad.clone()
@@ -47,7 +54,8 @@ def test_a_step_is_torchaos_single_param_adam_bitwise(precision: str, adamw: boo
         ao_adam.single_param_adam(theirs, grad, step, m, v, None, lr, 0.9, 0.999, 0.1, 1e-8, adamw, False)
         assert torch.equal(model.weight.detach(), theirs)
     state = optimizer.state[model.weight]
-    assert set(state) == set(adam.KEYS) and state["exp_avg_codes"].dtype == torch.uint8
+    assert set(state) == set(adam.KEYS)
+    assert state["exp_avg_codes"].dtype == (torch.float8_e4m3fn if precision == "fp8" else torch.uint8)
     assert torch.equal(state["exp_avg_codes"], m.codes.view(-1)) and torch.equal(
         state["exp_avg_sq_codes"], v.codes.view(-1)
     )
@@ -80,7 +88,7 @@ def _train(model: nn.Module, optimizer: torch.optim.Optimizer, data: list) -> li
     return losses
 
 
-@pytest.mark.parametrize(("precision", "theirs"), [("8bit", "AdamW8bit"), ("4bit", "AdamW4bit")])
+@pytest.mark.parametrize(("precision", "theirs"), [("8bit", "AdamW8bit"), ("4bit", "AdamW4bit"), ("fp8", "AdamWFp8")])
 def test_training_is_torchaos_low_bit_adamw_bitwise_where_every_parameter_is_quantized(
     precision: str, theirs: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -96,7 +104,7 @@ def test_training_is_torchaos_low_bit_adamw_bitwise_where_every_parameter_is_qua
     assert ours == reference and ours[-1] < ours[0]
 
 
-@pytest.mark.parametrize(("precision", "theirs"), [("8bit", "AdamW8bit"), ("4bit", "AdamW4bit")])
+@pytest.mark.parametrize(("precision", "theirs"), [("8bit", "AdamW8bit"), ("4bit", "AdamW4bit"), ("fp8", "AdamWFp8")])
 def test_training_follows_torchaos_compiled_low_bit_adamw(precision: str, theirs: str) -> None:
     """Within 2% a step: torchao's step compiled by inductor rounds differently, and mixprec steps the small
     parameters (biases, the 256-value head) with torch's own AdamW, which arranges the update differently from
@@ -118,7 +126,7 @@ def _no_small_parameters() -> nn.Module:
                          nn.Linear(256, 16, bias=False))  # fmt: skip
 
 
-@pytest.mark.parametrize(("level", "precision"), [("O1", "8bit"), ("O2", "4bit"), ("bf16-pure", "8bit")])
+@pytest.mark.parametrize(("level", "precision"), [("O1", "8bit"), ("O2", "4bit"), ("bf16-pure", "8bit"), ("O1", "fp8")])
 def test_a_run_resumed_from_state_dicts_continues_bit_for_bit(level: str, precision: str) -> None:
     data = _data(8)
 
@@ -139,7 +147,8 @@ def test_a_run_resumed_from_state_dicts_continues_bit_for_bit(level: str, precis
     model.load_state_dict(saved["model"])
     optimizer.load_state_dict(saved["optimizer"])
     state = optimizer.state_dict()["state"][2]
-    assert state["exp_avg_codes"].dtype == torch.uint8 and state["exp_avg_scale"].dtype == torch.float32  # as saved
+    assert state["exp_avg_codes"].dtype == saved["optimizer"]["state"][2]["exp_avg_codes"].dtype  # as saved
+    assert state["exp_avg_scale"].dtype == torch.float32
     assert first + _train(model, optimizer, data[4:]) == whole
 
 
@@ -164,7 +173,7 @@ def test_checkpoints_move_between_fp32_and_quantized_moments() -> None:
 
 def test_quantized_moments_take_about_a_quarter_of_the_bytes() -> None:
     reports = {}
-    for precision in ("fp32", "8bit", "4bit"):
+    for precision in ("fp32", "8bit", "4bit", "fp8"):
         model = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 512))
         optimizer = torch.optim.AdamW(model.parameters())
         mixprec.prepare(model, optimizer, "O1", optimizer_state=precision)
@@ -174,6 +183,7 @@ def test_quantized_moments_take_about_a_quarter_of_the_bytes() -> None:
     per_param = {k: r.optimizer_state / params for k, r in reports.items()}
     assert 8.0 <= per_param["fp32"] < 8.01
     assert 2.0 < per_param["8bit"] < 2.1 and 1.0 < per_param["4bit"] < 1.1  # codes, block scales, fp32 biases
+    assert per_param["fp8"] == per_param["8bit"]
 
 
 def test_what_cannot_keep_quantized_moments_is_refused_with_what_to_do() -> None:
@@ -184,7 +194,7 @@ def test_what_cannot_keep_quantized_moments_is_refused_with_what_to_do() -> None
         mixprec.prepare(model, torch.optim.AdamW(model.parameters(), amsgrad=True), "O1", optimizer_state="4bit")
     with pytest.raises(ValueError, match="not available at level 'bf16-sr' yet"):
         mixprec.PrepareConfig("bf16-sr", optimizer_state="8bit")
-    with pytest.raises(ValueError, match="unknown optimizer_state '2bit'; valid: fp32, 8bit, 4bit"):
+    with pytest.raises(ValueError, match="unknown optimizer_state '2bit'; valid: fp32, 8bit, 4bit, fp8"):
         mixprec.PrepareConfig("O1", optimizer_state="2bit")
     assert str(mixprec.PrepareConfig("O2", optimizer_state="4bit")).endswith("state=4bit")
 

@@ -1,7 +1,8 @@
 """Adam and AdamW with block-wise quantized moments: the state, one parameter's step.
 
 A parameter of at least :data:`MIN_NUMEL` values keeps its moments as codes and block scales
-(``optim.quantize``): ``exp_avg`` signed, ``exp_avg_sq`` unsigned, as four tensors in the
+(``optim.quantize``; 8 or 4 bits on codebooks, or e4m3 values for ``"fp8"``): ``exp_avg`` signed,
+``exp_avg_sq`` unsigned, as four tensors in the
 optimizer's state (``exp_avg_codes``, ``exp_avg_scale``, ``exp_avg_sq_codes``,
 ``exp_avg_sq_scale``), so ``optimizer.state_dict()`` and checkpoints carry them as they are
 (``load_state_dict`` would cast them to the parameter's dtype; prepare's hooks keep them as saved). A
@@ -38,8 +39,8 @@ __all__ = [
     "quantized_state",
 ]
 
-#: State precision -> (bits, block size): torchao's formats.
-FORMATS = {"8bit": (8, 256), "4bit": (4, 128)}
+#: State precision -> (bits, block size): torchao's formats (fp8: e4m3 values, ``AdamWFp8``'s).
+FORMATS = {"8bit": (8, 256), "4bit": (4, 128), "fp8": (8, 256)}
 #: What ``PrepareConfig.optimizer_state`` takes: the moments as the level keeps them, or quantized.
 STATE_PRECISIONS = ("fp32", *FORMATS)
 #: Parameters with fewer values keep fp32 moments.
@@ -53,8 +54,9 @@ def is_quantized(state: dict[str, Any]) -> bool:
     return "exp_avg_codes" in state
 
 
-def _store(state: dict[str, Any], name: str, value: torch.Tensor, bits: int, signed: bool, block: int) -> None:
-    packed = q.quantize(value, bits, signed, block)
+def _store(state: dict[str, Any], name: str, value: torch.Tensor, precision: str, signed: bool) -> None:
+    bits, block = FORMATS[precision]
+    packed = q.quantize_fp8(value, block) if precision == "fp8" else q.quantize(value, bits, signed, block)
     codes, scale = state.get(f"{name}_codes"), state.get(f"{name}_scale")
     if codes is not None and codes.shape == packed.codes.shape and scale is not None:
         codes.copy_(packed.codes)  # in place: the storage a checkpoint or a view refers to stays
@@ -63,8 +65,8 @@ def _store(state: dict[str, Any], name: str, value: torch.Tensor, bits: int, sig
         state[f"{name}_codes"], state[f"{name}_scale"] = packed.codes, packed.scale
 
 
-def _load(state: dict[str, Any], name: str, shape: torch.Size, bits: int, signed: bool) -> torch.Tensor:
-    packed = q.Quantized(state[f"{name}_codes"], state[f"{name}_scale"], shape, bits, signed)
+def _load(state: dict[str, Any], name: str, shape: torch.Size, precision: str, signed: bool) -> torch.Tensor:
+    packed = q.Quantized(state[f"{name}_codes"], state[f"{name}_scale"], shape, FORMATS[precision][0], signed)
     return q.dequantize(packed)
 
 
@@ -76,29 +78,32 @@ def quantized_state(state: dict[str, Any], p: torch.Tensor, precision: str) -> d
         for name, signed in _MOMENTS:
             moment = state.pop(name, None)
             if moment is not None:
-                _store(state, name, moment.float(), bits, signed, block)
+                _store(state, name, moment.float(), precision, signed)
                 continue
             # zeros as torchao starts them: every code 0 and every scale 0 (a zero scale makes any entry 0)
             blocks = -(-p.numel() // block)
-            state[f"{name}_codes"] = torch.zeros(blocks * block * bits // 8, dtype=torch.uint8, device=p.device)
+            dtype = q.FP8 if precision == "fp8" else torch.uint8
+            state[f"{name}_codes"] = torch.zeros(blocks * block * bits // 8, dtype=dtype, device=p.device)
             state[f"{name}_scale"] = torch.zeros(blocks, device=p.device)
         state.setdefault("step", torch.tensor(0.0))
     return state
 
 
-def _saved_bits(state: dict[str, Any]) -> int:
-    """The width the moments were stored at: 8 bits hold a block's 256 values in 256 bytes, 4 bits its 128 in 64."""
-    ratio = state["exp_avg_codes"].numel() // state["exp_avg_scale"].numel()
-    return 8 if ratio == FORMATS["8bit"][1] else 4
+def _saved_precision(state: dict[str, Any]) -> str:
+    """The precision the moments were stored at: fp8 codes are e4m3; 8 bits hold a block's 256 values in
+    256 bytes, 4 bits its 128 in 64."""
+    codes = state["exp_avg_codes"]
+    if codes.dtype == q.FP8:
+        return "fp8"
+    return "8bit" if codes.numel() // state["exp_avg_scale"].numel() == FORMATS["8bit"][1] else "4bit"
 
 
 @torch.no_grad()
 def adam_step(p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: dict[str, Any],
               decoupled: bool, precision: str) -> None:  # fmt: skip
     """One Adam (``decoupled=False``) or AdamW step of ``p`` (in place) with quantized moments in ``state``."""
-    bits, block = FORMATS[precision]
     quantized_state(state, p, precision)
-    saved = _saved_bits(state)  # a checkpoint of the other width is read as written, written as this run's
+    saved = _saved_precision(state)  # a checkpoint of another precision is read as written, written as this run's
     state["step"] += 1
     step = state["step"]
     lr = torch.tensor(float(group["lr"]), dtype=torch.float32)
@@ -113,8 +118,8 @@ def adam_step(p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group:
     bias_correction2 = 1 - beta2**step
     m = _load(state, "exp_avg", p.shape, saved, True).lerp(g32, 1 - beta1)
     v = _load(state, "exp_avg_sq", p.shape, saved, False).lerp(g32.square(), 1 - beta2)
-    _store(state, "exp_avg", m, bits, True, block)
-    _store(state, "exp_avg_sq", v, bits, False, block)
+    _store(state, "exp_avg", m, precision, True)
+    _store(state, "exp_avg_sq", v, precision, False)
     denom = (v.sqrt() / bias_correction2.sqrt()) + eps
     p.copy_(p32 - lr * (m / bias_correction1) / denom)
 
@@ -122,8 +127,8 @@ def adam_step(p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group:
 def fp32_state(state: dict[str, Any], shape: torch.Size) -> dict[str, Any]:
     """``state`` with its moments back in fp32 (in place), as torch's Adam keeps them."""
     if is_quantized(state):
-        bits = _saved_bits(state)
+        saved = _saved_precision(state)
         for name, signed in _MOMENTS:
-            state[name] = _load(state, name, shape, bits, signed)
+            state[name] = _load(state, name, shape, saved, signed)
             del state[f"{name}_codes"], state[f"{name}_scale"]
     return state

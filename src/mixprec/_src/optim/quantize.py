@@ -22,7 +22,11 @@ The codebooks, and why (the anchors' choices; Dettmers et al. 2021, Li et al. 20
 
 Nearest codes are found as torchao finds them (the largest entry at or below the value, then up
 where the value is at least half-way to the next), so the codes are bitwise torchao's. 4-bit codes
-are packed two to a byte, the first value in the high half. Nothing here syncs with the device.
+are packed two to a byte, the first value in the high half.
+
+fp8 state (:func:`quantize_fp8`, torchao's ``AdamWFp8``) has no codebook: a block's values are
+divided by ``max(|x[b]|, 1e-12) / 448`` and cast to e4m3 (round to nearest even). Nothing here
+syncs with the device.
 """
 
 from __future__ import annotations
@@ -32,10 +36,12 @@ import functools
 
 import torch
 
-__all__ = ["BITS", "Quantized", "codebook", "dequantize", "quantize"]
+__all__ = ["BITS", "FP8", "Quantized", "codebook", "dequantize", "quantize", "quantize_fp8"]
 
 #: The code widths a state can have.
 BITS = (8, 4)
+#: The fp8 format of fp8 state (torchao's ``AdamWFp8``).
+FP8 = torch.float8_e4m3fn
 _EPS = 1e-12
 
 
@@ -84,7 +90,12 @@ class Quantized:
     scale: torch.Tensor
     shape: torch.Size
     bits: int
-    signed: bool
+    signed: bool = True
+
+    @property
+    def fp8(self) -> bool:
+        """Whether the codes are fp8 values (then ``signed`` means nothing: e4m3 has a sign)."""
+        return self.codes.dtype == FP8
 
     @property
     def block_size(self) -> int:
@@ -128,14 +139,28 @@ def quantize(x: torch.Tensor, bits: int, signed: bool, block_size: int) -> Quant
     return Quantized(codes, scale, x.shape, bits, signed)
 
 
+def quantize_fp8(x: torch.Tensor, block_size: int) -> Quantized:
+    """``x`` as e4m3 values, one scale per ``block_size`` of them (the last block padded with zeros)."""
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    flat = x.detach().reshape(-1).float()
+    pad = -flat.numel() % block_size
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    blocks = flat.view(-1, block_size)
+    scale = blocks.abs().amax(dim=1).clamp(min=_EPS) / torch.finfo(FP8).max
+    codes = (blocks / scale[:, None]).to(FP8).view(-1)
+    return Quantized(codes, scale, x.shape, 8)
+
+
 def dequantize(q: Quantized, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The values ``q`` holds, in ``dtype``, shaped as the state."""
     codes = q.codes
+    if q.fp8:
+        values = (codes.float().view(q.scale.numel(), -1) * q.scale[:, None]).view(-1)
+        return values[: q.shape.numel()].view(q.shape).to(dtype)
     if q.bits == 4:
         codes = torch.stack([codes >> 4, codes & 0b1111], dim=-1).view(-1)
     table = _table(q.bits, q.signed, codes.device)
     values = (table[codes.int()].view(q.scale.numel(), -1) * q.scale[:, None]).view(-1)
-    n = 1
-    for d in q.shape:
-        n *= d
-    return values[:n].view(q.shape).to(dtype)
+    return values[: q.shape.numel()].view(q.shape).to(dtype)

@@ -52,8 +52,8 @@ class PrepareConfig:
         fp8: linears that compute in fp8 (a recipe name or an :class:`Fp8Config`); ``None``: none.
             Modules kept in fp32 stay out of fp8.
         optimizer_state: the precision of Adam's and AdamW's moments: ``"fp32"`` (as the level
-            keeps them), ``"8bit"`` or ``"4bit"`` (block-wise quantized, torchao's formats, for
-            parameters of 4096 values or more).
+            keeps them), ``"8bit"``, ``"4bit"`` or ``"fp8"`` (block-wise quantized, torchao's
+            formats, for parameters of 4096 values or more).
 
     Raises:
         ValueError: a bad level or dtype, or a bf16 level with another dtype (at construction).

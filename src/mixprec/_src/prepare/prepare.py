@@ -135,7 +135,7 @@ def prepare(
             ``"rowwise_with_gw_hp"``, ``"delayed"``) or an :class:`Fp8Config` choosing layers and
             scaling; ``mixprec.fp8_layers(model)`` lists the layers converted and those left out.
         optimizer_state: Adam's and AdamW's moments as the level keeps them (``"fp32"``), or
-            block-wise quantized (``"8bit"``, ``"4bit"``: torchao's formats) for parameters of 4096
+            block-wise quantized (``"8bit"``, ``"4bit"``, ``"fp8"``: torchao's formats) for parameters of 4096
             values or more; ``optimizer.state_dict()`` holds the codes and scales.
 
     Raises:
