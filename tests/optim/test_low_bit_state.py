@@ -22,6 +22,30 @@ def _torchao(name: str):  # type: ignore[no-untyped-def]
         return pytest.importorskip(name)
 
 
+@pytest.fixture
+def torchao_never_zero(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchao's 8-bit and fp8 states with mixprec's one departure: a positive second moment is never stored as
+    zero (tests/optim/test_quantize.py checks the departure alone). fp8: torchao casts both moments with one
+    function; the second is the one without a negative value."""
+    eight = _torchao("torchao.optim.subclass_8bit")
+    fp8 = _torchao("torchao.optim.subclass_fp8")
+    quantize_8bit, quantize_fp8 = eight.quantize_8bit_with_qmap, fp8.quantize_fp8
+
+    def never_zero_8bit(x: torch.Tensor, qmap: torch.Tensor) -> torch.Tensor:
+        codes = quantize_8bit(x, qmap)
+        return torch.where((x > 0) & (codes == 0), 1, codes).to(torch.uint8) if qmap[0] == 0 else codes
+
+    def never_zero_fp8(x: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        codes, scale = quantize_fp8(x, block_size)
+        if (x >= 0).all():
+            smallest = torch.tensor(2.0**-9, dtype=codes.dtype)
+            codes = torch.where((x > 0) & (codes.float() == 0), smallest, codes)
+        return codes, scale
+
+    monkeypatch.setattr(eight, "quantize_8bit_with_qmap", never_zero_8bit)
+    monkeypatch.setattr(fp8, "quantize_fp8", never_zero_fp8)
+
+
 def _grads(steps: int, shape: tuple[int, ...]) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(1)
     return [torch.randn(shape, generator=g) * 10.0 ** -(i % 4) for i in range(steps)]
@@ -38,6 +62,7 @@ def _state_zeros(precision: str, shape: torch.Size, signed: bool) -> Any:
 
 @pytest.mark.parametrize("adamw", [True, False])
 @pytest.mark.parametrize("precision", ["8bit", "4bit", "fp8"])
+@pytest.mark.usefixtures("torchao_never_zero")
 def test_a_step_is_torchaos_single_param_adam_bitwise(precision: str, adamw: bool) -> None:
     ao_adam = _torchao("torchao.optim.adam")
     torch.manual_seed(0)
@@ -89,6 +114,7 @@ def _train(model: nn.Module, optimizer: torch.optim.Optimizer, data: list) -> li
 
 
 @pytest.mark.parametrize(("precision", "theirs"), [("8bit", "AdamW8bit"), ("4bit", "AdamW4bit"), ("fp8", "AdamWFp8")])
+@pytest.mark.usefixtures("torchao_never_zero")
 def test_training_is_torchaos_low_bit_adamw_bitwise_where_every_parameter_is_quantized(
     precision: str, theirs: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -223,3 +249,29 @@ def test_a_run_resumed_from_a_distributed_checkpoint_continues_bit_for_bit(tmp_p
     set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
     assert optimizer.state[model[2].weight]["exp_avg_codes"].dtype == torch.uint8
     assert first + _train(model, optimizer, data[4:]) == whole
+
+
+@pytest.mark.parametrize("precision", ["8bit", "fp8"])
+def test_a_second_moment_stored_as_zero_would_blow_the_step_up_and_is_not(precision: str) -> None:
+    """A gradient ten thousand times smaller than its block's largest, then exactly zero (a bf16 gradient that
+    underflowed): torchao stores the first step's second moment as 0, and the second step divides the first
+    moment by eps alone. mixprec keeps it positive, so the step stays about the learning rate."""
+    ao_adam = _torchao("torchao.optim.adam")
+    torch.manual_seed(0)
+    model = nn.Linear(128, 64, bias=False)
+    theirs = model.weight.detach().clone()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    mixprec.prepare(model, optimizer, "O1", optimizer_state=precision)
+    m, v = _state_zeros(precision, theirs.shape, True), _state_zeros(precision, theirs.shape, False)
+    first = torch.full(theirs.shape, 1e-4)  # its square is 1e-8 of the block's: below both formats' smallest step
+    first[:, 0] = 1.0
+    second = torch.zeros(theirs.shape)
+    second[:, 0] = 1.0
+    start = theirs.clone()
+    for step, grad in enumerate((first, second), start=1):
+        model.weight.grad = grad.clone()
+        optimizer.step()
+        ao_adam.single_param_adam(theirs, grad, torch.tensor(float(step)), m, v, None, torch.tensor(1e-2), 0.9, 0.999,
+                                  0.0, 1e-8, True, False)  # fmt: skip
+    assert (theirs - start).abs().max() > 10 * 1e-2  # torchao: the first moment over eps alone
+    assert (model.weight.detach() - start).abs().max() < 3 * 1e-2

@@ -54,9 +54,12 @@ def is_quantized(state: dict[str, Any]) -> bool:
     return "exp_avg_codes" in state
 
 
-def _store(state: dict[str, Any], name: str, value: torch.Tensor, precision: str, signed: bool) -> None:
+def _store(state: dict[str, Any], name: str, value: torch.Tensor, precision: str, signed: bool,
+           capacity: int) -> None:  # fmt: skip
     bits, block = FORMATS[precision]
-    packed = q.quantize_fp8(value, block) if precision == "fp8" else q.quantize(value, bits, signed, block)
+    if capacity > value.numel():  # zeros up to the room every rank's shard of this parameter takes
+        value = torch.cat([value.reshape(-1), value.new_zeros(capacity - value.numel())])
+    packed = q.quantize_fp8(value, block, signed) if precision == "fp8" else q.quantize(value, bits, signed, block)
     codes, scale = state.get(f"{name}_codes"), state.get(f"{name}_scale")
     if codes is not None and codes.shape == packed.codes.shape and scale is not None:
         codes.copy_(packed.codes)  # in place: the storage a checkpoint or a view refers to stays
@@ -70,18 +73,20 @@ def _load(state: dict[str, Any], name: str, shape: torch.Size, precision: str, s
     return q.dequantize(packed)
 
 
-def quantized_state(state: dict[str, Any], p: torch.Tensor, precision: str) -> dict[str, Any]:
+def quantized_state(state: dict[str, Any], p: torch.Tensor, precision: str, capacity: int = 0) -> dict[str, Any]:
     """``state`` with quantized moments (in place): zeros for a new one; fp32 moments (a checkpoint of
-    an fp32-state run) quantized, their tensors dropped."""
+    an fp32-state run) quantized, their tensors dropped. ``capacity``: values to make room for (at least
+    ``p``'s; under FSDP2 the largest shard's, so every rank's codes have one length)."""
     bits, block = FORMATS[precision]
+    capacity = max(capacity, p.numel())
     if not is_quantized(state):
         for name, signed in _MOMENTS:
             moment = state.pop(name, None)
             if moment is not None:
-                _store(state, name, moment.float(), precision, signed)
+                _store(state, name, moment.float(), precision, signed, capacity)
                 continue
             # zeros as torchao starts them: every code 0 and every scale 0 (a zero scale makes any entry 0)
-            blocks = -(-p.numel() // block)
+            blocks = -(-capacity // block)
             dtype = q.FP8 if precision == "fp8" else torch.uint8
             state[f"{name}_codes"] = torch.zeros(blocks * block * bits // 8, dtype=dtype, device=p.device)
             state[f"{name}_scale"] = torch.zeros(blocks, device=p.device)
@@ -100,9 +105,13 @@ def _saved_precision(state: dict[str, Any]) -> str:
 
 @torch.no_grad()
 def adam_step(p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: dict[str, Any],
-              decoupled: bool, precision: str) -> None:  # fmt: skip
-    """One Adam (``decoupled=False``) or AdamW step of ``p`` (in place) with quantized moments in ``state``."""
-    quantized_state(state, p, precision)
+              decoupled: bool, precision: str, capacity: int = 0) -> None:  # fmt: skip
+    """One Adam (``decoupled=False``) or AdamW step of ``p`` (in place) with quantized moments in ``state``.
+
+    ``p`` and ``grad`` are whole tensors or this rank's shards of them (``capacity``: see :func:`quantized_state`).
+    """
+    capacity = max(capacity, p.numel())
+    quantized_state(state, p, precision, capacity)
     saved = _saved_precision(state)  # a checkpoint of another precision is read as written, written as this run's
     state["step"] += 1
     step = state["step"]
@@ -118,8 +127,8 @@ def adam_step(p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group:
     bias_correction2 = 1 - beta2**step
     m = _load(state, "exp_avg", p.shape, saved, True).lerp(g32, 1 - beta1)
     v = _load(state, "exp_avg_sq", p.shape, saved, False).lerp(g32.square(), 1 - beta2)
-    _store(state, "exp_avg", m, precision, True)
-    _store(state, "exp_avg_sq", v, precision, False)
+    _store(state, "exp_avg", m, precision, True, capacity)
+    _store(state, "exp_avg_sq", v, precision, False, capacity)
     denom = (v.sqrt() / bias_correction2.sqrt()) + eps
     p.copy_(p32 - lr * (m / bias_correction1) / denom)
 

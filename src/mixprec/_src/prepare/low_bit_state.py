@@ -5,21 +5,30 @@ which ``step`` calls once per param group, is overridden on this optimizer: it s
 parameter of at least ``optim.adam.MIN_NUMEL`` values with quantized moments
 (:func:`mixprec._src.optim.adam.adam_step`, one parameter's fp32 copies at a time) and hands the
 rest (biases, norms) to Adam's own. ``step`` runs eagerly in a compiled training step (one graph
-break), as bf16-sr's does. :func:`mixprec.export_fp32` puts fp32 moments back. Nothing here syncs.
+break), as bf16-sr's does. :func:`mixprec.export_fp32` puts fp32 moments back.
+
+Under FSDP2 each rank steps its shard and quantizes it in blocks of its own (a block never spans
+two ranks' shards), making room for the largest shard's values (FSDP2 shards dim 0, the first rank
+the largest), so every rank's codes of one parameter have one length: ``optimizer.state_dict()``
+hands them out as DTensors sharded on dim 0 of the mesh, which ``torch.distributed.checkpoint``
+saves and loads rank by rank; a state loaded at another world size does not fit (DCP says so).
+Nothing here syncs.
 """
 
 from __future__ import annotations
 
+import math
 import types
 from typing import Any
 
 import torch
 
+from mixprec._src import sharding
 from mixprec._src.optim import adam
 from mixprec._src.prepare.sr_kernel import fused_supported
 from mixprec._src.prepare.stochastic_rounding import Restore, step_eagerly
 
-__all__ = ["check", "install", "restore_fp32"]
+__all__ = ["check", "check_sharding", "install", "restore_fp32"]
 
 
 def check(optimizer: torch.optim.Optimizer, precision: str) -> None:
@@ -48,15 +57,60 @@ def install(optimizer: torch.optim.Optimizer, precision: str, handles: list[Any]
         decoupled = bool(group.get("decoupled_weight_decay", isinstance(self, torch.optim.AdamW)))
         rest = []
         for p in group["params"]:
-            if p.grad is None or p.numel() < adam.MIN_NUMEL:
+            if p.grad is None or p.numel() < adam.MIN_NUMEL:  # numel: the whole tensor's, on every rank
                 rest.append(p)
                 continue
-            adam.adam_step(p, p.grad, self.state[p], group, decoupled, precision)
+            local_p, local_g = sharding.local(p.data), sharding.local(p.grad)
+            adam.adam_step(local_p, local_g, self.state[p], group, decoupled, precision, _capacity(p))
         return adams_own(self, {**group, "params": rest}, *args, **kwargs)
 
     optimizer._init_group = types.MethodType(_init_group, optimizer)  # type: ignore[attr-defined]
     handles.append(Restore(optimizer, "_init_group"))
     _keep_codes_on_load(optimizer, handles)
+    handles.append(optimizer.register_state_dict_post_hook(_sharded_codes))
+
+
+def check_sharding(optimizer: torch.optim.Optimizer) -> None:
+    """Raise where a parameter is sharded otherwise than FSDP2's dim 0 over one mesh dimension."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if sharding.is_sharded(p) and p.numel() >= adam.MIN_NUMEL:
+                _capacity(p)
+
+
+def _capacity(p: torch.Tensor) -> int:
+    """Values each rank's shard of ``p`` makes room for: the first (largest) shard's under dim-0 sharding."""
+    if not sharding.is_sharded(p):
+        return p.numel()
+    placements = p.placements  # type: ignore[attr-defined]
+    if len(placements) != 1 or not placements[0].is_shard(0):
+        raise ValueError(f"quantized optimizer state needs parameters sharded on dim 0 over one mesh dimension "
+                         f"(fully_shard's default); this one is {placements}: use optimizer_state='fp32'")  # fmt: skip
+    rows = -(-p.shape[0] // p.device_mesh.size())  # type: ignore[attr-defined]
+    return int(rows * math.prod(p.shape[1:]))
+
+
+def _sharded_codes(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """A state dict whose codes and scales of sharded parameters are DTensors sharded on dim 0 (each rank's
+    local ones, of one length on every rank), as DCP saves sharded state; the optimizer's own state is kept."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    order = [i for g in state_dict["param_groups"] for i in g["params"]]
+    by_index = dict(zip(order, params, strict=True))
+    state = dict(state_dict["state"])
+    for index, entry in state.items():
+        param = by_index.get(index)
+        if param is None or not sharding.is_sharded(param) or not adam.is_quantized(entry):
+            continue
+        mesh = param.device_mesh  # type: ignore[attr-defined]
+        wrapped = {}
+        for key, value in entry.items():
+            if key.endswith(("_codes", "_scale")):
+                whole = torch.Size([value.shape[0] * mesh.size()])
+                wrapped[key] = DTensor.from_local(value, mesh, [Shard(0)], run_check=False, shape=whole, stride=(1,))
+        state[index] = {**entry, **wrapped}
+    return {**state_dict, "state": state}
 
 
 def _keep_codes_on_load(optimizer: torch.optim.Optimizer, handles: list[Any]) -> None:
@@ -81,7 +135,7 @@ def _keep_codes_on_load(optimizer: torch.optim.Optimizer, handles: list[Any]) ->
         params = [p for g in opt.param_groups for p in g["params"]]
         for index, tensors in aside.items():
             param = params[saved_order.index(index)]
-            opt.state[param].update({k: v.to(param.device) for k, v in tensors.items()})
+            opt.state[param].update({k: sharding.local(v).to(param.device) for k, v in tensors.items()})
         aside.clear()
 
     handles.append(optimizer.register_load_state_dict_pre_hook(before))  # type: ignore[arg-type]

@@ -173,10 +173,8 @@ def prepare(
         )
     _check(model, optimizer, sharded)
     low_bit_state.check(optimizer, config.optimizer_state)
-    if config.optimizer_state != "fp32" and sharded:
-        raise ValueError(f"optimizer_state={config.optimizer_state!r} under fully_shard is not available yet "
-                         "(the quantized blocks are not aligned to FSDP2's shards); use optimizer_state='fp32' "
-                         "there")  # fmt: skip
+    if config.optimizer_state != "fp32":
+        low_bit_state.check_sharding(optimizer)
     if config.fp8 is not None:  # before anything is installed: a refusal leaves the model as it was
         fp8_conversion.check_device(model, config.fp8)
         if config.fp8.all_gather and not sharded:
