@@ -24,7 +24,7 @@ import torch
 import mixprec
 from mixprec.bench.workloads import WORKLOADS
 
-RECIPES = [("fp32", None, "fp32")] + [(level, level, state) for level in ("O1", "O2", "bf16-pure")
+RECIPES = [("fp32", None, "fp32")] + [(level, level, state) for level in ("O1", "O2", "bf16-sr", "bf16-pure")
                                      for state in ("fp32", "8bit", "4bit", "fp8")]  # fmt: skip
 
 
@@ -65,7 +65,7 @@ def main() -> None:
         reference = run(workload, args.size, None, "fp32", args.steps)
         for name, level, state in RECIPES:
             got = reference if level is None else run(workload, args.size, level, state, args.steps)
-            fused = run(workload, args.size, level, "fp32", 12, fused=level != "bf16-pure")["step_s"]
+            fused = run(workload, args.size, level, "fp32", 12, fused=level not in ("bf16-pure", "bf16-sr"))["step_s"]
             print(f"| {workload} | {name if level is None else f'{level} state={state}'} | {got['bytes']:.2f} | "
                   f"{got['state']:.2f} | {got['step_s'] / fused:.2f}x | {got['loss']:.4f} | "
                   f"{(got['loss'] - reference['loss']) / reference['loss']:+.2%} |")  # fmt: skip

@@ -74,6 +74,8 @@ MUTANTS = (
     Mutant("state-fp8-second-moment-flushes", "a positive fp8 second moment below e4m3's smallest is stored as zero",
            S + "optim/quantize.py", "    if not signed:\n        smallest", "    if False:\n        smallest",
            STATE_TESTS),
+    Mutant("state-sr-rounds-nearest", "at bf16-sr, quantized-state weights are written rounded to nearest",
+           S + "prepare/low_bit_state.py", "                write = _stochastic_write(seed)\n", "", STATE_TESTS),
     Mutant("state-small-quantized", "biases and other small parameters get quantized moments too",
            S + "prepare/low_bit_state.py", "if p.grad is None or p.numel() < adam.MIN_NUMEL:",
            "if p.grad is None:", STATE_TESTS),

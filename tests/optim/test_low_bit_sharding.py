@@ -33,7 +33,7 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def _build(world: int, precision: str) -> tuple[nn.Module, torch.optim.Optimizer]:
+def _build(world: int, precision: str, level: str = "bf16-pure") -> tuple[nn.Module, torch.optim.Optimizer]:
     from torch.distributed.fsdp import fully_shard
 
     model = _lm()
@@ -42,7 +42,7 @@ def _build(world: int, precision: str) -> tuple[nn.Module, torch.optim.Optimizer
             fully_shard(layer)
         fully_shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
-    return mixprec.prepare(model, optimizer, "bf16-pure", optimizer_state=precision)
+    return mixprec.prepare(model, optimizer, level, optimizer_state=precision)
 
 
 def _train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: range, rank: int, world: int) -> list[float]:
@@ -64,22 +64,22 @@ def _full(model: nn.Module) -> list[torch.Tensor]:
     return [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().clone() for p in model.parameters()]
 
 
-def _worker(rank: int, world: int, port: int, results: Any, where: str) -> None:
+def _worker(rank: int, world: int, port: int, results: Any, where: str, level: str) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     warnings.filterwarnings("ignore")
     init_process_group(rank, world, port)
     out: dict[str, Any] = {}
-    model, optimizer = _build(world, "8bit")
+    model, optimizer = _build(world, "8bit", level)
     out["losses"] = _train(model, optimizer, range(STEPS), rank, world)
     out["full"] = _full(model)
     out["state_bytes"] = mixprec.memory_report(model, optimizer).optimizer_state
-    model, optimizer = _build(world, "8bit")
+    model, optimizer = _build(world, "8bit", level)
     _train(model, optimizer, range(SAVE_AT), rank, world)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=where)
-    model, optimizer = _build(world, "8bit")
+    model, optimizer = _build(world, "8bit", level)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     loaded = {"model": model_sd, "optim": optim_sd}
     dcp.load(loaded, checkpoint_id=where)
@@ -90,22 +90,25 @@ def _worker(rank: int, world: int, port: int, results: Any, where: str) -> None:
     dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
-def one_process() -> dict[str, Any]:
-    model, optimizer = _build(1, "8bit")
+def _one_process(level: str) -> dict[str, Any]:
+    model, optimizer = _build(1, "8bit", level)
     losses = _train(model, optimizer, range(STEPS), 0, 1)
     return {"losses": losses, "state_bytes": mixprec.memory_report(model, optimizer).optimizer_state}
 
 
-def _run(world: int, tmp_path: Path) -> list[dict[str, Any]]:
-    return spawn(_worker, world, str(tmp_path))
-
-
-@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    ("world", "level"),
+    [
+        (2, "bf16-pure"),
+        pytest.param(2, "bf16-sr", marks=pytest.mark.slow),
+        pytest.param(4, "bf16-pure", marks=pytest.mark.slow),
+    ],
+)
 def test_quantized_state_is_sharded_trains_as_one_process_and_resumes_from_dcp_bitwise(
-    world: int, tmp_path: Path, one_process: dict[str, Any]
+    world: int, level: str, tmp_path: Path
 ) -> None:
-    ranks = _run(world, tmp_path)
+    one_process = _one_process(level)
+    ranks = spawn(_worker, world, str(tmp_path), level)
     for rank in ranks:  # each rank holds its shard's codes and scales: a world's share, and the padding of its blocks
         assert rank["state_bytes"] <= one_process["state_bytes"] / world * 1.05
     assert all(torch.equal(a, b) for a, b in zip(ranks[0]["resumed"], ranks[0]["full"], strict=True))

@@ -152,7 +152,9 @@ def _no_small_parameters() -> nn.Module:
                          nn.Linear(256, 16, bias=False))  # fmt: skip
 
 
-@pytest.mark.parametrize(("level", "precision"), [("O1", "8bit"), ("O2", "4bit"), ("bf16-pure", "8bit"), ("O1", "fp8")])
+@pytest.mark.parametrize(
+    ("level", "precision"), [("O1", "8bit"), ("O2", "4bit"), ("bf16-pure", "8bit"), ("O1", "fp8"), ("bf16-sr", "4bit")]
+)
 def test_a_run_resumed_from_state_dicts_continues_bit_for_bit(level: str, precision: str) -> None:
     data = _data(8)
 
@@ -218,8 +220,6 @@ def test_what_cannot_keep_quantized_moments_is_refused_with_what_to_do() -> None
         mixprec.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), "O1", optimizer_state="8bit")
     with pytest.raises(ValueError, match="AdamW with amsgrad: use one of them"):
         mixprec.prepare(model, torch.optim.AdamW(model.parameters(), amsgrad=True), "O1", optimizer_state="4bit")
-    with pytest.raises(ValueError, match="not available at level 'bf16-sr' yet"):
-        mixprec.PrepareConfig("bf16-sr", optimizer_state="8bit")
     with pytest.raises(ValueError, match="unknown optimizer_state '2bit'; valid: fp32, 8bit, 4bit, fp8"):
         mixprec.PrepareConfig("O1", optimizer_state="2bit")
     assert str(mixprec.PrepareConfig("O2", optimizer_state="4bit")).endswith("state=4bit")
@@ -275,3 +275,24 @@ def test_a_second_moment_stored_as_zero_would_blow_the_step_up_and_is_not(precis
                                   0.0, 1e-8, True, False)  # fmt: skip
     assert (theirs - start).abs().max() > 10 * 1e-2  # torchao: the first moment over eps alone
     assert (model.weight.detach() - start).abs().max() < 3 * 1e-2
+
+
+@pytest.mark.parametrize("precision", ["8bit", "fp8"])
+def test_at_bf16_sr_the_weights_round_stochastically_with_the_levels_noise(precision: str) -> None:
+    """An update a sixteenth of a bf16 step: rounded to nearest it is lost, rounded stochastically about a
+    sixteenth of the weights move a whole step; the noise is bf16-sr's own (fp32 moments round the same)."""
+    moved = {}
+    for level, state in (("bf16-pure", precision), ("bf16-sr", precision), ("bf16-sr", "fp32")):
+        model = nn.Linear(256, 64, bias=False)
+        with torch.no_grad():
+            model.weight.fill_(1.0)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=2.0**-11, weight_decay=0.0)  # bf16 steps 2**-7 at 1
+        torch.manual_seed(0)  # bf16-sr draws its noise's seed from torch's generator
+        mixprec.prepare(model, optimizer, level, optimizer_state=state)
+        model.weight.grad = -torch.ones_like(model.weight)  # Adam's first step: lr in every element
+        optimizer.step()
+        moved[level, state] = model.weight.detach().float() - 1.0
+    assert not moved["bf16-pure", precision].any()
+    share = (moved["bf16-sr", precision] != 0).float().mean()
+    assert 0.045 < share < 0.08 and set(moved["bf16-sr", precision].unique().tolist()) <= {0.0, 2.0**-7}
+    assert torch.equal(moved["bf16-sr", precision], moved["bf16-sr", "fp32"])

@@ -22,6 +22,7 @@ Nothing here syncs with the device.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -105,10 +106,12 @@ def _saved_precision(state: dict[str, Any]) -> str:
 
 @torch.no_grad()
 def adam_step(p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: dict[str, Any],
-              decoupled: bool, precision: str, capacity: int = 0) -> None:  # fmt: skip
+              decoupled: bool, precision: str, capacity: int = 0,
+              write: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> None:  # fmt: skip
     """One Adam (``decoupled=False``) or AdamW step of ``p`` (in place) with quantized moments in ``state``.
 
     ``p`` and ``grad`` are whole tensors or this rank's shards of them (``capacity``: see :func:`quantized_state`).
+    ``write(p, new)`` stores the fp32 result in ``p`` (default ``p.copy_(new)``: rounded to nearest).
     """
     capacity = max(capacity, p.numel())
     quantized_state(state, p, precision, capacity)
@@ -130,7 +133,11 @@ def adam_step(p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group:
     _store(state, "exp_avg", m, precision, True, capacity)
     _store(state, "exp_avg_sq", v, precision, False, capacity)
     denom = (v.sqrt() / bias_correction2.sqrt()) + eps
-    p.copy_(p32 - lr * (m / bias_correction1) / denom)
+    new = p32 - lr * (m / bias_correction1) / denom
+    if write is None:
+        p.copy_(new)
+    else:
+        write(p, new)
 
 
 def fp32_state(state: dict[str, Any], shape: torch.Size) -> dict[str, Any]:

@@ -91,10 +91,6 @@ class PrepareConfig:
         object.__setattr__(self, "fp8", as_fp8_config(self.fp8))  # type: ignore[arg-type]
         if self.optimizer_state not in STATE_PRECISIONS:
             raise ValueError(f"unknown optimizer_state {self.optimizer_state!r}; valid: {', '.join(STATE_PRECISIONS)}")
-        if self.optimizer_state != "fp32" and level is Level.BF16_SR:
-            raise ValueError(f"optimizer_state={self.optimizer_state!r} is not available at level 'bf16-sr' yet "
-                             "(its fused step rounds the weights itself); use 'bf16-pure', 'O2' or 'O1' with "
-                             "it")  # fmt: skip
         if self.keep_filter is not None and not callable(self.keep_filter):
             raise TypeError("keep_filter must be a callable (module, qualified_name) -> bool")
         rule = ModuleRule(self.keep_types, self.keep_names) if (self.keep_types or self.keep_names) else None

@@ -26,7 +26,8 @@ import torch
 from mixprec._src import sharding
 from mixprec._src.optim import adam
 from mixprec._src.prepare.sr_kernel import fused_supported
-from mixprec._src.prepare.stochastic_rounding import Restore, step_eagerly
+from mixprec._src.prepare.sr_noise import seed_tensor, shard_seed, sr_bits, tensor_seed
+from mixprec._src.prepare.stochastic_rounding import SEED_KEY, STEP_KEY, Restore, positions, step_eagerly
 
 __all__ = ["check", "check_sharding", "install", "restore_fp32"]
 
@@ -47,27 +48,50 @@ def _flags(optimizer: torch.optim.Optimizer) -> str:
     return ", ".join(n for n in names if any(g.get(n) for g in optimizer.param_groups))
 
 
-def install(optimizer: torch.optim.Optimizer, precision: str, handles: list[Any]) -> None:
-    """Make ``optimizer`` (Adam or AdamW) keep the moments of its large parameters at ``precision``."""
+def install(optimizer: torch.optim.Optimizer, precision: str, handles: list[Any], stochastic: bool = False) -> None:
+    """Make ``optimizer`` (Adam or AdamW) keep the moments of its large parameters at ``precision``.
+
+    ``stochastic`` (level bf16-sr, installed after bf16-sr's own step): the large parameters' weights are
+    written back with bf16-sr's stochastic rounding, with the noise bf16-sr would give them (the seed from
+    the param group's counters and the tensor's position); the rest go on through bf16-sr's step.
+    """
     check(optimizer, precision)
     step_eagerly(optimizer, handles)
-    adams_own = type(optimizer)._init_group  # type: ignore[attr-defined]
+    own = optimizer.__dict__.get("_init_group")  # bf16-sr's, where it is installed
+    take_rest = (lambda opt, group, *a, **k: own(group, *a, **k)) if own is not None else type(optimizer)._init_group  # type: ignore[attr-defined]
 
     def _init_group(self: torch.optim.Optimizer, group: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
         decoupled = bool(group.get("decoupled_weight_decay", isinstance(self, torch.optim.AdamW)))
+        where = positions(self) if stochastic else {}
         rest = []
         for p in group["params"]:
             if p.grad is None or p.numel() < adam.MIN_NUMEL:  # numel: the whole tensor's, on every rank
                 rest.append(p)
                 continue
             local_p, local_g = sharding.local(p.data), sharding.local(p.grad)
-            adam.adam_step(local_p, local_g, self.state[p], group, decoupled, precision, _capacity(p))
-        return adams_own(self, {**group, "params": rest}, *args, **kwargs)
+            write = None
+            if stochastic and local_p.dtype == torch.bfloat16:  # bf16-sr's next count: its step advances it below
+                seed = shard_seed(tensor_seed(int(group[SEED_KEY]), int(group[STEP_KEY]) + 1, where[id(p)]), p)
+                write = _stochastic_write(seed)
+            adam.adam_step(local_p, local_g, self.state[p], group, decoupled, precision, _capacity(p), write)
+        rest_group = {**group, "params": rest}
+        result = take_rest(self, rest_group, *args, **kwargs)
+        if STEP_KEY in rest_group:
+            group[STEP_KEY] = rest_group[STEP_KEY]  # bf16-sr's step counted on the copy it was given
+        return result
 
     optimizer._init_group = types.MethodType(_init_group, optimizer)  # type: ignore[attr-defined]
     handles.append(Restore(optimizer, "_init_group"))
     _keep_codes_on_load(optimizer, handles)
     handles.append(optimizer.register_state_dict_post_hook(_sharded_codes))
+
+
+def _stochastic_write(seed: int) -> Any:
+    def write(p: torch.Tensor, new: torch.Tensor) -> None:
+        bits = sr_bits(new.reshape(-1), seed_tensor(seed, p.device))  # fp32 bits, 16 low zeros: exact in bf16
+        p.copy_(bits.view(torch.float32).view(p.shape))
+
+    return write
 
 
 def check_sharding(optimizer: torch.optim.Optimizer) -> None:

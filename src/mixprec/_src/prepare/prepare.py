@@ -206,7 +206,7 @@ def prepare(
     else:  # the keys every level's checkpoint holds; nothing rounds stochastically here
         stochastic_rounding.add_counters(optimizer, 0, state.handles)
     if config.optimizer_state != "fp32":
-        low_bit_state.install(optimizer, config.optimizer_state, state.handles)
+        low_bit_state.install(optimizer, config.optimizer_state, state.handles, stochastic=level is Level.BF16_SR)
     if layers is not None and layers.config.all_gather:  # on the shards as _lower left them
         fp8_all_gather.install(model, layers)
 

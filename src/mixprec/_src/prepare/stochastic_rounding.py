@@ -23,7 +23,7 @@ from mixprec._src import sharding
 from mixprec._src.prepare.sr_kernel import adam_scalars, compiled_kernel, fused_supported
 from mixprec._src.prepare.sr_noise import seed_tensor, shard_seed, sr_bits, tensor_seed
 
-__all__ = ["SEED_KEY", "STEP_KEY", "Restore", "add_counters", "install", "remove_counters", "step_eagerly"]
+__all__ = ["SEED_KEY", "STEP_KEY", "Restore", "add_counters", "install", "positions", "remove_counters", "step_eagerly"]
 
 #: param-group keys that hold the rounding noise's seed and each group's step counter
 SEED_KEY = "mixprec_sr_seed"
@@ -46,7 +46,7 @@ def _advance(group: dict[str, Any]) -> tuple[int, int]:
     return int(group[SEED_KEY]), int(group[STEP_KEY])
 
 
-def _positions(optimizer: torch.optim.Optimizer) -> dict[int, int]:
+def positions(optimizer: torch.optim.Optimizer) -> dict[int, int]:
     """id(tensor) -> its position in the optimizer (group after group): part of its seed."""
     return {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
 
@@ -68,7 +68,7 @@ def _install_fused(optimizer: torch.optim.Optimizer, lowp: set[int], handles: li
         decoupled = bool(group.get("decoupled_weight_decay", isinstance(self, torch.optim.AdamW)))
         by_step: dict[tuple[float, torch.device], torch.Tensor] = {}
         base, step = _advance(group)
-        position = _positions(self)
+        position = positions(self)
         rest = []
         for p in group["params"]:
             local_p, local_g = sharding.local(p.data), None if p.grad is None else sharding.local(p.grad)
@@ -104,7 +104,7 @@ def _install_generic(optimizer: torch.optim.Optimizer, lowp: set[int], handles: 
         # parameters themselves keep their dtype: changing it through .data would reset their
         # gradient accumulators, and with them the hooks DDP all-reduces through.
         base, step = _advance(group)
-        position = _positions(opt)
+        position = positions(opt)
         for i, param in enumerate(group["params"]):
             if id(param) not in lowp or param.grad is None:
                 continue
