@@ -119,9 +119,7 @@ def _sharded_codes(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any])
     local ones, of one length on every rank), as DCP saves sharded state; the optimizer's own state is kept."""
     from torch.distributed.tensor import DTensor, Shard
 
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    order = [i for g in state_dict["param_groups"] for i in g["params"]]
-    by_index = dict(zip(order, params, strict=True))
+    by_index = _params_by_index(optimizer, state_dict)
     state = dict(state_dict["state"])
     for index, entry in state.items():
         param = by_index.get(index)
@@ -142,11 +140,12 @@ def _keep_codes_on_load(optimizer: torch.optim.Optimizer, handles: list[Any]) ->
     scales would become floats, bf16 at the bf16 levels): the codes and scales are set aside before the
     load and put back after it, as saved (the checkpoint's own dict is not changed)."""
     aside: dict[Any, dict[str, torch.Tensor]] = {}
-    saved_order: list[Any] = []
+    owners: dict[Any, torch.Tensor] = {}
 
     def before(opt: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
         aside.clear()
-        saved_order[:] = [i for g in state_dict["param_groups"] for i in g["params"]]
+        owners.clear()
+        owners.update(_params_by_index(opt, state_dict))
         state = {}
         for index, entry in state_dict["state"].items():
             if isinstance(entry, dict) and adam.is_quantized(entry):
@@ -156,14 +155,20 @@ def _keep_codes_on_load(optimizer: torch.optim.Optimizer, handles: list[Any]) ->
         return {**state_dict, "state": state}
 
     def after(opt: torch.optim.Optimizer) -> None:
-        params = [p for g in opt.param_groups for p in g["params"]]
         for index, tensors in aside.items():
-            param = params[saved_order.index(index)]
+            param = owners[index]
             opt.state[param].update({k: sharding.local(v).to(param.device) for k, v in tensors.items()})
         aside.clear()
 
     handles.append(optimizer.register_load_state_dict_pre_hook(before))  # type: ignore[arg-type]
     handles.append(optimizer.register_load_state_dict_post_hook(after))
+
+
+def _params_by_index(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[Any, torch.Tensor]:
+    """The optimizer's parameter each index of ``state_dict`` names, as ``load_state_dict`` pairs them (in order)."""
+    order = [i for g in state_dict["param_groups"] for i in g["params"]]
+    # not strict: a state dict of another shape is load_state_dict's to refuse, with its own message
+    return dict(zip(order, (p for g in optimizer.param_groups for p in g["params"]), strict=False))
 
 
 def restore_fp32(optimizer: torch.optim.Optimizer) -> None:
