@@ -60,14 +60,15 @@ FP8_TESTS = ("tests/fp8/test_fp8_gemm.py", "tests/fp8/test_fp8_linear.py", "test
 GEMM_TESTS = ("tests/gemms/test_gemm_layers.py",)
 QUANTIZE_TESTS = ("tests/optim/test_quantize.py",)
 STATE_TESTS = ("tests/optim/test_low_bit_state.py",)
+SGD_TESTS = ("tests/optim/test_low_bit_sgd.py",)
 
 MUTANTS = (
     Mutant("state-codes-cast-on-load", "a loaded checkpoint's codes and scales are left as load_state_dict cast them",
            S + "prepare/low_bit_state.py", "{k: sharding.local(v).to(param.device) for k, v in tensors.items()}",
            "{k: sharding.local(v).to(param.device, param.dtype) for k, v in tensors.items()}", STATE_TESTS),
     Mutant("state-fp8-unscaled", "fp8 moments are cast without their block's scale (small values flush)",
-           S + "optim/quantize.py", "codes = (blocks / scale[:, None]).to(FP8).view(-1)",
-           "codes = blocks.to(FP8).view(-1)", STATE_TESTS),
+           S + "optim/quantize.py", "    scaled = blocks / scale[:, None]\n    codes = scaled.to(FP8)",
+           "    scaled = blocks\n    codes = scaled.to(FP8)", STATE_TESTS),
     Mutant("state-second-moment-flushes", "a positive 8-bit second moment below the smallest step is stored as zero",
            S + "optim/quantize.py", "        codes = torch.where((scaled > 0) & (codes == 0), 1, codes)\n", "",
            QUANTIZE_TESTS + STATE_TESTS),
@@ -76,12 +77,14 @@ MUTANTS = (
            STATE_TESTS),
     Mutant("state-sr-rounds-nearest", "at bf16-sr, quantized-state weights are written rounded to nearest",
            S + "prepare/low_bit_state.py", "                write = _stochastic_write(seed)\n", "", STATE_TESTS),
+    Mutant("state-sgd-nesterov-ignored", "quantized-momentum SGD ignores nesterov",
+           S + "optim/sgd.py", 'd = g32.add(buf, alpha=momentum) if group["nesterov"] else buf', "d = buf", SGD_TESTS),
     Mutant("state-small-quantized", "biases and other small parameters get quantized moments too",
-           S + "prepare/low_bit_state.py", "if p.grad is None or p.numel() < adam.MIN_NUMEL:",
+           S + "prepare/low_bit_state.py", "if p.grad is None or p.numel() < moments.MIN_NUMEL:",
            "if p.grad is None:", STATE_TESTS),
     Mutant("state-step-uses-stored-moments", "the update uses the moments as stored (quantized), not this step's",
            S + "optim/adam.py", "    denom = (v.sqrt() / bias_correction2.sqrt()) + eps\n",
-           "    m = _load(state, 'exp_avg', p.shape, bits, True)\n"
+           "    m = moments.load(state, 'exp_avg', p.shape)\n"
            "    denom = (v.sqrt() / bias_correction2.sqrt()) + eps\n", STATE_TESTS),
     Mutant("state-one-scale", "a state tensor's blocks share one scale (the whole tensor's maximum)",
            S + "optim/quantize.py", "scale = blocks.abs().amax(dim=1).clamp(min=_EPS)\n",

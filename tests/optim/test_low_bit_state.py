@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import mixprec
-from mixprec._src.optim import adam
+from mixprec._src.optim import adam, moments
 
 
 def _torchao(name: str):  # type: ignore[no-untyped-def]
@@ -53,7 +53,7 @@ def _grads(steps: int, shape: tuple[int, ...]) -> list[torch.Tensor]:
 
 def _state_zeros(precision: str, shape: torch.Size, signed: bool) -> Any:
     """torchao's zero state of ``precision``."""
-    _, block = adam.FORMATS[precision]
+    _, block = moments.FORMATS[precision]
     if precision == "fp8":
         return _torchao("torchao.optim.subclass_fp8").OptimStateFp8.zeros(shape, block)
     module = _torchao(f"torchao.optim.subclass_{precision}")
@@ -191,11 +191,11 @@ def test_checkpoints_move_between_fp32_and_quantized_moments() -> None:
     optimizer.load_state_dict(plain_opt.state_dict())  # fp32 moments: quantized at the next step
     _train(model, optimizer, data[3:5])
     state = optimizer.state[model[2].weight]
-    assert adam.is_quantized(state) and "exp_avg" not in state and float(state["step"]) == 5
-    assert not adam.is_quantized(optimizer.state[model[2].bias])  # small: fp32 moments, torch's own step
+    assert moments.is_quantized(state) and "exp_avg" not in state and float(state["step"]) == 5
+    assert not moments.is_quantized(optimizer.state[model[2].bias])  # small: fp32 moments, torch's own step
     mixprec.export_fp32(model, optimizer)  # back to fp32 moments a plain AdamW continues from
     state = optimizer.state[model[2].weight]
-    assert state["exp_avg"].dtype == torch.float32 and not adam.is_quantized(state)
+    assert state["exp_avg"].dtype == torch.float32 and not moments.is_quantized(state)
     _train(model, optimizer, data[5:])  # torch's own step on the exported moments
 
 
@@ -216,7 +216,7 @@ def test_quantized_moments_take_about_a_quarter_of_the_bytes() -> None:
 
 def test_what_cannot_keep_quantized_moments_is_refused_with_what_to_do() -> None:
     model = nn.Linear(64, 64)
-    with pytest.raises(ValueError, match=r"quantizes Adam's and AdamW's moments .* this optimizer is a SGD"):
+    with pytest.raises(ValueError, match=r"quantizes SGD's momentum buffer .* this one has no momentum"):
         mixprec.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), "O1", optimizer_state="8bit")
     with pytest.raises(ValueError, match="AdamW with amsgrad: use one of them"):
         mixprec.prepare(model, torch.optim.AdamW(model.parameters(), amsgrad=True), "O1", optimizer_state="4bit")

@@ -16,7 +16,7 @@ from torch import nn
 
 from mixprec._src.dtypes import LOW_PRECISION, NamedEnum, parse_dtype, short_name
 from mixprec._src.fp8.config import Fp8Config, as_fp8_config
-from mixprec._src.optim.adam import STATE_PRECISIONS
+from mixprec._src.optim.moments import STATE_PRECISIONS
 from mixprec._src.policy.grammar import get_policy
 from mixprec._src.policy.policy import NORM_TYPES, ModuleFilter, ModuleRule, Policy, rule_items
 
@@ -51,7 +51,7 @@ class PrepareConfig:
             policy string); ``None``: the device's built-in lists.
         fp8: linears that compute in fp8 (a recipe name or an :class:`Fp8Config`); ``None``: none.
             Modules kept in fp32 stay out of fp8.
-        optimizer_state: the precision of Adam's and AdamW's moments: ``"fp32"`` (as the level
+        optimizer_state: the precision of Adam's and AdamW's moments and SGD's momentum: ``"fp32"`` (as the level
             keeps them), ``"8bit"``, ``"4bit"`` or ``"fp8"`` (block-wise quantized, torchao's
             formats, for parameters of 4096 values or more).
 

@@ -1,10 +1,10 @@
-"""Adam(W) with its moments stored block-wise quantized: ``PrepareConfig(optimizer_state="8bit")``.
+"""Adam(W)'s moments and SGD's momentum stored block-wise quantized: ``PrepareConfig(optimizer_state="8bit")``.
 
-The optimizer's own ``step`` stays (its hooks, LR schedulers' wrappers); Adam's ``_init_group``,
-which ``step`` calls once per param group, is overridden on this optimizer: it steps each
-parameter of at least ``optim.adam.MIN_NUMEL`` values with quantized moments
-(:func:`mixprec._src.optim.adam.adam_step`, one parameter's fp32 copies at a time) and hands the
-rest (biases, norms) to Adam's own. ``step`` runs eagerly in a compiled training step (one graph
+The optimizer's own ``step`` stays (its hooks, LR schedulers' wrappers); its ``_init_group``, which
+``step`` calls once per param group, is overridden on this optimizer: it steps each parameter of at
+least ``optim.moments.MIN_NUMEL`` values with quantized state (``optim.adam.adam_step``,
+``optim.sgd.sgd_step``: one parameter's fp32 copies at a time) and hands the rest (biases, norms)
+to the optimizer's own. ``step`` runs eagerly in a compiled training step (one graph
 break), as bf16-sr's does. :func:`mixprec.export_fp32` puts fp32 moments back.
 
 Under FSDP2 each rank steps its shard and quantizes it in blocks of its own (a block never spans
@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from mixprec._src import sharding
-from mixprec._src.optim import adam
+from mixprec._src.optim import adam, moments, sgd
 from mixprec._src.prepare.sr_kernel import fused_supported
 from mixprec._src.prepare.sr_noise import seed_tensor, shard_seed, sr_bits, tensor_seed
 from mixprec._src.prepare.stochastic_rounding import SEED_KEY, STEP_KEY, Restore, positions, step_eagerly
@@ -36,11 +36,20 @@ def check(optimizer: torch.optim.Optimizer, precision: str) -> None:
     """Raise where ``optimizer`` cannot keep its state at ``precision`` (before anything is installed)."""
     if precision == "fp32":
         return
+    if isinstance(optimizer, torch.optim.SGD) and type(optimizer).__module__.startswith("torch.optim"):
+        flags = [n for n in ("maximize", "fused", "differentiable") if any(g.get(n) for g in optimizer.param_groups)]
+        if any(not g.get("momentum") for g in optimizer.param_groups):
+            flags.append("no momentum (no state to quantize)")
+        if not flags:
+            return
+        raise ValueError(f"optimizer_state={precision!r} quantizes SGD's momentum buffer (torch.optim.SGD with "
+                         f"momentum, without maximize, fused or differentiable); this one has {', '.join(flags)}: "
+                         "change that, or use optimizer_state='fp32'")  # fmt: skip
     if not fused_supported(optimizer):
         raise ValueError(f"optimizer_state={precision!r} quantizes Adam's and AdamW's moments (torch.optim.Adam or "
-                         f"AdamW, without amsgrad, maximize, capturable, differentiable or fused); this optimizer is a "
-                         f"{type(optimizer).__name__} with {_flags(optimizer) or 'none of those'}: use one of them, "
-                         "or optimizer_state='fp32'")  # fmt: skip
+                         f"AdamW, without amsgrad, maximize, capturable, differentiable or fused) and SGD's momentum; "
+                         f"this optimizer is a {type(optimizer).__name__} with {_flags(optimizer) or 'none of those'}: "
+                         "use one of them, or optimizer_state='fp32'")  # fmt: skip
 
 
 def _flags(optimizer: torch.optim.Optimizer) -> str:
@@ -49,7 +58,7 @@ def _flags(optimizer: torch.optim.Optimizer) -> str:
 
 
 def install(optimizer: torch.optim.Optimizer, precision: str, handles: list[Any], stochastic: bool = False) -> None:
-    """Make ``optimizer`` (Adam or AdamW) keep the moments of its large parameters at ``precision``.
+    """Make ``optimizer`` (Adam, AdamW or SGD) keep the state of its large parameters at ``precision``.
 
     ``stochastic`` (level bf16-sr, installed after bf16-sr's own step): the large parameters' weights are
     written back with bf16-sr's stochastic rounding, with the noise bf16-sr would give them (the seed from
@@ -62,10 +71,11 @@ def install(optimizer: torch.optim.Optimizer, precision: str, handles: list[Any]
 
     def _init_group(self: torch.optim.Optimizer, group: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
         decoupled = bool(group.get("decoupled_weight_decay", isinstance(self, torch.optim.AdamW)))
+        momentum = isinstance(self, torch.optim.SGD)
         where = positions(self) if stochastic else {}
         rest = []
         for p in group["params"]:
-            if p.grad is None or p.numel() < adam.MIN_NUMEL:  # numel: the whole tensor's, on every rank
+            if p.grad is None or p.numel() < moments.MIN_NUMEL:  # numel: the whole tensor's, on every rank
                 rest.append(p)
                 continue
             local_p, local_g = sharding.local(p.data), sharding.local(p.grad)
@@ -73,7 +83,10 @@ def install(optimizer: torch.optim.Optimizer, precision: str, handles: list[Any]
             if stochastic and local_p.dtype == torch.bfloat16:  # bf16-sr's next count: its step advances it below
                 seed = shard_seed(tensor_seed(int(group[SEED_KEY]), int(group[STEP_KEY]) + 1, where[id(p)]), p)
                 write = _stochastic_write(seed)
-            adam.adam_step(local_p, local_g, self.state[p], group, decoupled, precision, _capacity(p), write)
+            if momentum:
+                sgd.sgd_step(local_p, local_g, self.state[p], group, precision, _capacity(p), write)
+            else:
+                adam.adam_step(local_p, local_g, self.state[p], group, decoupled, precision, _capacity(p), write)
         rest_group = {**group, "params": rest}
         result = take_rest(self, rest_group, *args, **kwargs)
         if STEP_KEY in rest_group:
@@ -98,7 +111,7 @@ def check_sharding(optimizer: torch.optim.Optimizer) -> None:
     """Raise where a parameter is sharded otherwise than FSDP2's dim 0 over one mesh dimension."""
     for group in optimizer.param_groups:
         for p in group["params"]:
-            if sharding.is_sharded(p) and p.numel() >= adam.MIN_NUMEL:
+            if sharding.is_sharded(p) and p.numel() >= moments.MIN_NUMEL:
                 _capacity(p)
 
 
@@ -123,7 +136,7 @@ def _sharded_codes(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any])
     state = dict(state_dict["state"])
     for index, entry in state.items():
         param = by_index.get(index)
-        if param is None or not sharding.is_sharded(param) or not adam.is_quantized(entry):
+        if param is None or not sharding.is_sharded(param) or not moments.is_quantized(entry):
             continue
         mesh = param.device_mesh  # type: ignore[attr-defined]
         wrapped = {}
@@ -148,7 +161,7 @@ def _keep_codes_on_load(optimizer: torch.optim.Optimizer, handles: list[Any]) ->
         owners.update(_params_by_index(opt, state_dict))
         state = {}
         for index, entry in state_dict["state"].items():
-            if isinstance(entry, dict) and adam.is_quantized(entry):
+            if isinstance(entry, dict) and moments.is_quantized(entry):
                 aside[index] = {k: v for k, v in entry.items() if k.endswith(("_codes", "_scale"))}
                 entry = {k: v for k, v in entry.items() if k not in aside[index]}
             state[index] = entry
@@ -174,4 +187,4 @@ def _params_by_index(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any
 def restore_fp32(optimizer: torch.optim.Optimizer) -> None:
     """Every quantized state of ``optimizer`` back to fp32 moments (in place), as torch's Adam keeps them."""
     for param, state in optimizer.state.items():
-        adam.fp32_state(state, param.shape)  # type: ignore[union-attr]
+        moments.fp32_state(state, param.shape)  # type: ignore[union-attr]

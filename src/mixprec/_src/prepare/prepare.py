@@ -47,7 +47,7 @@ from mixprec._src.fp8 import all_gather as fp8_all_gather
 from mixprec._src.fp8 import conversion as fp8_conversion
 from mixprec._src.fp8.config import Fp8Config
 from mixprec._src.fp8.linear import Fp8Scaling
-from mixprec._src.optim import adam
+from mixprec._src.optim import moments
 from mixprec._src.policy.policy import NORM_TYPES, ModuleFilter, Policy, default_policy
 from mixprec._src.prepare import kept, low_bit_state, o2_copies, sr_noise, stochastic_rounding
 from mixprec._src.prepare.config import Level, PrepareConfig
@@ -134,7 +134,7 @@ def prepare(
         fp8: linears computed in fp8: a recipe (``"tensorwise"``, ``"rowwise"``,
             ``"rowwise_with_gw_hp"``, ``"delayed"``) or an :class:`Fp8Config` choosing layers and
             scaling; ``mixprec.fp8_layers(model)`` lists the layers converted and those left out.
-        optimizer_state: Adam's and AdamW's moments as the level keeps them (``"fp32"``), or
+        optimizer_state: Adam's and AdamW's moments and SGD's momentum as the level keeps them (``"fp32"``), or
             block-wise quantized (``"8bit"``, ``"4bit"``, ``"fp8"``: torchao's formats) for parameters of 4096
             values or more; ``optimizer.state_dict()`` holds the codes and scales.
 
@@ -266,7 +266,7 @@ def _narrow_state(optimizer: torch.optim.Optimizer, params: list[nn.Parameter], 
     started prepared."""
     for param in params:
         state = optimizer.state.get(param)
-        if state is not None and adam.is_quantized(state):  # codes and scale bits: no floating tensor to narrow
+        if state is not None and moments.is_quantized(state):  # codes and scale bits: no floating tensor to narrow
             continue
         for key, value in (state or {}).items():
             if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() > 0 and key != "step":

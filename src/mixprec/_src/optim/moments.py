@@ -1,0 +1,93 @@
+"""An optimizer's state tensors stored block-wise quantized: formats, store, load, the precision saved.
+
+A state tensor ``name`` (``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``) is kept as two tensors
+of the optimizer's state, ``<name>_codes`` and ``<name>_scale`` (``optim.quantize``); second
+moments (``exp_avg_sq``) are unsigned, the rest signed. Nothing here syncs with the device.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mixprec._src.optim import quantize as q
+
+__all__ = [
+    "FORMATS",
+    "MIN_NUMEL",
+    "STATE_PRECISIONS",
+    "fp32_state",
+    "is_quantized",
+    "load",
+    "saved_precision",
+    "signed",
+    "store",
+    "zeros",
+]
+
+#: State precision -> (bits, block size): torchao's formats (fp8: e4m3 values, ``AdamWFp8``'s).
+FORMATS = {"8bit": (8, 256), "4bit": (4, 128), "fp8": (8, 256)}
+#: What ``PrepareConfig.optimizer_state`` takes: the state as the level keeps it, or quantized.
+STATE_PRECISIONS = ("fp32", *FORMATS)
+#: Parameters with fewer values keep their state as the level keeps it (torchao's threshold).
+MIN_NUMEL = 4096
+_UNSIGNED = ("exp_avg_sq",)
+
+
+def signed(name: str) -> bool:
+    """Whether state tensor ``name`` takes negative values (a second moment does not)."""
+    return name not in _UNSIGNED
+
+
+def is_quantized(state: dict[str, Any]) -> bool:
+    return any(key.endswith("_codes") for key in state)
+
+
+def store(state: dict[str, Any], name: str, value: torch.Tensor, precision: str, capacity: int) -> None:
+    """Keep ``value`` as ``name``'s codes and scales (in place where they exist), room made for ``capacity``
+    values (under FSDP2 the largest shard's, so every rank's codes have one length)."""
+    bits, block = FORMATS[precision]
+    if capacity > value.numel():  # zeros up to the room every rank's shard of this parameter takes
+        value = torch.cat([value.reshape(-1), value.new_zeros(capacity - value.numel())])
+    sign = signed(name)
+    packed = q.quantize_fp8(value, block, sign) if precision == "fp8" else q.quantize(value, bits, sign, block)
+    codes, scale = state.get(f"{name}_codes"), state.get(f"{name}_scale")
+    if codes is not None and codes.shape == packed.codes.shape and scale is not None:
+        codes.copy_(packed.codes)  # in place: the storage a checkpoint or a view refers to stays
+        scale.copy_(packed.scale)
+    else:
+        state[f"{name}_codes"], state[f"{name}_scale"] = packed.codes, packed.scale
+
+
+def zeros(state: dict[str, Any], name: str, device: torch.device, precision: str, capacity: int) -> None:
+    """``name`` as torchao starts a state: every code 0 and every scale 0 (a zero scale makes any entry 0)."""
+    bits, block = FORMATS[precision]
+    blocks = -(-capacity // block)
+    dtype = q.FP8 if precision == "fp8" else torch.uint8
+    state[f"{name}_codes"] = torch.zeros(blocks * block * bits // 8, dtype=dtype, device=device)
+    state[f"{name}_scale"] = torch.zeros(blocks, device=device)
+
+
+def saved_precision(state: dict[str, Any], name: str) -> str:
+    """The precision ``name`` was stored at: fp8 codes are e4m3; 8 bits hold a block's 256 values in 256
+    bytes, 4 bits its 128 in 64 (a checkpoint of another precision is read as it was written)."""
+    codes = state[f"{name}_codes"]
+    if codes.dtype == q.FP8:
+        return "fp8"
+    return "8bit" if codes.numel() // state[f"{name}_scale"].numel() == FORMATS["8bit"][1] else "4bit"
+
+
+def load(state: dict[str, Any], name: str, shape: torch.Size) -> torch.Tensor:
+    """``name``'s values in fp32, shaped ``shape`` (the parameter's, or this rank's shard's)."""
+    bits = FORMATS[saved_precision(state, name)][0]
+    return q.dequantize(q.Quantized(state[f"{name}_codes"], state[f"{name}_scale"], shape, bits, signed(name)))
+
+
+def fp32_state(state: dict[str, Any], shape: torch.Size) -> dict[str, Any]:
+    """``state`` with every quantized tensor back in fp32 (in place), as torch's optimizers keep them."""
+    for key in [k for k in state if k.endswith("_codes")]:
+        name = key.removesuffix("_codes")
+        state[name] = load(state, name, shape)
+        del state[f"{name}_codes"], state[f"{name}_scale"]
+    return state
