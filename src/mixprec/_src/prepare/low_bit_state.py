@@ -29,13 +29,15 @@ from mixprec._src.prepare.sr_kernel import fused_supported
 from mixprec._src.prepare.sr_noise import seed_tensor, shard_seed, sr_bits, tensor_seed
 from mixprec._src.prepare.stochastic_rounding import SEED_KEY, STEP_KEY, Restore, positions, step_eagerly
 
-__all__ = ["check", "check_sharding", "install", "restore_fp32"]
+__all__ = ["check", "install", "restore_fp32"]
 
 
 def check(optimizer: torch.optim.Optimizer, precision: str) -> None:
-    """Raise where ``optimizer`` cannot keep its state at ``precision`` (before anything is installed)."""
+    """Raise where ``optimizer`` cannot keep its state at ``precision``, or one of its parameters is sharded
+    otherwise than FSDP2's dim 0 (before anything is installed)."""
     if precision == "fp32":
         return
+    _check_sharding(optimizer)
     if isinstance(optimizer, torch.optim.SGD) and type(optimizer).__module__.startswith("torch.optim"):
         flags = [n for n in ("maximize", "fused", "differentiable") if any(g.get(n) for g in optimizer.param_groups)]
         if any(not g.get("momentum") for g in optimizer.param_groups):
@@ -107,7 +109,7 @@ def _stochastic_write(seed: int) -> Any:
     return write
 
 
-def check_sharding(optimizer: torch.optim.Optimizer) -> None:
+def _check_sharding(optimizer: torch.optim.Optimizer) -> None:
     """Raise where a parameter is sharded otherwise than FSDP2's dim 0 over one mesh dimension."""
     for group in optimizer.param_groups:
         for p in group["params"]:

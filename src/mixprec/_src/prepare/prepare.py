@@ -173,8 +173,6 @@ def prepare(
         )
     _check(model, optimizer, sharded)
     low_bit_state.check(optimizer, config.optimizer_state)
-    if config.optimizer_state != "fp32":
-        low_bit_state.check_sharding(optimizer)
     if config.fp8 is not None:  # before anything is installed: a refusal leaves the model as it was
         fp8_conversion.check_device(model, config.fp8)
         if config.fp8.all_gather and not sharded:
@@ -266,7 +264,7 @@ def _narrow_state(optimizer: torch.optim.Optimizer, params: list[nn.Parameter], 
     started prepared."""
     for param in params:
         state = optimizer.state.get(param)
-        if state is not None and moments.is_quantized(state):  # codes and scale bits: no floating tensor to narrow
+        if state is not None and moments.is_quantized(state):  # codes and fp32 scales stay as stored
             continue
         for key, value in (state or {}).items():
             if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() > 0 and key != "step":
