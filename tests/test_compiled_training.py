@@ -230,6 +230,17 @@ def test_prepare_options_compile_whole_and_train_as_eager(options: dict[str, Any
     _assert_compiles_like_eager(NET, "O2", **options)
 
 
+@pytest.mark.parametrize("level", ["O2", "bf16-sr"])
+def test_stepping_in_backward_with_quantized_state_compiles_whole_and_trains_as_eager(level: str) -> None:
+    # the parameters are stepped from hooks that run after the compiled backward, eagerly
+    _assert_compiles_like_eager(NET, level, optimizer_state="8bit", step_in_backward=True, clip_grad_norm=0.5)
+    model, opt = _prepared(NET, level, optimizer_state="8bit", step_in_backward=True)
+    batch = NET.batch(0)
+    NET.loss(_call(torch.compile(model, fullgraph=True, backend="aot_eager"), batch), batch).backward()
+    assert all(p.grad is None for p in model.parameters()) and any(opt.state[p] for p in model.parameters())
+    assert any(k.endswith("_codes") for p in model.parameters() for k in opt.state[p])
+
+
 # ----- make test-slow: the matrix --------------------------------------------------------------
 
 MODELS = ("gpt2", "bert", "llama", "vit", *WORKLOADS)

@@ -54,6 +54,12 @@ class PrepareConfig:
         optimizer_state: the precision of Adam's and AdamW's moments and SGD's momentum: ``"fp32"`` (as the level
             keeps them), ``"8bit"``, ``"4bit"`` or ``"fp8"`` (block-wise quantized, torchao's
             formats, for parameters of 4096 values or more).
+        step_in_backward: step each parameter during backward, as soon as its gradient is whole, and free
+            the gradient (gradients never occupy memory for the whole model); ``optimizer.step()`` then
+            finishes the step. No gradient accumulation over backwards, no fp16 (no GradScaler).
+        clip_grad_norm: clip gradients to this global norm before each step (``None``: prepare does not
+            clip). With ``step_in_backward``, by the previous step's norm or this backward's so far,
+            whichever is larger (see :func:`mixprec.grad_norm`).
 
     Raises:
         ValueError: a bad level or dtype, or a bf16 level with another dtype (at construction).
@@ -68,6 +74,8 @@ class PrepareConfig:
     policy: Policy | None = None
     fp8: Fp8Config | None = None
     optimizer_state: str = "fp32"
+    step_in_backward: bool = False
+    clip_grad_norm: float | None = None
     # What keep_types and keep_names match, built once in __post_init__.
     _rule: ModuleRule | None = dataclasses.field(init=False, repr=False, compare=False)
 
@@ -91,6 +99,15 @@ class PrepareConfig:
         object.__setattr__(self, "fp8", as_fp8_config(self.fp8))  # type: ignore[arg-type]
         if self.optimizer_state not in STATE_PRECISIONS:
             raise ValueError(f"unknown optimizer_state {self.optimizer_state!r}; valid: {', '.join(STATE_PRECISIONS)}")
+        if self.clip_grad_norm is not None:
+            if not isinstance(self.clip_grad_norm, (int, float)) or not 0 < self.clip_grad_norm < float("inf"):
+                raise ValueError(f"clip_grad_norm must be a positive finite number, not {self.clip_grad_norm!r}")
+            object.__setattr__(self, "clip_grad_norm", float(self.clip_grad_norm))
+        if self.step_in_backward and dtype is torch.float16:
+            raise ValueError("step_in_backward=True steps each parameter during backward, before a GradScaler "
+                             "could see every gradient, so a step with inf/NaN gradients could not be skipped: "
+                             "fp16 needs that. Use dtype=torch.bfloat16 (no loss scaling needed), or "
+                             "step_in_backward=False")  # fmt: skip
         if self.keep_filter is not None and not callable(self.keep_filter):
             raise TypeError("keep_filter must be a callable (module, qualified_name) -> bool")
         rule = ModuleRule(self.keep_types, self.keep_names) if (self.keep_types or self.keep_names) else None
@@ -115,4 +132,8 @@ class PrepareConfig:
             parts.append(str(self.fp8))
         if self.optimizer_state != "fp32":
             parts.append(f"state={self.optimizer_state}")
+        if self.step_in_backward:
+            parts.append("step-in-backward")
+        if self.clip_grad_norm is not None:
+            parts.append(f"clip={self.clip_grad_norm:g}")
         return ", ".join(parts)

@@ -50,6 +50,7 @@ from mixprec._src.fp8.linear import Fp8Scaling
 from mixprec._src.optim import moments
 from mixprec._src.policy.policy import NORM_TYPES, ModuleFilter, Policy, default_policy
 from mixprec._src.prepare import kept, low_bit_state, o2_copies, sr_noise, stochastic_rounding
+from mixprec._src.prepare import step_in_backward as in_backward
 from mixprec._src.prepare.config import Level, PrepareConfig
 
 __all__ = ["export_fp32", "master_params", "prepare", "Prepared", "prepared_state"]
@@ -111,6 +112,8 @@ def prepare(
     policy: Policy | str | None = None,
     fp8: Fp8Config | str | None = None,
     optimizer_state: str = "fp32",
+    step_in_backward: bool = False,
+    clip_grad_norm: float | None = None,
 ) -> tuple[nn.Module, torch.optim.Optimizer]:
     """Put ``model`` and ``optimizer`` at a precision level; returns them (changed in place).
 
@@ -137,6 +140,10 @@ def prepare(
         optimizer_state: Adam's and AdamW's moments and SGD's momentum as the level keeps them (``"fp32"``), or
             block-wise quantized (``"8bit"``, ``"4bit"``, ``"fp8"``: torchao's formats) for parameters of 4096
             values or more; ``optimizer.state_dict()`` holds the codes and scales.
+        step_in_backward: step each parameter in backward as soon as its gradient is whole and free the gradient
+            (``optimizer.step()`` then finishes the step: hooks, counters); no accumulation over backwards, no fp16.
+        clip_grad_norm: clip gradients to this global norm before each step (in backward: by the previous
+            step's norm, or this backward's so far where larger); :func:`mixprec.grad_norm` gives the norm.
 
     Raises:
         ValueError: a model not in fp32, an optimizer holding tensors that are not this model's
@@ -147,14 +154,14 @@ def prepare(
     if isinstance(level, PrepareConfig):
         given = (dtype is not torch.bfloat16, keep_types is not NORM_TYPES, keep_names != (), keep_filter is not None,
                  output_dtype is not torch.float32, policy is not None, fp8 is not None,
-                 optimizer_state != "fp32")  # fmt: skip
+                 optimizer_state != "fp32", step_in_backward, clip_grad_norm is not None)  # fmt: skip
         if any(given):
             raise TypeError("prepare takes a PrepareConfig or options, not both; put the options in the config "
                             "(dataclasses.replace(config, ...))")  # fmt: skip
         config = level
     else:
         config = PrepareConfig(level, dtype, keep_types, keep_names, keep_filter, output_dtype, policy, fp8,  # type: ignore[arg-type]
-                               optimizer_state)  # fmt: skip
+                               optimizer_state, step_in_backward, clip_grad_norm)  # fmt: skip
     level, dtype = config.level, config.dtype
     if level in (Level.O2, Level.BF16_SR) and isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError(
@@ -173,6 +180,8 @@ def prepare(
         )
     _check(model, optimizer, sharded)
     low_bit_state.check(optimizer, config.optimizer_state)
+    if config.step_in_backward:
+        in_backward.check(optimizer)
     if config.fp8 is not None:  # before anything is installed: a refusal leaves the model as it was
         fp8_conversion.check_device(model, config.fp8)
         if config.fp8.all_gather and not sharded:
@@ -183,6 +192,8 @@ def prepare(
     state = Prepared(config, device_type, model.forward, [], [], kept_modules, [], sharded=sharded)
     # Registered first, so it runs before any other step hook (bf16-sr's, the user's).
     state.handles.append(optimizer.register_step_pre_hook(functools.partial(_check_still_ours, model, state)))
+    if config.clip_grad_norm is not None and not config.step_in_backward:  # before bf16-sr's widening
+        in_backward.clip_before_step(optimizer, config.clip_grad_norm, state.handles)
     kept.keep_in_fp32(kept_modules, device_type, state.handles)
     layers = None
     if config.fp8 is not None:
@@ -207,6 +218,8 @@ def prepare(
         low_bit_state.install(optimizer, config.optimizer_state, state.handles, stochastic=level is Level.BF16_SR)
     if layers is not None and layers.config.all_gather:  # on the shards as _lower left them
         fp8_all_gather.install(model, layers)
+    if config.step_in_backward:  # after every change to the optimizer's step: it steps with all of them
+        in_backward.install(model, optimizer, config.clip_grad_norm, state.handles)
 
     # Bound to the model (a deep copy rebinds them to the copy). _call_impl runs before every
     # module hook, FSDP2's included: the place to refuse a model sharded after prepare.

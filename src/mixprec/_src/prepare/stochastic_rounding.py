@@ -23,11 +23,26 @@ from mixprec._src import sharding
 from mixprec._src.prepare.sr_kernel import adam_scalars, compiled_kernel, fused_supported
 from mixprec._src.prepare.sr_noise import seed_tensor, shard_seed, sr_bits, tensor_seed
 
-__all__ = ["SEED_KEY", "STEP_KEY", "Restore", "add_counters", "install", "positions", "remove_counters", "step_eagerly"]
+__all__ = [
+    "SEED_KEY",
+    "STEP_KEY",
+    "Restore",
+    "add_counters",
+    "finisher",
+    "fixed_positions",
+    "install",
+    "positions",
+    "remove_counters",
+    "step_eagerly",
+]
 
 #: param-group keys that hold the rounding noise's seed and each group's step counter
 SEED_KEY = "mixprec_sr_seed"
 STEP_KEY = "mixprec_sr_step"
+# optimizer.__dict__ keys: positions fixed while one parameter at a time is stepped; the generic path's write-back
+_POSITIONS = "_mixprec_sr_positions"
+_FINISHER = "_mixprec_sr_finisher"
+_EAGER = "_mixprec_eager"  # on the function step_eagerly made
 
 
 class Restore:
@@ -47,8 +62,34 @@ def _advance(group: dict[str, Any]) -> tuple[int, int]:
 
 
 def positions(optimizer: torch.optim.Optimizer) -> dict[int, int]:
-    """id(tensor) -> its position in the optimizer (group after group): part of its seed."""
+    """id(tensor) -> its position in the optimizer (group after group): part of its seed.
+
+    While :func:`fixed_positions` holds (one parameter stepped at a time, in a param group of its own),
+    the positions of the optimizer's real groups.
+    """
+    fixed: dict[int, int] | None = optimizer.__dict__.get(_POSITIONS)
+    if fixed is not None:
+        return fixed
     return {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+
+
+class fixed_positions:  # noqa: N801 - a context manager named for what holds inside it
+    """Inside it, :func:`positions` gives the positions ``optimizer`` has now, whatever its groups become."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+
+    def __enter__(self) -> None:
+        self.optimizer.__dict__[_POSITIONS] = positions(self.optimizer)
+
+    def __exit__(self, *_: Any) -> None:
+        self.optimizer.__dict__.pop(_POSITIONS, None)
+
+
+def finisher(optimizer: torch.optim.Optimizer) -> Any:
+    """What the generic path runs after the optimizer's own step (a step post-hook): the fp32 copies written
+    back to the bf16 weights; ``None`` where the fused kernel steps, or nothing rounds stochastically."""
+    return optimizer.__dict__.get(_FINISHER)
 
 
 def _install_fused(optimizer: torch.optim.Optimizer, lowp: set[int], handles: list[Any]) -> bool:
@@ -153,6 +194,8 @@ def _install_generic(optimizer: torch.optim.Optimizer, lowp: set[int], handles: 
 
         handles.append(optimizer.register_step_pre_hook(widen_all))
     handles.append(optimizer.register_step_post_hook(narrow))
+    optimizer.__dict__[_FINISHER] = narrow
+    handles.append(Restore(optimizer, _FINISHER))
 
 
 def add_counters(optimizer: torch.optim.Optimizer, seed: int, handles: list[Any]) -> None:
@@ -204,10 +247,15 @@ def step_eagerly(optimizer: torch.optim.Optimizer, handles: list[Any]) -> None:
     bound method (LR schedulers wrap ``step.__func__``); one a scheduler already wrapped stays wrapped.
     """
     own = optimizer.__dict__.get("step")
-    if own is None:
-        eager = types.MethodType(torch._dynamo.disable(type(optimizer).step), optimizer)  # type: ignore[no-untyped-call]
-    else:
+    func = type(optimizer).step if own is None else getattr(own, "__func__", None)
+    if getattr(func, _EAGER, False):  # made eager already (bf16-sr's and quantized state's installs both ask)
+        return
+    if func is None:  # a plain callable set by hand
         eager = torch._dynamo.disable(own)  # type: ignore[no-untyped-call]
+    else:
+        disabled = torch._dynamo.disable(func)  # type: ignore[no-untyped-call]
+        setattr(disabled, _EAGER, True)
+        eager = types.MethodType(disabled, optimizer)
     optimizer.step = eager  # type: ignore[method-assign]
     handles.append(_PutBack(optimizer, "step", own))
 

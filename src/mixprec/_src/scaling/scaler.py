@@ -86,6 +86,15 @@ class _Iteration:
         return [self.host_skipped.get(key) for key in stepped] + self.manual_flags
 
 
+def _refuse_in_backward(optimizer: torch.optim.Optimizer) -> None:
+    """An optimizer prepared with ``step_in_backward=True`` steps during backward, on gradients no scaler checked."""
+    if optimizer.__dict__.get("_mixprec_step_in_backward") is not None:  # prepare's step_in_backward.KEY
+        raise RuntimeError("this optimizer was prepared with step_in_backward=True: its parameters were stepped during "
+                           "backward, before an enabled GradScaler could check every gradient for inf/NaN. Train "
+                           "without loss scaling (bf16 needs none: GradScaler(enabled=False)), or prepare with "
+                           "step_in_backward=False")  # fmt: skip
+
+
 class GradScaler:
     """Dynamic loss scaling; torch.amp.GradScaler's arguments and methods, plus more.
 
@@ -223,6 +232,7 @@ class GradScaler:
         """
         if not self._enabled:
             return
+        _refuse_in_backward(optimizer)
         scale = self._require_scale("unscale_")
         state = self._iteration.per_optimizer[id(optimizer)]
         self._check_not_failed(optimizer, "unscale_")
@@ -266,6 +276,7 @@ class GradScaler:
             raise RuntimeError(
                 "closure use is not supported with an enabled GradScaler; compute the loss before step()"
             )
+        _refuse_in_backward(optimizer)
         scale = self._require_scale("step")
         state = self._iteration.per_optimizer[id(optimizer)]
         self._check_not_failed(optimizer, "step")

@@ -1,0 +1,231 @@
+"""Each parameter stepped as soon as its gradient is ready, and the gradient freed: ``step_in_backward=True``.
+
+Gradients then never occupy memory for the whole model at once (torch's
+``register_post_accumulate_grad_hook`` pattern; LOMO). The training loop is unchanged:
+``loss.backward()`` steps each parameter the moment its gradient is whole (a hook on the parameter; under
+FSDP2, on each unit's parameters right after their gradients are reduce-scattered) and sets its ``.grad``
+to ``None``; ``optimizer.step()`` then finishes the step: the optimizer's step hooks (O2's compute copies,
+fp8's scales, bf16-sr's counters, the user's own) and LR schedulers run there, once. Each parameter is
+stepped by the optimizer's own code, in a param group of its own holding the group's hyperparameters,
+so the numbers are the plain step's, bit for bit.
+
+Clipping (``clip_grad_norm``): a global norm needs every gradient, and a gradient is gone once its
+parameter is stepped. Each gradient is scaled by ``min(1, max_norm / max(previous, so_far))``: the
+previous step's global norm, or the norm of the gradients seen so far in this backward where that is
+larger (a spike is clipped from the gradient that shows it on). The first step has only ``so_far``.
+Under FSDP2 ``so_far`` is summed over ranks (one scalar all-reduce per unit), so every rank scales alike.
+``previous`` is saved in ``optimizer.state_dict()`` (param-group key ``"mixprec_grad_norm"``, read from the
+device only then), so a resumed run clips as an uninterrupted one.
+
+Refused: gradient accumulation over several backwards (each backward steps: a parameter's second
+gradient before ``optimizer.step()`` raises), DDP and other multi-rank setups without FSDP2 (the hook would
+step a rank's own gradient, before DDP averages it), and fp16 with a ``GradScaler``: skipping a step on
+inf/NaN needs every gradient checked before any parameter moves (prepare refuses fp16 here; bf16 needs no
+loss scaling). Syncs: none on one process; under FSDP2 the per-unit all-reduce of one scalar.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+
+from mixprec._src import sharding
+from mixprec._src.prepare.stochastic_rounding import finisher, fixed_positions
+
+__all__ = ["KEY", "NORM_GROUP_KEY", "Stepper", "check", "clip_before_step", "grad_norm", "install"]
+
+#: ``optimizer.__dict__`` key of the :class:`Stepper` (also read by the GradScaler, which refuses it)
+KEY = "_mixprec_step_in_backward"
+_NORM_KEY = "_mixprec_grad_norm"  # the last step's norm where prepare clips after backward
+_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s
+#: param-group key of the previous step's global norm in a state dict (where clipping in backward)
+NORM_GROUP_KEY = "mixprec_grad_norm"
+
+
+def check(optimizer: torch.optim.Optimizer) -> None:
+    """Raise where ``optimizer`` cannot be stepped one parameter at a time (fp16 is refused by the config)."""
+    kind = type(optimizer)
+    if not kind.__module__.startswith("torch.optim") or kind in (torch.optim.LBFGS, torch.optim.SparseAdam):
+        raise ValueError(f"step_in_backward=True steps one parameter at a time with the optimizer's own code, which "
+                         f"holds for torch.optim's per-parameter optimizers (not LBFGS or SparseAdam); this one is a "
+                         f"{kind.__name__}: use step_in_backward=False")  # fmt: skip
+
+
+class Stepper:
+    """Steps ``optimizer``'s parameters one at a time as their gradients become whole; see the module."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, max_norm: float | None, group: Any = None) -> None:
+        self.optimizer = optimizer
+        self.max_norm = max_norm
+        self.process_group = group  # FSDP2's: so_far and the norm are summed over it
+        self.stepped: set[int] = set()
+        self.so_far: torch.Tensor | None = None  # sum of squares of this backward's gradients
+        self.previous: torch.Tensor | None = None  # the last step's global norm
+        self.groups: dict[int, dict[str, Any]] | None = None  # id(param) -> its param group, this round
+        self.raw_step = _unhooked_step(optimizer)
+
+    def _round(self) -> dict[int, dict[str, Any]]:
+        if self.groups is None:
+            self.groups = {id(p): g for g in self.optimizer.param_groups for p in g["params"]}
+        return self.groups
+
+    def add_norm(self, grads: list[torch.Tensor]) -> torch.Tensor | None:
+        """Count ``grads`` (local shards) into this backward's norm; the scale of the clipping (or ``None``)."""
+        local = [sharding.local(g) for g in grads]
+        sq = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in local]).square().sum()
+        if self.process_group is not None:
+            torch.distributed.all_reduce(sq, group=self.process_group)
+        self.so_far = sq if self.so_far is None else self.so_far + sq
+        if self.max_norm is None:
+            return None
+        bound = self.so_far.sqrt()
+        if self.previous is not None:
+            bound = torch.maximum(bound, self.previous)
+        return torch.clamp(self.max_norm / (bound + _EPS), max=1.0)
+
+    def step(self, params: list[torch.Tensor]) -> None:
+        """Step ``params`` (their gradients whole) and free their gradients."""
+        groups = self._round()
+        params = [p for p in params if p.grad is not None and id(p) in groups]
+        if not params:
+            return
+        for p in params:
+            if id(p) in self.stepped:
+                raise RuntimeError("a parameter got a second gradient before optimizer.step(): with "
+                                   "step_in_backward=True every backward steps the parameters, so gradients cannot "
+                                   "be accumulated over several backwards. Call optimizer.step() after each "
+                                   "backward (it finishes the step), or prepare with step_in_backward=False to "
+                                   "accumulate")  # fmt: skip
+        scale = self.add_norm([p.grad for p in params])  # type: ignore[misc]
+        with torch.no_grad(), fixed_positions(self.optimizer):
+            for p in params:
+                if scale is not None:
+                    p.grad.mul_(scale.to(p.grad.device))  # type: ignore[union-attr]
+                self._step_one(p, groups[id(p)])
+                p.grad = None
+                self.stepped.add(id(p))
+
+    def _step_one(self, p: torch.Tensor, group: dict[str, Any]) -> None:
+        own = self.optimizer.param_groups
+        single = {**group, "params": [p]}
+        self.optimizer.param_groups = [single]
+        try:
+            self.raw_step(self.optimizer)
+            finish = finisher(self.optimizer)  # bf16-sr's generic path writes its fp32 copies back
+            if finish is not None:
+                finish(self.optimizer)
+        finally:
+            self.optimizer.param_groups = own
+
+    def finish(self, *_: Any) -> None:
+        """After ``optimizer.step()``: this step's norm is the next one's ``previous``; a new round starts."""
+        if self.so_far is not None:
+            self.previous = self.so_far.sqrt()
+            self.optimizer.__dict__[_NORM_KEY] = self.previous
+        self.so_far, self.groups = None, None
+        self.stepped.clear()
+
+
+def _unhooked_step(optimizer: torch.optim.Optimizer) -> Any:
+    """The optimizer class's ``step`` without the wrapper that runs step hooks (they run once, at ``step()``)."""
+    step = type(optimizer).step
+    return getattr(step, "__wrapped__", step) if getattr(step, "hooked", False) else step
+
+
+def install(model: torch.nn.Module, optimizer: torch.optim.Optimizer, max_norm: float | None,
+            handles: list[Any]) -> Stepper:  # fmt: skip
+    """Step ``optimizer``'s parameters in ``model``'s backward (see the module)."""
+    group = sharding.process_group(model)
+    stepper = Stepper(optimizer, max_norm, group)
+    in_units: set[int] = set()
+    for unit in sharding.fsdp_units(model):
+        in_units.update(id(fp.sharded_param) for fp in unit.fsdp_params)
+        _after_reduce_scatter(unit, stepper, handles)
+    for param in (p for g in optimizer.param_groups for p in g["params"]):
+        if id(param) not in in_units and param.requires_grad:
+            handles.append(param.register_post_accumulate_grad_hook(lambda p: _step_param(stepper, p)))
+    handles.append(optimizer.register_step_post_hook(stepper.finish))
+    if max_norm is not None:
+        _save_previous(optimizer, stepper, handles)
+    optimizer.__dict__[KEY] = stepper
+    handles.append(_Drop(optimizer, KEY))
+    return stepper
+
+
+def _save_previous(optimizer: torch.optim.Optimizer, stepper: Stepper, handles: list[Any]) -> None:
+    """The previous step's norm into the state dict's param groups (one read from the device) and back on load."""
+
+    def save(opt: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+        norm = -1.0 if stepper.previous is None else float(stepper.previous)
+        return {**state_dict, "param_groups": [{**g, NORM_GROUP_KEY: norm} for g in state_dict["param_groups"]]}
+
+    def load(opt: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+        groups = state_dict["param_groups"]
+        norms = [g[NORM_GROUP_KEY] for g in groups if NORM_GROUP_KEY in g]
+        if norms:
+            norm = float(norms[0])
+            stepper.previous = None if norm < 0 else torch.tensor(norm, dtype=torch.float32)
+        return {**state_dict, "param_groups": [{k: v for k, v in g.items() if k != NORM_GROUP_KEY} for g in groups]}
+
+    handles.append(optimizer.register_state_dict_post_hook(save))
+    handles.append(optimizer.register_load_state_dict_pre_hook(load))  # type: ignore[arg-type]
+
+
+def _step_param(stepper: Stepper, param: torch.Tensor) -> None:
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if distributed and stepper.process_group is None and torch.distributed.get_world_size() > 1:
+        raise RuntimeError("step_in_backward=True steps each parameter on this rank's gradient as soon as it is "
+                           "ready, before DDP (or any data parallelism outside FSDP2) averages it over ranks; shard "
+                           "the model with FSDP2 (fully_shard), or prepare with step_in_backward=False")  # fmt: skip
+    stepper.step([param])
+
+
+def _after_reduce_scatter(unit: Any, stepper: Stepper, handles: list[Any]) -> None:
+    """Step ``unit``'s parameters right after FSDP2 reduce-scatters their gradients."""
+    own = unit.post_backward
+
+    def post_backward(self: Any, *args: Any) -> Any:
+        result = own(*args)
+        event = getattr(self, "_post_reduce_event", None)
+        if event is not None:  # the gradients are written on FSDP2's reduce stream: wait there, no host sync
+            self.device_handle.current_stream().wait_event(event)
+        stepper.step([fp.sharded_param for fp in self.fsdp_params])
+        return result
+
+    unit.post_backward = types.MethodType(post_backward, unit)
+    handles.append(_Drop(unit, "post_backward"))
+
+
+class _Drop:
+    """A handle whose remove() drops an instance attribute."""
+
+    def __init__(self, obj: object, name: str) -> None:
+        self.obj, self.name = obj, name
+
+    def remove(self) -> None:
+        self.obj.__dict__.pop(self.name, None)
+
+
+def clip_before_step(optimizer: torch.optim.Optimizer, max_norm: float, handles: list[Any]) -> None:
+    """Without ``step_in_backward``: clip every gradient by the global norm before each step (a step pre-hook,
+    after a GradScaler's unscale), as ``torch.nn.utils.clip_grad_norm_`` does."""
+
+    def clip(opt: torch.optim.Optimizer, *_: Any) -> None:
+        params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
+        if params:
+            norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+            opt.__dict__[_NORM_KEY] = norm.full_tensor() if sharding.is_sharded(norm) else norm  # type: ignore[attr-defined]
+
+    handles.append(optimizer.register_step_pre_hook(clip))
+
+
+def grad_norm(optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
+    """The global norm of the last step's gradients, before clipping (a 0-dim fp32 tensor; no sync).
+
+    Measured where :func:`mixprec.prepare` steps in backward or clips (``clip_grad_norm``); ``None`` before the
+    first step, or where it does neither (``torch.nn.utils.clip_grad_norm_`` returns the norm there).
+    """
+    norm: torch.Tensor | None = optimizer.__dict__.get(_NORM_KEY)
+    return norm
