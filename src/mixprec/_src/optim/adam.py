@@ -27,7 +27,7 @@ import torch
 
 from mixprec._src.optim import moments
 
-__all__ = ["KEYS", "adam_step"]
+__all__ = ["KEYS", "adam_step", "quantized_moments"]
 
 #: The state keys of a quantized parameter.
 KEYS = ("step", "exp_avg_codes", "exp_avg_scale", "exp_avg_sq_codes", "exp_avg_sq_scale")
@@ -35,7 +35,7 @@ _MOMENTS = ("exp_avg", "exp_avg_sq")
 Write = Callable[[torch.Tensor, torch.Tensor], None]
 
 
-def _quantized(state: dict[str, Any], p: torch.Tensor, precision: str, capacity: int) -> None:
+def quantized_moments(state: dict[str, Any], p: torch.Tensor, precision: str, capacity: int) -> None:
     """``state``'s moments quantized (in place): zeros for a new one; fp32 moments (a checkpoint of an
     fp32-state run) quantized, their tensors dropped."""
     if moments.is_quantized(state):
@@ -58,7 +58,7 @@ def adam_step(p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group:
     ``write(p, new)`` stores the fp32 result in ``p`` (default ``p.copy_(new)``: rounded to nearest).
     """
     capacity = max(capacity, p.numel())
-    _quantized(state, p, precision, capacity)
+    quantized_moments(state, p, precision, capacity)
     state["step"] += 1
     step = state["step"]
     lr = torch.tensor(float(group["lr"]), dtype=torch.float32)

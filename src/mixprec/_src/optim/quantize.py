@@ -20,8 +20,10 @@ The codebooks, and why (the anchors' choices; Dettmers et al. 2021, Li et al. 20
   value is ever stored as zero, which would make ``m / (sqrt(v) + eps)`` blow up (the "zero-point
   problem" of Li et al.).
 
-Nearest codes are found as torchao finds them (the largest entry at or below the value, then up
-where the value is at least half-way to the next), so the codes are bitwise torchao's, but for one
+Nearest codes are torchao's (the largest entry at or below the value, then up where the value is at
+least half-way to the next), found without a search: per codebook, the least fp32 value that takes
+each next code is computed once, and a value's code is read from a table indexed by its top 16 bits
+(:func:`nearest_codes`). The codes are bitwise torchao's, but for one
 departure: a positive value of an unsigned state (a second moment) is never stored as zero, it
 takes the codebook's smallest positive entry instead. torchao's 8-bit and fp8 formats store a
 second moment below half the smallest step as 0, and the next step then divides that parameter's
@@ -41,7 +43,18 @@ import functools
 
 import torch
 
-__all__ = ["BITS", "FP8", "Quantized", "codebook", "dequantize", "quantize", "quantize_fp8"]
+__all__ = [
+    "BITS",
+    "FP8",
+    "Quantized",
+    "code_lookup",
+    "codebook",
+    "dequantize",
+    "nearest_codes",
+    "quantize",
+    "quantize_fp8",
+    "table",
+]
 
 #: The code widths a state can have.
 BITS = (8, 4)
@@ -111,16 +124,71 @@ class Quantized:
         return self.codes.numel() * self.codes.element_size() + self.scale.numel() * self.scale.element_size()
 
 
-def _table(bits: int, signed: bool, device: torch.device) -> torch.Tensor:
+def table(bits: int, signed: bool, device: torch.device) -> torch.Tensor:
+    """The codebook as an fp32 tensor on ``device``."""
     return torch.tensor(codebook(bits, signed), dtype=torch.float32, device=device)
 
 
-def _nearest(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """The index of the nearest entry of ``table`` (sorted) for each value; a tie goes up."""
-    down = (torch.bucketize(x, table, right=True) - 1).clamp(0, table.numel() - 1)
-    up = (down + 1).clamp(max=table.numel() - 1)
-    low, high = table[down], table[up]
-    return torch.where(x - low >= (high - low) * 0.5, up, down)
+def _ordered(x: torch.Tensor) -> torch.Tensor:
+    """fp32 values as int64 keys in the values' order (``-0.0`` and ``0.0`` alike)."""
+    raw = x.view(torch.int32).long()
+    return torch.where(raw < 0, -(raw + 2**31), raw)
+
+
+def _from_ordered(key: torch.Tensor) -> torch.Tensor:
+    return torch.where(key < 0, -key - 2**31, key).to(torch.int32).view(torch.float32)
+
+
+def _thresholds(entries: torch.Tensor) -> torch.Tensor:
+    """Per pair of neighbouring entries, the least fp32 value that takes the upper one: the nearest code of
+    ``x`` is the number of thresholds at or below it. torchao's rule, found by bisection over the fp32 values
+    between the two entries (it is monotone in ``x``)."""
+    low, high = entries[:-1], entries[1:]
+
+    def up(x: torch.Tensor) -> torch.Tensor:
+        return x - low >= (high - low) * 0.5
+
+    below, above = _ordered(low), _ordered(high)  # up() is false at the lower entry, true at the upper
+    while bool((above - below > 1).any()):
+        middle = (below + above) // 2
+        taken = up(_from_ordered(middle))
+        wide = above - below > 1
+        above = torch.where(wide & taken, middle, above)
+        below = torch.where(wide & ~taken, middle, below)
+    return _from_ordered(above)
+
+
+_BUCKETS = (0x3F800000 >> 16) + 1  # the top 16 bits of the magnitudes up to 1.0 (sign, exponent, 7 mantissa bits)
+
+
+@functools.cache
+def code_lookup(bits: int, signed: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per bucket of fp32 values that share their top 16 bits (positive buckets, then negative): the code of
+    its lowest value, and the one threshold inside it (``inf`` where none). The codebooks' entries are far
+    wider apart than a bucket, so a bucket never holds two thresholds: a value's code is its bucket's, or
+    one more where it is at or above that threshold (two lookups, no search)."""
+    thresholds = _thresholds(table(bits, signed, torch.device("cpu")))
+    tops = torch.arange(_BUCKETS, dtype=torch.int32) << 16
+    lowest, highest = tops.view(torch.float32), (tops + 0xFFFF).view(torch.float32)
+    bases, inner = [], []
+    for first, last in ((lowest, highest), (-highest, -lowest)):
+        base = torch.bucketize(first, thresholds, right=True)
+        inside = torch.bucketize(last, thresholds, right=True) - base
+        if int(inside.max()) > 1:
+            raise AssertionError(f"a bucket holds {int(inside.max())} thresholds of the {bits}-bit codebook")
+        found = thresholds[base.clamp(max=thresholds.numel() - 1)]
+        bases.append(base)
+        inner.append(torch.where(inside > 0, found, torch.tensor(float("inf"))))
+    return torch.cat(bases).to(torch.int32).to(device), torch.cat(inner).to(device)
+
+
+def nearest_codes(x: torch.Tensor, bits: int, signed: bool) -> torch.Tensor:
+    """The index of the nearest codebook entry (torchao's: the largest entry at or below ``x``, then up where
+    ``x`` is at least half-way to the next) for each fp32 value of ``x`` in [-1, 1], as int32."""
+    base, threshold = code_lookup(bits, signed, x.device)
+    raw = x.view(torch.int32)
+    row = ((raw & 0x7FFFFFFF) >> 16).clamp(max=_BUCKETS - 1) + (raw < 0).to(torch.int32) * _BUCKETS
+    return base[row] + (x >= threshold[row]).to(torch.int32)
 
 
 def quantize(x: torch.Tensor, bits: int, signed: bool, block_size: int) -> Quantized:
@@ -129,7 +197,7 @@ def quantize(x: torch.Tensor, bits: int, signed: bool, block_size: int) -> Quant
     Raises:
         ValueError: an unknown width, or a block size that is not a positive even number.
     """
-    table = _table(bits, signed, x.device)
+    first = codebook(bits, signed)[0]  # checks the width
     if block_size <= 0 or block_size % 2:
         raise ValueError(f"block_size must be a positive even number, got {block_size}")
     flat = x.detach().reshape(-1).float()
@@ -139,8 +207,8 @@ def quantize(x: torch.Tensor, bits: int, signed: bool, block_size: int) -> Quant
     blocks = flat.view(-1, block_size)
     scale = blocks.abs().amax(dim=1).clamp(min=_EPS)
     scaled = (blocks / scale[:, None]).view(-1)
-    codes = _nearest(scaled, table)
-    if not signed and table[0] == 0:  # a positive second moment is never stored as zero (see the module's doc)
+    codes = nearest_codes(scaled, bits, signed)
+    if not signed and first == 0:  # a positive second moment is never stored as zero (see the module's doc)
         codes = torch.where((scaled > 0) & (codes == 0), 1, codes)
     codes = codes.to(torch.uint8)
     if bits == 4:
@@ -175,6 +243,6 @@ def dequantize(q: Quantized, dtype: torch.dtype = torch.float32) -> torch.Tensor
         return values[: q.shape.numel()].view(q.shape).to(dtype)
     if q.bits == 4:
         codes = torch.stack([codes >> 4, codes & 0b1111], dim=-1).view(-1)
-    table = _table(q.bits, q.signed, codes.device)
-    values = (table[codes.int()].view(q.scale.numel(), -1) * q.scale[:, None]).view(-1)
+    entries = table(q.bits, q.signed, codes.device)
+    values = (entries[codes.int()].view(q.scale.numel(), -1) * q.scale[:, None]).view(-1)
     return values[: q.shape.numel()].view(q.shape).to(dtype)

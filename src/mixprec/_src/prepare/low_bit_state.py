@@ -24,9 +24,9 @@ from typing import Any
 import torch
 
 from mixprec._src import sharding
-from mixprec._src.optim import adam, moments, sgd
+from mixprec._src.optim import adam, fused_adam, moments, sgd
 from mixprec._src.prepare.sr_kernel import fused_supported
-from mixprec._src.prepare.sr_noise import seed_tensor, shard_seed, sr_bits, tensor_seed
+from mixprec._src.prepare.sr_noise import moved, seed_tensor, shard_seed, sr_bits, tensor_seed
 from mixprec._src.prepare.stochastic_rounding import SEED_KEY, STEP_KEY, Restore, positions, step_eagerly
 
 __all__ = ["check", "install", "restore_fp32"]
@@ -81,12 +81,16 @@ def install(optimizer: torch.optim.Optimizer, precision: str, handles: list[Any]
                 rest.append(p)
                 continue
             local_p, local_g = sharding.local(p.data), sharding.local(p.grad)
-            write = None
+            seed = None
             if stochastic and local_p.dtype == torch.bfloat16:  # bf16-sr's next count: its step advances it below
                 seed = shard_seed(tensor_seed(int(group[SEED_KEY]), int(group[STEP_KEY]) + 1, where[id(p)]), p)
-                write = _stochastic_write(seed)
+            write = None if seed is None else _stochastic_write(seed)
             if momentum:
                 sgd.sgd_step(local_p, local_g, self.state[p], group, precision, _capacity(p), write)
+            elif local_p.is_contiguous() and local_g.is_contiguous() and fused_adam.available():
+                rounding, seed_at = (None, None) if seed is None else (sr_bits, _seeds_from(seed, local_p.device))
+                fused_adam.adam_step(local_p, local_g, self.state[p], group, decoupled, precision, _capacity(p),
+                                     rounding, seed_at)  # fmt: skip
             else:
                 adam.adam_step(local_p, local_g, self.state[p], group, decoupled, precision, _capacity(p), write)
         rest_group = {**group, "params": rest}
@@ -99,6 +103,11 @@ def install(optimizer: torch.optim.Optimizer, precision: str, handles: list[Any]
     handles.append(Restore(optimizer, "_init_group"))
     _keep_codes_on_load(optimizer, handles)
     handles.append(optimizer.register_state_dict_post_hook(_sharded_codes))
+
+
+def _seeds_from(seed: int, device: torch.device) -> Any:
+    """Offset -> the seed tensor that rounds element ``i`` as element ``offset + i`` of the tensor."""
+    return lambda offset: seed_tensor(moved(seed, offset), device)
 
 
 def _stochastic_write(seed: int) -> Any:

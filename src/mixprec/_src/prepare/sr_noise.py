@@ -87,6 +87,12 @@ def shard_seed(seed: int, tensor: torch.Tensor) -> int:
     offset, contiguous = where
     if not contiguous:  # not one run of the whole tensor: a distinct seed per shard
         return tensor_seed(seed, 0, offset + 1)
+    return moved(seed, offset)
+
+
+def moved(seed: int, offset: int) -> int:
+    """``seed`` moved ``offset`` elements along the Weyl sequence: element ``i`` then rounds as element
+    ``offset + i`` did with ``seed``."""
     return _int32(seed + offset * _WEYL)
 
 

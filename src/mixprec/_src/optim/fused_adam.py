@@ -1,0 +1,202 @@
+"""Adam(W)'s step with quantized moments as one compiled kernel: ``adam.adam_step``'s arithmetic, fused.
+
+:func:`adam_step` takes what ``adam.adam_step`` takes and computes the same values, operation for
+operation (the moments dequantized, updated, quantized again in blocks; the weight updated), in
+one pass over the parameter's blocks compiled by inductor. Shapes are ``(blocks, block size)`` with
+the number of blocks dynamic, so one compiled graph serves every parameter of a format; the block
+size is static, which keeps each block's maximum a vectorized reduction. A parameter's last,
+partial block (and under FSDP2 the blocks its shard makes room for) runs through the same graph
+on a padded copy. Where inductor cannot compile (no C++ toolchain), :func:`available` is false and
+the eager step runs. Nothing here syncs with the device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from mixprec._src.optim import moments
+from mixprec._src.optim import quantize as q
+from mixprec._src.optim.adam import quantized_moments
+
+__all__ = ["adam_step", "available"]
+
+#: ``rounding(values, seed) -> bits``: writes fp32 values to bf16 weights (bits of fp32 with 16 low zeros)
+Rounding = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _dequantize(codes: torch.Tensor, scale: torch.Tensor, table: torch.Tensor, fmt: str) -> torch.Tensor:
+    if fmt == "fp8":
+        return codes.float() * scale[:, None]
+    if fmt == "4bit":
+        codes = torch.stack([codes >> 4, codes & 0b1111], dim=-1).view(codes.shape[0], -1)
+    return table[codes.int()] * scale[:, None]
+
+
+def _quantize(x: torch.Tensor, fmt: str, signed: bool, base: torch.Tensor,
+              threshold: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    scale = x.abs().amax(dim=1).clamp(min=1e-12)
+    if fmt == "fp8":
+        scale = scale / torch.finfo(q.FP8).max
+        scaled = x / scale[:, None]
+        values = scaled.to(q.FP8).float()
+        if not signed:  # e4m3's smallest positive value for a positive second moment
+            values = torch.where((scaled > 0) & (values == 0), 2.0**-9, values)
+        return values.to(q.FP8), scale
+    scaled = x / scale[:, None]
+    raw = scaled.view(torch.int32)
+    buckets = base.numel() // 2
+    row = ((raw & 0x7FFFFFFF) >> 16).clamp(max=buckets - 1) + (raw < 0).to(torch.int32) * buckets
+    codes = base[row] + (scaled >= threshold[row]).to(torch.int32)
+    if not signed and fmt == "8bit":  # the codebook's zero is not a positive second moment's code
+        codes = torch.where((scaled > 0) & (codes == 0), 1, codes)
+    codes = codes.to(torch.uint8)
+    if fmt == "4bit":
+        codes = (codes[:, ::2] << 4) | codes[:, 1::2]
+    return codes, scale
+
+
+def _kernel(p: torch.Tensor, g: torch.Tensor, m_codes: torch.Tensor, m_scale: torch.Tensor, v_codes: torch.Tensor,
+            v_scale: torch.Tensor, lookups: list[torch.Tensor], scalars: torch.Tensor, seed: torch.Tensor, fmt: str,
+            decoupled: bool, rounding: Rounding | None) -> None:  # fmt: skip
+    """One step over ``(blocks, block)`` views, in place.
+
+    Padding (zero weights and gradients past a parameter's values) needs no mask: the eager step stores it as
+    the code of 0, which every codebook but the 4-bit second moment's dequantizes to 0; that one (no zero
+    entry) gives a sixteenth of the block's scale, which the step decays and stores as the same code, below
+    every real value of the block (each is at least as much), so no scale changes either.
+    """
+    m_table, m_base, m_threshold, v_table, v_base, v_threshold = lookups
+    lr, weight_decay, one_minus_beta1, one_minus_beta2, bias_correction1, bias_correction2_sqrt, eps = scalars.unbind()
+    p32, g32 = p.float(), g.float()
+    if decoupled:
+        p32 = p32 - weight_decay * p32  # weight_decay holds lr * weight_decay here, as adam_step computes it
+    else:
+        g32 = g32 + weight_decay * p32
+    m = _dequantize(m_codes, m_scale, m_table, fmt).lerp(g32, one_minus_beta1)
+    v = _dequantize(v_codes, v_scale, v_table, fmt).lerp(g32.square(), one_minus_beta2)
+    codes, scale = _quantize(m, fmt, True, m_base, m_threshold)
+    m_codes.copy_(codes)
+    m_scale.copy_(scale)
+    codes, scale = _quantize(v, fmt, False, v_base, v_threshold)
+    v_codes.copy_(codes)
+    v_scale.copy_(scale)
+    denom = (v.sqrt() / bias_correction2_sqrt) + eps
+    new = p32 - lr * (m / bias_correction1) / denom
+    if rounding is None:
+        p.copy_(new)
+    else:
+        p.copy_(rounding(new.reshape(-1), seed).view(torch.float32).view(p.shape))
+
+
+_compiled: Callable[..., None] | None = None
+_failed = False
+
+
+def available() -> bool:
+    """Whether the compiled kernel runs here (compiled once per process, at the first call)."""
+    global _compiled, _failed
+    if _compiled is None and not _failed:
+        try:
+            compiled = torch.compile(_kernel, fullgraph=True, dynamic=False)
+            _probe(compiled)
+            _compiled = compiled
+        except Exception:  # no C++ toolchain, an unsupported platform: the eager step
+            _failed = True
+    return _compiled is not None
+
+
+def _probe(compiled: Callable[..., None]) -> None:
+    """Compile the 8-bit AdamW graph once on a throwaway parameter (under no_grad, as steps run)."""
+    p, g = torch.zeros(4 * 256), torch.zeros(4 * 256)
+    state: dict[str, Any] = {}
+    group = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
+    _step(compiled, p, g, state, group, True, "8bit", p.numel(), None, None)
+
+
+def _lookups(fmt: str, device: torch.device) -> list[torch.Tensor]:
+    if fmt == "fp8":
+        empty = torch.zeros(2, device=device)
+        return [empty, empty.int(), empty] * 2
+    bits = moments.FORMATS[fmt][0]
+    tables = []
+    for signed in (True, False):
+        base, threshold = q.code_lookup(bits, signed, device)
+        tables += [q.table(bits, signed, device), base, threshold]
+    return tables
+
+
+def _blocks(t: torch.Tensor, block: int) -> torch.Tensor:
+    return t.view(-1, block)
+
+
+@torch.no_grad()
+def adam_step(p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: dict[str, Any], decoupled: bool,
+              precision: str, capacity: int = 0, rounding: Rounding | None = None,
+              seed_at: Callable[[int], torch.Tensor] | None = None) -> None:  # fmt: skip
+    """``adam.adam_step`` compiled (call where :func:`available`); ``p`` and ``grad`` contiguous.
+
+    ``rounding`` and ``seed_at`` (bf16-sr): the weight is written as ``rounding(values, seed_at(offset))``
+    for the values from flat position ``offset`` on (else rounded to nearest).
+    """
+    assert _compiled is not None, "call available() first"
+    _step(_compiled, p, grad, state, group, decoupled, precision, capacity, rounding, seed_at)
+
+
+def _step(kernel: Callable[..., None], p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any],
+          group: dict[str, Any], decoupled: bool, precision: str, capacity: int, rounding: Rounding | None,
+          seed_at: Callable[[int], torch.Tensor] | None) -> None:  # fmt: skip
+    capacity = max(capacity, p.numel())
+    quantized_moments(state, p, precision, capacity)
+    state["step"] += 1
+    step = state["step"]
+    beta1, beta2 = (float(b) for b in group["betas"])
+    lr = torch.tensor(float(group["lr"]), dtype=torch.float32)
+    weight_decay = float(group["weight_decay"])
+    scalars = torch.stack([
+        lr,
+        (lr * weight_decay) if decoupled else torch.tensor(weight_decay, dtype=torch.float32),
+        torch.tensor(1 - beta1, dtype=torch.float32),
+        torch.tensor(1 - beta2, dtype=torch.float32),
+        1 - beta1**step,
+        (1 - beta2**step).sqrt(),
+        torch.tensor(float(group["eps"]), dtype=torch.float32),
+    ]).to(p.device)  # fmt: skip
+    bits, block = moments.FORMATS[precision]
+    fmt = precision
+    lookups = _lookups(fmt, p.device)
+    per_block = block * bits // 8  # code bytes a block holds
+    tensors = [state["exp_avg_codes"], state["exp_avg_scale"], state["exp_avg_sq_codes"], state["exp_avg_sq_scale"]]
+    flat_p, flat_g = p.view(-1), grad.view(-1)
+    whole = p.numel() // block  # blocks of real values only
+    no_seed = torch.zeros((), dtype=torch.int32, device=p.device)
+
+    def run(p2: torch.Tensor, g2: torch.Tensor, first: int, last: int, offset: int) -> None:
+        m_codes, m_scale, v_codes, v_scale = tensors
+        views = [m_codes[first * per_block : last * per_block].view(-1, per_block), m_scale[first:last],
+                 v_codes[first * per_block : last * per_block].view(-1, per_block), v_scale[first:last]]  # fmt: skip
+        for view in (p2, g2, *views):
+            torch._dynamo.maybe_mark_dynamic(view, 0)
+        seed = seed_at(offset) if seed_at is not None else no_seed
+        # A graph per format, Adam or AdamW, weight dtype, rounding, and one block or more (dynamo specializes a
+        # size of 1): up to 48, more than dynamo's default limit of recompiles of one function.
+        with torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=max(
+                torch._dynamo.config.accumulated_recompile_limit, 256)):  # fmt: skip
+            kernel(p2, g2, *views, lookups, scalars, seed, fmt, decoupled, rounding)
+
+    if whole > 0:
+        body = whole * block
+        run(_blocks(flat_p[:body], block), _blocks(flat_g[:body], block), 0, whole, 0)
+    total = tensors[1].numel()
+    if total > whole:  # the last partial block and the room a shard makes: through a padded copy
+        start = whole * block
+        rest = (total - whole) * block
+        p_rest = torch.zeros(rest, dtype=p.dtype, device=p.device)
+        g_rest = torch.zeros(rest, dtype=grad.dtype, device=grad.device)
+        tail = p.numel() - start
+        p_rest[:tail].copy_(flat_p[start:])
+        g_rest[:tail].copy_(flat_g[start:])
+        run(_blocks(p_rest, block), _blocks(g_rest, block), whole, total, start)
+        flat_p[start:].copy_(p_rest[:tail])
