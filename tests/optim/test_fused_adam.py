@@ -88,3 +88,15 @@ def test_stochastic_rounding_uses_each_elements_own_noise_in_the_last_block() ->
     tail = slice(3 * 256, 1000)
     assert _agree(p[tail], eager_p[tail]) > 0.98
     assert _agree(p[: 3 * 256], eager_p[: 3 * 256]) > 0.98
+
+
+@pytest.mark.parametrize("precision", ["8bit", "fp8"])
+def test_a_positive_second_moment_is_never_stored_as_zero_compiled(precision: str) -> None:
+    """mixprec's one departure from torchao's formats holds in the kernel too (a gradient of 1 beside ones of
+    1e-12: second moments far below the block's largest / 448 or its dynamic tree's smallest entry)."""
+    grad = torch.full((4096,), 1e-12)
+    grad[::256] = 1.0
+    p, state = torch.zeros(4096), {}
+    fused_adam.adam_step(p, grad, state, GROUP, True, precision)
+    codes = state["exp_avg_sq_codes"]
+    assert (codes.view(torch.uint8) != 0).all()

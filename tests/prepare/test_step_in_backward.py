@@ -337,7 +337,9 @@ def _sharded_worker(rank: int, world: int, port: int, results: Any, level: str) 
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("level", ["bf16-sr", pytest.param("O2", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "level", ["bf16-sr", pytest.param("O2", marks=pytest.mark.slow), pytest.param("bf16-kahan", marks=pytest.mark.slow)]
+)
 def test_under_fsdp2_each_unit_steps_after_its_reduce_scatter(level: str) -> None:
     ranks = spawn(_sharded_worker, 2, level)
     for rank in ranks:

@@ -1,4 +1,5 @@
-"""Numerics shared by the per-layer plan and the fp8 report: how far a low-precision result is from fp32's."""
+"""Numerics shared across subsystems: how far a low-precision result is from fp32's (the per-layer plan, the fp8
+report), and fp32 rounded to bf16 in a way compilers keep (Kahan-compensated weights)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import math
 
 import torch
 
-__all__ = ["sqnr"]
+__all__ = ["bf16_nearest", "sqnr"]
 
 
 def sqnr(x: torch.Tensor, reference: torch.Tensor) -> float:
@@ -17,3 +18,13 @@ def sqnr(x: torch.Tensor, reference: torch.Tensor) -> float:
     if noise == 0:
         return math.inf
     return 20 * math.log10(signal / noise) if signal > 0 and math.isfinite(noise) else -math.inf
+
+
+def bf16_nearest(x: torch.Tensor) -> torch.Tensor:
+    """fp32 ``x`` rounded to the nearest bf16 value (ties to even), returned in fp32: ``x.to(bf16).float()``
+    for finite values, in integer arithmetic. inductor fuses ``x.to(bf16).float()`` into ``x`` (it does not
+    emulate intermediate casts by default), which would make a compensation ``x - rounded`` zero; this form
+    it keeps."""
+    raw = x.view(torch.int32)
+    kept = (raw + 0x7FFF + ((raw >> 16) & 1)) & -(1 << 16)
+    return kept.view(torch.float32)

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from mixprec._src.numerics import bf16_nearest
 from mixprec._src.optim import moments
 from mixprec._src.optim import quantize as q
 from mixprec._src.optim.adam import quantized_moments
@@ -41,10 +42,10 @@ def _quantize(x: torch.Tensor, fmt: str, signed: bool, base: torch.Tensor,
     if fmt == "fp8":
         scale = scale / torch.finfo(q.FP8).max
         scaled = x / scale[:, None]
-        values = scaled.to(q.FP8).float()
-        if not signed:  # e4m3's smallest positive value for a positive second moment
-            values = torch.where((scaled > 0) & (values == 0), 2.0**-9, values)
-        return values.to(q.FP8), scale
+        if not signed:  # e4m3's smallest positive value for a positive second moment that would round to 0
+            # (at or below 2**-10, half of it: compared before the cast, as inductor elides a cast's round trip)
+            scaled = torch.where((scaled > 0) & (scaled <= 2.0**-10), 2.0**-9, scaled)
+        return scaled.to(q.FP8), scale
     scaled = x / scale[:, None]
     raw = scaled.view(torch.int32)
     buckets = base.numel() // 2
@@ -59,8 +60,8 @@ def _quantize(x: torch.Tensor, fmt: str, signed: bool, base: torch.Tensor,
 
 
 def _kernel(p: torch.Tensor, g: torch.Tensor, m_codes: torch.Tensor, m_scale: torch.Tensor, v_codes: torch.Tensor,
-            v_scale: torch.Tensor, lookups: list[torch.Tensor], scalars: torch.Tensor, seed: torch.Tensor, fmt: str,
-            decoupled: bool, rounding: Rounding | None) -> None:  # fmt: skip
+            v_scale: torch.Tensor, lookups: list[torch.Tensor], scalars: torch.Tensor, seed: torch.Tensor,
+            comp: torch.Tensor | None, fmt: str, decoupled: bool, rounding: Rounding | None) -> None:  # fmt: skip
     """One step over ``(blocks, block)`` views, in place.
 
     Padding (zero weights and gradients past a parameter's values) needs no mask: the eager step stores it as
@@ -85,12 +86,20 @@ def _kernel(p: torch.Tensor, g: torch.Tensor, m_codes: torch.Tensor, m_scale: to
     v_scale.copy_(scale)
     denom = (v.sqrt() / bias_correction2_sqrt) + eps
     new = p32 - lr * (m / bias_correction1) / denom
-    if rounding is None:
+    if comp is not None:  # Kahan: what rounding to bf16 drops is kept in comp (prepare's kahan.write)
+        s = p32 + ((new - p32) + comp.float())
+        rounded = bf16_nearest(s)  # not s.to(bf16): inductor would keep s in fp32, and comp would stay zero
+        p.copy_(rounded)
+        comp.copy_(s - rounded)
+    elif rounding is None:
         p.copy_(new)
     else:
         p.copy_(rounding(new.reshape(-1), seed).view(torch.float32).view(p.shape))
 
 
+#: blocks a call of the kernel steps at most: the fp32 buffers it makes are this many blocks' (about 4 MiB
+#: at 8 bits), not the largest parameter's, and a call still spans enough values that its overhead is small
+_CHUNK = 1024
 _compiled: Callable[..., None] | None = None
 _failed = False
 
@@ -113,7 +122,7 @@ def _probe(compiled: Callable[..., None]) -> None:
     p, g = torch.zeros(4 * 256), torch.zeros(4 * 256)
     state: dict[str, Any] = {}
     group = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
-    _step(compiled, p, g, state, group, True, "8bit", p.numel(), None, None)
+    _step(compiled, p, g, state, group, True, "8bit", p.numel(), None, None, None)
 
 
 def _lookups(fmt: str, device: torch.device) -> list[torch.Tensor]:
@@ -135,19 +144,21 @@ def _blocks(t: torch.Tensor, block: int) -> torch.Tensor:
 @torch.no_grad()
 def adam_step(p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: dict[str, Any], decoupled: bool,
               precision: str, capacity: int = 0, rounding: Rounding | None = None,
-              seed_at: Callable[[int], torch.Tensor] | None = None) -> None:  # fmt: skip
+              seed_at: Callable[[int], torch.Tensor] | None = None,
+              comp: torch.Tensor | None = None) -> None:  # fmt: skip
     """``adam.adam_step`` compiled (call where :func:`available`); ``p`` and ``grad`` contiguous.
 
     ``rounding`` and ``seed_at`` (bf16-sr): the weight is written as ``rounding(values, seed_at(offset))``
-    for the values from flat position ``offset`` on (else rounded to nearest).
+    for the values from flat position ``offset`` on. ``comp`` (bf16-kahan): the weight's compensation,
+    written as ``kahan.write`` writes it. Else the weight is rounded to nearest.
     """
     assert _compiled is not None, "call available() first"
-    _step(_compiled, p, grad, state, group, decoupled, precision, capacity, rounding, seed_at)
+    _step(_compiled, p, grad, state, group, decoupled, precision, capacity, rounding, seed_at, comp)
 
 
 def _step(kernel: Callable[..., None], p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any],
           group: dict[str, Any], decoupled: bool, precision: str, capacity: int, rounding: Rounding | None,
-          seed_at: Callable[[int], torch.Tensor] | None) -> None:  # fmt: skip
+          seed_at: Callable[[int], torch.Tensor] | None, comp: torch.Tensor | None) -> None:  # fmt: skip
     capacity = max(capacity, p.numel())
     quantized_moments(state, p, precision, capacity)
     state["step"] += 1
@@ -173,22 +184,26 @@ def _step(kernel: Callable[..., None], p: torch.Tensor, grad: torch.Tensor, stat
     whole = p.numel() // block  # blocks of real values only
     no_seed = torch.zeros((), dtype=torch.int32, device=p.device)
 
-    def run(p2: torch.Tensor, g2: torch.Tensor, first: int, last: int, offset: int) -> None:
+    flat_c = None if comp is None else comp.view(-1)
+
+    def run(p2: torch.Tensor, g2: torch.Tensor, c2: torch.Tensor | None, first: int, last: int, offset: int) -> None:
         m_codes, m_scale, v_codes, v_scale = tensors
         views = [m_codes[first * per_block : last * per_block].view(-1, per_block), m_scale[first:last],
                  v_codes[first * per_block : last * per_block].view(-1, per_block), v_scale[first:last]]  # fmt: skip
-        for view in (p2, g2, *views):
+        for view in (p2, g2, *views, *([] if c2 is None else [c2])):
             torch._dynamo.maybe_mark_dynamic(view, 0)
         seed = seed_at(offset) if seed_at is not None else no_seed
         # A graph per format, Adam or AdamW, weight dtype, rounding, and one block or more (dynamo specializes a
         # size of 1): up to 48, more than dynamo's default limit of recompiles of one function.
         with torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=max(
                 torch._dynamo.config.accumulated_recompile_limit, 256)):  # fmt: skip
-            kernel(p2, g2, *views, lookups, scalars, seed, fmt, decoupled, rounding)
+            kernel(p2, g2, *views, lookups, scalars, seed, c2, fmt, decoupled, rounding)
 
-    if whole > 0:
-        body = whole * block
-        run(_blocks(flat_p[:body], block), _blocks(flat_g[:body], block), 0, whole, 0)
+    for first in range(0, whole, _CHUNK):  # in chunks: inductor keeps a chunk's fp32 moments in buffers
+        last = min(whole, first + _CHUNK)
+        span = slice(first * block, last * block)
+        c2 = None if flat_c is None else _blocks(flat_c[span], block)
+        run(_blocks(flat_p[span], block), _blocks(flat_g[span], block), c2, first, last, first * block)
     total = tensors[1].numel()
     if total > whole:  # the last partial block and the room a shard makes: through a padded copy
         start = whole * block
@@ -198,5 +213,12 @@ def _step(kernel: Callable[..., None], p: torch.Tensor, grad: torch.Tensor, stat
         tail = p.numel() - start
         p_rest[:tail].copy_(flat_p[start:])
         g_rest[:tail].copy_(flat_g[start:])
-        run(_blocks(p_rest, block), _blocks(g_rest, block), whole, total, start)
+        c_rest = None
+        if flat_c is not None:
+            c_rest = torch.zeros(rest, dtype=flat_c.dtype, device=flat_c.device)
+            c_rest[:tail].copy_(flat_c[start:])
+        run(_blocks(p_rest, block), _blocks(g_rest, block), None if c_rest is None else _blocks(c_rest, block),
+            whole, total, start)  # fmt: skip
         flat_p[start:].copy_(p_rest[:tail])
+        if flat_c is not None and c_rest is not None:
+            flat_c[start:].copy_(c_rest[:tail])

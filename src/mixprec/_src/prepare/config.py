@@ -30,6 +30,12 @@ class Level(NamedEnum):
     O2 = "O2"
     BF16_SR = "bf16-sr"
     BF16_PURE = "bf16-pure"
+    BF16_KAHAN = "bf16-kahan"
+
+    @property
+    def bf16_weights(self) -> bool:
+        """Whether the level stores the weights themselves in bf16 (no fp32 master)."""
+        return self in (Level.BF16_SR, Level.BF16_PURE, Level.BF16_KAHAN)
 
     @classmethod
     def _what(cls) -> tuple[str, str]:
@@ -41,7 +47,7 @@ class PrepareConfig:
     """How :func:`mixprec.prepare` converts a model and its optimizer.
 
     Attributes:
-        level: ``"O1"``, ``"O2"``, ``"bf16-sr"`` or ``"bf16-pure"`` (see :func:`mixprec.prepare`).
+        level: ``"O1"``, ``"O2"``, ``"bf16-sr"``, ``"bf16-kahan"`` or ``"bf16-pure"`` (see :func:`mixprec.prepare`).
         dtype: the low precision (bf16 or fp16; the bf16 levels need bf16).
         keep_types: module types kept in fp32 (stored and computed); norm layers by default.
         keep_names: qualified-name globs of modules kept in fp32 (``"head"``, ``"blocks.*.attn"``).
@@ -82,7 +88,7 @@ class PrepareConfig:
     def __post_init__(self) -> None:
         level = Level.from_name(self.level)
         dtype = parse_dtype(self.dtype, what="prepare dtype", allowed=LOW_PRECISION)
-        if level in (Level.BF16_SR, Level.BF16_PURE) and dtype is not torch.bfloat16:
+        if level.bf16_weights and dtype is not torch.bfloat16:
             raise ValueError(
                 f"level {level.value!r} keeps weights in bf16; pass dtype=torch.bfloat16 (or use level 'O2')"
             )

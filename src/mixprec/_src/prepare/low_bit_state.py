@@ -17,6 +17,7 @@ Nothing here syncs.
 
 from __future__ import annotations
 
+import functools
 import math
 import types
 from typing import Any
@@ -25,6 +26,7 @@ import torch
 
 from mixprec._src import sharding
 from mixprec._src.optim import adam, fused_adam, moments, sgd
+from mixprec._src.prepare import kahan
 from mixprec._src.prepare.sr_kernel import fused_supported
 from mixprec._src.prepare.sr_noise import moved, seed_tensor, shard_seed, sr_bits, tensor_seed
 from mixprec._src.prepare.stochastic_rounding import SEED_KEY, STEP_KEY, Restore, positions, step_eagerly
@@ -59,13 +61,16 @@ def _flags(optimizer: torch.optim.Optimizer) -> str:
     return ", ".join(n for n in names if any(g.get(n) for g in optimizer.param_groups))
 
 
-def install(optimizer: torch.optim.Optimizer, precision: str, handles: list[Any], stochastic: bool = False) -> None:
+def install(optimizer: torch.optim.Optimizer, precision: str, handles: list[Any], writeback: str = "nearest") -> None:
     """Make ``optimizer`` (Adam, AdamW or SGD) keep the state of its large parameters at ``precision``.
 
-    ``stochastic`` (level bf16-sr, installed after bf16-sr's own step): the large parameters' weights are
-    written back with bf16-sr's stochastic rounding, with the noise bf16-sr would give them (the seed from
-    the param group's counters and the tensor's position); the rest go on through bf16-sr's step.
+    ``writeback``: how the large bf16 parameters' weights are written, ``"nearest"`` (rounded to nearest),
+    ``"stochastic"`` (level bf16-sr, installed after bf16-sr's own step: with bf16-sr's stochastic
+    rounding and the noise bf16-sr would give them, the seed from the param group's counters and the
+    tensor's position) or ``"kahan"`` (level bf16-kahan: with the weight's compensation); the rest go on
+    through the level's own step.
     """
+    stochastic, compensated = writeback == "stochastic", writeback == "kahan"
     check(optimizer, precision)
     step_eagerly(optimizer, handles)
     own = optimizer.__dict__.get("_init_group")  # bf16-sr's, where it is installed
@@ -85,12 +90,16 @@ def install(optimizer: torch.optim.Optimizer, precision: str, handles: list[Any]
             if stochastic and local_p.dtype == torch.bfloat16:  # bf16-sr's next count: its step advances it below
                 seed = shard_seed(tensor_seed(int(group[SEED_KEY]), int(group[STEP_KEY]) + 1, where[id(p)]), p)
             write = None if seed is None else _stochastic_write(seed)
+            comp = None
+            if compensated and local_p.dtype == torch.bfloat16:
+                comp = sharding.local(kahan.compensation(self.state[p], p))
+                write = functools.partial(kahan.write, comp=comp)
             if momentum:
                 sgd.sgd_step(local_p, local_g, self.state[p], group, precision, _capacity(p), write)
             elif local_p.is_contiguous() and local_g.is_contiguous() and fused_adam.available():
                 rounding, seed_at = (None, None) if seed is None else (sr_bits, _seeds_from(seed, local_p.device))
                 fused_adam.adam_step(local_p, local_g, self.state[p], group, decoupled, precision, _capacity(p),
-                                     rounding, seed_at)  # fmt: skip
+                                     rounding, seed_at, comp)  # fmt: skip
             else:
                 adam.adam_step(local_p, local_g, self.state[p], group, decoupled, precision, _capacity(p), write)
         rest_group = {**group, "params": rest}

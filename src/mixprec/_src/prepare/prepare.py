@@ -12,8 +12,10 @@
   steps in fp32 and writes the weights back with stochastic rounding
   (``stochastic_rounding.py``), seeded from the optimizer's param groups, so a
   checkpoint resumes bit for bit.
+* ``"bf16-kahan"``: bf16 weights and state, the updates written with a bf16 Kahan compensation
+  per weight (``kahan.py``, optimi's method): what rounding drops is carried to the next step.
 * ``"bf16-pure"``: bf16 weights and state with round-to-nearest updates; the baseline that
-  shows what stochastic rounding fixes.
+  shows what stochastic rounding and compensation fix.
 
 Modules kept in fp32 (norm layers by default, or by name) are stored in fp32 and compute in
 fp32 at every level: their own hooks turn autocast off and cast their floating inputs to fp32,
@@ -49,7 +51,7 @@ from mixprec._src.fp8.config import Fp8Config
 from mixprec._src.fp8.linear import Fp8Scaling
 from mixprec._src.optim import moments
 from mixprec._src.policy.policy import NORM_TYPES, ModuleFilter, Policy, default_policy
-from mixprec._src.prepare import kept, low_bit_state, o2_copies, sr_noise, stochastic_rounding
+from mixprec._src.prepare import kahan, kept, low_bit_state, o2_copies, sr_noise, stochastic_rounding
 from mixprec._src.prepare import step_in_backward as in_backward
 from mixprec._src.prepare.config import Level, PrepareConfig
 
@@ -127,7 +129,7 @@ def prepare(
         model: an fp32 model, already on its device (and sharded, with FSDP2).
         optimizer: any ``torch.optim`` optimizer over the model's parameters, created after the
             model was moved (and sharded).
-        level: ``"O1"``, ``"O2"``, ``"bf16-sr"`` or ``"bf16-pure"``, or a whole
+        level: ``"O1"``, ``"O2"``, ``"bf16-sr"``, ``"bf16-kahan"`` or ``"bf16-pure"``, or a whole
             :class:`PrepareConfig` (then give no other option).
         dtype: the low precision (bf16 or fp16; the bf16 levels need bf16).
         keep_types, keep_names: modules kept in fp32, by type or qualified-name glob.
@@ -163,7 +165,7 @@ def prepare(
         config = PrepareConfig(level, dtype, keep_types, keep_names, keep_filter, output_dtype, policy, fp8,  # type: ignore[arg-type]
                                optimizer_state, step_in_backward, clip_grad_norm)  # fmt: skip
     level, dtype = config.level, config.dtype
-    if level in (Level.O2, Level.BF16_SR) and isinstance(optimizer, torch.optim.LBFGS):
+    if level in (Level.O2, Level.BF16_SR, Level.BF16_KAHAN) and isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError(
             f"LBFGS re-evaluates the model inside step(), and level {level.value!r} updates the low-precision "
             "weights only after step(); use level 'O1' or 'bf16-pure' with LBFGS"
@@ -206,7 +208,7 @@ def prepare(
 
     if level is not Level.O1:
         _lower(model, optimizer, state)
-    if level in (Level.BF16_SR, Level.BF16_PURE):
+    if level.bf16_weights:
         _narrow_state(optimizer, state.lowp_params, dtype)
     if level is Level.BF16_SR:
         seed = sr_noise.draw_seed(sharding.process_group(model) if sharded else None)
@@ -214,8 +216,11 @@ def prepare(
         state.fused = stochastic_rounding.install(optimizer, state.lowp_params, state.handles)
     else:  # the keys every level's checkpoint holds; nothing rounds stochastically here
         stochastic_rounding.add_counters(optimizer, 0, state.handles)
+    if level is Level.BF16_KAHAN:
+        state.fused = kahan.install(optimizer, state.lowp_params, state.handles)
     if config.optimizer_state != "fp32":
-        low_bit_state.install(optimizer, config.optimizer_state, state.handles, stochastic=level is Level.BF16_SR)
+        writeback = {Level.BF16_SR: "stochastic", Level.BF16_KAHAN: "kahan"}.get(level, "nearest")
+        low_bit_state.install(optimizer, config.optimizer_state, state.handles, writeback)
     if layers is not None and layers.config.all_gather:  # on the shards as _lower left them
         fp8_all_gather.install(model, layers)
     if config.step_in_backward:  # after every change to the optimizer's step: it steps with all of them
@@ -295,7 +300,13 @@ def export_fp32(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
     for handle in state.handles:
         handle.remove()
     with torch.no_grad():
-        if state.level in (Level.BF16_SR, Level.BF16_PURE):
+        if state.level is Level.BF16_KAHAN and optimizer is not None:  # what rounding dropped goes into the weight
+            for param in state.lowp_params:
+                comp = optimizer.state.get(param, {}).pop(kahan.COMP_KEY, None)
+                if comp is not None:
+                    _convert(param, torch.float32)
+                    param.add_(comp.float())
+        if state.level.bf16_weights:
             for param in state.lowp_params:
                 grad = None if param.grad is None else param.grad.float()
                 param.grad = None

@@ -14,7 +14,7 @@ it and a resumed run rounds exactly as an uninterrupted one. Nothing here syncs 
 from __future__ import annotations
 
 import types
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -137,7 +137,21 @@ def _install_fused(optimizer: torch.optim.Optimizer, lowp: set[int], handles: li
     return True
 
 
-def _install_generic(optimizer: torch.optim.Optimizer, lowp: set[int], handles: list[Any]) -> None:
+def _stochastic_write(param: torch.Tensor, shadow: torch.Tensor, shadow_state: dict[str, Any], seed: int) -> None:
+    """The weight update is rounded stochastically: add noise below the 16 kept bits and truncate; the copy
+    into the bf16 parameter is then exact."""
+    local = sharding.local(param.data)
+    bits = sr_bits(sharding.local(shadow.data).reshape(-1), seed_tensor(seed, local.device))
+    local.copy_(bits.view(torch.float32).view(local.shape))
+
+
+#: ``write(param, shadow, shadow_state, seed)``: the bf16 ``param`` from its stepped fp32 copy ``shadow``
+Write = Callable[[torch.Tensor, torch.Tensor, dict[str, Any], int], None]
+
+
+def install_generic(optimizer: torch.optim.Optimizer, lowp: set[int], handles: list[Any],
+                    write: Write = _stochastic_write) -> None:  # fmt: skip
+    """Step fp32 copies of the bf16 tensors ``lowp`` (ids) with the optimizer's own code, then ``write`` them back."""
     shadows: list[tuple[dict[str, Any], int, torch.Tensor, torch.Tensor, int]] = []
 
     def widen(opt: torch.optim.Optimizer, group: dict[str, Any]) -> None:
@@ -160,11 +174,7 @@ def _install_generic(optimizer: torch.optim.Optimizer, lowp: set[int], handles: 
     def narrow(opt: torch.optim.Optimizer, *_: Any) -> None:
         with torch.no_grad():
             for group, i, param, shadow, seed in shadows:
-                # The weight update is rounded stochastically: add noise below the 16 kept bits and
-                # truncate; the copy into the bf16 parameter is then exact.
-                local = sharding.local(param.data)
-                bits = sr_bits(sharding.local(shadow.data).reshape(-1), seed_tensor(seed, local.device))
-                local.copy_(bits.view(torch.float32).view(local.shape))
+                write(param, shadow, opt.state[shadow], seed)
                 # Optimizer state goes back to bf16 rounded to nearest: it is not accumulated in
                 # tiny increments the way weights are.
                 shadow_state = opt.state.pop(shadow, {})
@@ -234,7 +244,7 @@ def install(optimizer: torch.optim.Optimizer, lowp: Iterable[torch.Tensor], hand
     step_eagerly(optimizer, handles)
     if fused_supported(optimizer) and _install_fused(optimizer, ids, handles):
         return True
-    _install_generic(optimizer, ids, handles)
+    install_generic(optimizer, ids, handles)
     return False
 
 

@@ -1,0 +1,201 @@
+"""Memory per recipe: bytes per parameter (memory_report and the process's peak), speed, and loss against fp32.
+
+Each recipe is a prepare level with an optimizer-state precision and, optionally, the step in
+backward. Three measurements per recipe, each in processes of its own:
+
+* **bytes per parameter**: ``mixprec.memory_report`` after a step (weights, masters, gradients,
+  optimizer state), and the process's peak resident memory over three training steps at a batch of one
+  sequence (so activations are a sliver), less the process's memory before the model was built
+  (after a warm-up run of the same recipe on a model of the same shapes, since freed, so kernels
+  compiled, libraries loaded and caches filled once do not count), divided by the parameter count.
+  glibc is told to give large blocks back (``MALLOC_MMAP_THRESHOLD_``), so freed tensors leave the
+  resident set.
+* **speed**: median wall time of a training step (forward, backward, step) at the workload's batch,
+  against bf16-pure's in the same run (a ratio from one run; the machine is shared and noisy).
+* **loss**: the mean loss of the last fifth of ``--steps`` steps, against plain fp32 AdamW's, on the
+  same data from the same weights; ``--plot`` draws the curves.
+
+    python benchmarks/bench_bytes_per_param.py                              # the Markdown tables
+    python benchmarks/bench_bytes_per_param.py --loss-size quick --steps 300 --plot docs/images/memory_loss.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from typing import Any
+
+import torch
+
+import mixprec
+from mixprec.bench.workloads import WORKLOADS
+
+#: name -> prepare options (None: plain fp32 AdamW, no prepare)
+RECIPES: dict[str, dict[str, Any] | None] = {
+    "fp32 AdamW": None,
+    "O1": {"level": "O1"},
+    "O2": {"level": "O2"},
+    "bf16-pure": {"level": "bf16-pure"},
+    "bf16-sr": {"level": "bf16-sr"},
+    "bf16-sr 8bit": {"level": "bf16-sr", "optimizer_state": "8bit"},
+    "bf16-sr fp8": {"level": "bf16-sr", "optimizer_state": "fp8"},
+    "bf16-sr 8bit in-backward": {"level": "bf16-sr", "optimizer_state": "8bit", "step_in_backward": True},
+    "bf16-sr fp8 in-backward": {"level": "bf16-sr", "optimizer_state": "fp8", "step_in_backward": True},
+    "bf16-sr 4bit in-backward": {"level": "bf16-sr", "optimizer_state": "4bit", "step_in_backward": True},
+    "bf16-pure 8bit in-backward": {"level": "bf16-pure", "optimizer_state": "8bit", "step_in_backward": True},
+}
+_MMAP = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
+
+
+def build(workload: str, size: str, recipe: str) -> tuple[Any, torch.nn.Module, torch.optim.Optimizer]:
+    task = WORKLOADS[workload].build(size, torch.device("cpu"))
+    model = task.model
+    optimizer = torch.optim.AdamW(model.parameters(), lr=task.lr, weight_decay=0.01)
+    options = RECIPES[recipe]
+    if options is not None:
+        options = dict(options)
+        mixprec.prepare(model, optimizer, options.pop("level"), **options)
+    return task, model, optimizer
+
+
+def train_step(task: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int,
+               rows: int | None = None) -> float:  # fmt: skip
+    x, y = task.batch(step)
+    if rows is not None:
+        x, y = x[:rows], y[:rows]
+    optimizer.zero_grad()
+    loss = task.loss_fn(model(x).float(), y)
+    loss.backward()
+    optimizer.step()
+    return float(loss)
+
+
+def _resident(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def peak_worker(workload: str, size: str, recipe: str) -> dict[str, float]:
+    """In a process of its own: bytes per parameter by memory_report and by the resident peak."""
+    warm = build(workload, size, recipe)  # the same shapes: kernels, caches and code made once are in the base
+    for step in range(2):
+        train_step(*warm, step, rows=1)
+    del warm
+    gc.collect()
+    base = _resident("VmRSS")
+    task, model, optimizer = build(workload, size, recipe)
+    params = sum(p.numel() for p in model.parameters())
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as refs:  # the peak from here on
+        refs.write("5")
+    for step in range(3):
+        train_step(task, model, optimizer, step, rows=1)
+    peak = _resident("VmHWM")
+    report = mixprec.memory_report(model, optimizer)
+    return {"params": params, "report": report.total / params, "peak": (peak - base) / params,
+            "state": report.optimizer_state / params, "gradients": report.gradients / params}  # fmt: skip
+
+
+def speed(workload: str, size: str, recipe: str, steps: int) -> float:
+    """Median seconds of a training step at the workload's batch (after two warm-up steps)."""
+    task, model, optimizer = build(workload, size, recipe)
+    times = []
+    for step in range(steps + 2):
+        begin = time.perf_counter()
+        train_step(task, model, optimizer, step)
+        times.append(time.perf_counter() - begin)
+    return statistics.median(times[2:])
+
+
+def losses(workload: str, size: str, recipe: str, steps: int) -> list[float]:
+    task, model, optimizer = build(workload, size, recipe)
+    return [train_step(task, model, optimizer, step) for step in range(steps)]
+
+
+def _in_child(*args: str) -> dict[str, Any]:
+    env = {**os.environ, **_MMAP}
+    out = subprocess.run([sys.executable, __file__, "--child", *args], env=env, capture_output=True, text=True,
+                         check=True)  # fmt: skip
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workloads", default="transformer,mlp")
+    parser.add_argument("--size", default="default", help="size of the memory and speed runs")
+    parser.add_argument("--loss-size", default="quick", help="size of the loss runs")
+    parser.add_argument("--steps", type=int, default=200, help="steps of the loss runs")
+    parser.add_argument("--speed-steps", type=int, default=6)
+    parser.add_argument("--recipes", default=",".join(RECIPES))
+    parser.add_argument("--plot", default=None, help="draw the loss curves into this PNG")
+    parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    if args.child:
+        kind, workload, size, recipe, steps = args.child
+        if kind == "peak":
+            result: Any = peak_worker(workload, size, recipe)
+        elif kind == "speed":
+            result = speed(workload, size, recipe, int(steps))
+        else:
+            result = losses(workload, size, recipe, int(steps))
+        print(json.dumps(result))
+        return
+    recipes = args.recipes.split(",")
+    curves: dict[str, dict[str, list[float]]] = {}
+    from rich.progress import track
+
+    for workload in args.workloads.split(","):
+        rows = []
+        for recipe in track(recipes, description=f"{workload}", transient=True, console=None):
+            peak = _in_child("peak", workload, args.size, recipe, "0")
+            seconds = _in_child("speed", workload, args.size, recipe, str(args.speed_steps))
+            curve = _in_child("loss", workload, args.loss_size, recipe, str(args.steps))
+            rows.append((recipe, peak, seconds, curve))
+        curves[workload] = {recipe: curve for recipe, _, _, curve in rows}
+        pure = next(seconds for recipe, _, seconds, _ in rows if recipe == "bf16-pure")
+        tail = max(1, args.steps // 5)
+        fp32 = statistics.mean(rows[0][3][-tail:])
+        print(f"\n{workload} ({rows[0][1]['params'] / 1e6:.1f}M parameters at size {args.size}; loss at size "
+              f"{args.loss_size}, {args.steps} steps)\n")  # fmt: skip
+        print("| recipe | bytes/param (memory_report) | of which state | bytes/param (peak, 1 sequence) | "
+              "step vs bf16-pure | final loss | vs fp32 AdamW |")  # fmt: skip
+        print("|---|---|---|---|---|---|---|")
+        for recipe, peak, seconds, curve in rows:
+            final = statistics.mean(curve[-tail:])
+            print(f"| {recipe} | {peak['report']:.2f} | {peak['state']:.2f} | {peak['peak']:.2f} | "
+                  f"{pure / seconds:.2f}x | {final:.4f} | {(final - fp32) / fp32:+.2%} |")  # fmt: skip
+    if args.plot:
+        _plot(curves, args.plot)
+
+
+def _plot(curves: dict[str, dict[str, list[float]]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(curves), figsize=(6 * len(curves), 4), squeeze=False)
+    for ax, (workload, by_recipe) in zip(axes[0], curves.items(), strict=True):
+        for recipe, curve in by_recipe.items():
+            smooth = [statistics.mean(curve[max(0, i - 9) : i + 1]) for i in range(len(curve))]
+            ax.plot(smooth, label=recipe, linewidth=2.0 if recipe == "fp32 AdamW" else 1.0)
+        ax.set_title(f"{workload}: loss (10-step mean)")
+        ax.set_xlabel("step")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
