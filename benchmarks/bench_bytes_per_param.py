@@ -44,12 +44,14 @@ RECIPES: dict[str, dict[str, Any] | None] = {
     "O2": {"level": "O2"},
     "bf16-pure": {"level": "bf16-pure"},
     "bf16-sr": {"level": "bf16-sr"},
+    "bf16-kahan": {"level": "bf16-kahan"},
     "bf16-sr 8bit": {"level": "bf16-sr", "optimizer_state": "8bit"},
     "bf16-sr fp8": {"level": "bf16-sr", "optimizer_state": "fp8"},
     "bf16-sr 8bit in-backward": {"level": "bf16-sr", "optimizer_state": "8bit", "step_in_backward": True},
     "bf16-sr fp8 in-backward": {"level": "bf16-sr", "optimizer_state": "fp8", "step_in_backward": True},
     "bf16-sr 4bit in-backward": {"level": "bf16-sr", "optimizer_state": "4bit", "step_in_backward": True},
     "bf16-pure 8bit in-backward": {"level": "bf16-pure", "optimizer_state": "8bit", "step_in_backward": True},
+    "bf16-kahan 8bit in-backward": {"level": "bf16-kahan", "optimizer_state": "8bit", "step_in_backward": True},
 }
 _MMAP = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
 

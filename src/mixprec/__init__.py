@@ -29,6 +29,7 @@ from mixprec._src.layers.plan import LayerChoice
 from mixprec._src.layers.precision import layer_precision, set_layer_precision
 from mixprec._src.layout import to_channels_last
 from mixprec._src.observe.diagnostics import diagnose
+from mixprec._src.observe.memory_plan import MemoryPlan, memory_plan
 from mixprec._src.observe.monitor import Incident, Monitor
 from mixprec._src.observe.reach import GemmReach, gemm_reach
 from mixprec._src.observe.report import DiagnosticReport
@@ -67,6 +68,7 @@ __all__ = [
     "LayerMove",
     "Level",
     "Measurement",
+    "MemoryPlan",
     "MemoryReport",
     "NORM_TYPES",
     "ModuleRule",
@@ -96,6 +98,7 @@ __all__ = [
     "is_autocast_enabled",
     "layer_precision",
     "master_params",
+    "memory_plan",
     "memory_report",
     "op",
     "op_name",

@@ -1,6 +1,6 @@
-"""The ``mixprec`` command: ``mixprec bench``, ``mixprec diagnose``, ``mixprec tune`` and ``mixprec policy``.
+"""The ``mixprec`` command: ``mixprec bench``, ``diagnose``, ``tune``, ``memory-plan`` and ``policy``.
 
-One module a subcommand (``bench``, ``diagnose``, ``tune``, ``policy``), the arguments in
+One module a subcommand (``bench``, ``diagnose``, ``tune``, ``memory_plan``, ``policy``), the arguments in
 ``parser``, what they share in ``common``; :func:`main` dispatches.
 """
 
@@ -10,7 +10,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from mixprec.cli import bench, diagnose, parser, policy, tune
+from mixprec.cli import bench, diagnose, memory_plan, parser, policy, tune
 
 __all__ = ["main"]
 
@@ -25,6 +25,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return diagnose.run(args)
         if args.command == "tune":
             return tune.run(args)
+        if args.command == "memory-plan":
+            return memory_plan.run(args)
         return policy.run(args)
     except BrokenPipeError:  # the reader went away (`mixprec policy cpu | head`): nothing left to say
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit

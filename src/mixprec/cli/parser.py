@@ -110,6 +110,22 @@ def build_parser() -> argparse.ArgumentParser:
                       help="a layer's SQNR floor against fp32 for the per-layer plan (default 20)")  # fmt: skip
     tune.add_argument("--out", help="write the recipe here as JSON")
 
+    plan = sub.add_parser(
+        "memory-plan",
+        help="predict the bytes per rank a recipe will hold (weights, masters, gradients, state, activations)",
+        description="Predict from the model's shapes alone (fake tensors: nothing is allocated or run) what "
+        "mixprec.memory_report will count after a step, and the activations one forward saves, with and without "
+        "activation checkpointing of the model's blocks.",
+    )
+    common.add_target_arguments(plan, "a bench workload", "")
+    plan.add_argument("--size", choices=SIZES, default="default", help="--workload's size (default: default)")
+    plan.add_argument("--level", default="O2", choices=["O1", "O2", "bf16-sr", "bf16-kahan", "bf16-pure"])
+    plan.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd"])
+    plan.add_argument("--optimizer-state", default="fp32", choices=["fp32", "8bit", "4bit", "fp8"])
+    plan.add_argument("--step-in-backward", action="store_true", help="step each parameter in backward")
+    plan.add_argument("--world-size", type=int, default=1, help="FSDP2 ranks (default 1)")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+
     policy = sub.add_parser("policy", help="print a precision policy's op lists")
     policy.add_argument(
         "spec", nargs="?", default="cpu", help="a policy name or string, e.g. cpu, cuda, 'compute=bf16'"

@@ -93,6 +93,8 @@ class Recipe:
         fp8: the fp8 recipe of the model's linears (``"tensorwise"``, ``"rowwise"``,
             ``"rowwise_with_gw_hp"``, ``"delayed"``; :class:`Fp8Config`'s default choice of layers),
             or ``None``. With fp8, :meth:`apply` goes through :func:`mixprec.prepare` at every level.
+        optimizer_state, step_in_backward: :class:`PrepareConfig`'s (what :func:`tune` with a
+            ``memory_budget`` chooses to fit); either goes through :func:`mixprec.prepare` at every level.
         layers: the per-layer plan (:func:`tune` with ``per_layer=True``): each GEMM layer
             with what each precision cost there and its choice; a layer whose choice is not ``dtype``
             computes in its own precision (``"fp32"``, ``"bf16"``, ``"fp16"``, ``"fp8-tensorwise"``,
@@ -115,6 +117,8 @@ class Recipe:
     level: str = "O1"
     compile: bool = False
     fp8: str | None = None
+    optimizer_state: str = "fp32"
+    step_in_backward: bool = False
     layers: tuple[LayerChoice, ...] = ()
     loss_scale: float = 2.0**16
     measurements: tuple[Measurement, ...] = ()
@@ -152,8 +156,11 @@ class Recipe:
                 f"level {self.level!r} runs the forward under prepare()'s own autocast region with the built-in "
                 "policy, so op moves (fp32_ops) apply with level 'O1' only"
             )
-        if self.level in ("bf16-sr", "bf16-pure") and self.dtype is not torch.bfloat16:
+        if Level.from_name(self.level).bf16_weights and self.dtype is not torch.bfloat16:
             raise ValueError(f"level {self.level!r} needs dtype bf16")
+        if (self.optimizer_state != "fp32" or self.step_in_backward) and self.dtype is torch.float32:
+            raise ValueError("optimizer_state and step_in_backward go through mixprec.prepare: use a low-precision "
+                             "dtype with them")  # fmt: skip
 
     @property
     def name(self) -> str:
@@ -169,6 +176,10 @@ class Recipe:
             parts.append(self.layout)
         if self.fp8 is not None:
             parts.append(f"fp8[{self.fp8}]")
+        if self.optimizer_state != "fp32":
+            parts.append(f"state[{self.optimizer_state}]")
+        if self.step_in_backward:
+            parts.append("step-in-backward")
         moved = self.moved_layers
         if moved:
             counts = {p: sum(1 for c in moved if c.choice == p) for p in dict.fromkeys(c.choice for c in moved)}
@@ -225,15 +236,21 @@ class Recipe:
             raise ValueError("an fp32 recipe prepares nothing; apply it, or train the model as it is")
         level = Level.from_name(self.level)
         policy = self.policy(device_type) if level is Level.O1 else None  # O1: prepare's region is the recipe's
-        return PrepareConfig(
-            level=level, dtype=self.dtype, keep_names=self.keep_fp32, policy=policy, fp8=as_fp8_config(self.fp8)
-        )
+        return PrepareConfig(level=level, dtype=self.dtype, keep_names=self.keep_fp32, policy=policy,
+                             fp8=as_fp8_config(self.fp8), optimizer_state=self.optimizer_state,
+                             step_in_backward=self.step_in_backward)  # fmt: skip
 
     @property
     def _prepares(self) -> bool:
         # compiled, the region goes inside the model's forward (prepare's): a graph traced inside an eager
         # region with an edited policy could not follow a later change of it, and is refused
-        return self.dtype is not torch.float32 and (self.level != "O1" or self.fp8 is not None or self.compile)
+        return self.dtype is not torch.float32 and (
+            self.level != "O1"
+            or self.fp8 is not None
+            or self.compile
+            or self.optimizer_state != "fp32"
+            or self.step_in_backward
+        )
 
     def autocast(self, device_type: str = "cpu") -> Callable[[], contextlib.AbstractContextManager[Any]]:
         """The region factory for the training loop: a :func:`mixprec.autocast` with :meth:`policy`,

@@ -35,6 +35,7 @@ FINALISTS = 3  # the fastest candidates raced again, head to head, before choosi
 
 
 class Search:
+    fit: Any = None  # memory_fit.Fit where tune has a memory budget: a recipe over it is never the best
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, inputs: Any,
                  loss_of: Callable[[Any], torch.Tensor], device: torch.device, tol: Tolerance,
                  deadline: float, progress: Progress | None) -> None:  # fmt: skip
@@ -239,8 +240,11 @@ class Search:
                      "the others' speed is against the default in their own round")  # fmt: skip
         return [n for n in finalists if n in timed]
 
-    def best(self, names: Sequence[str]) -> str | None:
+    def best(self, names: Sequence[str], within_memory: bool = True) -> str | None:
+        """The fastest of ``names`` that passed (and, with a memory budget and ``within_memory``, fits it)."""
         passed = [n for n in names if n in self.results and self.results[n].status == "passed"]
+        if self.fit is not None and within_memory:
+            passed = [n for n in passed if self.fit.fits(self.recipes[n])]
 
         def speed(name: str) -> tuple[bool, float]:  # against the default where it was timed, else by time
             m = self.results[name]

@@ -58,7 +58,7 @@ from mixprec._src.observe.diagnostics import diagnose
 from mixprec._src.policy.policy import default_policy
 from mixprec._src.prepare.config import Level
 from mixprec._src.prepare.prepare import prepared_state
-from mixprec._src.tune import probes
+from mixprec._src.tune import memory_fit, probes
 from mixprec._src.tune.recipe import Recipe, Tolerance
 from mixprec._src.tune.rounds import Progress, Search, changes
 
@@ -84,6 +84,7 @@ def tune(
     per_layer: bool = True,
     layer_sqnr_db: float = 20.0,
     progress: Progress | None = None,
+    memory_budget: int | float | str | None = None,
 ) -> Recipe:
     """Find the fastest recipe for ``model`` on this machine that keeps its accuracy; see the module docstring.
 
@@ -112,13 +113,20 @@ def tune(
             measurements take at most a quarter of the budget.
         layer_sqnr_db: a layer's SQNR floor against fp32 (the worst of its output and both gradients).
         progress: called with a line of text as the search goes.
+        memory_budget: the most bytes a rank may hold at its peak (``"24GiB"``, ``"500MB"`` or a number), as
+            :func:`mixprec.memory_plan` predicts it for ``batch``: a recipe over it is never chosen, and a level
+            over it is searched with what it must give up to fit (the step in backward, then quantized
+            optimizer state); the recipe's notes say what it gave up. Nothing fits: ``ValueError`` with the
+            smallest peak any recipe reaches. The candidates themselves are measured as usual (the fp32
+            reference and torch.amp's default too, over the budget or not: they are the yardsticks).
 
     Returns:
         The chosen :class:`Recipe`, with every measurement and notes.
 
     Raises:
         ValueError: ``budget_s <= 0``, a model prepared by :func:`mixprec.prepare`, a batch on another
-            device, a loss that is not a scalar, an optimizer over other tensors, a bad dtype.
+            device, a loss that is not a scalar, an optimizer over other tensors, a bad dtype, a memory budget
+            no recipe fits in.
         TypeError: ``loss_fn`` is not callable.
     """
     start = time.perf_counter()
@@ -158,6 +166,13 @@ def tune(
     search = Search(model, optimizer, batch, loss_of, found, tol, start + budget_s, progress)
     search.first_step_s = probes.first_step_s(forward_s, list(dict.fromkeys([*searched, default_dtype])), found)
     notes: list[str] = ["torch.compile is not searched: compiling takes longer than a tuning budget"]
+    if memory_budget is not None:
+        search.fit = memory_fit.Fit(model, optimizer, batch, loss_of, memory_fit.parse_bytes(memory_budget))
+        bases = [Recipe(dtype=d, level=lv) for d in searched if d is not torch.float32
+                 for lv in ("O1", *search_levels) if d is torch.bfloat16 or lv in ("O1", "O2")]  # fmt: skip
+        if torch.float32 in searched:
+            bases.append(Recipe(dtype=torch.float32))
+        notes += search.fit.check(bases)
     # The caller's random state is left as it was (bf16-sr draws its rounding seed from it).
     with torch.random.fork_rng(devices=[found] if found.type == "cuda" else []):
         plan = None
@@ -280,7 +295,9 @@ def _run_search(search: Search, model: nn.Module, batch: Any, loss_fn: Any, targ
     allowed = [base(d).name for d in dtypes]
     best = search.best([t.name for t in round1 if t.name in allowed])
     # Rounds 2 and 3 improve the best low-precision dtype, which may then beat fp32.
-    best_low = search.best([t.name for t in round1 if t.name in allowed and t.recipe.dtype is not torch.float32])
+    # (the dtype to go on with: a level of it may fit the memory budget where its O1 recipe does not)
+    best_low = search.best([t.name for t in round1 if t.name in allowed and t.recipe.dtype is not torch.float32],
+                           within_memory=False)  # fmt: skip
     best_trial = next((t for t in round1 if t.name == best_low), None)
     # The profile takes a step of each: only if both fit in the budget.
     if best_trial is not None and search.fits(best_trial.expected_s(default) + search.ref.expected_s(default)):
@@ -303,20 +320,25 @@ def _run_search(search: Search, model: nn.Module, batch: Any, loss_fn: Any, targ
         del round1
         if candidates:
             search.round(default, candidates, "round 2 (ops, layout)")
-        best_low = search.best([best_low, *[r.name for r in candidates]])
+        best_low = search.best([best_low, *[r.name for r in candidates]], within_memory=False)
         assert best_low is not None
         chosen = search.recipes[best_low]
         if conv and chosen.fp32_ops and chosen.layout == "contiguous" and search.time_left():
             both = dataclasses.replace(chosen, layout="channels_last")
             search.round(default, [both], "round 2b (ops with channels_last)")
-            best_low = search.best([best_low, both.name])
+            best_low = search.best([best_low, both.name], within_memory=False)
         # Round 3: prepare levels, with the best layout (op moves apply at O1 only).
         assert best_low is not None
         layout = search.recipes[best_low].layout
         levels = [lv for lv in levels if dtype is torch.bfloat16 or lv == "O2"]  # the other levels keep bf16 weights
-        if levels and search.time_left():
-            names = search.round(default, [base(dtype, level=lv, layout=layout) for lv in levels], "round 3 (levels)")
-            best_low = search.best([best_low, *names])
+        candidates = [base(dtype, level=lv, layout=layout) for lv in levels]
+        if search.fit is not None:  # each level as it fits the memory budget (O1 too, where it does not as is)
+            o1 = [base(dtype, layout=layout)] if not search.fit.fits(base(dtype, layout=layout)) else []
+            fitted = [(c, search.fit.changes(c)) for c in [*o1, *candidates]]
+            candidates = [dataclasses.replace(c, **v) for c, v in fitted if v is not None]
+        if candidates and search.time_left():
+            names = search.round(default, candidates, "round 3 (levels)")
+            best_low = search.best([best_low, *names]) or best_low
         best = search.best([n for n in (best, best_low) if n is not None])
     # Round 4: the best recipe of each dtype with its per-layer plan, through the accuracy guard (then in the
     # final round): a plan depends on the recipe's dtype, and either may win.
@@ -342,6 +364,9 @@ def _choose(search: Search, best: str | None, torch_default: Recipe, dtypes: lis
                      "the best recipe measured so far")  # fmt: skip
     default_result = search.results.get(torch_default.name)
     default_ok = torch_default.dtype in dtypes and default_result is not None and default_result.status == "passed"
+    if search.fit is not None and not search.fit.fits(torch_default):
+        default_ok = False
+        notes.append(f"torch.amp's default is over the memory budget: {search.fit.describe(torch_default)}")
     if default_result is not None and default_result.status == "rejected":
         if default_result.reason.startswith("slower"):
             notes.append(f"torch.amp's default is too slow here: {default_result.reason}")
@@ -358,7 +383,8 @@ def _choose(search: Search, best: str | None, torch_default: Recipe, dtypes: lis
         # moved back to fp32, no op moves rather than some.
         near = [n for n, m in search.results.items() if m.status == "passed" and m.vs_default is not None
                 and m.vs_default * need >= speed and n != torch_default.name
-                and search.recipes[n].dtype in dtypes and (finalists is None or n in finalists)]  # fmt: skip
+                and search.recipes[n].dtype in dtypes and (finalists is None or n in finalists)
+                and (search.fit is None or search.fit.fits(search.recipes[n]))]  # fmt: skip
         simplest: str = min(
             near, key=lambda n: (changes(search.recipes[n]), -(search.results[n].vs_default or 0.0)), default=best
         )
@@ -375,11 +401,17 @@ def _choose(search: Search, best: str | None, torch_default: Recipe, dtypes: lis
         else:
             notes.append("nothing beat torch.amp's default: keeping it")
         winner, best = torch_default, torch_default.name
+    elif winner is None and search.fit is not None:
+        raise ValueError("no recipe that fits the memory budget passed the accuracy guard in the time budget; "
+                         "give tune more time (budget_s), or more memory")  # fmt: skip
     elif winner is None:
         notes.append("no candidate passed the accuracy guard in the budget: fp32")
         winner = Recipe(dtype=torch.float32)
     elif winner.dtype is torch.float32:
         notes.append("fp32 was the fastest recipe that passed: no mixed precision on this machine")
+    if search.fit is not None and winner is not None:
+        gave_up = search.fit.gave_up(winner)
+        notes.append(gave_up or f"memory budget: {search.fit.describe(winner)}, within it")
     results = dict(search.results)
     if best in results:
         results[best] = dataclasses.replace(results[best], status="chosen")

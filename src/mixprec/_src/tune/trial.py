@@ -9,6 +9,7 @@ gradients and update; :func:`judge` compares them with the fp32 reference's (see
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import statistics
 from collections.abc import Callable
@@ -33,7 +34,10 @@ class Trial:
         self.recipe = recipe
         self.name = recipe.name
         copied_model, copied_optimizer = copy.deepcopy((model, optimizer))  # one memo: the optimizer keeps its params
-        self.run = recipe.apply(copied_model, copied_optimizer)
+        # A recipe that steps in backward is measured as its plain twin: the same numbers bit for bit, whose
+        # gradients the accuracy guard reads (stepped in backward, they are gone when it looks).
+        measured = dataclasses.replace(recipe, step_in_backward=False) if recipe.step_in_backward else recipe
+        self.run = measured.apply(copied_model, copied_optimizer)
         self.params = [p for p in self.run.model.parameters() if p.requires_grad]
         self.start = [p.detach().float().clone() for p in self.params]
         self.inputs = self.run.inputs(inputs)

@@ -1,0 +1,400 @@
+"""Know before you run: the bytes a recipe will hold per rank, from the model's shapes alone.
+
+``mixprec.memory_plan(model, optimizer, recipe, batch=..., world_size=...)`` predicts what
+:func:`mixprec.memory_report` will count after a step (weights, masters, gradients, optimizer
+state: each term from the parameters' shapes, the level's storage dtypes, the modules it keeps in
+fp32, the optimizer's state and its precision, and FSDP2's dim-0 shards of rank 0, the largest)
+and the activations one forward saves for backward, measured on fake tensors (no memory, no
+compute: ``torch._subclasses.FakeTensorMode``) under the recipe's autocast, with and without
+activation checkpointing of the model's blocks. Nothing is prepared, copied or run for real;
+nothing syncs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fnmatch
+import math
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec._src import casting
+from mixprec._src.amp.autocast import autocast
+from mixprec._src.optim import moments
+from mixprec._src.policy.policy import default_policy
+from mixprec._src.prepare import kept
+from mixprec._src.prepare.config import Level, PrepareConfig
+
+__all__ = ["MemoryPlan", "memory_plan"]
+
+_MIB = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes one rank will hold, predicted (see :func:`mixprec.memory_plan`).
+
+    Attributes:
+        parameters, masters, gradients, optimizer_state: what :func:`mixprec.memory_report` counts
+            after a step (the same meanings; gradients are 0 where the step runs in backward).
+        gradients_in_flight: the most gradient bytes alive at once during backward where the step
+            runs in backward (the largest parameter's, or FSDP2 unit's); else equal to ``gradients``.
+        activations: bytes the forward saves for backward (``None`` without a batch).
+        activations_checkpointed: the same with each block's activations recomputed in backward
+            (``checkpoint``): the blocks' inputs, the largest block's own, and the rest.
+        blocks: the modules counted as blocks for ``activations_checkpointed``.
+        world_size, recipe: what the plan is for.
+    """
+
+    parameters: int
+    masters: int
+    gradients: int
+    optimizer_state: int
+    gradients_in_flight: int
+    activations: int | None
+    activations_checkpointed: int | None
+    blocks: tuple[str, ...]
+    world_size: int
+    recipe: str
+
+    @property
+    def state(self) -> int:
+        """What :func:`mixprec.memory_report`'s ``total`` will be after a step."""
+        return self.parameters + self.masters + self.gradients + self.optimizer_state
+
+    @property
+    def peak(self) -> int | None:
+        """The most bytes alive at once over a step, activations included (``None`` without a batch).
+
+        During backward the activations are freed as the gradients appear: the peak is the state
+        without gradients plus the larger of the two (plus one gradient in flight where the step runs
+        in backward).
+        """
+        if self.activations is None:
+            return None
+        return self.parameters + self.masters + self.optimizer_state + max(self.activations, self.gradients) + (
+            self.gradients_in_flight if self.gradients == 0 else 0)  # fmt: skip
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "state": self.state, "peak": self.peak}
+
+    def __str__(self) -> str:
+        rows = [("weights", self.parameters), ("masters", self.masters), ("gradients", self.gradients),
+                ("optimizer state", self.optimizer_state), ("state (memory_report's total)", self.state)]  # fmt: skip
+        if self.activations is not None:
+            rows += [("activations", self.activations), ("peak", self.peak or 0)]
+        if self.activations_checkpointed is not None:
+            rows.append((f"activations, {len(self.blocks)} blocks checkpointed", self.activations_checkpointed))
+        width = max(len(name) for name, _ in rows)
+        lines = [f"memory plan: {self.recipe}, per rank of {self.world_size}"]
+        lines += [f"  {name:<{width}}  {value / _MIB:10.1f} MiB" for name, value in rows]
+        return "\n".join(lines)
+
+
+def memory_plan(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    recipe: PrepareConfig | str | Any = "O2",
+    *,
+    batch: Any = None,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    world_size: int = 1,
+    blocks: str | Iterable[str] | None = None,
+) -> MemoryPlan:
+    """Predict the bytes per rank that ``recipe`` will hold for ``model`` and ``optimizer``.
+
+    Args:
+        model: the fp32 model, as it will be passed to :func:`mixprec.prepare` (not sharded yet).
+        optimizer: the optimizer it will step (Adam, AdamW or SGD: their state is known), or ``None``.
+        recipe: a level (``"O2"``), a :class:`PrepareConfig`, a :class:`mixprec.Recipe`, or ``"fp32"`` (no
+            mixed precision).
+        batch: the forward's inputs (a tensor, a tuple of positional ones or a dict of keyword ones):
+            only their shapes and dtypes are used. Without it, activations are not predicted.
+        loss_fn: ``loss_fn(output) -> loss``, whose saved tensors count too (a cross-entropy saves its
+            logits).
+        world_size: ranks FSDP2 will shard every parameter over (dim 0; rank 0 holds the largest shard).
+        blocks: qualified-name globs of the modules that activation checkpointing would wrap (default: the
+            children of the model's longest ``nn.ModuleList``, its layers).
+
+    Raises:
+        ValueError: an optimizer whose state is not known, a model not in fp32.
+    """
+    config = _config(recipe)
+    plain = config is None
+    if config is None:  # plain fp32: O1's bytes (fp32 weights, gradients and state), no autocast
+        config = PrepareConfig(level=Level.O1)
+    lowp, kept_ids = _split(model, config)
+    params = _unique(model)
+    world = max(1, int(world_size))
+    weights = masters = grads = state = 0
+    in_flight = 0
+    for p in params:
+        numel = _shard_numel(p, world)
+        stored = 4 if config.level is Level.O1 or id(p) in kept_ids or id(p) not in lowp else 2
+        if config.level is Level.O2 and id(p) in lowp:
+            masters += numel * 4
+            weights += numel * 2  # the compute copy (FSDP2 gathers it instead: 0 between steps)
+            stored = 4
+            if world > 1:
+                weights -= numel * 2
+        else:
+            weights += numel * stored
+        if p.requires_grad:
+            grad = numel * stored
+            in_flight = max(in_flight, grad)
+            grads += grad
+            state += _state_bytes(p, numel, stored, optimizer, config, world, id(p) in lowp)
+    if config.step_in_backward:
+        grads = 0
+    activations = checkpointed = None
+    names: tuple[str, ...] = ()
+    if batch is not None:
+        activations, checkpointed, names = _activations(model, config, batch, loss_fn, blocks, lowp, world, plain)
+    return MemoryPlan(weights, masters, grads, state, in_flight if config.step_in_backward else grads, activations,
+                      checkpointed, names, world, "fp32" if plain else str(config))  # fmt: skip
+
+
+# ----- the recipe ------------------------------------------------------------------------------
+
+
+def _config(recipe: Any) -> PrepareConfig | None:
+    """The config ``recipe`` prepares with; ``None`` for plain fp32 (``"fp32"``, an fp32 :class:`Recipe`)."""
+    if isinstance(recipe, PrepareConfig):
+        return recipe
+    if recipe == "fp32":
+        return None
+    if isinstance(recipe, (str, Level)):
+        return PrepareConfig(level=recipe)  # type: ignore[arg-type]
+    to_config = getattr(recipe, "prepare_config", None)
+    if callable(to_config):
+        if getattr(recipe, "dtype", None) is torch.float32:
+            return None
+        config: PrepareConfig = to_config()
+        return config
+    raise TypeError(f"recipe must be a level, 'fp32', a PrepareConfig or a mixprec.Recipe, "
+                    f"not {type(recipe).__name__}")  # fmt: skip
+
+
+def _unique(model: nn.Module) -> list[nn.Parameter]:
+    seen: set[int] = set()
+    out = []
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    return out
+
+
+def _split(model: nn.Module, config: PrepareConfig) -> tuple[set[int], set[int]]:
+    """ids of the parameters the level stores (or computes) in low precision, and of those kept in fp32."""
+    low = [(n, p.dtype) for n, p in model.named_parameters() if p.is_floating_point() and p.dtype is not torch.float32]
+    if low:
+        raise ValueError(f"memory_plan takes the fp32 model prepare will take; {low[0][0]!r} is {low[0][1]}")
+    if config.level is Level.O1:
+        return set(), set()
+    kept_modules = kept.outermost(model, config)
+    kept_ids = kept.param_ids(kept_modules)
+    inside = {id(m) for k in kept_modules for m in k.modules()}
+    lowp = {id(p) for m in model.modules() if id(m) not in inside for p in m.parameters(recurse=False)
+            if p.is_floating_point() and id(p) not in kept_ids}  # fmt: skip
+    return lowp, kept_ids
+
+
+def _shard_numel(p: torch.Tensor, world: int) -> int:
+    """Values of rank 0's dim-0 shard (FSDP2 gives the first ranks ``ceil(rows / world)`` rows)."""
+    if world == 1 or p.dim() == 0:
+        return p.numel()
+    rows = -(-p.shape[0] // world)
+    return int(rows * math.prod(p.shape[1:]))
+
+
+def _state_bytes(p: torch.Tensor, numel: int, stored: int, optimizer: torch.optim.Optimizer | None,
+                 config: PrepareConfig, world: int, low: bool) -> int:  # fmt: skip
+    """Bytes ``optimizer`` keeps for ``p`` after a step, as the level and the state precision keep them."""
+    if optimizer is None:
+        return 0
+    group = next((g for g in optimizer.param_groups if any(q is p for q in g["params"])), None)
+    if group is None:
+        return 0
+    kind = type(optimizer)
+    comp = numel * 2 if config.level is Level.BF16_KAHAN and low else 0
+    quantized = config.optimizer_state != "fp32" and p.numel() >= moments.MIN_NUMEL
+    if kind in (torch.optim.Adam, torch.optim.AdamW):
+        count = 3 if group.get("amsgrad") else 2
+        step = 4  # a 0-dim fp32 tensor
+        if quantized:
+            return count * _codes_bytes(numel, config.optimizer_state) + step + comp
+        return count * numel * stored + step + comp
+    if kind is torch.optim.SGD:
+        if not group.get("momentum"):
+            return comp
+        if quantized:
+            return _codes_bytes(numel, config.optimizer_state) + comp
+        return numel * stored + comp
+    raise ValueError(f"memory_plan knows the state of Adam, AdamW and SGD; this optimizer is a {kind.__name__}")
+
+
+def _codes_bytes(numel: int, precision: str) -> int:
+    bits, block = moments.FORMATS[precision]
+    blocks = -(-numel // block)
+    return blocks * block * bits // 8 + blocks * 4
+
+
+# ----- activations ------------------------------------------------------------------------------
+
+
+def _default_blocks(model: nn.Module) -> list[str]:
+    lists = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) > 1]
+    if not lists:
+        return []
+    name, longest = max(lists, key=lambda item: len(item[1]))
+    return [f"{name}.{child}" if name else child for child, _ in longest.named_children()]
+
+
+def _activations(model: nn.Module, config: PrepareConfig, batch: Any, loss_fn: Callable[[Any], torch.Tensor] | None,
+                 blocks: str | Iterable[str] | None, lowp: set[int], world: int,
+                 plain: bool) -> tuple[int, int, tuple[str, ...]]:  # fmt: skip
+    """Bytes saved for backward by one forward on fake tensors; and with ``blocks`` checkpointed."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    names = dict(model.named_modules())
+    if blocks is None:
+        chosen = _default_blocks(model)
+    else:
+        globs = [blocks] if isinstance(blocks, str) else list(blocks)
+        chosen = [n for n in names if any(fnmatch.fnmatchcase(n, g) for g in globs)]
+    block_ids = {id(names[n]): n for n in chosen}
+    current: list[str | None] = [None]
+    saved: dict[Any, tuple[int, str | None]] = {}
+    block_inputs: dict[str, int] = {}
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    kept_modules = [] if plain else kept.outermost(model, config)  # kept in fp32 at every level, O1 included
+    handles: list[Any] = []
+
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode, contextlib.ExitStack() as stack:
+        # O2 on one process computes each module's forward with copies of its own parameters (o2_copies), and a
+        # master read outside its module's forward (an attention's out_proj.weight, a tied head) is cast by
+        # autocast, a copy saved for backward: the masters stay fp32 here and the same swap puts copies in place.
+        # Under FSDP2 every parameter is gathered in low precision: low-precision values throughout.
+        swap = config.level is Level.O2 and world == 1
+        fake_params: dict[int, torch.Tensor] = {}
+        values: dict[str, torch.Tensor] = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            fake = fake_params.get(id(p))
+            if fake is None:
+                dtype = config.dtype if id(p) in lowp and not swap else p.dtype
+                fake = mode.from_tensor(p.detach()).to(dtype).requires_grad_(p.requires_grad)
+                fake_params[id(p)] = fake
+            values[name] = fake
+        for name, b in model.named_buffers(remove_duplicate=False):
+            values[name] = mode.from_tensor(b)
+        copies = {id(f): f.detach().to(config.dtype).requires_grad_(f.requires_grad) for i, f in fake_params.items()
+                  if swap and i in lowp}  # fmt: skip
+        weights = {_storage(t) for t in (*fake_params.values(), *copies.values())}
+        if swap:
+            inside = {id(m) for k in kept.outermost(model, config) for m in k.modules()}
+            for module in model.modules():
+                own = [n for n, q in module._parameters.items() if q is not None and id(q) in lowp]
+                if own and id(module) not in inside:
+                    _swap_copies(module, own, copies, handles)
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            key = _storage(t)
+            if key not in weights and key not in saved:
+                saved[key] = (t.untyped_storage().nbytes(), current[0])
+            return t
+
+        for module in model.modules():
+            if id(module) in block_ids:
+                handles.append(module.register_forward_pre_hook(_enter(current, block_ids[id(module)], block_inputs)))
+                handles.append(module.register_forward_hook(_leave(current)))
+        kept.keep_in_fp32(kept_modules, device.type, handles)
+        stack.callback(lambda: [h.remove() for h in handles])
+        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
+        policy = config.policy if config.policy is not None else default_policy(device.type)
+        args, kwargs = _inputs(batch, mode)
+        with autocast(device.type, dtype=config.dtype, policy=policy, enabled=not plain):  # every level runs in one
+            out = torch.func.functional_call(model, values, args, kwargs, tie_weights=True, strict=False)
+        if config.output_dtype is not None and not plain:
+            out = casting.cast_floating(out, config.output_dtype)
+        if loss_fn is not None:
+            loss_fn(out)
+    total = sum(size for size, _ in saved.values())
+    by_block: dict[str | None, int] = {}
+    for size, where in saved.values():
+        by_block[where] = by_block.get(where, 0) + size
+    in_blocks = sum(v for k, v in by_block.items() if k is not None)
+    largest = max((v for k, v in by_block.items() if k is not None), default=0)
+    checkpointed = total - in_blocks + sum(block_inputs.values()) + largest
+    return total, checkpointed, tuple(chosen)
+
+
+def _swap_copies(module: nn.Module, names: list[str], copies: dict[int, torch.Tensor], handles: list[Any]) -> None:
+    """Around ``module``'s forward, its parameters (the fp32 fakes functional_call set) as their copies."""
+    held: dict[str, Any] = {}
+
+    def enter(mod: nn.Module, args: Any) -> None:
+        for name in names:
+            held[name] = mod._parameters[name]
+            copy = copies.get(id(held[name]))
+            if copy is not None:
+                mod._parameters[name] = copy  # type: ignore[assignment]
+
+    def leave(mod: nn.Module, args: Any, out: Any) -> None:
+        mod._parameters.update(held)
+
+    handles.append(module.register_forward_pre_hook(enter))
+    handles.append(module.register_forward_hook(leave))
+
+
+def _storage(t: torch.Tensor) -> int:
+    """The identity of ``t``'s storage (views of one storage count once; the graph keeps them alive)."""
+    return int(t.untyped_storage()._cdata)
+
+
+def _enter(current: list[str | None], name: str, inputs: dict[str, int]) -> Callable[..., None]:
+    def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
+        if current[0] is None:
+            current[0] = name
+            inputs[name] = sum(a.untyped_storage().nbytes() for a in _tensors(args))
+
+    return hook
+
+
+def _leave(current: list[str | None]) -> Callable[..., None]:
+    def hook(module: nn.Module, args: Any, out: Any) -> None:
+        current[0] = None
+
+    return hook
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _tensors(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
+
+
+def _inputs(batch: Any, mode: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    def fake(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return mode.from_tensor(value)
+        if isinstance(value, (tuple, list)):
+            return type(value)(fake(v) for v in value)
+        if isinstance(value, dict):
+            return {k: fake(v) for k, v in value.items()}
+        return value
+
+    if isinstance(batch, dict):
+        return (), fake(batch)
+    if isinstance(batch, (tuple, list)):
+        return tuple(fake(batch)), {}
+    return (fake(batch),), {}

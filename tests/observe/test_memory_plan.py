@@ -1,0 +1,129 @@
+"""mixprec.memory_plan: what memory_report counts after a step and what the forward saves for backward, predicted
+from the shapes alone, byte for byte, on the bench workloads and on config-built Hugging Face models."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import mixprec
+from mixprec._src.prepare.prepare import prepared_state
+from mixprec.bench.workloads import WORKLOADS
+
+RECIPES = [
+    {"level": "O1"},
+    {"level": "O2"},
+    {"level": "bf16-sr", "optimizer_state": "8bit"},
+    {"level": "bf16-kahan", "optimizer_state": "4bit", "step_in_backward": True},
+    {"level": "bf16-pure", "optimizer_state": "fp8"},
+]
+
+
+def _saved_for_backward(model: nn.Module, run: Callable[[], torch.Tensor]) -> tuple[int, torch.Tensor]:
+    """Bytes of the tensors the forward saves for backward, not weights (each storage once): measured."""
+    state = prepared_state(model)
+    weights = {p.untyped_storage()._cdata for p in model.parameters()}
+    if state is not None and state.copies is not None:
+        weights |= {c.untyped_storage()._cdata for c in state.copies.copies.values()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        key = t.untyped_storage()._cdata
+        if key not in weights:
+            saved.setdefault(key, t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = run()
+    return sum(saved.values()), loss
+
+
+def _check(model: nn.Module, optimizer: torch.optim.Optimizer, recipe: dict[str, Any], batch: Any,
+           loss_of: Callable[[Any], torch.Tensor]) -> mixprec.MemoryPlan:  # fmt: skip
+    config = mixprec.PrepareConfig(**recipe)
+    plan = mixprec.memory_plan(model, optimizer, config, batch=batch, loss_fn=loss_of)
+    mixprec.prepare(model, optimizer, config)
+    call = (lambda: model(**batch)) if isinstance(batch, dict) else (lambda: model(batch))
+    measured, loss = _saved_for_backward(model, lambda: loss_of(call()))
+    loss.backward()
+    optimizer.step()
+    report = mixprec.memory_report(model, optimizer)
+    assert (plan.parameters, plan.masters, plan.gradients, plan.optimizer_state) == (
+        report.parameters, report.masters, report.gradients, report.optimizer_state)  # fmt: skip
+    assert plan.activations == measured
+    return plan
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: "-".join(str(v) for v in r.values()))
+@pytest.mark.parametrize("workload", ["mlp", "transformer", "cnn", "checkerboard"])
+def test_the_plan_is_what_memory_report_and_the_forward_hold_on_the_bench_workloads(
+    workload: str, recipe: dict[str, Any]
+) -> None:
+    task = WORKLOADS[workload].build("tiny", torch.device("cpu"))
+    x, y = task.batch(0)
+    optimizer = torch.optim.AdamW(task.model.parameters(), lr=1e-3)
+    _check(task.model, optimizer, recipe, x, lambda out: task.loss_fn(out.float(), y))
+
+
+def _hf_models() -> dict[str, tuple[Callable[[], nn.Module], dict[str, torch.Tensor]]]:
+    transformers = pytest.importorskip("transformers")
+    vocab, tokens = 64, torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(0))
+    text = {"input_ids": tokens, "labels": tokens}
+    return {
+        "gpt2": (lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=vocab, n_positions=16, n_embd=32, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0)), text),
+        "llama": (lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=16)), text),
+        "bert": (lambda: transformers.BertForMaskedLM(transformers.BertConfig(
+            vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+            max_position_embeddings=16, pad_token_id=0)), text),
+        "t5": (lambda: transformers.T5ForConditionalGeneration(transformers.T5Config(
+            vocab_size=vocab, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, decoder_start_token_id=0)),
+            text),
+        "vit": (lambda: transformers.ViTForImageClassification(transformers.ViTConfig(
+            image_size=16, patch_size=4, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=2, num_labels=5)),
+            {"pixel_values": torch.randn(4, 3, 16, 16), "labels": torch.randint(0, 5, (4,))}),
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "bf16-sr"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "bert", "t5", "vit"])
+def test_the_plan_is_what_memory_report_and_the_forward_hold_on_hugging_face_models(name: str, level: str) -> None:
+    build, batch = _hf_models()[name]
+    torch.manual_seed(0)
+    model = build().train()  # dropout's masks are saved tensors too
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    plan = _check(model, optimizer, {"level": level, "optimizer_state": "8bit"}, batch, lambda out: out.loss)
+    assert plan.blocks and plan.activations_checkpointed is not None
+    assert plan.activations_checkpointed < plan.activations  # the blocks' own activations, but the largest's
+
+
+def test_world_size_gives_rank_zeros_shard_and_fp32_is_a_recipe() -> None:
+    model = nn.Sequential(nn.Linear(64, 100), nn.Linear(100, 64))  # 100 rows: 34, 33, 33 over three ranks
+    optimizer = torch.optim.AdamW(model.parameters())
+    whole = mixprec.memory_plan(model, optimizer, "bf16-sr")
+    sharded = mixprec.memory_plan(model, optimizer, "bf16-sr", world_size=3)
+    first = 34 * 64 + 34 + 22 * 100 + 22  # each parameter's first dim-0 shard
+    assert sharded.parameters == 2 * first and whole.parameters == 2 * sum(p.numel() for p in model.parameters())
+    fp32 = mixprec.memory_plan(model, optimizer, "fp32")
+    params = sum(p.numel() for p in model.parameters())
+    assert (fp32.parameters, fp32.gradients, fp32.optimizer_state) == (4 * params, 4 * params, 8 * params + 4 * 4)
+    with pytest.raises(ValueError, match="Adam, AdamW and SGD"):
+        mixprec.memory_plan(model, torch.optim.Adagrad(model.parameters()), "O2")
+
+
+def test_the_cli_prints_the_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    from mixprec.cli import main
+
+    assert main(["memory-plan", "--workload", "mlp", "--size", "tiny", "--level", "bf16-sr", "--json"]) == 0
+    import json
+
+    out = json.loads(capsys.readouterr().out)
+    assert out["state"] == out["parameters"] + out["masters"] + out["gradients"] + out["optimizer_state"]
+    assert out["activations"] > 0 and out["peak"] > out["state"]

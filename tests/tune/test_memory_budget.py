@@ -1,0 +1,57 @@
+"""tune(memory_budget=...): the chosen recipe fits (as memory_plan predicts), says what it gave up, and a budget
+nothing fits is refused with the smallest figure any recipe reaches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import mixprec
+from mixprec._src.tune.memory_fit import parse_bytes
+
+
+def _mlp() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 8)), \
+        torch.randn(16, 64)  # fmt: skip
+
+
+def _loss(out: torch.Tensor) -> torch.Tensor:
+    return out.float().square().mean()
+
+
+def test_sizes_parse() -> None:
+    assert parse_bytes("24GiB") == 24 * 2**30 and parse_bytes("500 MB") == 500 * 10**6 and parse_bytes(4096) == 4096
+    for bad in ("-1GB", "lots", "12 parsecs", 0):
+        with pytest.raises(ValueError, match="memory_budget"):
+            parse_bytes(bad)
+
+
+def test_a_budget_picks_a_recipe_that_fits_and_says_what_it_gave_up() -> None:
+    model, batch = _mlp()
+    optimizer = torch.optim.AdamW(model.parameters())
+    peaks = {level: mixprec.memory_plan(model, optimizer, mixprec.PrepareConfig(level=level), batch=batch,
+                                        loss_fn=_loss).peak for level in ("O1", "bf16-sr")}  # fmt: skip
+    fitted = mixprec.memory_plan(model, optimizer, mixprec.PrepareConfig(level="bf16-sr", step_in_backward=True),
+                                 batch=batch, loss_fn=_loss).peak  # fmt: skip
+    assert fitted < peaks["bf16-sr"] < peaks["O1"]
+    budget = (fitted + peaks["bf16-sr"]) // 2  # bf16-sr fits only with the step in backward
+    recipe = mixprec.tune(model, batch, _loss, budget_s=20, dtypes=("bf16",), levels=("bf16-sr",), per_layer=False,
+                          memory_budget=budget)  # fmt: skip
+    plan = mixprec.memory_plan(model, optimizer, recipe, batch=batch, loss_fn=_loss)
+    assert plan.peak is not None and plan.peak <= budget
+    assert recipe.step_in_backward and recipe.level == "bf16-sr"
+    assert any("gave up gradient accumulation" in note for note in recipe.notes), recipe.notes
+    assert any("torch.amp's default is over the memory budget" in note for note in recipe.notes)
+    fresh, _ = _mlp()
+    applied = recipe.apply(fresh, torch.optim.AdamW(fresh.parameters()))  # the recipe prepares as it says
+    _loss(applied.model(batch)).backward()
+    assert all(p.grad is None for p in fresh.parameters())
+
+
+def test_a_budget_nothing_fits_is_refused_with_the_smallest_figure() -> None:
+    model, batch = _mlp()
+    with pytest.raises(ValueError, match=r"no recipe fits in a memory budget of 0\.0 MiB: the smallest, bf16 bf16-sr "
+                                         r"state\[4bit\] step-in-backward, needs"):  # fmt: skip
+        mixprec.tune(model, batch, _loss, budget_s=5, memory_budget="10KB", per_layer=False)
