@@ -10,6 +10,7 @@ backward. Three measurements per recipe, each in processes of its own:
   compiled, libraries loaded and caches filled once do not count), divided by the parameter count.
   glibc is told to give large blocks back (``MALLOC_MMAP_THRESHOLD_``), so freed tensors leave the
   resident set.
+* **the plan**: ``mixprec.memory_plan``'s prediction of both, from the shapes alone.
 * **speed**: median wall time of a training step (forward, backward, step) at the workload's batch,
   against bf16-pure's in the same run (a ratio from one run; the machine is shared and noisy).
 * **loss**: the mean loss of the last fifth of ``--steps`` steps, against plain fp32 AdamW's, on the
@@ -95,6 +96,13 @@ def peak_worker(workload: str, size: str, recipe: str) -> dict[str, float]:
     del warm
     gc.collect()
     base = _resident("VmRSS")
+    task = WORKLOADS[workload].build(size, torch.device("cpu"))
+    x, y = task.batch(0)
+    options = RECIPES[recipe]
+    config: Any = "fp32" if options is None else mixprec.PrepareConfig(**options)
+    plan = mixprec.memory_plan(task.model, torch.optim.AdamW(task.model.parameters()), config, batch=x[:1],
+                               loss_fn=lambda out: task.loss_fn(out.float(), y[:1]))  # fmt: skip
+    del task
     task, model, optimizer = build(workload, size, recipe)
     params = sum(p.numel() for p in model.parameters())
     gc.collect()
@@ -105,7 +113,8 @@ def peak_worker(workload: str, size: str, recipe: str) -> dict[str, float]:
     peak = _resident("VmHWM")
     report = mixprec.memory_report(model, optimizer)
     return {"params": params, "report": report.total / params, "peak": (peak - base) / params,
-            "state": report.optimizer_state / params, "gradients": report.gradients / params}  # fmt: skip
+            "state": report.optimizer_state / params, "gradients": report.gradients / params,
+            "plan_state": plan.state / params, "plan_peak": (plan.peak or 0) / params}  # fmt: skip
 
 
 def speed(workload: str, size: str, recipe: str, steps: int) -> float:
@@ -170,13 +179,14 @@ def main() -> None:
         fp32 = statistics.mean(rows[0][3][-tail:])
         print(f"\n{workload} ({rows[0][1]['params'] / 1e6:.1f}M parameters at size {args.size}; loss at size "
               f"{args.loss_size}, {args.steps} steps)\n")  # fmt: skip
-        print("| recipe | bytes/param (memory_report) | of which state | bytes/param (peak, 1 sequence) | "
-              "step vs bf16-pure | final loss | vs fp32 AdamW |")  # fmt: skip
-        print("|---|---|---|---|---|---|---|")
+        print("| recipe | bytes/param (memory_report) | of which state | memory_plan | bytes/param (peak, 1 "
+              "sequence) | memory_plan's peak | step vs bf16-pure | final loss | vs fp32 AdamW |")  # fmt: skip
+        print("|---|---|---|---|---|---|---|---|---|")
         for recipe, peak, seconds, curve in rows:
             final = statistics.mean(curve[-tail:])
-            print(f"| {recipe} | {peak['report']:.2f} | {peak['state']:.2f} | {peak['peak']:.2f} | "
-                  f"{pure / seconds:.2f}x | {final:.4f} | {(final - fp32) / fp32:+.2%} |")  # fmt: skip
+            print(f"| {recipe} | {peak['report']:.2f} | {peak['state']:.2f} | {peak['plan_state']:.2f} | "
+                  f"{peak['peak']:.2f} | {peak['plan_peak']:.2f} | {pure / seconds:.2f}x | {final:.4f} | "
+                  f"{(final - fp32) / fp32:+.2%} |")  # fmt: skip
     if args.plot:
         _plot(curves, args.plot)
 

@@ -508,3 +508,21 @@ def test_fp8_kernel_counts_of_mixprec_and_torchao() -> None:
     assert "_scaled_mm" not in reference["graphs"][0]["extern"] and sum(reference["graphs"][1]["extern"].values()) == 6
     section = "\n".join(report_module.kernels_markdown(counts))
     assert "| mixprec |" in section and "| torchao |" in section
+
+
+def test_the_memory_table_gives_bytes_the_largest_model_and_the_loss(capsys: pytest.CaptureFixture[str],
+                                                                     tmp_path: pathlib.Path) -> None:  # fmt: skip
+    modes = "fp32,bf16-sr,bf16-sr-8bit-ib"
+    assert cli.main(["bench", "--size", "tiny", "--steps", "4", "--workloads", "transformer", "--modes", modes,
+                     "--memory-budget", "2MiB", "--quiet", "--out", str(tmp_path)]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in out.splitlines() if line.startswith("| ") and "layers" in line}  # fmt: skip
+    assert list(rows) == modes.split(",")
+    bytes_per_param = [float(row[0]) for row in rows.values()]
+    assert bytes_per_param == sorted(bytes_per_param, reverse=True) and bytes_per_param[0] == 16.0
+    layers = [int(row[2].split()[0]) for row in rows.values()]
+    assert layers == sorted(layers) and layers[-1] > layers[0]  # less memory a parameter: more layers fit
+    report = json.loads((tmp_path / "report.json").read_text())
+    loss = report["workloads"]["transformer"]["bf16-sr-8bit-ib"]["final_loss"]
+    assert rows["bf16-sr-8bit-ib"][3].startswith(f"{loss:.4f}") and rows["fp32"][3].endswith("(+0.00%)")

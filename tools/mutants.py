@@ -61,6 +61,11 @@ GEMM_TESTS = ("tests/gemms/test_gemm_layers.py",)
 QUANTIZE_TESTS = ("tests/optim/test_quantize.py",)
 STATE_TESTS = ("tests/optim/test_low_bit_state.py",)
 SGD_TESTS = ("tests/optim/test_low_bit_sgd.py",)
+FUSED_STATE_TESTS = ("tests/optim/test_fused_adam.py",)
+IN_BACKWARD_TESTS = ("tests/prepare/test_step_in_backward.py",)
+KAHAN_TESTS = ("tests/prepare/test_kahan.py",)
+PLAN_MEMORY_TESTS = ("tests/observe/test_memory_plan.py",)
+MEMORY_BUDGET_TESTS = ("tests/tune/test_memory_budget.py",)
 
 MUTANTS = (
     Mutant("state-codes-cast-on-load", "a loaded checkpoint's codes and scales are left as load_state_dict cast them",
@@ -76,7 +81,8 @@ MUTANTS = (
            S + "optim/quantize.py", "    if not signed:\n        smallest", "    if False:\n        smallest",
            STATE_TESTS),
     Mutant("state-sr-rounds-nearest", "at bf16-sr, quantized-state weights are written rounded to nearest",
-           S + "prepare/low_bit_state.py", "                write = _stochastic_write(seed)\n", "", STATE_TESTS),
+           S + "prepare/low_bit_state.py", "            if stochastic and local_p.dtype == torch.bfloat16:",
+           "            if False:", STATE_TESTS),
     Mutant("state-sgd-nesterov-ignored", "quantized-momentum SGD ignores nesterov",
            S + "optim/sgd.py", 'd = g32.add(buf, alpha=momentum) if group["nesterov"] else buf', "d = buf", SGD_TESTS),
     Mutant("state-small-quantized", "biases and other small parameters get quantized moments too",
@@ -356,6 +362,40 @@ MUTANTS = (
     Mutant("tune-never-repeats", "tune does not repeat a noisy round",
            S + "tune/rounds.py", "if any((t.noise(default) or 0.0) > timing.NOISY for t in running):",
            "if False:", ("tests/tune/test_tune.py",)),
+    Mutant("in-backward-gradient-kept", "a parameter stepped in backward keeps its gradient",
+           S + "prepare/step_in_backward.py", "                p.grad = None\n                self.stepped",
+           "                self.stepped", IN_BACKWARD_TESTS),
+    Mutant("in-backward-clipping-skipped", "the step in backward never scales a gradient by the clipping",
+           S + "prepare/step_in_backward.py", "                    p.grad.mul_(scale.to(p.grad.device))",
+           "                    pass", IN_BACKWARD_TESTS),
+    Mutant("in-backward-previous-norm-ignored", "clipping in backward forgets the previous step's norm",
+           S + "prepare/step_in_backward.py", "            bound = torch.maximum(bound, self.previous)",
+           "            pass", IN_BACKWARD_TESTS),
+    Mutant("in-backward-accumulates", "a second backward before step() steps the parameters again",
+           S + "prepare/step_in_backward.py", "            if id(p) in self.stepped:", "            if False:",
+           IN_BACKWARD_TESTS),
+    Mutant("fused-state-seed-offset", "the compiled step's last block rounds with the first block's noise",
+           S + "optim/fused_adam.py", "seed = seed_at(offset) if", "seed = seed_at(0) if", FUSED_STATE_TESTS),
+    Mutant("fused-state-fp8-zero", "the compiled fp8 step stores a tiny positive second moment as zero",
+           S + "optim/fused_adam.py", "            scaled = torch.where((scaled > 0) & (scaled <= 2.0**-10), 2.0**-9, "
+           "scaled)", "            pass", FUSED_STATE_TESTS),
+    Mutant("kahan-compensation-dropped", "the Kahan write forgets what rounding dropped",
+           S + "prepare/kahan.py", "    comp.copy_(s - p.float())", "    comp.zero_()", KAHAN_TESTS),
+    Mutant("kahan-cast-elided", "the fused Kahan kernel rounds with a cast inductor elides (the compensation stays 0)",
+           S + "prepare/kahan.py", "    rounded = bf16_nearest(s)", "    rounded = s.to(torch.bfloat16).float()",
+           KAHAN_TESTS),
+    Mutant("plan-step-count-left-out", "memory_plan leaves Adam's step counts out of the optimizer state",
+           S + "observe/memory_plan.py", "        step = 4  # a 0-dim fp32 tensor", "        step = 0",
+           PLAN_MEMORY_TESTS),
+    Mutant("plan-compensation-left-out", "memory_plan leaves bf16-kahan's compensation out",
+           S + "observe/memory_plan.py", "comp = numel * 2 if config.level is Level.BF16_KAHAN and low else 0",
+           "comp = 0", PLAN_MEMORY_TESTS),
+    Mutant("plan-weights-as-activations", "memory_plan counts the weights a layer saves as activations",
+           S + "observe/memory_plan.py", "if key not in weights and key not in saved:", "if key not in saved:",
+           PLAN_MEMORY_TESTS),
+    Mutant("tune-memory-budget-ignored", "tune chooses a recipe over its memory budget",
+           S + "tune/rounds.py", "        if self.fit is not None and within_memory:", "        if False:",
+           MEMORY_BUDGET_TESTS),
 )  # fmt: skip
 
 

@@ -125,6 +125,34 @@ register_mode(Mode("bf16-sr", "mixprec.prepare level bf16-sr: bf16 weights and s
                    setup=_level("bf16-sr"), dtypes=(torch.bfloat16,)))  # fmt: skip
 register_mode(Mode("bf16-pure", "bf16 weights and state, round-to-nearest updates (baseline)",
                    setup=_level("bf16-pure"), dtypes=(torch.bfloat16,)))  # fmt: skip
+register_mode(Mode("bf16-kahan", "mixprec.prepare level bf16-kahan: bf16 weights and state, Kahan-compensated updates",
+                   setup=_level("bf16-kahan"), dtypes=(torch.bfloat16,)))  # fmt: skip
+#: the memory recipes (docs/memory.md): bf16-sr with quantized optimizer state, and with the step in backward
+MEMORY_MODES: dict[str, dict[str, Any]] = {
+    "bf16-sr-8bit": {"optimizer_state": "8bit"},
+    "bf16-sr-8bit-ib": {"optimizer_state": "8bit", "step_in_backward": True},
+    "bf16-sr-fp8-ib": {"optimizer_state": "fp8", "step_in_backward": True},
+    "bf16-sr-4bit-ib": {"optimizer_state": "4bit", "step_in_backward": True},
+}
+
+
+def _memory(
+    options: dict[str, Any],
+) -> Callable[[nn.Module, torch.optim.Optimizer, torch.dtype], tuple[nn.Module, Any]]:
+    def setup(model: nn.Module, optimizer: torch.optim.Optimizer, dtype: torch.dtype) -> tuple[nn.Module, Any]:
+        # the bench's fused Adam(W) as torch's plain one: quantized state replaces its step for the large tensors
+        group = optimizer.param_groups[0]
+        plain = type(optimizer)(model.parameters(), lr=group["lr"], betas=group["betas"], eps=group["eps"],
+                                weight_decay=group["weight_decay"])  # fmt: skip
+        return mixprec.prepare(model, plain, level="bf16-sr", dtype=dtype, **options)
+
+    return setup
+
+
+for _name, _options in MEMORY_MODES.items():
+    _said = ", ".join(f"{k}={v!r}" for k, v in _options.items())
+    register_mode(Mode(_name, f"mixprec.prepare level bf16-sr with {_said}", setup=_memory(_options),
+                       dtypes=(torch.bfloat16,)))  # fmt: skip
 register_mode(Mode("mixprec-cl", "mixprec with the model and inputs in channels_last", _mixprec_autocast,
                    scaler=lambda device: mixprec.GradScaler(device), prepare_model=to_channels_last,
                    prepare_input=_channels_last_input, conv_only=True))  # fmt: skip

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 import torch
 
@@ -103,11 +104,29 @@ def run(args: argparse.Namespace) -> int:
         print(report_module.FP8_EMULATED, flush=True)
     if compiled := report_module.compiled_text(report):
         print(compiled, flush=True)
+    if args.memory_budget:
+        print(_memory_table(args, report, config.size), flush=True)
     paths = report_module.write(report, args.out, args.json)
     if "png" not in paths:
         print(report_module.PLOT_SKIPPED.format(name="bench.png"), file=sys.stderr)
     print("wrote " + ", ".join(str(p) for p in paths.values()) + f" in {report.seconds:.0f} s")
     return 130 if report.interrupted else 0  # 128 + SIGINT, as a shell reports a Ctrl-C
+
+
+def _memory_table(args: argparse.Namespace, report: Any, size: str) -> str:
+    """The memory table (bench/memory_table.py) for the modes this run trained, as Markdown."""
+    from mixprec._src.tune.memory_fit import parse_bytes
+    from mixprec.bench import memory_table
+    from mixprec.bench.tables import markdown_table
+
+    budget = parse_bytes(args.memory_budget)
+    trained = report.results.get("transformer", {})
+    losses = {mode: r.final_loss for mode, r in trained.items() if not r.compiled}
+    modes = list(dict.fromkeys(["fp32", *(args.modes or trained or ())]))
+    rows = memory_table.rows(modes, size, budget, losses)
+    title = (f"Memory: the bench transformer ({size}), per rank, from mixprec.memory_plan; the largest in "
+             f"{budget / 2**30:.2f} GiB grows its layers")  # fmt: skip
+    return "\n".join([title, "", *markdown_table(memory_table.HEADER, rows)])
 
 
 def run_sharded(args: argparse.Namespace, size: str) -> int:

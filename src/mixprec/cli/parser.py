@@ -74,6 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--compile-modes", type=lambda t: common.names(t, list(MODES), "mode"),
                        help="the modes to compile (implies --compile; each also trains eagerly)")  # fmt: skip
+    bench.add_argument("--memory-budget",
+                       help="also print the memory table: per mode, bytes a parameter of the bench transformer, its "
+                       "predicted peak, the largest bench transformer fitting this budget (e.g. 4GiB) and the "
+                       "final loss against fp32 (memory_plan: nothing more is trained)")  # fmt: skip
     bench.add_argument("--fp8-kernels", action=argparse.BooleanOptionalAction, default=True,
                        help="with --compile: count inductor's kernels per fp8 linear, mixprec against torchao "
                        "(default on)")  # fmt: skip

@@ -17,7 +17,7 @@ import dataclasses
 import fnmatch
 import math
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -108,7 +108,8 @@ def memory_plan(
     """Predict the bytes per rank that ``recipe`` will hold for ``model`` and ``optimizer``.
 
     Args:
-        model: the fp32 model, as it will be passed to :func:`mixprec.prepare` (not sharded yet).
+        model: the fp32 model, as it will be passed to :func:`mixprec.prepare` (not sharded yet); on the
+            ``meta`` device too (a model too large to build: planned as on the CPU).
         optimizer: the optimizer it will step (Adam, AdamW or SGD: their state is known), or ``None``.
         recipe: a level (``"O2"``), a :class:`PrepareConfig`, a :class:`mixprec.Recipe`, or ``"fp32"`` (no
             mixed precision).
@@ -272,6 +273,8 @@ def _activations(model: nn.Module, config: PrepareConfig, batch: Any, loss_fn: C
     saved: dict[Any, tuple[int, str | None]] = {}
     block_inputs: dict[str, int] = {}
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    if device.type == "meta":  # a model built on the meta device plans as on the CPU
+        device = torch.device("cpu")
     kept_modules = [] if plain else kept.outermost(model, config)  # kept in fp32 at every level, O1 included
     handles: list[Any] = []
 
@@ -287,11 +290,11 @@ def _activations(model: nn.Module, config: PrepareConfig, batch: Any, loss_fn: C
             fake = fake_params.get(id(p))
             if fake is None:
                 dtype = config.dtype if id(p) in lowp and not swap else p.dtype
-                fake = mode.from_tensor(p.detach()).to(dtype).requires_grad_(p.requires_grad)
+                fake = _fake(mode, p.detach(), device).to(dtype).requires_grad_(p.requires_grad)
                 fake_params[id(p)] = fake
             values[name] = fake
         for name, b in model.named_buffers(remove_duplicate=False):
-            values[name] = mode.from_tensor(b)
+            values[name] = _fake(mode, b, device)
         copies = {id(f): f.detach().to(config.dtype).requires_grad_(f.requires_grad) for i, f in fake_params.items()
                   if swap and i in lowp}  # fmt: skip
         weights = {_storage(t) for t in (*fake_params.values(), *copies.values())}
@@ -331,6 +334,14 @@ def _activations(model: nn.Module, config: PrepareConfig, batch: Any, loss_fn: C
     largest = max((v for k, v in by_block.items() if k is not None), default=0)
     checkpointed = total - in_blocks + sum(block_inputs.values()) + largest
     return total, checkpointed, tuple(chosen)
+
+
+def _fake(mode: Any, t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` as a fake tensor (a meta tensor as one on ``device``: its shape, stride and dtype)."""
+    if t.device.type == "meta":
+        with mode:
+            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+    return cast(torch.Tensor, mode.from_tensor(t))
 
 
 def _swap_copies(module: nn.Module, names: list[str], copies: dict[int, torch.Tensor], handles: list[Any]) -> None:

@@ -36,6 +36,7 @@ FINALISTS = 3  # the fastest candidates raced again, head to head, before choosi
 
 class Search:
     fit: Any = None  # memory_fit.Fit where tune has a memory budget: a recipe over it is never the best
+
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, inputs: Any,
                  loss_of: Callable[[Any], torch.Tensor], device: torch.device, tol: Tolerance,
                  deadline: float, progress: Progress | None) -> None:  # fmt: skip
