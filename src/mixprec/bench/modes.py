@@ -142,8 +142,9 @@ def _memory(
     def setup(model: nn.Module, optimizer: torch.optim.Optimizer, dtype: torch.dtype) -> tuple[nn.Module, Any]:
         # the bench's fused Adam(W) as torch's plain one: quantized state replaces its step for the large tensors
         group = optimizer.param_groups[0]
-        plain = type(optimizer)(model.parameters(), lr=group["lr"], betas=group["betas"], eps=group["eps"],
-                                weight_decay=group["weight_decay"])  # fmt: skip
+        kind: Any = type(optimizer)  # the bench's Adam or AdamW
+        plain = kind(model.parameters(), lr=group["lr"], betas=group["betas"], eps=group["eps"],
+                     weight_decay=group["weight_decay"])  # fmt: skip
         return mixprec.prepare(model, plain, level="bf16-sr", dtype=dtype, **options)
 
     return setup
