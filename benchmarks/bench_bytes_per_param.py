@@ -69,8 +69,8 @@ def build(workload: str, size: str, recipe: str) -> tuple[Any, torch.nn.Module, 
 
 
 def train_step(task: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int,
-               rows: int | None = None) -> float:  # fmt: skip
-    x, y = task.batch(step)
+               rows: int | None = None, batch: Any = None) -> float:  # fmt: skip
+    x, y = task.batch(step) if batch is None else batch
     if rows is not None:
         x, y = x[:rows], y[:rows]
     optimizer.zero_grad()
@@ -105,11 +105,13 @@ def peak_worker(workload: str, size: str, recipe: str) -> dict[str, float]:
     del task
     task, model, optimizer = build(workload, size, recipe)
     params = sum(p.numel() for p in model.parameters())
+    # made before the peak is reset: the MLP's batch function draws a whole batch and its teacher each call
+    batches = [tuple(t[:1].clone() for t in task.batch(step)) for step in range(3)]
     gc.collect()
     with open("/proc/self/clear_refs", "w") as refs:  # the peak from here on
         refs.write("5")
     for step in range(3):
-        train_step(task, model, optimizer, step, rows=1)
+        train_step(task, model, optimizer, step, batch=batches[step])
     peak = _resident("VmHWM")
     report = mixprec.memory_report(model, optimizer)
     return {"params": params, "report": report.total / params, "peak": (peak - base) / params,
@@ -149,6 +151,7 @@ def main() -> None:
     parser.add_argument("--speed-steps", type=int, default=6)
     parser.add_argument("--recipes", default=",".join(RECIPES))
     parser.add_argument("--plot", default=None, help="draw the loss curves into this PNG")
+    parser.add_argument("--peak-only", action="store_true", help="only the bytes (no speed or loss runs)")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
@@ -170,9 +173,15 @@ def main() -> None:
         rows = []
         for recipe in track(recipes, description=f"{workload}", transient=True, console=None):
             peak = _in_child("peak", workload, args.size, recipe, "0")
+            if args.peak_only:
+                print(f"| {workload} | {recipe} | {peak['report']:.2f} | {peak['plan_state']:.2f} | {peak['peak']:.2f} "
+                      f"| {peak['plan_peak']:.2f} |", flush=True)  # fmt: skip
+                continue
             seconds = _in_child("speed", workload, args.size, recipe, str(args.speed_steps))
             curve = _in_child("loss", workload, args.loss_size, recipe, str(args.steps))
             rows.append((recipe, peak, seconds, curve))
+        if args.peak_only:
+            continue
         curves[workload] = {recipe: curve for recipe, _, _, curve in rows}
         pure = next(seconds for recipe, _, seconds, _ in rows if recipe == "bf16-pure")
         tail = max(1, args.steps // 5)

@@ -26,7 +26,7 @@ from mixprec._src import casting
 from mixprec._src.amp.autocast import autocast
 from mixprec._src.optim import moments
 from mixprec._src.policy.policy import default_policy
-from mixprec._src.prepare import kept
+from mixprec._src.prepare import kept, step_in_backward
 from mixprec._src.prepare.config import Level, PrepareConfig
 
 __all__ = ["MemoryPlan", "memory_plan"]
@@ -42,7 +42,7 @@ class MemoryPlan:
         parameters, masters, gradients, optimizer_state: what :func:`mixprec.memory_report` counts
             after a step (the same meanings; gradients are 0 where the step runs in backward).
         gradients_in_flight: the most gradient bytes alive at once during backward where the step
-            runs in backward (the largest parameter's gradient, and the fp32 copy its norm is taken from);
+            runs in backward (the largest parameter's gradient, and the fp32 chunk its norm is taken from);
             else equal to ``gradients``.
         transient: the most bytes the optimizer step makes and frees: torch's own Adam(W) makes two
             temporaries of a parameter's size (the square root and the division), SGD one; the compiled
@@ -167,7 +167,8 @@ def memory_plan(
     largest_gradient = in_flight
     if config.step_in_backward:
         grads = 0
-        in_flight += largest * 4  # the fp32 copy the clipping norm is taken from
+        if in_flight < largest * 4:  # a low-precision gradient's norm is taken a chunk at a time, in fp32
+            in_flight += min(largest, step_in_backward.NORM_CHUNK) * 4
     activations = checkpointed = None
     names: tuple[str, ...] = ()
     if batch is not None:

@@ -34,7 +34,17 @@ import torch
 from mixprec._src import sharding
 from mixprec._src.prepare.stochastic_rounding import finisher, fixed_positions
 
-__all__ = ["KEY", "NORM_GROUP_KEY", "Stepper", "check", "clip_before_step", "grad_norm", "install"]
+__all__ = [
+    "KEY",
+    "NORM_CHUNK",
+    "NORM_GROUP_KEY",
+    "Stepper",
+    "check",
+    "clip_before_step",
+    "grad_norm",
+    "install",
+    "square_norm",
+]
 
 #: ``optimizer.__dict__`` key of the :class:`Stepper` (also read by the GradScaler, which refuses it)
 KEY = "_mixprec_step_in_backward"
@@ -73,8 +83,7 @@ class Stepper:
 
     def add_norm(self, grads: list[torch.Tensor]) -> torch.Tensor | None:
         """Count ``grads`` (local shards) into this backward's norm; the scale of the clipping (or ``None``)."""
-        local = [sharding.local(g) for g in grads]
-        sq = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in local]).square().sum()
+        sq = torch.stack([square_norm(sharding.local(g)) for g in grads]).sum()
         if self.process_group is not None:
             torch.distributed.all_reduce(sq, group=self.process_group)
         self.so_far = sq if self.so_far is None else self.so_far + sq
@@ -126,6 +135,22 @@ class Stepper:
             self.optimizer.__dict__[_NORM_KEY] = self.previous
         self.so_far, self.groups = None, None
         self.stepped.clear()
+
+
+#: values whose norm is taken at once: a low-precision gradient's fp32 copy stays this small
+NORM_CHUNK = 1 << 20
+
+
+def square_norm(g: torch.Tensor) -> torch.Tensor:
+    """The fp32 sum of squares of ``g`` (a 0-dim tensor), a low-precision one a chunk at a time: ``vector_norm``
+    with ``dtype=float32`` copies its whole input to fp32 first, the size of the largest gradient again."""
+    flat = g.reshape(-1)
+    if flat.dtype == torch.float32 or flat.numel() <= NORM_CHUNK:
+        whole: torch.Tensor = torch.linalg.vector_norm(flat, dtype=torch.float32).square()
+        return whole
+    parts = [torch.linalg.vector_norm(flat[i : i + NORM_CHUNK], dtype=torch.float32).square()
+             for i in range(0, flat.numel(), NORM_CHUNK)]  # fmt: skip
+    return torch.stack(parts).sum()
 
 
 def _unhooked_step(optimizer: torch.optim.Optimizer) -> Any:
