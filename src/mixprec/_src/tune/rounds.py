@@ -148,8 +148,12 @@ class Search:
 
     def _stop_slow(self, default: Trial, trials: list[Trial]) -> None:
         base = default.median_s()
+        # Under a memory budget the default may not fit: a candidate that does is not judged slow against it.
+        over = self.fit is not None and not self.fit.fits(default.recipe)
         for t in trials:
             if t is default or t.stopped or (t is self.ref and not t.checked):  # fp32 must finish its checked steps
+                continue
+            if over and self.fit.fits(t.recipe):
                 continue
             mine = t.median_s()
             if self.cold_s is None and default.times and default.times[0] > 0:
