@@ -303,3 +303,17 @@ def test_at_bf16_sr_the_weights_round_stochastically_with_the_levels_noise(preci
     share = (moved["bf16-sr", precision] != 0).float().mean()
     assert 0.045 < share < 0.08 and set(moved["bf16-sr", precision].unique().tolist()) <= {0.0, 2.0**-7}
     assert torch.equal(moved["bf16-sr", precision], moved["bf16-sr", "fp32"])
+
+
+def test_a_fused_adamw_keeps_its_fused_step_for_the_small_tensors() -> None:
+    """fused=True (the bench's AdamW): the large tensors step quantized as with the plain AdamW, bit for bit; the
+    small ones keep torch's fused step."""
+    results = []
+    for fused in (False, True):
+        model = _mlp()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=fused or None)
+        mixprec.prepare(model, optimizer, "O1", optimizer_state="8bit")
+        _train(model, optimizer, _data(3))
+        results.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    large = [n for n, p in results[0].items() if p.numel() >= moments.MIN_NUMEL]
+    assert large and all(torch.equal(results[0][n], results[1][n]) for n in large)

@@ -112,6 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="no per-layer plan (each layer timed and checked in each precision)")  # fmt: skip
     tune.add_argument("--layer-sqnr-db", type=float, default=20.0,
                       help="a layer's SQNR floor against fp32 for the per-layer plan (default 20)")  # fmt: skip
+    tune.add_argument("--memory-budget", help="the most a rank may hold at its peak (e.g. 4GiB): only recipes "
+                      "mixprec.memory_plan predicts within it are chosen")  # fmt: skip
     tune.add_argument("--out", help="write the recipe here as JSON")
 
     plan = sub.add_parser(

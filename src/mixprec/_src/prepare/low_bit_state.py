@@ -27,7 +27,6 @@ import torch
 from mixprec._src import sharding
 from mixprec._src.optim import adam, fused_adam, moments, sgd
 from mixprec._src.prepare import kahan
-from mixprec._src.prepare.sr_kernel import fused_supported
 from mixprec._src.prepare.sr_noise import moved, seed_tensor, shard_seed, sr_bits, tensor_seed
 from mixprec._src.prepare.stochastic_rounding import SEED_KEY, STEP_KEY, Restore, positions, step_eagerly
 
@@ -49,16 +48,20 @@ def check(optimizer: torch.optim.Optimizer, precision: str) -> None:
         raise ValueError(f"optimizer_state={precision!r} quantizes SGD's momentum buffer (torch.optim.SGD with "
                          f"momentum, without maximize, fused or differentiable); this one has {', '.join(flags)}: "
                          "change that, or use optimizer_state='fp32'")  # fmt: skip
-    if not fused_supported(optimizer):
+    adam = type(optimizer) in (torch.optim.Adam, torch.optim.AdamW)
+    if not adam or any(g.get(n) for g in optimizer.param_groups for n in _REFUSED):
         raise ValueError(f"optimizer_state={precision!r} quantizes Adam's and AdamW's moments (torch.optim.Adam or "
-                         f"AdamW, without amsgrad, maximize, capturable, differentiable or fused) and SGD's momentum; "
+                         f"AdamW, without amsgrad, maximize, capturable or differentiable) and SGD's momentum; "
                          f"this optimizer is a {type(optimizer).__name__} with {_flags(optimizer) or 'none of those'}: "
                          "use one of them, or optimizer_state='fp32'")  # fmt: skip
 
 
+#: Adam(W) options the quantized step does not do (fused=True is fine: the small tensors keep torch's fused step)
+_REFUSED = ("amsgrad", "maximize", "capturable", "differentiable")
+
+
 def _flags(optimizer: torch.optim.Optimizer) -> str:
-    names = ("amsgrad", "maximize", "capturable", "differentiable", "fused")
-    return ", ".join(n for n in names if any(g.get(n) for g in optimizer.param_groups))
+    return ", ".join(n for n in _REFUSED if any(g.get(n) for g in optimizer.param_groups))
 
 
 def install(optimizer: torch.optim.Optimizer, precision: str, handles: list[Any], writeback: str = "nearest") -> None:

@@ -19,6 +19,8 @@ from torch import nn
 
 from mixprec._src.dtypes import short_name
 from mixprec._src.observe.memory_plan import memory_plan
+from mixprec._src.prepare import low_bit_state
+from mixprec._src.prepare import step_in_backward as in_backward
 from mixprec._src.tune.recipe import Recipe
 
 __all__ = ["VARIANTS", "Fit", "parse_bytes"]
@@ -56,7 +58,11 @@ def parse_bytes(value: int | float | str) -> int:
 
 
 def _mib(size: int) -> str:
-    return f"{size / 2**20:.1f} MiB"
+    """``size`` bytes in the unit that shows it with a few digits (KiB, MiB, GiB)."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if size >= scale:
+            return f"{size / scale:.2f} {unit}"
+    return f"{size / 2**10:.1f} KiB"
 
 
 class Fit:
@@ -86,9 +92,22 @@ class Fit:
         return None
 
     def variants(self, base: Recipe) -> list[dict[str, Any]]:
+        """What ``base`` may give up to fit: what prepare takes with this optimizer and dtype."""
         if base.dtype is torch.float32:
             return [{}]
-        return [v for v in VARIANTS if not (v.get("step_in_backward") and base.dtype is torch.float16)]
+        return [v for v in VARIANTS if self._possible(v, base.dtype)]
+
+    def _possible(self, variant: dict[str, Any], dtype: torch.dtype) -> bool:
+        try:
+            if variant.get("step_in_backward"):
+                if dtype is torch.float16:
+                    return False
+                in_backward.check(self.optimizer)
+            if variant.get("optimizer_state", "fp32") != "fp32":
+                low_bit_state.check(self.optimizer, variant["optimizer_state"])
+        except ValueError:
+            return False
+        return True
 
     def check(self, bases: Sequence[Recipe]) -> list[str]:
         """Raise where no variant of any of ``bases`` fits; else a note for each base that had to give up."""
