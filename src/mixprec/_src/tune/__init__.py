@@ -1,8 +1,9 @@
 """Tune: :class:`Recipe` (a precision recipe as data, and how it applies) and :func:`tune`, the search
 that measures candidates on the user's machine.
 
-Owns ``recipe``, ``search`` (the search rounds and the choice), ``tables`` (how a recipe and its
-per-layer plan print) and ``memory_fit`` (a memory budget: which recipes fit). May import: every other subsystem (it is the top one).
+Owns ``recipe``, ``search`` (the search rounds and the choice), ``tables`` (how a recipe and
+its per-layer plan print) and ``memory_fit`` (a memory budget: which recipes fit).
+May import: every other subsystem (it is the top one).
 """
 
 from __future__ import annotations
