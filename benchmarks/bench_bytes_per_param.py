@@ -18,6 +18,8 @@ backward. Three measurements per recipe, each in processes of its own:
 
     python benchmarks/bench_bytes_per_param.py                              # the Markdown tables
     python benchmarks/bench_bytes_per_param.py --loss-size quick --steps 300 --plot docs/images/memory_loss.png
+    python benchmarks/bench_bytes_per_param.py --peak-only          # the bytes alone
+    python benchmarks/bench_bytes_per_param.py --loss-only --plot docs/images/memory_loss.png
 """
 
 from __future__ import annotations
@@ -152,6 +154,8 @@ def main() -> None:
     parser.add_argument("--recipes", default=",".join(RECIPES))
     parser.add_argument("--plot", default=None, help="draw the loss curves into this PNG")
     parser.add_argument("--peak-only", action="store_true", help="only the bytes (no speed or loss runs)")
+    parser.add_argument("--loss-only", action="store_true", help="only the loss runs and the plot (a JSON of the "
+                        "curves beside it)")  # fmt: skip
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
@@ -172,6 +176,9 @@ def main() -> None:
     for workload in args.workloads.split(","):
         rows = []
         for recipe in track(recipes, description=f"{workload}", transient=True, console=None):
+            if args.loss_only:
+                rows.append((recipe, {}, 0.0, _in_child("loss", workload, args.loss_size, recipe, str(args.steps))))
+                continue
             peak = _in_child("peak", workload, args.size, recipe, "0")
             if args.peak_only:
                 print(f"| {workload} | {recipe} | {peak['report']:.2f} | {peak['plan_state']:.2f} | {peak['peak']:.2f} "
@@ -183,6 +190,8 @@ def main() -> None:
         if args.peak_only:
             continue
         curves[workload] = {recipe: curve for recipe, _, _, curve in rows}
+        if args.loss_only:
+            continue
         pure = next(seconds for recipe, _, seconds, _ in rows if recipe == "bf16-pure")
         tail = max(1, args.steps // 5)
         fp32 = statistics.mean(rows[0][3][-tail:])
@@ -198,22 +207,33 @@ def main() -> None:
                   f"{(final - fp32) / fp32:+.2%} |")  # fmt: skip
     if args.plot:
         _plot(curves, args.plot)
+        with open(os.path.splitext(args.plot)[0] + ".json", "w") as out:
+            json.dump(curves, out)
 
 
 def _plot(curves: dict[str, dict[str, list[float]]], path: str) -> None:
+    """Per workload: the loss curves, and below them each recipe's loss against fp32 AdamW's (10-step means)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(curves), figsize=(6 * len(curves), 4), squeeze=False)
-    for ax, (workload, by_recipe) in zip(axes[0], curves.items(), strict=True):
-        for recipe, curve in by_recipe.items():
-            smooth = [statistics.mean(curve[max(0, i - 9) : i + 1]) for i in range(len(curve))]
-            ax.plot(smooth, label=recipe, linewidth=2.0 if recipe == "fp32 AdamW" else 1.0)
-        ax.set_title(f"{workload}: loss (10-step mean)")
-        ax.set_xlabel("step")
-        ax.legend(fontsize=7)
+    fig, axes = plt.subplots(2, len(curves), figsize=(6.5 * len(curves), 8), squeeze=False)
+    for column, (workload, by_recipe) in enumerate(curves.items()):
+        smooth = {r: [statistics.mean(c[max(0, i - 9) : i + 1]) for i in range(len(c))] for r, c in by_recipe.items()}
+        reference = smooth.get("fp32 AdamW")
+        for recipe, curve in smooth.items():
+            width = 2.0 if recipe == "fp32 AdamW" else 1.0
+            axes[0][column].plot(curve, label=recipe, linewidth=width)
+            if reference is not None:
+                apart = [100 * (a - b) / b for a, b in zip(curve, reference, strict=True)]
+                axes[1][column].plot(apart, label=recipe, linewidth=width)
+        axes[0][column].set_title(f"{workload}: loss (10-step mean)")
+        axes[1][column].set_title(f"{workload}: loss against fp32 AdamW's (%)")
+        axes[1][column].set_xlabel("step")
+        axes[1][column].axhline(1.0, color="grey", linestyle=":", linewidth=0.8)
+        axes[1][column].axhline(-1.0, color="grey", linestyle=":", linewidth=0.8)
+        axes[0][column].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
