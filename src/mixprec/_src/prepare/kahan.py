@@ -15,7 +15,6 @@ kernel where it compiles; any other optimizer steps fp32 copies with its own cod
 
 from __future__ import annotations
 
-import types
 from collections.abc import Callable, Iterable
 from typing import Any, cast
 
@@ -25,7 +24,7 @@ from mixprec._src import sharding
 from mixprec._src.numerics import bf16_nearest
 from mixprec._src.prepare import stochastic_rounding
 from mixprec._src.prepare.sr_kernel import adam_scalars, fused_supported
-from mixprec._src.prepare.stochastic_rounding import Restore, step_eagerly
+from mixprec._src.prepare.stochastic_rounding import PerTensor, install_fused_adam, step_eagerly
 
 __all__ = ["COMP_KEY", "adam_kahan_update", "compensation", "install", "write"]
 
@@ -98,35 +97,13 @@ def install(optimizer: torch.optim.Optimizer, lowp: Iterable[torch.Tensor], hand
     if kernel is None:
         stochastic_rounding.install_generic(optimizer, ids, handles, _generic_write)
         return False
-    adams_own = type(optimizer)._init_group  # type: ignore[attr-defined]
-
-    def _init_group(self: torch.optim.Optimizer, group: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
-        decoupled = bool(group.get("decoupled_weight_decay", isinstance(self, torch.optim.AdamW)))
-        by_step: dict[tuple[float, torch.device], torch.Tensor] = {}
-        rest = []
-        for p in group["params"]:
-            local_p, local_g = sharding.local(p.data), None if p.grad is None else sharding.local(p.grad)
-            if id(p) not in ids or local_g is None or not (local_p.is_contiguous() and local_g.is_contiguous()):
-                rest.append(p)
-                continue
-            st = self.state[p]
-            if "step" not in st:
-                st["step"] = torch.tensor(0.0)
-                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            comp = compensation(st, p)
-            st["step"] += 1
-            key = (float(st["step"]), local_p.device)
-            scalars = by_step.get(key)
-            if scalars is None:
-                scalars = by_step[key] = adam_scalars(group, key[0], decoupled).to(local_p.device)
-            flat = [sharding.local(t).view(-1) for t in (p.data, p.grad, st["exp_avg"], st["exp_avg_sq"], comp)]
-            kernel(*flat, scalars)
-        return adams_own(self, {**group, "params": rest}, *args, **kwargs)
-
-    optimizer._init_group = types.MethodType(_init_group, optimizer)  # type: ignore[attr-defined]
-    handles.append(Restore(optimizer, "_init_group"))
+    install_fused_adam(optimizer, ids, handles, kernel, _compensations)
     return True
+
+
+def _compensations(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> PerTensor:
+    """The fused kernel's extras: each weight's compensation (made at its first step)."""
+    return lambda p, state: [sharding.local(compensation(state, p)).view(-1)]
 
 
 def _generic_write(param: torch.Tensor, shadow: torch.Tensor, shadow_state: dict[str, Any], seed: int) -> None:

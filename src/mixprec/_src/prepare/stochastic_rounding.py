@@ -92,24 +92,29 @@ def finisher(optimizer: torch.optim.Optimizer) -> Any:
     return optimizer.__dict__.get(_FINISHER)
 
 
-def _install_fused(optimizer: torch.optim.Optimizer, lowp: set[int], handles: list[Any]) -> bool:
-    """Have Adam(W)'s own ``step`` update the bf16 weights with the compiled fused kernel, if it compiles.
+#: ``(param, its state) -> the kernel's arguments after the weight, gradient and moments``
+PerTensor = Callable[[torch.Tensor, dict[str, Any]], list[torch.Tensor]]
+#: ``extras(optimizer, group)``, called once per param group, gives its :data:`PerTensor` (bf16-sr: the
+#: rounding seed; bf16-kahan: the compensation)
+Extras = Callable[[torch.optim.Optimizer, dict[str, Any]], PerTensor]
+
+
+def install_fused_adam(optimizer: torch.optim.Optimizer, lowp: set[int], handles: list[Any],
+                       kernel: Callable[..., None], extras: Extras) -> None:  # fmt: skip
+    """Have Adam(W)'s own ``step`` update the bf16 tensors ``lowp`` (ids) with the compiled ``kernel``.
 
     ``step`` itself is left alone (its hooks, profiling and LR schedulers' wrappers all stay in
     place): Adam's ``_init_group``, which ``step`` calls once per param group to collect the
     tensors to update, is overridden on this optimizer. It updates the bf16 weights of the group
-    with the fused kernel and hands the rest (fp32 weights of kept modules) to Adam's own.
+    with ``kernel(weight, gradient, exp_avg, exp_avg_sq, *extras, scalars)`` on 1-D views of the local
+    shards and hands the rest (fp32 weights of kept modules) to Adam's own.
     """
-    kernel = compiled_kernel()
-    if kernel is None:
-        return False
     adams_own = type(optimizer)._init_group  # type: ignore[attr-defined]
 
     def _init_group(self: torch.optim.Optimizer, group: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
         decoupled = bool(group.get("decoupled_weight_decay", isinstance(self, torch.optim.AdamW)))
         by_step: dict[tuple[float, torch.device], torch.Tensor] = {}
-        base, step = _advance(group)
-        position = positions(self)
+        more = extras(self, group)
         rest = []
         for p in group["params"]:
             local_p, local_g = sharding.local(p.data), None if p.grad is None else sharding.local(p.grad)
@@ -117,7 +122,7 @@ def _install_fused(optimizer: torch.optim.Optimizer, lowp: set[int], handles: li
                 rest.append(p)
                 continue
             st = self.state[p]
-            if not st:
+            if "step" not in st:
                 st["step"] = torch.tensor(0.0)
                 st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
@@ -126,15 +131,24 @@ def _install_fused(optimizer: torch.optim.Optimizer, lowp: set[int], handles: li
             scalars = by_step.get(key)
             if scalars is None:
                 scalars = by_step[key] = adam_scalars(group, key[0], decoupled).to(local_p.device)
-            seed = shard_seed(tensor_seed(base, step, position[id(p)]), p)
             # 1-D views of the local shards: one compiled graph serves every parameter, whatever its shape.
             flat = [sharding.local(t).view(-1) for t in (p.data, p.grad, st["exp_avg"], st["exp_avg_sq"])]
-            kernel(*flat, seed_tensor(seed, local_p.device), scalars)
+            kernel(*flat, *more(p, st), scalars)
         return adams_own(self, {**group, "params": rest}, *args, **kwargs)
 
     optimizer._init_group = types.MethodType(_init_group, optimizer)  # type: ignore[attr-defined]
     handles.append(Restore(optimizer, "_init_group"))
-    return True
+
+
+def _seeds(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> PerTensor:
+    """bf16-sr's extras: the group counts one more step; each tensor's seed from its position."""
+    base, step = _advance(group)
+    position = positions(optimizer)
+
+    def seed(p: torch.Tensor, state: dict[str, Any]) -> list[torch.Tensor]:
+        return [seed_tensor(shard_seed(tensor_seed(base, step, position[id(p)]), p), sharding.local(p.data).device)]
+
+    return seed
 
 
 def _stochastic_write(param: torch.Tensor, shadow: torch.Tensor, shadow_state: dict[str, Any], seed: int) -> None:
@@ -242,7 +256,9 @@ def install(optimizer: torch.optim.Optimizer, lowp: Iterable[torch.Tensor], hand
     """
     ids = {id(p) for p in lowp}
     step_eagerly(optimizer, handles)
-    if fused_supported(optimizer) and _install_fused(optimizer, ids, handles):
+    kernel = compiled_kernel() if fused_supported(optimizer) else None
+    if kernel is not None:
+        install_fused_adam(optimizer, ids, handles, kernel, _seeds)
         return True
     install_generic(optimizer, ids, handles)
     return False
