@@ -20,6 +20,7 @@ backward. Three measurements per recipe, each in processes of its own:
     python benchmarks/bench_bytes_per_param.py --loss-size quick --steps 300 --plot docs/images/memory_loss.png
     python benchmarks/bench_bytes_per_param.py --peak-only          # the bytes alone
     python benchmarks/bench_bytes_per_param.py --loss-only --plot docs/images/memory_loss.png
+    python benchmarks/bench_bytes_per_param.py --speed-only --rounds 3   # the speed alone, recipes interleaved
 """
 
 from __future__ import annotations
@@ -156,6 +157,9 @@ def main() -> None:
     parser.add_argument("--peak-only", action="store_true", help="only the bytes (no speed or loss runs)")
     parser.add_argument("--loss-only", action="store_true", help="only the loss runs and the plot (a JSON of the "
                         "curves beside it)")  # fmt: skip
+    parser.add_argument("--speed-only", action="store_true", help="only the speed runs")
+    parser.add_argument("--rounds", type=int, default=1, help="speed runs per recipe, taken in turns (the fastest "
+                        "of each recipe's counts: the machine's noise only ever slows a run down)")  # fmt: skip
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
@@ -170,6 +174,9 @@ def main() -> None:
         print(json.dumps(result))
         return
     recipes = args.recipes.split(",")
+    if args.speed_only:
+        _speeds(args.workloads.split(","), args.size, recipes, args.speed_steps, args.rounds)
+        return
     curves: dict[str, dict[str, list[float]]] = {}
     from rich.progress import track
 
@@ -209,6 +216,22 @@ def main() -> None:
         _plot(curves, args.plot)
         with open(os.path.splitext(args.plot)[0] + ".json", "w") as out:
             json.dump(curves, out)
+
+
+def _speeds(workloads: list[str], size: str, recipes: list[str], steps: int, rounds: int) -> None:
+    """Each recipe's step against bf16-pure's; every round runs every recipe once, in turn."""
+    from rich.progress import track
+
+    runs = [(workload, recipe) for _ in range(rounds) for workload in workloads for recipe in recipes]
+    seconds: dict[tuple[str, str], list[float]] = {}
+    for workload, recipe in track(runs, description="speed", transient=True):
+        seconds.setdefault((workload, recipe), []).append(_in_child("speed", workload, size, recipe, str(steps)))
+    print("| workload | recipe | step (ms) | step vs bf16-pure |\n|---|---|---|---|")
+    for workload in workloads:
+        pure = min(seconds[workload, "bf16-pure"])
+        for recipe in recipes:
+            best = min(seconds[workload, recipe])
+            print(f"| {workload} | {recipe} | {best * 1e3:.1f} | {pure / best:.2f}x |")
 
 
 def _plot(curves: dict[str, dict[str, list[float]]], path: str) -> None:

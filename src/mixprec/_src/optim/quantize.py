@@ -50,6 +50,7 @@ __all__ = [
     "code_lookup",
     "codebook",
     "dequantize",
+    "lookup_codes",
     "nearest_codes",
     "quantize",
     "quantize_fp8",
@@ -158,37 +159,50 @@ def _thresholds(entries: torch.Tensor) -> torch.Tensor:
     return _from_ordered(above)
 
 
-_BUCKETS = (0x3F800000 >> 16) + 1  # the top 16 bits of the magnitudes up to 1.0 (sign, exponent, 7 mantissa bits)
+_LAST_ROW = 0x3F800000 >> 16  # the top 16 bits of 1.0, the largest magnitude a block's value divided by its scale has
 
 
 @functools.cache
-def code_lookup(bits: int, signed: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per bucket of fp32 values that share their top 16 bits (positive buckets, then negative): the code of
-    its lowest value, and the one threshold inside it (``inf`` where none). The codebooks' entries are far
-    wider apart than a bucket, so a bucket never holds two thresholds: a value's code is its bucket's, or
-    one more where it is at or above that threshold (two lookups, no search)."""
+def code_lookup(bits: int, signed: bool, device: torch.device) -> torch.Tensor:
+    """The table :func:`lookup_codes` reads: per bucket of fp32 values that share their top 16 bits (positive
+    buckets, then negative), its lowest value's code and the one threshold inside it, packed in one int32
+    (``code << 17 | key``; the threshold's low 16 bits as an order key, ``2**16`` where there is none). The
+    codebooks' entries are far wider apart than a bucket, so a bucket never holds two thresholds: a value's
+    code is its bucket's, or one more at or above the threshold (one lookup, no search). Buckets start just
+    below the smallest threshold's, so the table stays small (27 KiB at 8 bits): a smaller magnitude reads
+    the first bucket, which holds no threshold."""
     thresholds = _thresholds(table(bits, signed, torch.device("cpu")))
-    tops = torch.arange(_BUCKETS, dtype=torch.int32) << 16
+    first_row = int((thresholds.abs().view(torch.int32) >> 16).min()) - 1
+    tops = torch.arange(first_row, _LAST_ROW + 1, dtype=torch.int32) << 16
     lowest, highest = tops.view(torch.float32), (tops + 0xFFFF).view(torch.float32)
-    bases, inner = [], []
-    for first, last in ((lowest, highest), (-highest, -lowest)):
+    packed = []
+    for first, last, flip in ((lowest, highest, 0), (-highest, -lowest, 0xFFFF)):
         base = torch.bucketize(first, thresholds, right=True)
         inside = torch.bucketize(last, thresholds, right=True) - base
         if int(inside.max()) > 1:
             raise AssertionError(f"a bucket holds {int(inside.max())} thresholds of the {bits}-bit codebook")
-        found = thresholds[base.clamp(max=thresholds.numel() - 1)]
-        bases.append(base)
-        inner.append(torch.where(inside > 0, found, torch.tensor(float("inf"))))
-    return torch.cat(bases).to(torch.int32).to(device), torch.cat(inner).to(device)
+        found = thresholds[base.clamp(max=thresholds.numel() - 1)].view(torch.int32)
+        key = torch.where(inside > 0, (found & 0xFFFF) ^ flip, 0x10000)
+        packed.append((base.to(torch.int32) << 17) | key.to(torch.int32))
+    return torch.cat(packed).to(device)
+
+
+def lookup_codes(x: torch.Tensor, lookup: torch.Tensor) -> torch.Tensor:
+    """The nearest codes of fp32 values in [-1, 1] from :func:`code_lookup`'s table, as int32 (traceable: the
+    compiled step calls it too). A negative value's low bits order it backwards, hence the flipped key."""
+    rows = lookup.numel() // 2
+    raw = x.view(torch.int32)
+    negative = (raw < 0).to(torch.int32)
+    row = ((raw & 0x7FFFFFFF) >> 16).clamp(min=_LAST_ROW + 1 - rows, max=_LAST_ROW) - (_LAST_ROW + 1 - rows)
+    entry = lookup[row + negative * rows]
+    key = (raw & 0xFFFF) ^ (negative * 0xFFFF)
+    return (entry >> 17) + (key >= (entry & 0x1FFFF)).to(torch.int32)
 
 
 def nearest_codes(x: torch.Tensor, bits: int, signed: bool) -> torch.Tensor:
     """The index of the nearest codebook entry (torchao's: the largest entry at or below ``x``, then up where
     ``x`` is at least half-way to the next) for each fp32 value of ``x`` in [-1, 1], as int32."""
-    base, threshold = code_lookup(bits, signed, x.device)
-    raw = x.view(torch.int32)
-    row = ((raw & 0x7FFFFFFF) >> 16).clamp(max=_BUCKETS - 1) + (raw < 0).to(torch.int32) * _BUCKETS
-    return base[row] + (x >= threshold[row]).to(torch.int32)
+    return lookup_codes(x, code_lookup(bits, signed, x.device))
 
 
 def quantize(x: torch.Tensor, bits: int, signed: bool, block_size: int) -> Quantized:

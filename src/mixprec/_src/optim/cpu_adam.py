@@ -1,0 +1,334 @@
+"""Adam(W)'s step with 8-bit or 4-bit moments on the CPU, one block at a time: bitwise ``adam.adam_step``.
+
+inductor compiles :mod:`fused_adam`'s graph into passes over a whole chunk of blocks (the moments
+written out in fp32 between them, four code lookups as scalar loads); here each block of 256 (8-bit)
+or 128 (4-bit) values is dequantized, updated, measured, quantized and written while it sits in the
+core's L1 cache, by a C++ function compiled once per weight and gradient dtype with the toolchain
+inductor uses (its cache, its flags for this CPU, OpenMP across the blocks). The arithmetic is
+``adam.adam_step``'s, operation for operation and rounding for rounding (ATen's ``lerp`` is a fused
+multiply-add, written as one; nothing else is contracted), so the codes, scales and weights are the
+eager step's bit for bit. Where the toolchain is missing, :func:`available` is false and the caller
+takes another path. Nothing here syncs with a device: CPU tensors only.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from mixprec._src.optim import moments
+from mixprec._src.optim import quantize as q
+
+__all__ = ["adam_step", "available"]
+
+#: how the new weight is written: rounded to nearest, stochastically (bf16-sr), or with Kahan's compensation
+NEAREST, STOCHASTIC, KAHAN = 0, 1, 2
+
+_SOURCE = r"""
+#include <torch/csrc/inductor/cpp_prefix.h>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+constexpr int32_t LAST_ROW = 0x3F800000 >> 16;
+constexpr int32_t WEYL = -1640531535;
+constexpr int64_t BLOCK = %(block)d;
+constexpr int BITS = %(bits)d;
+constexpr bool UNSIGNED_ZERO = %(unsigned_zero)d;  // the second moment's codebook has a zero entry
+
+inline int32_t bits_of(float x) { int32_t r; std::memcpy(&r, &x, 4); return r; }
+inline float from_bits(int32_t r) { float x; std::memcpy(&x, &r, 4); return x; }
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+inline void store(float* p, float x) { *p = x; }
+inline void store(c10::BFloat16* p, float x) { *p = c10::BFloat16(x); }  // round to nearest even, as copy_
+
+// ATen's lerp (its vectorized form): one fused multiply-add
+inline float lerp(float start, float end, float weight) {
+    return std::abs(weight) < 0.5f ? std::fma(weight, end - start, start) : std::fma(weight - 1.0f, end - start, end);
+}
+
+// quantize.lookup_codes
+inline int32_t lookup_code(float x, const int32_t* lookup, int32_t rows) {
+    const int32_t raw = bits_of(x);
+    const int32_t negative = raw < 0 ? 1 : 0;
+    const int32_t first = LAST_ROW + 1 - rows;
+    int32_t row = (raw & 0x7FFFFFFF) >> 16;
+    row = row < first ? first : row;
+    row = row > LAST_ROW ? LAST_ROW : row;
+    const int32_t entry = lookup[row - first + negative * rows];
+    const int32_t key = (raw & 0xFFFF) ^ (negative * 0xFFFF);
+    return (entry >> 17) + (key >= (entry & 0x1FFFF) ? 1 : 0);
+}
+
+inline int32_t code_at(const uint8_t* codes, int64_t k) {
+    if (BITS == 8) return codes[k];
+    const uint8_t byte = codes[k >> 1];
+    return (k & 1) ? (byte & 0xF) : (byte >> 4);
+}
+
+inline float absmax_clamped(const float* x) {  // torch's amax (NaN wins), then clamp(min=1e-12)
+    float best = 0.0f;
+    bool nan = false;
+    for (int64_t i = 0; i < BLOCK; ++i) {
+        const float a = std::abs(x[i]);
+        nan |= a != a;
+        best = a > best ? a : best;
+    }
+    if (nan) return from_bits(0x7FC00000);
+    return best < 1e-12f ? 1e-12f : best;
+}
+
+inline void quantize_block(const float* x, float scale, const int32_t* lookup, int32_t rows, bool second,
+                           uint8_t* codes, int64_t first) {
+    int32_t c[BLOCK];
+    for (int64_t i = 0; i < BLOCK; ++i) {
+        const float scaled = x[i] / scale;
+        int32_t code = lookup_code(scaled, lookup, rows);
+        if (second && UNSIGNED_ZERO && scaled > 0.0f && code == 0) code = 1;
+        c[i] = code;
+    }
+    if (BITS == 8) {
+        for (int64_t i = 0; i < BLOCK; ++i) codes[first + i] = static_cast<uint8_t>(c[i]);
+    } else {
+        for (int64_t i = 0; i < BLOCK; i += 2)
+            codes[(first + i) >> 1] = static_cast<uint8_t>(((c[i] & 0xFF) << 4) | (c[i + 1] & 0xFF));
+    }
+}
+
+using VecF = at::vec::Vectorized<float>;
+using VecI = at::vec::Vectorized<int32_t>;
+
+inline VecF load_float(const float* x) { return VecF::loadu(x); }
+inline VecF load_float(const c10::BFloat16* x) {
+    return at::vec::convert<float>(at::vec::Vectorized<c10::BFloat16>::loadu(x, VecF::size()));
+}
+inline void store_vec(float* p, const VecF& x) { x.store(p); }
+inline void store_vec(c10::BFloat16* p, const VecF& x) { at::vec::convert<c10::BFloat16>(x).store(p, VecF::size()); }
+
+inline VecI load_codes(const uint8_t* codes, int64_t k) {
+    if (BITS == 8) return at::vec::convert<int32_t>(at::vec::Vectorized<uint8_t>::loadu(codes + k, VecF::size()));
+    alignas(64) int32_t c[VecF::size()];
+    const uint8_t* bytes = codes + (k >> 1);  // k is even: a block starts at an even value
+    for (int64_t j = 0; j < VecF::size() / 2; ++j) {
+        c[2 * j] = bytes[j] >> 4;
+        c[2 * j + 1] = bytes[j] & 0xF;
+    }
+    return VecI::loadu(c);
+}
+
+inline VecF vec_lerp(const VecF& start, const VecF& end, float weight) {
+    return std::abs(weight) < 0.5f ? at::vec::fmadd(VecF(weight), end - start, start)
+                                   : at::vec::fmadd(VecF(weight - 1.0f), end - start, end);
+}
+
+inline float vec_absmax_clamped(const float* x) {
+    VecF best(0.0f);
+    for (int64_t i = 0; i < BLOCK; i += VecF::size()) best = at::vec::maximum(best, VecF::loadu(x + i).abs());
+    alignas(64) float lanes[VecF::size()];
+    best.store(lanes);
+    float out = 0.0f;
+    bool nan = false;
+    for (int64_t i = 0; i < VecF::size(); ++i) { nan |= lanes[i] != lanes[i]; out = lanes[i] > out ? lanes[i] : out; }
+    if (nan) return from_bits(0x7FC00000);
+    return out < 1e-12f ? 1e-12f : out;
+}
+
+inline VecI vec_lookup(const VecF& x, const int32_t* lookup, int32_t rows) {
+    const VecI raw = at::vec::cast<int32_t>(x);
+    const VecI negative = (raw < VecI(0)) & VecI(1);
+    const int32_t first = LAST_ROW + 1 - rows;
+    VecI row = (raw & VecI(0x7FFFFFFF)) >> VecI(16);
+    row = at::vec::minimum(at::vec::maximum(row, VecI(first)), VecI(LAST_ROW)) - VecI(first) + negative * VecI(rows);
+    const VecI entry = at::vec::cast<int32_t>(at::vec::gather<4>(reinterpret_cast<const float*>(lookup), row));
+    const VecI key = (raw & VecI(0xFFFF)) ^ (negative * VecI(0xFFFF));
+    return (entry >> VecI(17)) + ((key >= (entry & VecI(0x1FFFF))) & VecI(1));
+}
+
+inline void vec_quantize_block(const float* x, float scale, const int32_t* lookup, int32_t rows, bool second,
+                               uint8_t* codes, int64_t first) {
+    alignas(64) int32_t c[BLOCK];
+    for (int64_t i = 0; i < BLOCK; i += VecF::size()) {
+        const VecF scaled = VecF::loadu(x + i) / VecF(scale);
+        VecI code = vec_lookup(scaled, lookup, rows);
+        if (second && UNSIGNED_ZERO) {
+            const VecI positive = at::vec::cast<int32_t>(scaled > VecF(0.0f));
+            code = VecI::blendv(code, VecI(1), positive & (code == VecI(0)));
+        }
+        if (BITS == 8) at::vec::convert<uint8_t>(code).store(codes + first + i, VecF::size());
+        else code.store(c + i);
+    }
+    if (BITS == 4)
+        for (int64_t i = 0; i < BLOCK; i += 2)
+            codes[(first + i) >> 1] = static_cast<uint8_t>(((c[i] & 0xFF) << 4) | (c[i + 1] & 0xFF));
+}
+
+template <typename P, typename G>
+inline void whole_block(P* p, const G* g, c10::BFloat16* comp, uint8_t* m_codes, float* m_scale, uint8_t* v_codes,
+                        float* v_scale, const float* m_table, const int32_t* m_lookup, const float* v_table,
+                        const int32_t* v_lookup, const float* s, int64_t b, int32_t m_rows, int32_t v_rows,
+                        bool decoupled, int64_t rounding, int64_t seed) {
+    alignas(64) float m[BLOCK], v[BLOCK], p32[BLOCK];
+    const int64_t first = b * BLOCK;
+    const VecF ms(m_scale[b]), vs(v_scale[b]), decay(s[1]);
+    for (int64_t i = 0; i < BLOCK; i += VecF::size()) {
+        const int64_t k = first + i;
+        VecF pk = load_float(p + k), gk = load_float(g + k);
+        if (decoupled) pk = pk - decay * pk;
+        else gk = gk + decay * pk;
+        pk.store(p32 + i);
+        const VecF dm = at::vec::gather<4>(m_table, load_codes(m_codes, k)) * ms;
+        const VecF dv = at::vec::gather<4>(v_table, load_codes(v_codes, k)) * vs;
+        vec_lerp(dm, gk, s[2]).store(m + i);
+        vec_lerp(dv, gk * gk, s[3]).store(v + i);
+    }
+    const float m_new = vec_absmax_clamped(m), v_new = vec_absmax_clamped(v);
+    vec_quantize_block(m, m_new, m_lookup, m_rows, false, m_codes, first);
+    vec_quantize_block(v, v_new, v_lookup, v_rows, true, v_codes, first);
+    m_scale[b] = m_new;
+    v_scale[b] = v_new;
+    const VecF lr(s[0]), bc1(s[4]), bc2(s[5]), eps(s[6]);
+    for (int64_t i = 0; i < BLOCK; i += VecF::size()) {
+        const int64_t k = first + i;
+        const VecF denom = VecF::loadu(v + i).sqrt() / bc2 + eps;
+        const VecF next = VecF::loadu(p32 + i) - (lr * (VecF::loadu(m + i) / bc1)) / denom;
+        if (rounding == 1) {
+            const VecI index = VecI::arange(static_cast<int32_t>(k), 1);
+            const VecI noise = ((index * VecI(WEYL) + VecI(static_cast<int32_t>(seed))) >> VecI(16)) & VecI(0xFFFF);
+            store_vec(p + k, at::vec::cast<float>((at::vec::cast<int32_t>(next) + noise) & VecI(-(1 << 16))));
+        } else if (rounding == 2) {
+            const VecF w = load_float(p + k);
+            const VecF c = load_float(comp + k);
+            const VecF sum = w + ((next - w) + c);
+            store_vec(p + k, sum);
+            store_vec(comp + k, sum - load_float(p + k));
+        } else {
+            store_vec(p + k, next);
+        }
+    }
+}
+}  // namespace
+
+extern "C" void kernel(%(p_type)s* p, const %(g_type)s* g, c10::BFloat16* comp,
+                       uint8_t* m_codes, float* m_scale, uint8_t* v_codes, float* v_scale,
+                       const float* m_table, const int32_t* m_lookup, const float* v_table, const int32_t* v_lookup,
+                       const float* scalars, int64_t numel, int64_t blocks, int64_t m_rows, int64_t v_rows,
+                       int64_t decoupled, int64_t rounding, int64_t seed) {
+    const float lr = scalars[0], weight_decay = scalars[1], one_minus_beta1 = scalars[2];
+    const float one_minus_beta2 = scalars[3], bias_correction1 = scalars[4], bias_correction2_sqrt = scalars[5];
+    const float eps = scalars[6];
+    const int64_t whole = numel / BLOCK;  // blocks of real values only: the vectorized path
+    #pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < blocks; ++b) {
+        if (b < whole) {
+            whole_block(p, g, comp, m_codes, m_scale, v_codes, v_scale, m_table, m_lookup, v_table, v_lookup, scalars,
+                        b, (int32_t)m_rows, (int32_t)v_rows, decoupled != 0, rounding, seed);
+            continue;
+        }
+        float m[BLOCK], v[BLOCK], p32[BLOCK], w[BLOCK];
+        const int64_t first = b * BLOCK;
+        const float ms = m_scale[b], vs = v_scale[b];
+        for (int64_t i = 0; i < BLOCK; ++i) {
+            const int64_t k = first + i;
+            if (k >= numel) {  // padding: the eager step stores zeros here
+                m[i] = 0.0f; v[i] = 0.0f; p32[i] = 0.0f; w[i] = 0.0f;
+                continue;
+            }
+            w[i] = to_float(p[k]);
+            float pk = w[i];
+            float gk = to_float(g[k]);
+            if (decoupled) pk = pk - weight_decay * pk;  // weight_decay: lr * weight_decay here
+            else gk = gk + weight_decay * pk;
+            p32[i] = pk;
+            m[i] = lerp(m_table[code_at(m_codes, k)] * ms, gk, one_minus_beta1);
+            v[i] = lerp(v_table[code_at(v_codes, k)] * vs, gk * gk, one_minus_beta2);
+        }
+        const float m_new_scale = absmax_clamped(m), v_new_scale = absmax_clamped(v);
+        quantize_block(m, m_new_scale, m_lookup, (int32_t)m_rows, false, m_codes, first);
+        quantize_block(v, v_new_scale, v_lookup, (int32_t)v_rows, true, v_codes, first);
+        m_scale[b] = m_new_scale;
+        v_scale[b] = v_new_scale;
+        const int64_t end = numel - first < BLOCK ? numel - first : BLOCK;
+        for (int64_t i = 0; i < end; ++i) {
+            const float denom = std::sqrt(v[i]) / bias_correction2_sqrt + eps;
+            const float next = p32[i] - (lr * (m[i] / bias_correction1)) / denom;
+            const int64_t k = first + i;
+            if (rounding == 1) {  // sr_noise.sr_bits at flat position k
+                const int32_t noise = ((int32_t)((uint32_t)k * (uint32_t)WEYL + (uint32_t)seed) >> 16) & 0xFFFF;
+                store(p + k, from_bits((int32_t)((uint32_t)bits_of(next) + (uint32_t)noise) & -(1 << 16)));
+            } else if (rounding == 2) {  // kahan.write
+                const float y = (next - w[i]) + static_cast<float>(comp[k]);
+                const float s = w[i] + y;
+                store(p + k, s);
+                comp[k] = c10::BFloat16(s - to_float(p[k]));
+            } else {
+                store(p + k, next);
+            }
+        }
+    }
+}
+"""
+
+_CTYPES = {torch.float32: "float", torch.bfloat16: "c10::BFloat16"}
+_failed: set[tuple[Any, ...]] = set()
+
+
+@functools.cache
+def _compiled(fmt: str, p_dtype: torch.dtype, g_dtype: torch.dtype) -> Any:
+    """The kernel of a format and the weight's and gradient's dtypes (compiled at its first use, then from
+    inductor's cache on disk)."""
+    from torch._inductor.codecache import CppPythonBindingsCodeCache
+
+    bits, block = moments.FORMATS[fmt]
+    source = _SOURCE % {"bits": bits, "block": block, "unsigned_zero": int(q.codebook(bits, False)[0] == 0),
+                        "p_type": _CTYPES[p_dtype], "g_type": _CTYPES[g_dtype]}  # fmt: skip
+    argtypes = [f"{_CTYPES[p_dtype]}*", f"const {_CTYPES[g_dtype]}*", "c10::BFloat16*", "uint8_t*", "float*",
+                "uint8_t*", "float*", "const float*", "const int32_t*", "const float*", "const int32_t*",
+                "const float*"] + ["int64_t"] * 7  # fmt: skip
+    return CppPythonBindingsCodeCache.load_pybinding(argtypes, source, extra_flags=("-ffp-contract=off",))
+
+
+def available(fmt: str, p: torch.Tensor, grad: torch.Tensor) -> bool:
+    """Whether this step runs here: an 8-bit or 4-bit state of a contiguous CPU fp32/bf16 weight and gradient,
+    and the kernel compiles (once per process and kind; a failure is remembered)."""
+    if fmt not in ("8bit", "4bit") or p.device.type != "cpu" or grad.device.type != "cpu":
+        return False
+    if p.dtype not in _CTYPES or grad.dtype not in _CTYPES or not (p.is_contiguous() and grad.is_contiguous()):
+        return False
+    key = (fmt, p.dtype, grad.dtype)
+    if key in _failed:
+        return False
+    try:
+        _compiled(*key)
+    except Exception:  # no C++ toolchain, an unsupported platform
+        _failed.add(key)
+        return False
+    return True
+
+
+@functools.cache
+def _tables(fmt: str) -> tuple[torch.Tensor, ...]:
+    bits = moments.FORMATS[fmt][0]
+    cpu = torch.device("cpu")
+    return (q.table(bits, True, cpu), q.code_lookup(bits, True, cpu), q.table(bits, False, cpu),
+            q.code_lookup(bits, False, cpu))  # fmt: skip
+
+
+_NO_COMP = torch.zeros(1, dtype=torch.bfloat16)
+
+
+def adam_step(p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], scalars: torch.Tensor, decoupled: bool,
+              fmt: str, rounding: int = NEAREST, seed: int = 0, comp: torch.Tensor | None = None) -> None:  # fmt: skip
+    """One step of ``p`` (in place) and its quantized moments in ``state`` (allocated, ``step`` counted):
+    ``scalars`` are ``fused_adam``'s seven (lr, the weight decay as applied, 1 - beta1, 1 - beta2, the bias
+    corrections), ``rounding`` how the weight is written (``seed``: bf16-sr's for the weight's first value;
+    ``comp``: bf16-kahan's compensation). Call where :func:`available`."""
+    m_table, m_lookup, v_table, v_lookup = _tables(fmt)
+    kernel = _compiled(fmt, p.dtype, grad.dtype)
+    kernel(p, grad, _NO_COMP if comp is None else comp, state["exp_avg_codes"], state["exp_avg_scale"],
+           state["exp_avg_sq_codes"], state["exp_avg_sq_scale"], m_table, m_lookup, v_table, v_lookup,
+           scalars.contiguous(), p.numel(), state["exp_avg_scale"].numel(), m_lookup.numel() // 2,
+           v_lookup.numel() // 2, int(decoupled), rounding, seed)  # fmt: skip
