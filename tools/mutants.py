@@ -62,6 +62,7 @@ QUANTIZE_TESTS = ("tests/optim/test_quantize.py",)
 STATE_TESTS = ("tests/optim/test_low_bit_state.py",)
 SGD_TESTS = ("tests/optim/test_low_bit_sgd.py",)
 FUSED_STATE_TESTS = ("tests/optim/test_fused_adam.py",)
+CPU_ADAM_TESTS = ("tests/optim/test_cpu_adam.py",)
 IN_BACKWARD_TESTS = ("tests/prepare/test_step_in_backward.py",)
 KAHAN_TESTS = ("tests/prepare/test_kahan.py",)
 PLAN_MEMORY_TESTS = ("tests/observe/test_memory_plan.py",)
@@ -379,6 +380,23 @@ MUTANTS = (
     Mutant("fused-state-fp8-zero", "the compiled fp8 step stores a tiny positive second moment as zero",
            S + "optim/fused_adam.py", "            scaled = torch.where((scaled > 0) & (scaled <= 2.0**-10), 2.0**-9, "
            "scaled)", "            pass", FUSED_STATE_TESTS),
+    Mutant("cpu-state-lerp-unfused", "the CPU block kernel's lerp rounds its multiply before the add",
+           S + "optim/cpu_adam.py", "? at::vec::fmadd(VecF(weight), end - start, start)",
+           "? VecF(weight) * (end - start) + start", CPU_ADAM_TESTS),
+    Mutant("cpu-state-noise-position", "the CPU block kernel rounds each block with the first block's noise",
+           S + "optim/cpu_adam.py", "VecI::arange(static_cast<int32_t>(k), 1)",
+           "VecI::arange(static_cast<int32_t>(i), 1)", CPU_ADAM_TESTS),
+    Mutant("cpu-state-second-moment-zero", "the CPU block kernel stores a tiny positive second moment as zero",
+           S + "optim/cpu_adam.py", "            code = VecI::blendv(code, VecI(1), positive & (code == VecI(0)));",
+           "", CPU_ADAM_TESTS),
+    Mutant("cpu-state-4bit-swapped", "the CPU block kernel unpacks 4-bit codes second value first",
+           S + "optim/cpu_adam.py", "        c[2 * j] = bytes[j] >> 4;\n        c[2 * j + 1] = bytes[j] & 0xF;",
+           "        c[2 * j + 1] = bytes[j] >> 4;\n        c[2 * j] = bytes[j] & 0xF;", CPU_ADAM_TESTS),
+    Mutant("cpu-state-kahan-dropped", "the CPU block kernel forgets the Kahan compensation",
+           S + "optim/cpu_adam.py", "            store_vec(comp + k, sum - load_float(p + k));", "", CPU_ADAM_TESTS),
+    Mutant("cpu-state-tail-noise", "the CPU block kernel's last, partial block rounds with its first block's noise",
+           S + "optim/cpu_adam.py", "((int32_t)((uint32_t)k * (uint32_t)WEYL",
+           "((int32_t)((uint32_t)i * (uint32_t)WEYL", CPU_ADAM_TESTS),
     Mutant("kahan-compensation-dropped", "the Kahan write forgets what rounding dropped",
            S + "prepare/kahan.py", "    comp.copy_(s - p.float())", "    comp.zero_()", KAHAN_TESTS),
     Mutant("kahan-cast-elided", "the fused Kahan kernel rounds with a cast inductor elides (the compensation stays 0)",

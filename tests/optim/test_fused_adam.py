@@ -14,6 +14,13 @@ from mixprec._src.prepare.sr_noise import moved, seed_tensor, sr_bits
 
 pytestmark = pytest.mark.skipif(not fused_adam.available(), reason="inductor does not compile here")
 
+
+@pytest.fixture(autouse=True)
+def _the_graph(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compiled graph for every format (on the CPU, 8-bit and 4-bit state take ``cpu_adam``'s kernel)."""
+    monkeypatch.setattr(fused_adam, "NATIVE", False)
+
+
 GROUP = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1}
 
 

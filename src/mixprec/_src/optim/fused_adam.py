@@ -103,8 +103,10 @@ _CHUNK = 1024
 #: step's moments), not this graph; the tests of the graph turn it off
 NATIVE = True
 #: indices into the codebooks and lookup tables are in range by construction (uint8 codes, clamped rows): no
-#: bounds check per vector of them
-_OPTIONS = {"assert_indirect_indexing": False, "cpp.dynamic_threads": True}
+#: bounds check per vector of them; and the threads are OpenMP's to choose at each call: with a number of blocks
+#: that is dynamic, inductor otherwise decides from the first call's, and a graph first compiled for a small
+#: parameter ran every later one on one thread (2x slower on two cores)
+_OPTIONS: dict[str, Any] = {"assert_indirect_indexing": False, "cpp.dynamic_threads": True}
 _compiled: Callable[..., None] | None = None
 _failed = False
 
