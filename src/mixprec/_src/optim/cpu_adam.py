@@ -109,15 +109,19 @@ inline VecF load_float(const c10::BFloat16* x) {
 inline void store_vec(float* p, const VecF& x) { x.store(p); }
 inline void store_vec(c10::BFloat16* p, const VecF& x) { at::vec::convert<c10::BFloat16>(x).store(p, VecF::size()); }
 
-inline VecI load_codes(const uint8_t* codes, int64_t k) {
-    if (BITS == 8) return at::vec::convert<int32_t>(at::vec::Vectorized<uint8_t>::loadu(codes + k, VecF::size()));
-    alignas(64) int32_t c[VecF::size()];
-    const uint8_t* bytes = codes + (k >> 1);  // k is even: a block starts at an even value
-    for (int64_t j = 0; j < VecF::size() / 2; ++j) {
-        c[2 * j] = bytes[j] >> 4;
-        c[2 * j + 1] = bytes[j] & 0xF;
+inline VecI load_codes(const uint8_t* codes) {  // one code a byte
+    return at::vec::convert<int32_t>(at::vec::Vectorized<uint8_t>::loadu(codes, VecF::size()));
+}
+
+// a block's codes one a byte: 8-bit codes as they are stored, 4-bit ones unpacked (the first value in the high half)
+inline const uint8_t* block_codes(const uint8_t* codes, int64_t first, uint8_t* unpacked) {
+    if (BITS == 8) return codes + first;
+    const uint8_t* bytes = codes + (first >> 1);
+    for (int64_t j = 0; j < BLOCK / 2; ++j) {
+        unpacked[2 * j] = bytes[j] >> 4;
+        unpacked[2 * j + 1] = bytes[j] & 0xF;
     }
-    return VecI::loadu(c);
+    return unpacked;
 }
 
 inline VecF vec_lerp(const VecF& start, const VecF& end, float weight) {
@@ -150,7 +154,8 @@ inline VecI vec_lookup(const VecF& x, const int32_t* lookup, int32_t rows) {
 
 inline void vec_quantize_block(const float* x, float scale, const int32_t* lookup, int32_t rows, bool second,
                                uint8_t* codes, int64_t first) {
-    alignas(64) int32_t c[BLOCK];
+    alignas(64) uint8_t c[BLOCK];
+    uint8_t* out = BITS == 8 ? codes + first : c;
     for (int64_t i = 0; i < BLOCK; i += VecF::size()) {
         const VecF scaled = VecF::loadu(x + i) / VecF(scale);
         VecI code = vec_lookup(scaled, lookup, rows);
@@ -158,12 +163,11 @@ inline void vec_quantize_block(const float* x, float scale, const int32_t* looku
             const VecI positive = at::vec::cast<int32_t>(scaled > VecF(0.0f));
             code = VecI::blendv(code, VecI(1), positive & (code == VecI(0)));
         }
-        if (BITS == 8) at::vec::convert<uint8_t>(code).store(codes + first + i, VecF::size());
-        else code.store(c + i);
+        at::vec::convert<uint8_t>(code).store(out + i, VecF::size());
     }
     if (BITS == 4)
-        for (int64_t i = 0; i < BLOCK; i += 2)
-            codes[(first + i) >> 1] = static_cast<uint8_t>(((c[i] & 0xFF) << 4) | (c[i + 1] & 0xFF));
+        for (int64_t j = 0; j < BLOCK / 2; ++j)
+            codes[(first >> 1) + j] = static_cast<uint8_t>((c[2 * j] << 4) | c[2 * j + 1]);
 }
 
 template <typename P, typename G>
@@ -172,7 +176,10 @@ inline void whole_block(P* p, const G* g, c10::BFloat16* comp, uint8_t* m_codes,
                         const int32_t* v_lookup, const float* s, int64_t b, int32_t m_rows, int32_t v_rows,
                         bool decoupled, int64_t rounding, int64_t seed) {
     alignas(64) float m[BLOCK], v[BLOCK], p32[BLOCK];
+    alignas(64) uint8_t m_unpacked[BLOCK], v_unpacked[BLOCK];
     const int64_t first = b * BLOCK;
+    const uint8_t* m_block = block_codes(m_codes, first, m_unpacked);
+    const uint8_t* v_block = block_codes(v_codes, first, v_unpacked);
     const VecF ms(m_scale[b]), vs(v_scale[b]), decay(s[1]);
     for (int64_t i = 0; i < BLOCK; i += VecF::size()) {
         const int64_t k = first + i;
@@ -180,8 +187,8 @@ inline void whole_block(P* p, const G* g, c10::BFloat16* comp, uint8_t* m_codes,
         if (decoupled) pk = pk - decay * pk;
         else gk = gk + decay * pk;
         pk.store(p32 + i);
-        const VecF dm = at::vec::gather<4>(m_table, load_codes(m_codes, k)) * ms;
-        const VecF dv = at::vec::gather<4>(v_table, load_codes(v_codes, k)) * vs;
+        const VecF dm = at::vec::gather<4>(m_table, load_codes(m_block + i)) * ms;
+        const VecF dv = at::vec::gather<4>(v_table, load_codes(v_block + i)) * vs;
         vec_lerp(dm, gk, s[2]).store(m + i);
         vec_lerp(dv, gk * gk, s[3]).store(v + i);
     }
