@@ -12,7 +12,8 @@ backward. Three measurements per recipe, each in processes of its own:
   resident set.
 * **the plan**: ``mixprec.memory_plan``'s prediction of both, from the shapes alone.
 * **speed**: median wall time of a training step (forward, backward, step) at the workload's batch,
-  against bf16-pure's in the same run (a ratio from one run; the machine is shared and noisy).
+  against bf16-pure's in the same run (a ratio from one run; the machine is shared and noisy), with
+  glibc's own settings.
 * **loss**: the mean loss of the last fifth of ``--steps`` steps, against plain fp32 AdamW's, on the
   same data from the same weights; ``--plot`` draws the curves.
 
@@ -139,7 +140,9 @@ def losses(workload: str, size: str, recipe: str, steps: int) -> list[float]:
 
 
 def _in_child(*args: str) -> dict[str, Any]:
-    env = {**os.environ, **_MMAP}
+    # glibc's setting for the peak only: handing every large block back to the system makes each step's
+    # allocations page faults (measured: the MLP's step 25% slower), which no training run pays
+    env = {**os.environ, **_MMAP} if args[0] == "peak" else dict(os.environ)
     out = subprocess.run([sys.executable, __file__, "--child", *args], env=env, capture_output=True, text=True,
                          check=True)  # fmt: skip
     return json.loads(out.stdout.strip().splitlines()[-1])

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(not fused_adam.available(), reason="inductor doe
 
 @pytest.fixture(autouse=True)
 def _the_graph(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The compiled graph for every format (on the CPU, 8-bit and 4-bit state take ``cpu_adam``'s kernel)."""
+    """The compiled graph (on the CPU, the step takes ``cpu_adam``'s kernel)."""
     monkeypatch.setattr(fused_adam, "NATIVE", False)
 
 

@@ -1,14 +1,16 @@
-"""Adam(W)'s step with 8-bit or 4-bit moments on the CPU, one block at a time: bitwise ``adam.adam_step``.
+"""Adam(W)'s step with quantized moments (8-bit, 4-bit, fp8) on the CPU, one block at a time.
 
 inductor compiles :mod:`fused_adam`'s graph into passes over a whole chunk of blocks (the moments
-written out in fp32 between them, four code lookups as scalar loads); here each block of 256 (8-bit)
-or 128 (4-bit) values is dequantized, updated, measured, quantized and written while it sits in the
-core's L1 cache, by a C++ function compiled once per weight and gradient dtype with the toolchain
-inductor uses (its cache, its flags for this CPU, OpenMP across the blocks). The arithmetic is
+written out in fp32 between them, the code lookups as scalar loads); here each block of 256 (8-bit,
+fp8) or 128 (4-bit) values is dequantized, updated, measured, quantized and written while it sits in
+the core's L1 cache, by a C++ function compiled once per format and weight and gradient dtype with the
+toolchain inductor uses (its cache, its flags for this CPU, OpenMP across the blocks; ATen's vector
+types, so a CPU without AVX2 or AVX-512 takes their scalar forms). The arithmetic is
 ``adam.adam_step``'s, operation for operation and rounding for rounding (ATen's ``lerp`` is a fused
-multiply-add, written as one; nothing else is contracted), so the codes, scales and weights are the
-eager step's bit for bit. Where the toolchain is missing, :func:`available` is false and the caller
-takes another path. Nothing here syncs with a device: CPU tensors only.
+multiply-add, written as one; nothing else is contracted): the codes and scales are the eager step's
+bit for bit, and so are bf16 weights; fp32 weights can differ in the last place, where torch's CPU
+``sqrt`` (MKL's) is not correctly rounded. Where the toolchain is missing, :func:`available` is false
+and the caller takes another path. Nothing here syncs with a device: CPU tensors only.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ constexpr int32_t WEYL = -1640531535;
 constexpr int64_t BLOCK = %(block)d;
 constexpr int BITS = %(bits)d;
 constexpr bool UNSIGNED_ZERO = %(unsigned_zero)d;  // the second moment's codebook has a zero entry
+constexpr bool FP8 = %(fp8)d;  // codes are e4m3 values (quantize.quantize_fp8), not codebook indices
+using Fp8 = c10::Float8_e4m3fn;
 
 inline int32_t bits_of(float x) { int32_t r; std::memcpy(&r, &x, 4); return r; }
 inline float from_bits(int32_t r) { float x; std::memcpy(&x, &r, 4); return x; }
@@ -64,13 +68,31 @@ inline int32_t lookup_code(float x, const int32_t* lookup, int32_t rows) {
     return (entry >> 17) + (key >= (entry & 0x1FFFF) ? 1 : 0);
 }
 
+inline float fp8_value(uint8_t bits) { return static_cast<float>(Fp8(bits, Fp8::from_bits())); }
+
+// quantize.quantize_fp8's value: a positive second moment that e4m3 would round to 0 (at or below 2**-10) takes
+// its smallest value, 2**-9
+inline float fp8_departure(float scaled, bool second) {
+    return second && scaled > 0.0f && scaled <= 0x1p-10f ? 0x1p-9f : scaled;
+}
+
 inline int32_t code_at(const uint8_t* codes, int64_t k) {
     if (BITS == 8) return codes[k];
     const uint8_t byte = codes[k >> 1];
     return (k & 1) ? (byte & 0xF) : (byte >> 4);
 }
 
-inline float absmax_clamped(const float* x) {  // torch's amax (NaN wins), then clamp(min=1e-12)
+inline float dequantize(const float* table, const uint8_t* codes, int64_t k) {
+    return FP8 ? fp8_value(codes[k]) : table[code_at(codes, k)];
+}
+
+inline float clamped_scale(float best, bool nan) {  // clamp(min=1e-12), and e4m3's largest value at fp8
+    if (nan) return from_bits(0x7FC00000);
+    best = best < 1e-12f ? 1e-12f : best;
+    return FP8 ? best / 448.0f : best;
+}
+
+inline float absmax_clamped(const float* x) {  // torch's amax (NaN wins), then the scale
     float best = 0.0f;
     bool nan = false;
     for (int64_t i = 0; i < BLOCK; ++i) {
@@ -78,12 +100,15 @@ inline float absmax_clamped(const float* x) {  // torch's amax (NaN wins), then 
         nan |= a != a;
         best = a > best ? a : best;
     }
-    if (nan) return from_bits(0x7FC00000);
-    return best < 1e-12f ? 1e-12f : best;
+    return clamped_scale(best, nan);
 }
 
 inline void quantize_block(const float* x, float scale, const int32_t* lookup, int32_t rows, bool second,
                            uint8_t* codes, int64_t first) {
+    if (FP8) {
+        for (int64_t i = 0; i < BLOCK; ++i) codes[first + i] = Fp8(fp8_departure(x[i] / scale, second)).x;
+        return;
+    }
     int32_t c[BLOCK];
     for (int64_t i = 0; i < BLOCK; ++i) {
         const float scaled = x[i] / scale;
@@ -137,8 +162,15 @@ inline float vec_absmax_clamped(const float* x) {
     float out = 0.0f;
     bool nan = false;
     for (int64_t i = 0; i < VecF::size(); ++i) { nan |= lanes[i] != lanes[i]; out = lanes[i] > out ? lanes[i] : out; }
-    if (nan) return from_bits(0x7FC00000);
-    return out < 1e-12f ? 1e-12f : out;
+    return clamped_scale(out, nan);
+}
+
+inline VecF vec_dequantize(const float* table, const uint8_t* codes) {
+    if (FP8) {
+        const Fp8* values = reinterpret_cast<const Fp8*>(codes);
+        return at::vec::convert<float>(at::vec::Vectorized<Fp8>::loadu(values, VecF::size()));
+    }
+    return at::vec::gather<4>(table, load_codes(codes));
 }
 
 inline VecI vec_lookup(const VecF& x, const int32_t* lookup, int32_t rows) {
@@ -157,7 +189,15 @@ inline void vec_quantize_block(const float* x, float scale, const int32_t* looku
     alignas(64) uint8_t c[BLOCK];
     uint8_t* out = BITS == 8 ? codes + first : c;
     for (int64_t i = 0; i < BLOCK; i += VecF::size()) {
-        const VecF scaled = VecF::loadu(x + i) / VecF(scale);
+        VecF scaled = VecF::loadu(x + i) / VecF(scale);
+        if (FP8) {
+            if (second) {
+                const VecF tiny = (scaled > VecF(0.0f)) & (scaled <= VecF(0x1p-10f));
+                scaled = VecF::blendv(scaled, VecF(0x1p-9f), tiny);
+            }
+            at::vec::convert<Fp8>(scaled).store(reinterpret_cast<Fp8*>(codes + first + i), VecF::size());
+            continue;
+        }
         VecI code = vec_lookup(scaled, lookup, rows);
         if (second && UNSIGNED_ZERO) {
             const VecI positive = at::vec::cast<int32_t>(scaled > VecF(0.0f));
@@ -187,8 +227,8 @@ inline void whole_block(P* p, const G* g, c10::BFloat16* comp, uint8_t* m_codes,
         if (decoupled) pk = pk - decay * pk;
         else gk = gk + decay * pk;
         pk.store(p32 + i);
-        const VecF dm = at::vec::gather<4>(m_table, load_codes(m_block + i)) * ms;
-        const VecF dv = at::vec::gather<4>(v_table, load_codes(v_block + i)) * vs;
+        const VecF dm = vec_dequantize(m_table, m_block + i) * ms;
+        const VecF dv = vec_dequantize(v_table, v_block + i) * vs;
         vec_lerp(dm, gk, s[2]).store(m + i);
         vec_lerp(dv, gk * gk, s[3]).store(v + i);
     }
@@ -250,8 +290,8 @@ extern "C" void kernel(%(p_type)s* p, const %(g_type)s* g, c10::BFloat16* comp,
             if (decoupled) pk = pk - weight_decay * pk;  // weight_decay: lr * weight_decay here
             else gk = gk + weight_decay * pk;
             p32[i] = pk;
-            m[i] = lerp(m_table[code_at(m_codes, k)] * ms, gk, one_minus_beta1);
-            v[i] = lerp(v_table[code_at(v_codes, k)] * vs, gk * gk, one_minus_beta2);
+            m[i] = lerp(dequantize(m_table, m_codes, k) * ms, gk, one_minus_beta1);
+            v[i] = lerp(dequantize(v_table, v_codes, k) * vs, gk * gk, one_minus_beta2);
         }
         const float m_new_scale = absmax_clamped(m), v_new_scale = absmax_clamped(v);
         quantize_block(m, m_new_scale, m_lookup, (int32_t)m_rows, false, m_codes, first);
@@ -290,8 +330,9 @@ def _compiled(fmt: str, p_dtype: torch.dtype, g_dtype: torch.dtype) -> Any:
     from torch._inductor.codecache import CppPythonBindingsCodeCache
 
     bits, block = moments.FORMATS[fmt]
-    source = _SOURCE % {"bits": bits, "block": block, "unsigned_zero": int(q.codebook(bits, False)[0] == 0),
-                        "p_type": _CTYPES[p_dtype], "g_type": _CTYPES[g_dtype]}  # fmt: skip
+    fp8 = fmt == "fp8"
+    source = _SOURCE % {"bits": bits, "block": block, "unsigned_zero": int(not fp8 and q.codebook(bits, False)[0] == 0),
+                        "fp8": int(fp8), "p_type": _CTYPES[p_dtype], "g_type": _CTYPES[g_dtype]}  # fmt: skip
     argtypes = [f"{_CTYPES[p_dtype]}*", f"const {_CTYPES[g_dtype]}*", "c10::BFloat16*", "uint8_t*", "float*",
                 "uint8_t*", "float*", "const float*", "const int32_t*", "const float*", "const int32_t*",
                 "const float*"] + ["int64_t"] * 7  # fmt: skip
@@ -299,9 +340,9 @@ def _compiled(fmt: str, p_dtype: torch.dtype, g_dtype: torch.dtype) -> Any:
 
 
 def available(fmt: str, p: torch.Tensor, grad: torch.Tensor) -> bool:
-    """Whether this step runs here: an 8-bit or 4-bit state of a contiguous CPU fp32/bf16 weight and gradient,
+    """Whether this step runs here: a quantized state of a contiguous CPU fp32/bf16 weight and gradient,
     and the kernel compiles (once per process and kind; a failure is remembered)."""
-    if fmt not in ("8bit", "4bit") or p.device.type != "cpu" or grad.device.type != "cpu":
+    if fmt not in moments.FORMATS or p.device.type != "cpu" or grad.device.type != "cpu":
         return False
     if p.dtype not in _CTYPES or grad.dtype not in _CTYPES or not (p.is_contiguous() and grad.is_contiguous()):
         return False

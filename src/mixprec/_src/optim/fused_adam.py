@@ -7,9 +7,9 @@ the number of blocks dynamic, so one compiled graph serves every parameter of a 
 size is static, which keeps each block's maximum a vectorized reduction. A parameter's last,
 partial block (and under FSDP2 the blocks its shard makes room for) runs through the same graph
 on a padded copy. Where inductor cannot compile (no C++ toolchain), :func:`available` is false and
-the eager step runs. On the CPU, 8-bit and 4-bit state steps through :mod:`cpu_adam` instead (a block
-at a time in the L1 cache, 2x faster than this graph; bitwise the eager step's moments): the graph
-serves fp8 state, and every format on other devices. Nothing here syncs with the device.
+the eager step runs. On the CPU the step goes through :mod:`cpu_adam` instead (a block at a time in
+the L1 cache, about 2x faster than this graph; bitwise the eager step's moments): the graph serves
+other devices. Nothing here syncs with the device.
 """
 
 from __future__ import annotations
@@ -99,8 +99,8 @@ def _kernel(p: torch.Tensor, g: torch.Tensor, m_codes: torch.Tensor, m_scale: to
 #: blocks a call of the kernel steps at most: the fp32 buffers it makes are this many blocks' (about 4 MiB
 #: at 8 bits), not the largest parameter's, and a call still spans enough values that its overhead is small
 _CHUNK = 1024
-#: 8-bit and 4-bit state of CPU tensors steps through ``cpu_adam``'s kernel (a block at a time, bitwise the eager
-#: step's moments), not this graph; the tests of the graph turn it off
+#: CPU tensors step through ``cpu_adam``'s kernel (a block at a time, bitwise the eager step's moments), not
+#: this graph; the tests of the graph turn it off
 NATIVE = True
 #: indices into the codebooks and lookup tables are in range by construction (uint8 codes, clamped rows): no
 #: bounds check per vector of them; and the threads are OpenMP's to choose at each call: with a number of blocks
@@ -183,7 +183,7 @@ def _step(kernel: Callable[..., None], p: torch.Tensor, grad: torch.Tensor, stat
         (1 - beta2**step).sqrt(),
         torch.tensor(float(group["eps"]), dtype=torch.float32),
     ]).to(p.device)  # fmt: skip
-    if native and cpu_adam.available(precision, p, grad):  # 8-bit and 4-bit state on the CPU: a block at a time
+    if native and cpu_adam.available(precision, p, grad):  # on the CPU: a block at a time
         mode = cpu_adam.KAHAN if comp is not None else cpu_adam.NEAREST if rounding is None else cpu_adam.STOCHASTIC
         seed = 0 if seed_at is None else int(seed_at(0))  # rounding is sr_bits: the noise of flat position i
         cpu_adam.adam_step(p, grad, state, scalars, decoupled, precision, mode, seed, comp)
