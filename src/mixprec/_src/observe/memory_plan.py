@@ -144,6 +144,7 @@ def memory_plan(
     world = max(1, int(world_size))
     weights = masters = grads = state = 0
     in_flight = largest = 0
+    largest_on = ""
     step_temporary = shadows = 0
     for p in params:
         numel = _shard_numel(p, world)
@@ -159,7 +160,7 @@ def memory_plan(
         if p.requires_grad:
             grad = numel * stored
             if grad > in_flight:
-                in_flight, largest = grad, numel
+                in_flight, largest, largest_on = grad, numel, p.device.type
             grads += grad
             state += _state_bytes(p, numel, stored, optimizer, config, world, id(p) in lowp)
             temporary, shadow = _step_temporaries(p, numel, stored, optimizer, config, id(p) in lowp)
@@ -167,7 +168,8 @@ def memory_plan(
     largest_gradient = in_flight
     if config.step_in_backward:
         grads = 0
-        if in_flight < largest * 4:  # a low-precision gradient's norm is taken a chunk at a time, in fp32
+        # a low-precision gradient's norm is taken a chunk at a time in fp32, but on the CPU where it lies
+        if in_flight < largest * 4 and largest_on != "cpu":
             in_flight += min(largest, step_in_backward.NORM_CHUNK) * 4
     activations = checkpointed = None
     names: tuple[str, ...] = ()

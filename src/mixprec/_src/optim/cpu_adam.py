@@ -23,7 +23,7 @@ import torch
 from mixprec._src.optim import moments
 from mixprec._src.optim import quantize as q
 
-__all__ = ["adam_step", "available"]
+__all__ = ["adam_step", "available", "square_norm"]
 
 #: how the new weight is written: rounded to nearest, stochastically (bf16-sr), or with Kahan's compensation
 NEAREST, STOCHASTIC, KAHAN = 0, 1, 2
@@ -380,3 +380,62 @@ def adam_step(p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], scalar
            state["exp_avg_sq_codes"], state["exp_avg_sq_scale"], m_table, m_lookup, v_table, v_lookup,
            scalars.contiguous(), p.numel(), state["exp_avg_scale"].numel(), m_lookup.numel() // 2,
            v_lookup.numel() // 2, int(decoupled), rounding, seed)  # fmt: skip
+
+
+_NORM_SOURCE = r"""
+#include <torch/csrc/inductor/cpp_prefix.h>
+#include <vector>
+
+// the sum of squares of n low-precision values in fp32: fixed chunks (so the sum is the same whatever the
+// threads), each summed in vector lanes, the lanes and then the chunks added in order
+extern "C" void kernel(const %(x_type)s* x, float* out, int64_t n) {
+    using VecF = at::vec::Vectorized<float>;
+    constexpr int64_t CHUNK = 1 << 16;
+    const int64_t chunks = (n + CHUNK - 1) / CHUNK;
+    std::vector<float> partial(chunks);
+    #pragma omp parallel for schedule(static)
+    for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t first = c * CHUNK, last = first + CHUNK < n ? first + CHUNK : n;
+        VecF acc(0.0f);
+        int64_t i = first;
+        for (; i + VecF::size() <= last; i += VecF::size()) {
+            const VecF v = at::vec::convert<float>(at::vec::Vectorized<%(x_type)s>::loadu(x + i, VecF::size()));
+            acc = at::vec::fmadd(v, v, acc);
+        }
+        alignas(64) float lanes[VecF::size()];
+        acc.store(lanes);
+        float sum = 0.0f;
+        for (int64_t j = 0; j < VecF::size(); ++j) sum += lanes[j];
+        for (; i < last; ++i) { const float v = static_cast<float>(x[i]); sum += v * v; }
+        partial[c] = sum;
+    }
+    float total = 0.0f;
+    for (int64_t c = 0; c < chunks; ++c) total += partial[c];
+    out[0] = total;
+}
+"""
+_LOW = {torch.bfloat16: "c10::BFloat16", torch.float16: "c10::Half"}
+
+
+@functools.cache
+def _norm_kernel(dtype: torch.dtype) -> Any:
+    from torch._inductor.codecache import CppPythonBindingsCodeCache
+
+    ctype = _LOW[dtype]
+    return CppPythonBindingsCodeCache.load_pybinding([f"const {ctype}*", "float*", "int64_t"],
+                                                     _NORM_SOURCE % {"x_type": ctype})  # fmt: skip
+
+
+def square_norm(x: torch.Tensor) -> torch.Tensor | None:
+    """The fp32 sum of squares of a contiguous bf16 or fp16 CPU tensor, read where it lies (no fp32 copy); ``None``
+    where this does not run here (another dtype or device, no toolchain)."""
+    if x.dtype not in _LOW or x.device.type != "cpu" or not x.is_contiguous() or ("norm", x.dtype) in _failed:
+        return None
+    try:
+        kernel = _norm_kernel(x.dtype)
+    except Exception:  # no C++ toolchain
+        _failed.add(("norm", x.dtype))
+        return None
+    out = torch.empty((), dtype=torch.float32)
+    kernel(x, out, x.numel())
+    return out

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from mixprec._src import sharding
+from mixprec._src.optim import cpu_adam
 from mixprec._src.prepare.stochastic_rounding import finisher, fixed_positions
 
 __all__ = [
@@ -142,9 +143,13 @@ NORM_CHUNK = 1 << 20
 
 
 def square_norm(g: torch.Tensor) -> torch.Tensor:
-    """The fp32 sum of squares of ``g`` (a 0-dim tensor), a low-precision one a chunk at a time: ``vector_norm``
-    with ``dtype=float32`` copies its whole input to fp32 first, the size of the largest gradient again."""
+    """The fp32 sum of squares of ``g`` (a 0-dim tensor). A low-precision gradient on the CPU is read where it
+    lies (``cpu_adam.square_norm``); elsewhere a chunk at a time: ``vector_norm`` with ``dtype=float32`` copies
+    its whole input to fp32 first, the size of the largest gradient again."""
     flat = g.reshape(-1)
+    native = None if flat.dtype == torch.float32 else cpu_adam.square_norm(flat)
+    if native is not None:
+        return native
     if flat.dtype == torch.float32 or flat.numel() <= NORM_CHUNK:
         whole: torch.Tensor = torch.linalg.vector_norm(flat, dtype=torch.float32).square()
         return whole
