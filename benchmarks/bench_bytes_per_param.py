@@ -10,7 +10,9 @@ backward. Three measurements per recipe, each in processes of its own:
   compiled, libraries loaded and caches filled once do not count), divided by the parameter count.
   glibc is told to give large blocks back (``MALLOC_MMAP_THRESHOLD_``), so freed tensors leave the
   resident set.
-* **the plan**: ``mixprec.memory_plan``'s prediction of both, from the shapes alone.
+* **the plan**: ``mixprec.memory_plan``'s prediction of both, from the shapes alone; and the peak less
+  the activations that sequence saves for backward (the plan's count of them, byte-exact against the
+  real forward's), i.e. weights, gradients and optimizer state with activations aside.
 * **speed**: median wall time of a training step (forward, backward, step) at the workload's batch,
   against bf16-pure's in the same run (a ratio from one run; the machine is shared and noisy), with
   glibc's own settings.
@@ -119,6 +121,7 @@ def peak_worker(workload: str, size: str, recipe: str) -> dict[str, float]:
     peak = _resident("VmHWM")
     report = mixprec.memory_report(model, optimizer)
     return {"params": params, "report": report.total / params, "peak": (peak - base) / params,
+            "activations": (plan.activations or 0) / params,
             "state": report.optimizer_state / params, "gradients": report.gradients / params,
             "plan_state": plan.state / params, "plan_peak": (plan.peak or 0) / params}  # fmt: skip
 
@@ -191,8 +194,9 @@ def main() -> None:
                 continue
             peak = _in_child("peak", workload, args.size, recipe, "0")
             if args.peak_only:
+                aside = peak["peak"] - peak["activations"]
                 print(f"| {workload} | {recipe} | {peak['report']:.2f} | {peak['plan_state']:.2f} | {peak['peak']:.2f} "
-                      f"| {peak['plan_peak']:.2f} |", flush=True)  # fmt: skip
+                      f"| {aside:.2f} | {peak['plan_peak']:.2f} |", flush=True)  # fmt: skip
                 continue
             seconds = _in_child("speed", workload, args.size, recipe, str(args.speed_steps))
             curve = _in_child("loss", workload, args.loss_size, recipe, str(args.steps))
@@ -208,12 +212,13 @@ def main() -> None:
         print(f"\n{workload} ({rows[0][1]['params'] / 1e6:.1f}M parameters at size {args.size}; loss at size "
               f"{args.loss_size}, {args.steps} steps)\n")  # fmt: skip
         print("| recipe | bytes/param (memory_report) | of which state | memory_plan | bytes/param (peak, 1 "
-              "sequence) | memory_plan's peak | step vs bf16-pure | final loss | vs fp32 AdamW |")  # fmt: skip
-        print("|---|---|---|---|---|---|---|---|---|")
+              "sequence) | peak less activations | memory_plan's peak | step vs bf16-pure | final loss | "
+              "vs fp32 AdamW |")  # fmt: skip
+        print("|---|---|---|---|---|---|---|---|---|---|")
         for recipe, peak, seconds, curve in rows:
             final = statistics.mean(curve[-tail:])
             print(f"| {recipe} | {peak['report']:.2f} | {peak['state']:.2f} | {peak['plan_state']:.2f} | "
-                  f"{peak['peak']:.2f} | {peak['plan_peak']:.2f} | {pure / seconds:.2f}x | {final:.4f} | "
+                  f"{peak['peak']:.2f} | {peak['peak'] - peak['activations']:.2f} | {peak['plan_peak']:.2f} | {pure / seconds:.2f}x | {final:.4f} | "
                   f"{(final - fp32) / fp32:+.2%} |")  # fmt: skip
     if args.plot:
         _plot(curves, args.plot)
