@@ -217,8 +217,9 @@ def main() -> None:
         print("|---|---|---|---|---|---|---|---|---|---|")
         for recipe, peak, seconds, curve in rows:
             final = statistics.mean(curve[-tail:])
+            aside = peak["peak"] - peak["activations"]
             print(f"| {recipe} | {peak['report']:.2f} | {peak['state']:.2f} | {peak['plan_state']:.2f} | "
-                  f"{peak['peak']:.2f} | {peak['peak'] - peak['activations']:.2f} | {peak['plan_peak']:.2f} | {pure / seconds:.2f}x | {final:.4f} | "
+                  f"{peak['peak']:.2f} | {aside:.2f} | {peak['plan_peak']:.2f} | {pure / seconds:.2f}x | {final:.4f} | "
                   f"{(final - fp32) / fp32:+.2%} |")  # fmt: skip
     if args.plot:
         _plot(curves, args.plot)
