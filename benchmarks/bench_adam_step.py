@@ -16,6 +16,7 @@ after two warm-up steps, in ms per million values:
 from __future__ import annotations
 
 import argparse
+import logging
 import statistics
 import time
 import warnings
@@ -73,6 +74,7 @@ def main() -> None:
     for way in ("CPU kernel", "compiled graph", "eager"):
         rows.append((f"mixprec, {way}", [_ours(fmt, way, args.numel, args.repeat) for fmt in FORMATS]))
     if args.torchao:
+        logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)  # torchao's registration notice
         from torchao import optim as ao
 
         makers = [lambda ps: ao.AdamW8bit(ps, lr=1e-3), lambda ps: ao.AdamW4bit(ps, lr=1e-3),
