@@ -23,7 +23,8 @@ backward. Three measurements per recipe, each in processes of its own:
     python benchmarks/bench_bytes_per_param.py --loss-size quick --steps 300 --plot docs/images/memory_loss.png
     python benchmarks/bench_bytes_per_param.py --peak-only          # the bytes alone
     python benchmarks/bench_bytes_per_param.py --loss-only --plot docs/images/memory_loss.png
-    python benchmarks/bench_bytes_per_param.py --speed-only --rounds 3   # the speed alone, recipes interleaved
+    python benchmarks/bench_bytes_per_param.py --speed-only --rounds 3   # the speed alone, recipes in turn
+    python benchmarks/bench_bytes_per_param.py --speed-only --interleaved --recipes bf16-pure,"bf16-sr 8bit"
 """
 
 from __future__ import annotations
@@ -166,6 +167,9 @@ def main() -> None:
     parser.add_argument("--speed-only", action="store_true", help="only the speed runs")
     parser.add_argument("--rounds", type=int, default=1, help="speed runs per recipe, taken in turns (the fastest "
                         "of each recipe's counts: the machine's noise only ever slows a run down)")  # fmt: skip
+    parser.add_argument("--interleaved", action="store_true", help="with --speed-only: every recipe in one process, "
+                        "a step of each in turn (the same machine state for all: steadier ratios; every model "
+                        "is held at once)")  # fmt: skip
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
@@ -180,6 +184,10 @@ def main() -> None:
         print(json.dumps(result))
         return
     recipes = args.recipes.split(",")
+    if args.speed_only and args.interleaved:
+        for workload in args.workloads.split(","):
+            _interleaved(workload, args.size, recipes, args.speed_steps)
+        return
     if args.speed_only:
         _speeds(args.workloads.split(","), args.size, recipes, args.speed_steps, args.rounds)
         return
@@ -241,6 +249,24 @@ def _speeds(workloads: list[str], size: str, recipes: list[str], steps: int, rou
         for recipe in recipes:
             best = min(seconds[workload, recipe])
             print(f"| {workload} | {recipe} | {best * 1e3:.1f} | {pure / best:.2f}x |")
+
+
+def _interleaved(workload: str, size: str, recipes: list[str], steps: int) -> None:
+    """Each recipe's median step against the first recipe's, all built in this process and stepped in turn."""
+    from rich.progress import track
+
+    runs = [build(workload, size, recipe) for recipe in recipes]
+    seconds: list[list[float]] = [[] for _ in recipes]
+    for step in track(range(steps + 2), description=workload, transient=True):
+        for times, (task, model, optimizer) in zip(seconds, runs, strict=True):
+            begin = time.perf_counter()
+            train_step(task, model, optimizer, step)
+            times.append(time.perf_counter() - begin)
+    first = statistics.median(seconds[0][2:])
+    print(f"| workload | recipe | step (ms) | step vs {recipes[0]} |\n|---|---|---|---|")
+    for recipe, times in zip(recipes, seconds, strict=True):
+        median = statistics.median(times[2:])
+        print(f"| {workload} | {recipe} | {median * 1e3:.1f} | {first / median:.2f}x |")
 
 
 def _plot(curves: dict[str, dict[str, list[float]]], path: str) -> None:
