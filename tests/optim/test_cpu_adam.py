@@ -44,7 +44,7 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _native(p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: dict[str, Any], decoupled: bool,
             precision: str, capacity: int, **kwargs: Any) -> None:  # fmt: skip
     assert cpu_adam.available(precision, p, grad)
-    fused_adam._step(None, p, grad, state, group, decoupled, precision, capacity, native=True,  # type: ignore[arg-type]
+    fused_adam._step(None, p, grad, state, group, decoupled, precision, capacity, native=True,
                      **{"rounding": None, "seed_at": None, "comp": None, **kwargs})  # fmt: skip
 
 

@@ -25,7 +25,7 @@ from mixprec._src.optim import cpu_adam, moments
 from mixprec._src.optim import quantize as q
 from mixprec._src.optim.adam import quantized_moments
 
-__all__ = ["adam_step", "available"]
+__all__ = ["adam_step", "available", "runs"]
 
 #: ``rounding(values, seed) -> bits``: writes fp32 values to bf16 weights (bits of fp32 with 16 low zeros)
 Rounding = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -153,17 +153,24 @@ def adam_step(p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group:
               precision: str, capacity: int = 0, rounding: Rounding | None = None,
               seed_at: Callable[[int], torch.Tensor] | None = None,
               comp: torch.Tensor | None = None) -> None:  # fmt: skip
-    """``adam.adam_step`` compiled (call where :func:`available`); ``p`` and ``grad`` contiguous.
+    """``adam.adam_step`` compiled (call where :func:`runs`); ``p`` and ``grad`` contiguous.
 
     ``rounding`` and ``seed_at`` (bf16-sr): the weight is written as ``rounding(values, seed_at(offset))``
     for the values from flat position ``offset`` on. ``comp`` (bf16-kahan): the weight's compensation,
     written as ``kahan.write`` writes it. Else the weight is rounded to nearest.
     """
-    assert _compiled is not None, "call available() first"
-    _step(_compiled, p, grad, state, group, decoupled, precision, capacity, rounding, seed_at, comp, NATIVE)
+    native = NATIVE and cpu_adam.available(precision, p, grad)
+    assert native or _compiled is not None, "call runs() first"
+    _step(_compiled, p, grad, state, group, decoupled, precision, capacity, rounding, seed_at, comp, native)
 
 
-def _step(kernel: Callable[..., None], p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any],
+def runs(precision: str, p: torch.Tensor, grad: torch.Tensor) -> bool:
+    """Whether :func:`adam_step` runs for these tensors: ``cpu_adam``'s kernel on the CPU (the graph is then not
+    compiled at all), else the compiled graph where inductor compiles."""
+    return (NATIVE and cpu_adam.available(precision, p, grad)) or available()
+
+
+def _step(kernel: Callable[..., None] | None, p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any],
           group: dict[str, Any], decoupled: bool, precision: str, capacity: int, rounding: Rounding | None,
           seed_at: Callable[[int], torch.Tensor] | None, comp: torch.Tensor | None,
           native: bool) -> None:  # fmt: skip
@@ -183,11 +190,12 @@ def _step(kernel: Callable[..., None], p: torch.Tensor, grad: torch.Tensor, stat
         (1 - beta2**step).sqrt(),
         torch.tensor(float(group["eps"]), dtype=torch.float32),
     ]).to(p.device)  # fmt: skip
-    if native and cpu_adam.available(precision, p, grad):  # on the CPU: a block at a time
+    if native:  # on the CPU: a block at a time
         mode = cpu_adam.KAHAN if comp is not None else cpu_adam.NEAREST if rounding is None else cpu_adam.STOCHASTIC
         seed = 0 if seed_at is None else int(seed_at(0))  # rounding is sr_bits: the noise of flat position i
         cpu_adam.adam_step(p, grad, state, scalars, decoupled, precision, mode, seed, comp)
         return
+    assert kernel is not None
     bits, block = moments.FORMATS[precision]
     fmt = precision
     lookups = _lookups(fmt, p.device)

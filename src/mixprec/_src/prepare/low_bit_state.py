@@ -99,7 +99,7 @@ def install(optimizer: torch.optim.Optimizer, precision: str, handles: list[Any]
                 write = functools.partial(kahan.write, comp=comp)
             if momentum:
                 sgd.sgd_step(local_p, local_g, self.state[p], group, precision, _capacity(p), write)
-            elif local_p.is_contiguous() and local_g.is_contiguous() and fused_adam.available():
+            elif local_p.is_contiguous() and local_g.is_contiguous() and fused_adam.runs(precision, local_p, local_g):
                 rounding, seed_at = (None, None) if seed is None else (sr_bits, _seeds_from(seed, local_p.device))
                 fused_adam.adam_step(local_p, local_g, self.state[p], group, decoupled, precision, _capacity(p),
                                      rounding, seed_at, comp)  # fmt: skip
