@@ -153,7 +153,9 @@ def test_tune_respects_the_budget(monkeypatch: pytest.MonkeyPatch) -> None:
     start = time.perf_counter()
     recipe = mixprec.tune(_mlp(), torch.randn(32, 8), slow_loss, budget_s=budget)
     elapsed = time.perf_counter() - start
-    assert any("budget ran out" in n for n in recipe.notes)
+    # said in the notes: the search's own note, or the per-layer plan's where it moved a layer it then could not race
+    said = ("left out work that would not have ended inside the budget", "budget ran out")
+    assert any(words in n for n in recipe.notes for words in said), recipe.notes
     # the search stops between steps: none starts past the budget (so one step at most ends past it) ...
     assert steps and all(begin < start + budget for begin, _ in steps), [b - start for b, _ in steps]
     # ... a diagnosis starts only if it should end inside the budget ...
