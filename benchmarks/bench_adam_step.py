@@ -75,6 +75,7 @@ def main() -> None:
         rows.append((f"mixprec, {way}", [_ours(fmt, way, args.numel, args.repeat) for fmt in FORMATS]))
     if args.torchao:
         logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)  # torchao's registration notice
+        logging.getLogger("torchao").setLevel(logging.ERROR)  # and its CUDA extensions, absent on a CPU build
         from torchao import optim as ao
 
         makers = [lambda ps: ao.AdamW8bit(ps, lr=1e-3), lambda ps: ao.AdamW4bit(ps, lr=1e-3),
