@@ -104,11 +104,12 @@ def peak_worker(workload: str, size: str, recipe: str) -> dict[str, float]:
     gc.collect()
     base = _resident("VmRSS")
     task = WORKLOADS[workload].build(size, torch.device("cpu"))
-    x, y = task.batch(0)
+    # one row of the batch, copied: a view would keep the whole batch's storage alive in the plan's count
+    x, y = (t[:1].clone() for t in task.batch(0))
     options = RECIPES[recipe]
     config: Any = "fp32" if options is None else mixprec.PrepareConfig(**options)
-    plan = mixprec.memory_plan(task.model, torch.optim.AdamW(task.model.parameters()), config, batch=x[:1],
-                               loss_fn=lambda out: task.loss_fn(out.float(), y[:1]))  # fmt: skip
+    plan = mixprec.memory_plan(task.model, torch.optim.AdamW(task.model.parameters()), config, batch=x,
+                               loss_fn=lambda out: task.loss_fn(out.float(), y))  # fmt: skip
     del task
     task, model, optimizer = build(workload, size, recipe)
     params = sum(p.numel() for p in model.parameters())

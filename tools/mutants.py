@@ -64,6 +64,14 @@ SGD_TESTS = ("tests/optim/test_low_bit_sgd.py",)
 FUSED_STATE_TESTS = ("tests/optim/test_fused_adam.py",)
 CPU_ADAM_TESTS = ("tests/optim/test_cpu_adam.py",)
 IN_BACKWARD_TESTS = ("tests/prepare/test_step_in_backward.py",)
+SLICED_TESTS = ("tests/prepare/test_sliced_gradients.py",)
+_BEFORE_STEP = """        grad_x = grad_bias = None
+        if ctx.needs_input_grad[0]:  # with the weight as the forward used it, before its step
+            grad_x = (grad2.mm(w.t()) if layer.transposed else grad2.mm(w)).view(x.shape)
+        if ctx.needs_input_grad[2]:
+            grad_bias = grad2.sum(0)
+        layer.backward(grad2, x2)
+"""  # a sliced layer's backward: the input's gradient, the bias's, then the weight's slices
 KAHAN_TESTS = ("tests/prepare/test_kahan.py",)
 PLAN_MEMORY_TESTS = ("tests/observe/test_memory_plan.py",)
 MEMORY_BUDGET_TESTS = ("tests/tune/test_memory_budget.py",)
@@ -82,8 +90,8 @@ MUTANTS = (
            S + "optim/quantize.py", "    if not signed:\n        smallest", "    if False:\n        smallest",
            STATE_TESTS),
     Mutant("state-sr-rounds-nearest", "at bf16-sr, quantized-state weights are written rounded to nearest",
-           S + "prepare/low_bit_state.py", "            if stochastic and local_p.dtype == torch.bfloat16:",
-           "            if False:", STATE_TESTS),
+           S + "prepare/low_bit_state.py", '    if writeback == "stochastic" and local_p.dtype == torch.bfloat16:',
+           "    if False:", STATE_TESTS),
     Mutant("state-sgd-nesterov-ignored", "quantized-momentum SGD ignores nesterov",
            S + "optim/sgd.py", 'd = g32.add(buf, alpha=momentum) if group["nesterov"] else buf', "d = buf", SGD_TESTS),
     Mutant("state-small-quantized", "biases and other small parameters get quantized moments too",
@@ -373,7 +381,7 @@ MUTANTS = (
            S + "prepare/step_in_backward.py", "            bound = torch.maximum(bound, self.previous)",
            "            pass", IN_BACKWARD_TESTS),
     Mutant("in-backward-accumulates", "a second backward before step() steps the parameters again",
-           S + "prepare/step_in_backward.py", "            if id(p) in self.stepped:", "            if False:",
+           S + "prepare/step_in_backward.py", "        if id(p) in self.stepped:", "        if False:",
            IN_BACKWARD_TESTS),
     Mutant("fused-state-seed-offset", "the compiled step's last block rounds with the first block's noise",
            S + "optim/fused_adam.py", "seed = seed_at(offset) if", "seed = seed_at(0) if", FUSED_STATE_TESTS),
@@ -396,6 +404,24 @@ MUTANTS = (
            S + "optim/cpu_adam.py",
            "        unpacked[2 * j] = bytes[j] >> 4;\n        unpacked[2 * j + 1] = bytes[j] & 0xF;",
            "        unpacked[2 * j + 1] = bytes[j] >> 4;\n        unpacked[2 * j] = bytes[j] & 0xF;", CPU_ADAM_TESTS),
+    Mutant("sliced-noise-from-start", "each slice of a weight rounds stochastically with the tensor's first noise",
+           S + "prepare/low_bit_state.py", "writeback, where,\n          first)", "writeback, where,\n          0)",
+           SLICED_TESTS),
+    Mutant("sliced-step-counted-per-slice", "a weight stepped in slices counts a step per slice",
+           S + "prepare/low_bit_state.py", '    view = {"step": count.clone()}', '    view = {"step": count}',
+           SLICED_TESTS),
+    Mutant("sliced-kept-dropped", "a layer called twice steps only its last call's gradient",
+           S + "prepare/sliced_gradients.py", "                    part = self.kept[rows] + part",
+           "                    pass", SLICED_TESTS),
+    Mutant("sliced-clip-skipped", "slices of a weight are stepped unclipped",
+           S + "prepare/sliced_gradients.py", "                    part.mul_(scale.to(part.device))",
+           "                    pass", SLICED_TESTS),
+    Mutant("sliced-input-grad-after-step", "the input's gradient is computed with the weight already stepped",
+           S + "prepare/sliced_gradients.py", _BEFORE_STEP, "        layer.backward(grad2, x2)\n"
+           + _BEFORE_STEP.removesuffix("        layer.backward(grad2, x2)\n"), SLICED_TESTS),
+    Mutant("plan-slices-ignored", "memory_plan counts a sliced weight's whole gradient in flight",
+           S + "observe/memory_plan.py", "            made = sliced.get(id(p), numel)", "            made = numel",
+           SLICED_TESTS),
     Mutant("cpu-state-kahan-dropped", "the CPU block kernel forgets the Kahan compensation",
            S + "optim/cpu_adam.py", "            store_vec(comp + k, sum - load_float(p + k));", "", CPU_ADAM_TESTS),
     Mutant("cpu-state-tail-noise", "the CPU block kernel's last, partial block rounds with its first block's noise",

@@ -26,7 +26,7 @@ from mixprec._src import casting
 from mixprec._src.amp.autocast import autocast
 from mixprec._src.optim import moments
 from mixprec._src.policy.policy import default_policy
-from mixprec._src.prepare import kept, step_in_backward
+from mixprec._src.prepare import kept, sliced_gradients, step_in_backward
 from mixprec._src.prepare.config import Level, PrepareConfig
 
 __all__ = ["MemoryPlan", "memory_plan"]
@@ -143,9 +143,10 @@ def memory_plan(
     params = _unique(model)
     world = max(1, int(world_size))
     weights = masters = grads = state = 0
-    in_flight = largest = 0
+    in_flight = largest = largest_gradient = 0
     largest_on = ""
     step_temporary = shadows = 0
+    sliced = _sliced(model, optimizer, config, world)
     for p in params:
         numel = _shard_numel(p, world)
         stored = 4 if config.level is Level.O1 or id(p) in kept_ids or id(p) not in lowp else 2
@@ -159,13 +160,14 @@ def memory_plan(
             weights += numel * stored
         if p.requires_grad:
             grad = numel * stored
-            if grad > in_flight:
-                in_flight, largest, largest_on = grad, numel, p.device.type
+            largest_gradient = max(largest_gradient, grad)
+            made = sliced.get(id(p), numel)  # values of its gradient alive at once in backward
+            if made * stored > in_flight:
+                in_flight, largest, largest_on = made * stored, made, p.device.type
             grads += grad
             state += _state_bytes(p, numel, stored, optimizer, config, world, id(p) in lowp)
             temporary, shadow = _step_temporaries(p, numel, stored, optimizer, config, id(p) in lowp)
             step_temporary, shadows = max(step_temporary, temporary), shadows + shadow
-    largest_gradient = in_flight
     if config.step_in_backward:
         grads = 0
         # a low-precision gradient's norm is taken a chunk at a time in fp32, but on the CPU where it lies
@@ -178,6 +180,19 @@ def memory_plan(
     return MemoryPlan(weights, masters, grads, state, in_flight if config.step_in_backward else grads,
                       step_temporary + shadows, activations, checkpointed, names, world,
                       "fp32" if plain else str(config), largest_gradient)  # fmt: skip
+
+
+def _sliced(model: nn.Module, optimizer: torch.optim.Optimizer | None, config: PrepareConfig,
+            world: int) -> dict[int, int]:  # fmt: skip
+    """id(weight) -> the values of its gradient alive at once, where prepare will make it a slice at a time
+    (``prepare.sliced_gradients``: the step in backward with quantized Adam(W) state, one process, not O2)."""
+    if not config.step_in_backward or world > 1 or config.level is Level.O2 or config.optimizer_state == "fp32":
+        return {}
+    if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
+        return {}
+    block = moments.FORMATS[config.optimizer_state][1]
+    found = sliced_gradients.sliceable_weights(model, route=False).values()
+    return {id(w): sliced_gradients.alive(w, block) for _, w in found if w.numel() >= moments.MIN_NUMEL}
 
 
 # ----- the recipe ------------------------------------------------------------------------------

@@ -89,22 +89,17 @@ def install(optimizer: torch.optim.Optimizer, precision: str, handles: list[Any]
                 rest.append(p)
                 continue
             local_p, local_g = sharding.local(p.data), sharding.local(p.grad)
-            seed = None
-            if stochastic and local_p.dtype == torch.bfloat16:  # bf16-sr's next count: its step advances it below
-                seed = shard_seed(tensor_seed(int(group[SEED_KEY]), int(group[STEP_KEY]) + 1, where[id(p)]), p)
-            write = None if seed is None else _stochastic_write(seed)
-            comp = None
-            if compensated and local_p.dtype == torch.bfloat16:
-                comp = sharding.local(kahan.compensation(self.state[p], p))
-                write = functools.partial(kahan.write, comp=comp)
             if momentum:
+                write = None
+                seed = _seed(group, where, p, 0) if stochastic and local_p.dtype == torch.bfloat16 else None
+                if seed is not None:
+                    write = _stochastic_write(seed)
+                if compensated and local_p.dtype == torch.bfloat16:
+                    write = functools.partial(kahan.write, comp=sharding.local(kahan.compensation(self.state[p], p)))
                 sgd.sgd_step(local_p, local_g, self.state[p], group, precision, _capacity(p), write)
-            elif local_p.is_contiguous() and local_g.is_contiguous() and fused_adam.runs(precision, local_p, local_g):
-                rounding, seed_at = (None, None) if seed is None else (sr_bits, _seeds_from(seed, local_p.device))
-                fused_adam.adam_step(local_p, local_g, self.state[p], group, decoupled, precision, _capacity(p),
-                                     rounding, seed_at, comp)  # fmt: skip
             else:
-                adam.adam_step(local_p, local_g, self.state[p], group, decoupled, precision, _capacity(p), write)
+                _adam(self, p, local_p, local_g, self.state[p], group, decoupled, precision, _capacity(p), writeback,
+                      where, 0)  # fmt: skip
         rest_group = {**group, "params": rest}
         result = take_rest(self, rest_group, *args, **kwargs)
         if STEP_KEY in rest_group:
@@ -113,8 +108,86 @@ def install(optimizer: torch.optim.Optimizer, precision: str, handles: list[Any]
 
     optimizer._init_group = types.MethodType(_init_group, optimizer)  # type: ignore[attr-defined]
     handles.append(Restore(optimizer, "_init_group"))
+    optimizer.__dict__[_INSTALLED] = (precision, writeback)
+    handles.append(Restore(optimizer, _INSTALLED))
     _keep_codes_on_load(optimizer, handles)
     handles.append(optimizer.register_state_dict_post_hook(_sharded_codes))
+
+
+#: ``optimizer.__dict__`` key: ``(precision, writeback)`` where :func:`install` ran
+_INSTALLED = "_mixprec_low_bit_state"
+
+
+def _seed(group: dict[str, Any], where: dict[int, int], p: torch.Tensor, offset: int) -> int:
+    """bf16-sr's seed of ``p``'s values from flat position ``offset`` of this rank's shard on (its next count:
+    its step advances it after the weights are written)."""
+    return moved(shard_seed(tensor_seed(int(group[SEED_KEY]), int(group[STEP_KEY]) + 1, where[id(p)]), p), offset)
+
+
+def _adam(optimizer: torch.optim.Optimizer, p: torch.Tensor, local_p: torch.Tensor, local_g: torch.Tensor,
+          state: dict[str, Any], group: dict[str, Any], decoupled: bool, precision: str, capacity: int,
+          writeback: str, where: dict[int, int], offset: int) -> None:  # fmt: skip
+    """One quantized Adam(W) step of ``local_p`` (``p``'s local values, or those from flat position ``offset``
+    on) with the moments in ``state``, its weight written as ``writeback`` says."""
+    seed = None
+    if writeback == "stochastic" and local_p.dtype == torch.bfloat16:
+        seed = _seed(group, where, p, offset)
+    write = None if seed is None else _stochastic_write(seed)
+    comp = None
+    if writeback == "kahan" and local_p.dtype == torch.bfloat16:
+        comp = sharding.local(kahan.compensation(optimizer.state[p], p)).view(-1)[offset : offset + local_p.numel()]
+        comp = comp.view(local_p.shape)
+        write = functools.partial(kahan.write, comp=comp)
+    if local_p.is_contiguous() and local_g.is_contiguous() and fused_adam.runs(precision, local_p, local_g):
+        rounding, seed_at = (None, None) if seed is None else (sr_bits, _seeds_from(seed, local_p.device))
+        fused_adam.adam_step(local_p, local_g, state, group, decoupled, precision, capacity, rounding, seed_at, comp)
+    else:
+        adam.adam_step(local_p, local_g, state, group, decoupled, precision, capacity, write)
+
+
+def sliced(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> int:
+    """The block size :func:`step_slice` steps ``p`` in multiples of, or 0 where it cannot: ``optimizer`` an
+    Adam or AdamW whose state is quantized here, ``p`` one of its parameters, whole (not sharded), large."""
+    installed = optimizer.__dict__.get(_INSTALLED)
+    if installed is None or not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
+        return 0
+    if sharding.is_sharded(p) or p.numel() < moments.MIN_NUMEL:
+        return 0
+    return moments.FORMATS[installed[0]][1]
+
+
+@torch.no_grad()
+def step_slice(optimizer: torch.optim.Optimizer, p: torch.Tensor, grad: torch.Tensor, first: int,
+               group: dict[str, Any]) -> None:  # fmt: skip
+    """Adam(W)'s step of ``p``'s flat values ``first`` to ``first + grad.numel()`` (``grad``: their gradient),
+    as the step of the whole ``p`` steps them: their blocks of the moments, the step count the whole step
+    counts (``state["step"]`` is not advanced: :func:`count_step` does that once, after the last slice), and
+    bf16-sr's noise of each value's position in ``p``. ``first`` is a multiple of the block size
+    (:func:`sliced`), and so is the slice's length unless it ends ``p``. Nothing syncs."""
+    precision, writeback = optimizer.__dict__[_INSTALLED]
+    bits, block = moments.FORMATS[precision]
+    state = optimizer.state[p]
+    adam.quantized_moments(state, p, precision, p.numel())
+    count = state["step"]
+    n = grad.numel()
+    last = first + n == p.numel()
+    view = {"step": count.clone()}
+    for name in ("exp_avg", "exp_avg_sq"):
+        codes, scale = state[f"{name}_codes"], state[f"{name}_scale"]
+        end = None if last else (first + n) // block
+        view[f"{name}_scale"] = scale[first // block : end]
+        view[f"{name}_codes"] = codes[first * bits // 8 : None if end is None else end * block * bits // 8]
+    capacity = view["exp_avg_scale"].numel() * block if last else n
+    decoupled = bool(group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW)))
+    where = positions(optimizer) if writeback == "stochastic" else {}
+    local_p = p.data.view(-1)[first : first + n]
+    _adam(optimizer, p, local_p, grad.reshape(-1), view, group, decoupled, precision, capacity, writeback, where,
+          first)  # fmt: skip
+
+
+def count_step(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> None:
+    """Count the step :func:`step_slice` took of ``p`` a slice at a time."""
+    optimizer.state[p]["step"] += 1
 
 
 def _seeds_from(seed: int, device: torch.device) -> Any:

@@ -224,7 +224,7 @@ def prepare(
     if layers is not None and layers.config.all_gather:  # on the shards as _lower left them
         fp8_all_gather.install(model, layers)
     if config.step_in_backward:  # after every change to the optimizer's step: it steps with all of them
-        in_backward.install(model, optimizer, config.clip_grad_norm, state.handles)
+        in_backward.install(model, optimizer, config.clip_grad_norm, state.handles, slices=level is not Level.O2)
 
     # Bound to the model (a deep copy rebinds them to the copy). _call_impl runs before every
     # module hook, FSDP2's included: the place to refuse a model sharded after prepare.

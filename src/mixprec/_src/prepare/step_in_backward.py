@@ -102,12 +102,7 @@ class Stepper:
         if not params:
             return
         for p in params:
-            if id(p) in self.stepped:
-                raise RuntimeError("a parameter got a second gradient before optimizer.step(): with "
-                                   "step_in_backward=True every backward steps the parameters, so gradients cannot "
-                                   "be accumulated over several backwards. Call optimizer.step() after each "
-                                   "backward (it finishes the step), or prepare with step_in_backward=False to "
-                                   "accumulate")  # fmt: skip
+            self.begin(p)
         scale = self.add_norm([p.grad for p in params])  # type: ignore[misc]
         with torch.no_grad(), fixed_positions(self.optimizer):
             for p in params:
@@ -116,6 +111,16 @@ class Stepper:
                 self._step_one(p, groups[id(p)])
                 p.grad = None
                 self.stepped.add(id(p))
+
+    def begin(self, p: torch.Tensor) -> dict[str, Any]:
+        """``p``'s param group, to step it now (raises where ``p`` was stepped already this round)."""
+        if id(p) in self.stepped:
+            raise RuntimeError("a parameter got a second gradient before optimizer.step(): with "
+                               "step_in_backward=True every backward steps the parameters, so gradients cannot "
+                               "be accumulated over several backwards. Call optimizer.step() after each "
+                               "backward (it finishes the step), or prepare with step_in_backward=False to "
+                               "accumulate")  # fmt: skip
+        return self._round()[id(p)]
 
     def _step_one(self, p: torch.Tensor, group: dict[str, Any]) -> None:
         own = self.optimizer.param_groups
@@ -165,8 +170,10 @@ def _unhooked_step(optimizer: torch.optim.Optimizer) -> Any:
 
 
 def install(model: torch.nn.Module, optimizer: torch.optim.Optimizer, max_norm: float | None,
-            handles: list[Any]) -> Stepper:  # fmt: skip
-    """Step ``optimizer``'s parameters in ``model``'s backward (see the module)."""
+            handles: list[Any], slices: bool = True) -> Stepper:  # fmt: skip
+    """Step ``optimizer``'s parameters in ``model``'s backward (see the module); ``slices``: large weights'
+    gradients a slice at a time where ``sliced_gradients`` takes them (not in O2: its layers compute with
+    copies of the parameters the optimizer steps)."""
     group = sharding.process_group(model)
     stepper = Stepper(optimizer, max_norm, group)
     in_units: set[int] = set()
@@ -177,6 +184,10 @@ def install(model: torch.nn.Module, optimizer: torch.optim.Optimizer, max_norm: 
         if id(param) not in in_units and param.requires_grad:
             handles.append(param.register_post_accumulate_grad_hook(lambda p: _step_param(stepper, p)))
     handles.append(optimizer.register_step_post_hook(stepper.finish))
+    if slices and group is None:  # FSDP2 reduce-scatters whole gradients: its weights are stepped whole
+        from mixprec._src.prepare import sliced_gradients  # it imports the optimizer-state step, as prepare does
+
+        sliced_gradients.install(model, optimizer, stepper, handles)
     if max_norm is not None:
         _save_previous(optimizer, stepper, handles)
     optimizer.__dict__[KEY] = stepper
