@@ -41,6 +41,7 @@ import warnings
 from typing import Any
 
 import torch
+from torch import nn
 
 import mixprec
 from mixprec.bench.workloads import WORKLOADS
@@ -61,11 +62,64 @@ RECIPES: dict[str, dict[str, Any] | None] = {
     "bf16-pure 8bit in-backward": {"level": "bf16-pure", "optimizer_state": "8bit", "step_in_backward": True},
     "bf16-kahan 8bit in-backward": {"level": "bf16-kahan", "optimizer_state": "8bit", "step_in_backward": True},
 }
+
+
+class _Logits(nn.Module):
+    """A Hugging Face causal LM as ``tokens -> logits`` (its parameters are the model's)."""
+
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        logits: torch.Tensor = self.lm(input_ids=tokens).logits
+        return logits
+
+
+def _hf_task(name: str, size: str) -> Any:
+    """A config-built Hugging Face causal LM (GPT-2's or Llama's architecture) on generated Markov text, as a
+    bench workload: ``hf-gpt2`` (50M parameters at the default size), ``hf-llama`` (47M)."""
+    import transformers  # only for these workloads
+
+    from mixprec.bench.workloads import Task, markov_text
+
+    dim, layers, seq, batch = (1024, 4, 128, 8) if size == "default" else (256, 2, 64, 8)
+    vocab = 4096
+    torch.manual_seed(0)
+    if name == "hf-gpt2":
+        config = transformers.GPT2Config(vocab_size=vocab, n_positions=seq, n_embd=dim, n_layer=layers,
+                                         n_head=dim // 64, bos_token_id=0, eos_token_id=0)  # fmt: skip
+        lm = transformers.GPT2LMHeadModel(config)
+    else:
+        config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=dim, intermediate_size=dim * 11 // 4,
+                                          num_hidden_layers=layers, num_attention_heads=dim // 64,
+                                          num_key_value_heads=dim // 256, max_position_embeddings=seq)  # fmt: skip
+        lm = transformers.LlamaForCausalLM(config)
+    text = markov_text(50_000, vocab=vocab)
+
+    def batch_fn(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        starts = torch.randint(0, len(text) - seq - 1, (batch,), generator=torch.Generator().manual_seed(step))
+        window = torch.stack([text[s : s + seq + 1] for s in starts.tolist()])
+        return window[:, :-1], window[:, 1:]
+
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    return Task(_Logits(lm), batch_fn, loss_fn, lr=1e-3)
+
+
+def _task(workload: str, size: str) -> Any:
+    """The bench's workload, or a config-built Hugging Face model (``hf-gpt2``, ``hf-llama``)."""
+    if workload.startswith("hf-"):
+        return _hf_task(workload, size)
+    return WORKLOADS[workload].build(size, torch.device("cpu"))
+
+
 _MMAP = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
 
 
 def build(workload: str, size: str, recipe: str) -> tuple[Any, torch.nn.Module, torch.optim.Optimizer]:
-    task = WORKLOADS[workload].build(size, torch.device("cpu"))
+    task = _task(workload, size)
     model = task.model
     optimizer = torch.optim.AdamW(model.parameters(), lr=task.lr, weight_decay=0.01)
     options = RECIPES[recipe]
@@ -101,20 +155,24 @@ def peak_worker(workload: str, size: str, recipe: str) -> dict[str, float]:
     for step in range(2):
         train_step(*warm, step, rows=1)
     del warm
-    gc.collect()
-    base = _resident("VmRSS")
-    task = WORKLOADS[workload].build(size, torch.device("cpu"))
-    # one row of the batch, copied: a view would keep the whole batch's storage alive in the plan's count
+    # The data the steps feed from (the MLP's teacher, the transformer's token stream) is the bench's, not the
+    # model's: built before the base, its model dropped. Each batch is one row, copied (a view would keep the
+    # whole batch alive).
+    task = _task(workload, size)
+    fp32_model = task.model
+    task.model = nn.Identity()
     x, y = (t[:1].clone() for t in task.batch(0))
+    batches = [tuple(t[:1].clone() for t in task.batch(step)) for step in range(3)]
     options = RECIPES[recipe]
     config: Any = "fp32" if options is None else mixprec.PrepareConfig(**options)
-    plan = mixprec.memory_plan(task.model, torch.optim.AdamW(task.model.parameters()), config, batch=x,
+    plan = mixprec.memory_plan(fp32_model, torch.optim.AdamW(fp32_model.parameters()), config, batch=x,
                                loss_fn=lambda out: task.loss_fn(out.float(), y))  # fmt: skip
-    del task
-    task, model, optimizer = build(workload, size, recipe)
+    del fp32_model
+    gc.collect()
+    base = _resident("VmRSS")
+    built, model, optimizer = build(workload, size, recipe)
+    del built  # its own copy of the data
     params = sum(p.numel() for p in model.parameters())
-    # made before the peak is reset: the MLP's batch function draws a whole batch and its teacher each call
-    batches = [tuple(t[:1].clone() for t in task.batch(step)) for step in range(3)]
     gc.collect()
     with open("/proc/self/clear_refs", "w") as refs:  # the peak from here on
         refs.write("5")

@@ -83,17 +83,22 @@ def _same_state(a: torch.optim.Optimizer, b: torch.optim.Optimizer) -> bool:
 
 @pytest.fixture
 def slices() -> Iterator[list[tuple[int, int, int]]]:
-    """Each step_slice call: (id of the weight, first value, values)."""
+    """Each slice stepped: (id of the weight, first value, values)."""
     calls: list[tuple[int, int, int]] = []
-    own = low_bit_state.step_slice
+    own = low_bit_state.slice_stepper
 
-    def recording(optimizer: Any, p: torch.Tensor, grad: torch.Tensor, first: int, group: Any) -> None:
-        calls.append((id(p), first, grad.numel()))
-        assert p.grad is None
-        own(optimizer, p, grad, first, group)
+    def recording(optimizer: Any, p: torch.Tensor, group: Any) -> Any:
+        step = own(optimizer, p, group)
+
+        def recorded(grad: torch.Tensor, first: int) -> None:
+            calls.append((id(p), first, grad.numel()))
+            assert p.grad is None
+            step(grad, first)
+
+        return recorded
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(low_bit_state, "step_slice", recording)
+        patch.setattr(low_bit_state, "slice_stepper", recording)
         yield calls
 
 
@@ -136,6 +141,19 @@ def test_a_ragged_last_slice_and_a_partial_block(monkeypatch: pytest.MonkeyPatch
     assert _sliced(model) == ["0"]
     assert all(torch.equal(p, q) for p, q in zip(_train(model, opt), _train(whole, whole_opt), strict=True))
     assert _same_state(opt, whole_opt)
+
+
+@pytest.mark.parametrize("level", ["bf16-sr", "bf16-kahan"])
+def test_without_the_cpu_kernel_the_eager_step_takes_the_slices(
+        level: str, monkeypatch: pytest.MonkeyPatch, slices: list[tuple[int, int, int]]) -> None:  # fmt: skip
+    from mixprec._src.optim import fused_adam
+
+    monkeypatch.setattr(fused_adam, "NATIVE", False)
+    monkeypatch.setattr(fused_adam, "runs", lambda *_: False)  # no compiled graph either: the eager step
+    model, opt = _prepared(False, monkeypatch, level)
+    whole, whole_opt = _prepared(True, monkeypatch, level)
+    assert all(torch.equal(p, q) for p, q in zip(_train(model, opt), _train(whole, whole_opt), strict=True))
+    assert _same_state(opt, whole_opt) and slices
 
 
 def test_input_and_bias_gradients_are_autograds(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -25,7 +25,7 @@ from mixprec._src.optim import cpu_adam, moments
 from mixprec._src.optim import quantize as q
 from mixprec._src.optim.adam import quantized_moments
 
-__all__ = ["adam_step", "available", "runs"]
+__all__ = ["adam_step", "available", "runs", "step_scalars"]
 
 #: ``rounding(values, seed) -> bits``: writes fp32 values to bf16 weights (bits of fp32 with 16 low zeros)
 Rounding = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -164,6 +164,23 @@ def adam_step(p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group:
     _step(_compiled, p, grad, state, group, decoupled, precision, capacity, rounding, seed_at, comp, native)
 
 
+def step_scalars(group: dict[str, Any], step: torch.Tensor, decoupled: bool, device: torch.device) -> torch.Tensor:
+    """The seven scalars of step ``step`` (counted) of ``group``: lr, the weight decay as applied, 1 - beta1,
+    1 - beta2, the two bias corrections (the second's root), eps; fp32, on ``device``."""
+    beta1, beta2 = (float(b) for b in group["betas"])
+    lr = torch.tensor(float(group["lr"]), dtype=torch.float32)
+    weight_decay = float(group["weight_decay"])
+    return torch.stack([
+        lr,
+        (lr * weight_decay) if decoupled else torch.tensor(weight_decay, dtype=torch.float32),
+        torch.tensor(1 - beta1, dtype=torch.float32),
+        torch.tensor(1 - beta2, dtype=torch.float32),
+        1 - beta1**step,
+        (1 - beta2**step).sqrt(),
+        torch.tensor(float(group["eps"]), dtype=torch.float32),
+    ]).to(device)  # fmt: skip
+
+
 def runs(precision: str, p: torch.Tensor, grad: torch.Tensor) -> bool:
     """Whether :func:`adam_step` runs for these tensors: ``cpu_adam``'s kernel on the CPU (the graph is then not
     compiled at all), else the compiled graph where inductor compiles."""
@@ -177,19 +194,7 @@ def _step(kernel: Callable[..., None] | None, p: torch.Tensor, grad: torch.Tenso
     capacity = max(capacity, p.numel())
     quantized_moments(state, p, precision, capacity)
     state["step"] += 1
-    step = state["step"]
-    beta1, beta2 = (float(b) for b in group["betas"])
-    lr = torch.tensor(float(group["lr"]), dtype=torch.float32)
-    weight_decay = float(group["weight_decay"])
-    scalars = torch.stack([
-        lr,
-        (lr * weight_decay) if decoupled else torch.tensor(weight_decay, dtype=torch.float32),
-        torch.tensor(1 - beta1, dtype=torch.float32),
-        torch.tensor(1 - beta2, dtype=torch.float32),
-        1 - beta1**step,
-        (1 - beta2**step).sqrt(),
-        torch.tensor(float(group["eps"]), dtype=torch.float32),
-    ]).to(p.device)  # fmt: skip
+    scalars = step_scalars(group, state["step"], decoupled, p.device)
     if native:  # on the CPU: a block at a time
         mode = cpu_adam.KAHAN if comp is not None else cpu_adam.NEAREST if rounding is None else cpu_adam.STOCHASTIC
         seed = 0 if seed_at is None else int(seed_at(0))  # rounding is sr_bits: the noise of flat position i

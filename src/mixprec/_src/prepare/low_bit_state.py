@@ -20,12 +20,13 @@ from __future__ import annotations
 import functools
 import math
 import types
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from mixprec._src import sharding
-from mixprec._src.optim import adam, fused_adam, moments, sgd
+from mixprec._src.optim import adam, cpu_adam, fused_adam, moments, sgd
 from mixprec._src.prepare import kahan
 from mixprec._src.prepare.sr_noise import moved, seed_tensor, shard_seed, sr_bits, tensor_seed
 from mixprec._src.prepare.stochastic_rounding import SEED_KEY, STEP_KEY, Restore, positions, step_eagerly
@@ -146,7 +147,7 @@ def _adam(optimizer: torch.optim.Optimizer, p: torch.Tensor, local_p: torch.Tens
 
 
 def sliced(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> int:
-    """The block size :func:`step_slice` steps ``p`` in multiples of, or 0 where it cannot: ``optimizer`` an
+    """The block size :func:`slice_stepper` steps ``p`` in multiples of, or 0 where it cannot: ``optimizer`` an
     Adam or AdamW whose state is quantized here, ``p`` one of its parameters, whole (not sharded), large."""
     installed = optimizer.__dict__.get(_INSTALLED)
     if installed is None or not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
@@ -157,36 +158,58 @@ def sliced(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> int:
 
 
 @torch.no_grad()
-def step_slice(optimizer: torch.optim.Optimizer, p: torch.Tensor, grad: torch.Tensor, first: int,
-               group: dict[str, Any]) -> None:  # fmt: skip
-    """Adam(W)'s step of ``p``'s flat values ``first`` to ``first + grad.numel()`` (``grad``: their gradient),
-    as the step of the whole ``p`` steps them: their blocks of the moments, the step count the whole step
-    counts (``state["step"]`` is not advanced: :func:`count_step` does that once, after the last slice), and
-    bf16-sr's noise of each value's position in ``p``. ``first`` is a multiple of the block size
-    (:func:`sliced`), and so is the slice's length unless it ends ``p``. Nothing syncs."""
+def slice_stepper(optimizer: torch.optim.Optimizer, p: torch.Tensor, group: dict[str, Any]) -> Callable[..., None]:
+    """``step(grad, first)``: Adam(W)'s step of ``p``'s flat values ``first`` to ``first + grad.numel()``
+    (``grad``: their gradient) as the step of the whole ``p`` steps them: their blocks of the moments, the
+    step count the whole step counts (``state["step"]`` is not advanced: :func:`count_step` does that once,
+    after the last slice), bf16-sr's noise of each value's position in ``p``, bf16-kahan's compensation.
+    ``first`` is a multiple of the block size (:func:`sliced`), and so is the slice's length unless it ends
+    ``p``. What every slice shares (the scalars, the seed, the state's views) is made once. Nothing syncs."""
     precision, writeback = optimizer.__dict__[_INSTALLED]
     bits, block = moments.FORMATS[precision]
     state = optimizer.state[p]
     adam.quantized_moments(state, p, precision, p.numel())
-    count = state["step"]
-    n = grad.numel()
-    last = first + n == p.numel()
-    view = {"step": count.clone()}
-    for name in ("exp_avg", "exp_avg_sq"):
-        codes, scale = state[f"{name}_codes"], state[f"{name}_scale"]
-        end = None if last else (first + n) // block
-        view[f"{name}_scale"] = scale[first // block : end]
-        view[f"{name}_codes"] = codes[first * bits // 8 : None if end is None else end * block * bits // 8]
-    capacity = view["exp_avg_scale"].numel() * block if last else n
     decoupled = bool(group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW)))
     where = positions(optimizer) if writeback == "stochastic" else {}
-    local_p = p.data.view(-1)[first : first + n]
-    _adam(optimizer, p, local_p, grad.reshape(-1), view, group, decoupled, precision, capacity, writeback, where,
-          first)  # fmt: skip
+    flat = p.data.view(-1)
+
+    def views(first: int, n: int) -> tuple[dict[str, torch.Tensor], int]:
+        last = first + n == p.numel()
+        view = {}
+        for name in ("exp_avg", "exp_avg_sq"):
+            codes, scale = state[f"{name}_codes"], state[f"{name}_scale"]
+            end = None if last else (first + n) // block
+            view[f"{name}_scale"] = scale[first // block : end]
+            view[f"{name}_codes"] = codes[first * bits // 8 : None if end is None else end * block * bits // 8]
+        return view, (view["exp_avg_scale"].numel() * block if last else n)
+
+    if not (fused_adam.NATIVE and p.is_contiguous() and cpu_adam.available(precision, flat[:1], flat[:1])):
+
+        def general(grad: torch.Tensor, first: int) -> None:  # the step each parameter takes, on views
+            view, capacity = views(first, grad.numel())
+            view["step"] = state["step"].clone()
+            _adam(optimizer, p, flat[first : first + grad.numel()], grad.reshape(-1), view, group, decoupled,
+                  precision, capacity, writeback, where, first)  # fmt: skip
+
+        return general
+    scalars = fused_adam.step_scalars(group, state["step"] + 1, decoupled, p.device)
+    bf16 = p.dtype == torch.bfloat16
+    seed = _seed(group, where, p, 0) if writeback == "stochastic" and bf16 else None
+    comp = kahan.compensation(state, p).view(-1) if writeback == "kahan" and bf16 else None
+    mode = cpu_adam.KAHAN if comp is not None else cpu_adam.NEAREST if seed is None else cpu_adam.STOCHASTIC
+
+    def native(grad: torch.Tensor, first: int) -> None:  # on the CPU: the block kernel on the slice's views
+        n = grad.numel()
+        view, _ = views(first, n)
+        cpu_adam.adam_step(flat[first : first + n], grad.reshape(-1), view, scalars, decoupled, precision, mode,
+                           0 if seed is None else moved(seed, first),
+                           None if comp is None else comp[first : first + n])  # fmt: skip
+
+    return native
 
 
 def count_step(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> None:
-    """Count the step :func:`step_slice` took of ``p`` a slice at a time."""
+    """Count the step :func:`slice_stepper` took of ``p`` a slice at a time."""
     optimizer.state[p]["step"] += 1
 
 

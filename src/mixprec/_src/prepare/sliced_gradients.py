@@ -10,7 +10,7 @@ whose weight holds at least ``2 * SLICE`` values computes through :class:`_Gemm`
 1. computes the input's gradient (with the weight as the forward used it) and the bias's,
 2. then the weight's gradient :data:`SLICE` values at a time (whole rows of the weight, whole blocks of
    its quantized moments), each slice counted into the clipping norm, stepped as soon as it is made
-   (``low_bit_state.step_slice``: those values' step, as the whole gradient's step takes it) and dropped.
+   (``low_bit_state.slice_stepper``: those values' step, as the whole gradient's step takes it) and dropped.
 
 The numbers: each slice is one GEMM over the whole batch, the rows of the whole gradient's GEMM (the same
 sums, bitwise the whole GEMM's on the CPUs tested; a BLAS may order a sum by the shape it is given), and
@@ -194,6 +194,7 @@ class _Layer:
         group = stepper.begin(weight)
         cols = math.prod(weight.shape[1:])
         with torch.no_grad(), fixed_positions(optimizer):
+            step = low_bit_state.slice_stepper(optimizer, weight, group)
             for first in range(0, weight.shape[0], self.rows):
                 rows = slice(first, first + self.rows)
                 part = self._slice(grad, x, rows)
@@ -202,7 +203,7 @@ class _Layer:
                 scale = stepper.add_norm([part])
                 if scale is not None:
                     part.mul_(scale.to(part.device))
-                low_bit_state.step_slice(optimizer, weight, part, first * cols, group)
+                step(part, first * cols)
                 del part
             low_bit_state.count_step(optimizer, weight)
         self.kept = None
