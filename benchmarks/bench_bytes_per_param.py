@@ -7,7 +7,8 @@ backward. Three measurements per recipe, each in processes of its own:
   optimizer state), and the process's peak resident memory over three training steps at a batch of one
   sequence (so activations are a sliver), less the process's memory before the model was built
   (after a warm-up run of the same recipe on a model of the same shapes, since freed, so kernels
-  compiled, libraries loaded and caches filled once do not count), divided by the parameter count.
+  compiled, libraries loaded and caches filled once do not count; with the data the steps feed from
+  already built: the MLP's teacher, the token stream), divided by the parameter count.
   glibc is told to give large blocks back (``MALLOC_MMAP_THRESHOLD_``), so freed tensors leave the
   resident set.
 * **the plan**: ``mixprec.memory_plan``'s prediction of both, from the shapes alone; and the peak less
@@ -25,6 +26,7 @@ backward. Three measurements per recipe, each in processes of its own:
     python benchmarks/bench_bytes_per_param.py --loss-only --plot docs/images/memory_loss.png
     python benchmarks/bench_bytes_per_param.py --speed-only --rounds 3   # the speed alone, recipes in turn
     python benchmarks/bench_bytes_per_param.py --speed-only --interleaved --recipes bf16-pure,"bf16-sr 8bit"
+    python benchmarks/bench_bytes_per_param.py --peak-only --workloads hf-gpt2,hf-llama   # config-built HF models
 """
 
 from __future__ import annotations

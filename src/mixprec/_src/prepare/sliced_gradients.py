@@ -138,12 +138,8 @@ class _SlicedForward:
             return type(module).forward(module, x)  # type: ignore[no-any-return]
         return layer(x)
 
-    def __reduce__(self) -> tuple[Any, ...]:  # a saved model computes as the class does
-        return _plain_forward, (self.module,)
-
-
-def _plain_forward(module: nn.Module) -> Any:
-    return type(module).forward.__get__(module)
+    def __reduce__(self) -> tuple[Any, ...]:  # loaded, it is no layer's here: the class's forward
+        return _SlicedForward, (self.module,)
 
 
 class _Unbind:
