@@ -320,3 +320,46 @@ def test_memory_plan_counts_a_slice_in_flight(state: str, monkeypatch: pytest.Mo
     fp32_state = dataclasses.replace(config, optimizer_state="fp32")
     fp32 = mixprec.memory_plan(net, torch.optim.AdamW(net.parameters()), fp32_state)
     assert fp32.gradients_in_flight == 2 * model.b.weight.numel()  # not sliced: torch's own step
+
+
+def _gpt2() -> nn.Module:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=64, n_layer=2, n_head=2, bos_token_id=0,
+                                     eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _lm_step(model: nn.Module, step: int) -> None:
+    tokens = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(step))
+    logits = model(input_ids=tokens).logits  # the loss outside the model (transformers logs in its own)
+    F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten()).backward()
+
+
+def test_a_config_built_gpt2_trains_as_with_whole_gradients(monkeypatch: pytest.MonkeyPatch,
+                                                            slices: list[tuple[int, int, int]]) -> None:  # fmt: skip
+    model, opt = _prepared(False, monkeypatch, model=_gpt2())
+    whole, whole_opt = _prepared(True, monkeypatch, model=_gpt2())
+    assert _sliced(model) == [f"transformer.h.{i}.{name}" for i in (0, 1)
+                              for name in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")]  # fmt: skip
+    for step in range(3):
+        for net, o in ((model, opt), (whole, whole_opt)):
+            _lm_step(net, step)
+            o.step()
+    assert slices and all(torch.equal(p, q) for p, q in zip(model.parameters(), whole.parameters(), strict=True))
+    assert _same_state(opt, whole_opt)
+
+
+def test_a_config_built_gpt2_compiles_whole(monkeypatch: pytest.MonkeyPatch,
+                                            slices: list[tuple[int, int, int]]) -> None:  # fmt: skip
+    torch._dynamo.reset()
+    model, opt = _prepared(False, monkeypatch, model=_gpt2())
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, fullgraph=True, backend=counter)
+    for step in range(3):
+        _lm_step(compiled, step)
+        opt.step()
+    assert counter.frame_count == 1 and not slices  # one graph; whole gradients, stepped by the hooks
+    assert all(p.grad is None for p in model.parameters())
+    torch._dynamo.reset()
