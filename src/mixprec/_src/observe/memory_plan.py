@@ -188,6 +188,8 @@ def _sliced(model: nn.Module, optimizer: torch.optim.Optimizer | None, config: P
     (``prepare.sliced_gradients``: the step in backward with quantized Adam(W) state, one process, not O2)."""
     if not config.step_in_backward or world > 1 or config.level is Level.O2 or config.optimizer_state == "fp32":
         return {}
+    if config.fp8 is not None:  # converted layers keep their forward and whole gradients: all counted whole
+        return {}
     if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
         return {}
     block = moments.FORMATS[config.optimizer_state][1]

@@ -7,7 +7,9 @@ FSDP2, on each unit's parameters right after their gradients are reduce-scattere
 to ``None``; ``optimizer.step()`` then finishes the step: the optimizer's step hooks (O2's compute copies,
 fp8's scales, bf16-sr's counters, the user's own) and LR schedulers run there, once. Each parameter is
 stepped by the optimizer's own code, in a param group of its own holding the group's hyperparameters,
-so the numbers are the plain step's, bit for bit.
+so the numbers are the plain step's, bit for bit. Where the optimizer keeps Adam(W)'s moments quantized, a
+large GEMM weight's gradient is made and stepped a slice of rows at a time inside its layer's backward
+(``sliced_gradients``), so not even one whole gradient of it is alive.
 
 Clipping (``clip_grad_norm``): a global norm needs every gradient, and a gradient is gone once its
 parameter is stepped. Each gradient is scaled by ``min(1, max_norm / max(previous, so_far))``: the
