@@ -27,6 +27,7 @@ backward. Three measurements per recipe, each in processes of its own:
     python benchmarks/bench_bytes_per_param.py --speed-only --rounds 3   # the speed alone, recipes in turn
     python benchmarks/bench_bytes_per_param.py --speed-only --interleaved --recipes bf16-pure,"bf16-sr 8bit"
     python benchmarks/bench_bytes_per_param.py --peak-only --workloads hf-gpt2,hf-llama   # config-built HF models
+    python benchmarks/bench_bytes_per_param.py --speed-only --paired --rounds 3 --recipes "bf16-sr 8bit"
 """
 
 from __future__ import annotations
@@ -231,6 +232,9 @@ def main() -> None:
     parser.add_argument("--interleaved", action="store_true", help="with --speed-only: every recipe in one process, "
                         "a step of each in turn (the same machine state for all: steadier ratios; every model "
                         "is held at once)")  # fmt: skip
+    parser.add_argument("--paired", action="store_true", help="with --speed-only: each recipe beside bf16-pure alone "
+                        "in a process of its own, a step of each in turn; --rounds such processes a recipe, taken in "
+                        "turns: the median ratio and its range (one model in company, as training runs)")  # fmt: skip
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
@@ -240,11 +244,17 @@ def main() -> None:
             result: Any = peak_worker(workload, size, recipe)
         elif kind == "speed":
             result = speed(workload, size, recipe, int(steps))
+        elif kind == "pair":
+            result = paired_ratio(workload, size, recipe, int(steps))
         else:
             result = losses(workload, size, recipe, int(steps))
         print(json.dumps(result))
         return
     recipes = args.recipes.split(",")
+    if args.speed_only and args.paired:
+        _paired(args.workloads.split(","), args.size, [r for r in recipes if r != "bf16-pure"], args.speed_steps,
+                args.rounds)  # fmt: skip
+        return
     if args.speed_only and args.interleaved:
         for workload in args.workloads.split(","):
             _interleaved(workload, args.size, recipes, args.speed_steps)
@@ -310,6 +320,34 @@ def _speeds(workloads: list[str], size: str, recipes: list[str], steps: int, rou
         for recipe in recipes:
             best = min(seconds[workload, recipe])
             print(f"| {workload} | {recipe} | {best * 1e3:.1f} | {pure / best:.2f}x |")
+
+
+def paired_ratio(workload: str, size: str, recipe: str, steps: int) -> float:
+    """In a process of its own: bf16-pure's median step over ``recipe``'s, the two built here and stepped in turn."""
+    runs = [build(workload, size, "bf16-pure"), build(workload, size, recipe)]
+    seconds: list[list[float]] = [[], []]
+    for step in range(steps + 2):
+        for times, (task, model, optimizer) in zip(seconds, runs, strict=True):
+            begin = time.perf_counter()
+            train_step(task, model, optimizer, step)
+            times.append(time.perf_counter() - begin)
+    return statistics.median(seconds[0][2:]) / statistics.median(seconds[1][2:])
+
+
+def _paired(workloads: list[str], size: str, recipes: list[str], steps: int, rounds: int) -> None:
+    """Each recipe's speed against bf16-pure's, paired in processes of two models, ``rounds`` processes each."""
+    from rich.progress import track
+
+    runs = [(workload, recipe) for _ in range(rounds) for workload in workloads for recipe in recipes]
+    ratios: dict[tuple[str, str], list[float]] = {}
+    for workload, recipe in track(runs, description="paired", transient=True):
+        ratios.setdefault((workload, recipe), []).append(_in_child("pair", workload, size, recipe, str(steps)))
+    print("| workload | recipe | step vs bf16-pure, median | range | processes |\n|---|---|---|---|---|")
+    for workload in workloads:
+        for recipe in recipes:
+            got = ratios[workload, recipe]
+            print(f"| {workload} | {recipe} | {statistics.median(got):.3f}x | {min(got):.3f}-{max(got):.3f}x | "
+                  f"{len(got)} |")  # fmt: skip
 
 
 def _interleaved(workload: str, size: str, recipes: list[str], steps: int) -> None:
