@@ -26,7 +26,7 @@ from mixprec._src import casting
 from mixprec._src.amp.autocast import autocast
 from mixprec._src.optim import moments
 from mixprec._src.policy.policy import default_policy
-from mixprec._src.prepare import kept, sliced_gradients, step_in_backward
+from mixprec._src.prepare import kept, low_bit_state, sliced_gradients, step_in_backward
 from mixprec._src.prepare.config import Level, PrepareConfig
 
 __all__ = ["MemoryPlan", "memory_plan"]
@@ -190,11 +190,9 @@ def _sliced(model: nn.Module, optimizer: torch.optim.Optimizer | None, config: P
         return {}
     if config.fp8 is not None:  # converted layers keep their forward and whole gradients: all counted whole
         return {}
-    if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
-        return {}
-    block = moments.FORMATS[config.optimizer_state][1]
     found = sliced_gradients.sliceable_weights(model, route=False).values()
-    return {id(w): sliced_gradients.alive(w, block) for _, w in found if w.numel() >= moments.MIN_NUMEL}
+    blocks = {id(w): low_bit_state.slice_block(config.optimizer_state, optimizer, w) for _, w in found}
+    return {id(w): sliced_gradients.alive(w, blocks[id(w)]) for _, w in found if blocks[id(w)]}
 
 
 # ----- the recipe ------------------------------------------------------------------------------

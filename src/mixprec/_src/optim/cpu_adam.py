@@ -23,10 +23,16 @@ import torch
 from mixprec._src.optim import moments
 from mixprec._src.optim import quantize as q
 
-__all__ = ["adam_step", "available", "square_norm"]
+__all__ = ["adam_step", "available", "rounding_mode", "square_norm"]
 
 #: how the new weight is written: rounded to nearest, stochastically (bf16-sr), or with Kahan's compensation
 NEAREST, STOCHASTIC, KAHAN = 0, 1, 2
+
+
+def rounding_mode(stochastic: bool, compensated: bool) -> int:
+    """How the kernel writes a weight: with bf16-kahan's compensation, bf16-sr's noise, or to nearest."""
+    return KAHAN if compensated else STOCHASTIC if stochastic else NEAREST
+
 
 _SOURCE = r"""
 #include <torch/csrc/inductor/cpp_prefix.h>

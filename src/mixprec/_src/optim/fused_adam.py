@@ -196,7 +196,7 @@ def _step(kernel: Callable[..., None] | None, p: torch.Tensor, grad: torch.Tenso
     state["step"] += 1
     scalars = step_scalars(group, state["step"], decoupled, p.device)
     if native:  # on the CPU: a block at a time
-        mode = cpu_adam.KAHAN if comp is not None else cpu_adam.NEAREST if rounding is None else cpu_adam.STOCHASTIC
+        mode = cpu_adam.rounding_mode(stochastic=rounding is not None, compensated=comp is not None)
         seed = 0 if seed_at is None else int(seed_at(0))  # rounding is sr_bits: the noise of flat position i
         cpu_adam.adam_step(p, grad, state, scalars, decoupled, precision, mode, seed, comp)
         return

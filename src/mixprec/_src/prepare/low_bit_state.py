@@ -31,7 +31,7 @@ from mixprec._src.prepare import kahan
 from mixprec._src.prepare.sr_noise import moved, seed_tensor, shard_seed, sr_bits, tensor_seed
 from mixprec._src.prepare.stochastic_rounding import SEED_KEY, STEP_KEY, Restore, positions, step_eagerly
 
-__all__ = ["check", "install", "restore_fp32"]
+__all__ = ["check", "count_step", "install", "restore_fp32", "slice_block", "slice_stepper", "sliced"]
 
 
 def check(optimizer: torch.optim.Optimizer, precision: str) -> None:
@@ -74,16 +74,15 @@ def install(optimizer: torch.optim.Optimizer, precision: str, handles: list[Any]
     tensor's position) or ``"kahan"`` (level bf16-kahan: with the weight's compensation); the rest go on
     through the level's own step.
     """
-    stochastic, compensated = writeback == "stochastic", writeback == "kahan"
     check(optimizer, precision)
     step_eagerly(optimizer, handles)
     own = optimizer.__dict__.get("_init_group")  # bf16-sr's, where it is installed
     take_rest = (lambda opt, group, *a, **k: own(group, *a, **k)) if own is not None else type(optimizer)._init_group  # type: ignore[attr-defined]
 
     def _init_group(self: torch.optim.Optimizer, group: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
-        decoupled = bool(group.get("decoupled_weight_decay", isinstance(self, torch.optim.AdamW)))
+        decoupled = _decoupled(self, group)
         momentum = isinstance(self, torch.optim.SGD)
-        where = positions(self) if stochastic else {}
+        where = positions(self) if writeback == "stochastic" else {}
         rest = []
         for p in group["params"]:
             if p.grad is None or p.numel() < moments.MIN_NUMEL:  # numel: the whole tensor's, on every rank
@@ -91,12 +90,7 @@ def install(optimizer: torch.optim.Optimizer, precision: str, handles: list[Any]
                 continue
             local_p, local_g = sharding.local(p.data), sharding.local(p.grad)
             if momentum:
-                write = None
-                seed = _seed(group, where, p, 0) if stochastic and local_p.dtype == torch.bfloat16 else None
-                if seed is not None:
-                    write = _stochastic_write(seed)
-                if compensated and local_p.dtype == torch.bfloat16:
-                    write = functools.partial(kahan.write, comp=sharding.local(kahan.compensation(self.state[p], p)))
+                write = _writeback(self, p, local_p, group, writeback, where, 0)[2]
                 sgd.sgd_step(local_p, local_g, self.state[p], group, precision, _capacity(p), write)
             else:
                 _adam(self, p, local_p, local_g, self.state[p], group, decoupled, precision, _capacity(p), writeback,
@@ -125,20 +119,35 @@ def _seed(group: dict[str, Any], where: dict[int, int], p: torch.Tensor, offset:
     return moved(shard_seed(tensor_seed(int(group[SEED_KEY]), int(group[STEP_KEY]) + 1, where[id(p)]), p), offset)
 
 
+def _writeback(optimizer: torch.optim.Optimizer, p: torch.Tensor, local_p: torch.Tensor, group: dict[str, Any],
+               writeback: str, where: dict[int, int],
+               offset: int) -> tuple[int | None, torch.Tensor | None, Any]:  # fmt: skip
+    """How ``local_p`` (``p``'s values from flat position ``offset`` of this rank's shard on) is written: bf16-sr's
+    seed, bf16-kahan's compensation (a view of ``local_p``'s part), and the eager step's ``write`` (``None``:
+    rounded to nearest; an fp32 weight always is)."""
+    if local_p.dtype != torch.bfloat16:
+        return None, None, None
+    if writeback == "stochastic":
+        seed = _seed(group, where, p, offset)
+        return seed, None, _stochastic_write(seed)
+    if writeback == "kahan":
+        comp = sharding.local(kahan.compensation(optimizer.state[p], p)).view(-1)[offset : offset + local_p.numel()]
+        comp = comp.view(local_p.shape)
+        return None, comp, functools.partial(kahan.write, comp=comp)
+    return None, None, None
+
+
+def _decoupled(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> bool:
+    """Whether ``group``'s weight decay is AdamW's (decoupled) rather than Adam's (L2)."""
+    return bool(group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW)))
+
+
 def _adam(optimizer: torch.optim.Optimizer, p: torch.Tensor, local_p: torch.Tensor, local_g: torch.Tensor,
           state: dict[str, Any], group: dict[str, Any], decoupled: bool, precision: str, capacity: int,
           writeback: str, where: dict[int, int], offset: int) -> None:  # fmt: skip
     """One quantized Adam(W) step of ``local_p`` (``p``'s local values, or those from flat position ``offset``
     on) with the moments in ``state``, its weight written as ``writeback`` says."""
-    seed = None
-    if writeback == "stochastic" and local_p.dtype == torch.bfloat16:
-        seed = _seed(group, where, p, offset)
-    write = None if seed is None else _stochastic_write(seed)
-    comp = None
-    if writeback == "kahan" and local_p.dtype == torch.bfloat16:
-        comp = sharding.local(kahan.compensation(optimizer.state[p], p)).view(-1)[offset : offset + local_p.numel()]
-        comp = comp.view(local_p.shape)
-        write = functools.partial(kahan.write, comp=comp)
+    seed, comp, write = _writeback(optimizer, p, local_p, group, writeback, where, offset)
     if local_p.is_contiguous() and local_g.is_contiguous() and fused_adam.runs(precision, local_p, local_g):
         rounding, seed_at = (None, None) if seed is None else (sr_bits, _seeds_from(seed, local_p.device))
         fused_adam.adam_step(local_p, local_g, state, group, decoupled, precision, capacity, rounding, seed_at, comp)
@@ -147,14 +156,20 @@ def _adam(optimizer: torch.optim.Optimizer, p: torch.Tensor, local_p: torch.Tens
 
 
 def sliced(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> int:
-    """The block size :func:`slice_stepper` steps ``p`` in multiples of, or 0 where it cannot: ``optimizer`` an
-    Adam or AdamW whose state is quantized here, ``p`` one of its parameters, whole (not sharded), large."""
+    """The block size :func:`slice_stepper` steps ``p`` in multiples of, or 0 where it cannot (``optimizer``'s
+    state is not quantized here, or :func:`slice_block` says no)."""
     installed = optimizer.__dict__.get(_INSTALLED)
-    if installed is None or not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
+    return 0 if installed is None else slice_block(installed[0], optimizer, p)
+
+
+def slice_block(precision: str, optimizer: torch.optim.Optimizer | None, p: torch.Tensor) -> int:
+    """The block size a step of ``p`` with ``precision`` state could be taken a slice at a time in multiples of,
+    or 0: ``optimizer`` an Adam or AdamW, ``p`` whole (not sharded) and large enough to be quantized."""
+    if precision not in moments.FORMATS or not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
         return 0
     if sharding.is_sharded(p) or p.numel() < moments.MIN_NUMEL:
         return 0
-    return moments.FORMATS[installed[0]][1]
+    return moments.FORMATS[precision][1]
 
 
 @torch.no_grad()
@@ -169,7 +184,7 @@ def slice_stepper(optimizer: torch.optim.Optimizer, p: torch.Tensor, group: dict
     bits, block = moments.FORMATS[precision]
     state = optimizer.state[p]
     adam.quantized_moments(state, p, precision, p.numel())
-    decoupled = bool(group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW)))
+    decoupled = _decoupled(optimizer, group)
     where = positions(optimizer) if writeback == "stochastic" else {}
     flat = p.data.view(-1)
 
@@ -193,10 +208,8 @@ def slice_stepper(optimizer: torch.optim.Optimizer, p: torch.Tensor, group: dict
 
         return general
     scalars = fused_adam.step_scalars(group, state["step"] + 1, decoupled, p.device)
-    bf16 = p.dtype == torch.bfloat16
-    seed = _seed(group, where, p, 0) if writeback == "stochastic" and bf16 else None
-    comp = kahan.compensation(state, p).view(-1) if writeback == "kahan" and bf16 else None
-    mode = cpu_adam.KAHAN if comp is not None else cpu_adam.NEAREST if seed is None else cpu_adam.STOCHASTIC
+    seed, comp, _ = _writeback(optimizer, p, flat, group, writeback, where, 0)  # comp: the whole weight's, flat
+    mode = cpu_adam.rounding_mode(stochastic=seed is not None, compensated=comp is not None)
 
     def native(grad: torch.Tensor, first: int) -> None:  # on the CPU: the block kernel on the slice's views
         n = grad.numel()

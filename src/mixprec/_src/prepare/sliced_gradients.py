@@ -131,9 +131,8 @@ class _SlicedForward:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         module = self.module
-        if torch.compiler.is_compiling():  # compiled: the gradient stays whole (the parameter's hook steps it)
-            return type(module).forward(module, x)  # type: ignore[no-any-return]
-        layer = _LAYERS.get(module)
+        # compiled, the gradient stays whole (the parameter's hook steps it); the registry is not read in a graph
+        layer = None if torch.compiler.is_compiling() else _LAYERS.get(module)
         if layer is None or not torch.is_grad_enabled() or not layer.weight.requires_grad:
             return type(module).forward(module, x)  # type: ignore[no-any-return]
         return layer(x)
