@@ -324,14 +324,8 @@ def _speeds(workloads: list[str], size: str, recipes: list[str], steps: int, rou
 
 def paired_ratio(workload: str, size: str, recipe: str, steps: int) -> float:
     """In a process of its own: bf16-pure's median step over ``recipe``'s, the two built here and stepped in turn."""
-    runs = [build(workload, size, "bf16-pure"), build(workload, size, recipe)]
-    seconds: list[list[float]] = [[], []]
-    for step in range(steps + 2):
-        for times, (task, model, optimizer) in zip(seconds, runs, strict=True):
-            begin = time.perf_counter()
-            train_step(task, model, optimizer, step)
-            times.append(time.perf_counter() - begin)
-    return statistics.median(seconds[0][2:]) / statistics.median(seconds[1][2:])
+    pure, mine = _in_turn([build(workload, size, "bf16-pure"), build(workload, size, recipe)], steps)
+    return pure / mine
 
 
 def _paired(workloads: list[str], size: str, recipes: list[str], steps: int, rounds: int) -> None:
@@ -352,20 +346,24 @@ def _paired(workloads: list[str], size: str, recipes: list[str], steps: int, rou
 
 def _interleaved(workload: str, size: str, recipes: list[str], steps: int) -> None:
     """Each recipe's median step against the first recipe's, all built in this process and stepped in turn."""
+    medians = _in_turn([build(workload, size, recipe) for recipe in recipes], steps, progress=workload)
+    print(f"| workload | recipe | step (ms) | step vs {recipes[0]} |\n|---|---|---|---|")
+    for recipe, median in zip(recipes, medians, strict=True):
+        print(f"| {workload} | {recipe} | {median * 1e3:.1f} | {medians[0] / median:.2f}x |")
+
+
+def _in_turn(runs: list[Any], steps: int, progress: str | None = None) -> list[float]:
+    """Each built run's median training step (after two warm-up steps), the runs stepped in turn."""
     from rich.progress import track
 
-    runs = [build(workload, size, recipe) for recipe in recipes]
-    seconds: list[list[float]] = [[] for _ in recipes]
-    for step in track(range(steps + 2), description=workload, transient=True):
+    seconds: list[list[float]] = [[] for _ in runs]
+    count = range(steps + 2)
+    for step in count if progress is None else track(count, description=progress, transient=True):
         for times, (task, model, optimizer) in zip(seconds, runs, strict=True):
             begin = time.perf_counter()
             train_step(task, model, optimizer, step)
             times.append(time.perf_counter() - begin)
-    first = statistics.median(seconds[0][2:])
-    print(f"| workload | recipe | step (ms) | step vs {recipes[0]} |\n|---|---|---|---|")
-    for recipe, times in zip(recipes, seconds, strict=True):
-        median = statistics.median(times[2:])
-        print(f"| {workload} | {recipe} | {median * 1e3:.1f} | {first / median:.2f}x |")
+    return [statistics.median(times[2:]) for times in seconds]
 
 
 def _plot(curves: dict[str, dict[str, list[float]]], path: str) -> None:
