@@ -308,18 +308,26 @@ def main() -> None:
 
 def _speeds(workloads: list[str], size: str, recipes: list[str], steps: int, rounds: int) -> None:
     """Each recipe's step against bf16-pure's; every round runs every recipe once, in turn."""
-    from rich.progress import track
-
-    runs = [(workload, recipe) for _ in range(rounds) for workload in workloads for recipe in recipes]
-    seconds: dict[tuple[str, str], list[float]] = {}
-    for workload, recipe in track(runs, description="speed", transient=True):
-        seconds.setdefault((workload, recipe), []).append(_in_child("speed", workload, size, recipe, str(steps)))
+    seconds = _child_rounds("speed", workloads, size, recipes, steps, rounds)
     print("| workload | recipe | step (ms) | step vs bf16-pure |\n|---|---|---|---|")
     for workload in workloads:
         pure = min(seconds[workload, "bf16-pure"])
         for recipe in recipes:
             best = min(seconds[workload, recipe])
             print(f"| {workload} | {recipe} | {best * 1e3:.1f} | {pure / best:.2f}x |")
+
+
+def _child_rounds(kind: str, workloads: list[str], size: str, recipes: list[str], steps: int,
+                  rounds: int) -> dict[tuple[str, str], list[float]]:  # fmt: skip
+    """``kind``'s figure of each (workload, recipe), each in a process of its own: every round runs every one
+    once, in turn."""
+    from rich.progress import track
+
+    runs = [(workload, recipe) for _ in range(rounds) for workload in workloads for recipe in recipes]
+    figures: dict[tuple[str, str], list[float]] = {}
+    for workload, recipe in track(runs, description=kind, transient=True):
+        figures.setdefault((workload, recipe), []).append(_in_child(kind, workload, size, recipe, str(steps)))
+    return figures
 
 
 def paired_ratio(workload: str, size: str, recipe: str, steps: int) -> float:
@@ -330,12 +338,7 @@ def paired_ratio(workload: str, size: str, recipe: str, steps: int) -> float:
 
 def _paired(workloads: list[str], size: str, recipes: list[str], steps: int, rounds: int) -> None:
     """Each recipe's speed against bf16-pure's, paired in processes of two models, ``rounds`` processes each."""
-    from rich.progress import track
-
-    runs = [(workload, recipe) for _ in range(rounds) for workload in workloads for recipe in recipes]
-    ratios: dict[tuple[str, str], list[float]] = {}
-    for workload, recipe in track(runs, description="paired", transient=True):
-        ratios.setdefault((workload, recipe), []).append(_in_child("pair", workload, size, recipe, str(steps)))
+    ratios = _child_rounds("pair", workloads, size, recipes, steps, rounds)
     print("| workload | recipe | step vs bf16-pure, median | range | processes |\n|---|---|---|---|---|")
     for workload in workloads:
         for recipe in recipes:
