@@ -42,8 +42,8 @@ class MemoryPlan:
         parameters, masters, gradients, optimizer_state: what :func:`mixprec.memory_report` counts
             after a step (the same meanings; gradients are 0 where the step runs in backward).
         gradients_in_flight: the most gradient bytes alive at once during backward where the step
-            runs in backward (the largest parameter's gradient, and the fp32 chunk its norm is taken from);
-            else equal to ``gradients``.
+            runs in backward (the largest parameter's gradient, or its slice, the small parameters'
+            gradients kept until the step, and the fp32 chunk a norm is taken from); else ``gradients``.
         transient: the most bytes the optimizer step makes and frees: torch's own Adam(W) makes two
             temporaries of a parameter's size (the square root and the division), SGD one; the compiled
             kernels (quantized state, bf16-sr's and bf16-kahan's Adam) none; bf16 levels stepping another
@@ -143,7 +143,7 @@ def memory_plan(
     params = _unique(model)
     world = max(1, int(world_size))
     weights = masters = grads = state = 0
-    in_flight = largest = largest_gradient = 0
+    in_flight = largest = largest_gradient = waiting = 0
     largest_on = ""
     step_temporary = shadows = 0
     sliced = _sliced(model, optimizer, config, world)
@@ -162,17 +162,19 @@ def memory_plan(
             grad = numel * stored
             largest_gradient = max(largest_gradient, grad)
             made = sliced.get(id(p), numel)  # values of its gradient alive at once in backward
-            if made * stored > in_flight:
+            if world == 1 and p.numel() < step_in_backward.SMALL:  # kept until step() where not in a unit
+                waiting += grad
+            elif made * stored > in_flight:
                 in_flight, largest, largest_on = made * stored, made, p.device.type
             grads += grad
             state += _state_bytes(p, numel, stored, optimizer, config, world, id(p) in lowp)
             temporary, shadow = _step_temporaries(p, numel, stored, optimizer, config, id(p) in lowp)
             step_temporary, shadows = max(step_temporary, temporary), shadows + shadow
     if config.step_in_backward:
-        grads = 0
         # a low-precision gradient's norm is taken a chunk at a time in fp32, but on the CPU where it lies
         if in_flight < largest * 4 and largest_on != "cpu":
             in_flight += min(largest, step_in_backward.NORM_CHUNK) * 4
+        grads, in_flight = 0, in_flight + waiting
     activations = checkpointed = None
     names: tuple[str, ...] = ()
     if batch is not None:

@@ -9,12 +9,17 @@ fp8's scales, bf16-sr's counters, the user's own) and LR schedulers run there, o
 stepped by the optimizer's own code, in a param group of its own holding the group's hyperparameters,
 so the numbers are the plain step's, bit for bit. Where the optimizer keeps Adam(W)'s moments quantized, a
 large GEMM weight's gradient is made and stepped a slice of rows at a time inside its layer's backward
-(``sliced_gradients``), so not even one whole gradient of it is alive.
+(``sliced_gradients``), so not even one whole gradient of it is alive. The small parameters (fewer than
+:data:`SMALL` values: biases, norms; their state is never quantized) are counted into the norm as their
+gradients come and stepped together at ``optimizer.step()``, before its own step: one call of the
+optimizer's step for all of them (a call each cost the bench transformer 1% of its training step), their
+gradients (a few kilobytes a layer) kept until then.
 
 Clipping (``clip_grad_norm``): a global norm needs every gradient, and a gradient is gone once its
 parameter is stepped. Each gradient is scaled by ``min(1, max_norm / max(previous, so_far))``: the
 previous step's global norm, or the norm of the gradients seen so far in this backward where that is
-larger (a spike is clipped from the gradient that shows it on). The first step has only ``so_far``.
+larger (a spike is clipped from the gradient that shows it on); the small parameters by ``so_far`` of
+the whole backward. The first step has only ``so_far``.
 Under FSDP2 ``so_far`` is summed over ranks (one scalar all-reduce per unit), so every rank scales alike.
 ``previous`` is saved in ``optimizer.state_dict()`` (param-group key ``"mixprec_grad_norm"``, read from the
 device only then), so a resumed run clips as an uninterrupted one.
@@ -28,19 +33,21 @@ loss scaling). Syncs: none on one process; under FSDP2 the per-unit all-reduce o
 
 from __future__ import annotations
 
+import functools
 import types
 from typing import Any
 
 import torch
 
 from mixprec._src import sharding
-from mixprec._src.optim import cpu_adam
+from mixprec._src.optim import cpu_adam, moments
 from mixprec._src.prepare.stochastic_rounding import finisher, fixed_positions
 
 __all__ = [
     "KEY",
     "NORM_CHUNK",
     "NORM_GROUP_KEY",
+    "SMALL",
     "Stepper",
     "check",
     "clip_before_step",
@@ -77,6 +84,7 @@ class Stepper:
         self.so_far: torch.Tensor | None = None  # sum of squares of this backward's gradients
         self.previous: torch.Tensor | None = None  # the last step's global norm
         self.groups: dict[int, dict[str, Any]] | None = None  # id(param) -> its param group, this round
+        self.waiting: list[torch.Tensor] = []  # small parameters counted into the norm, stepped at step()
         self.raw_step = _unhooked_step(optimizer)
 
     def _round(self) -> dict[int, dict[str, Any]]:
@@ -86,11 +94,15 @@ class Stepper:
 
     def add_norm(self, grads: list[torch.Tensor]) -> torch.Tensor | None:
         """Count ``grads`` (local shards) into this backward's norm; the scale of the clipping (or ``None``)."""
-        sq = torch.stack([square_norm(sharding.local(g)) for g in grads]).sum()
+        norms = [square_norm(sharding.local(g)) for g in grads]
+        sq = norms[0] if len(norms) == 1 else torch.stack(norms).sum()
         if self.process_group is not None:
             torch.distributed.all_reduce(sq, group=self.process_group)
         self.so_far = sq if self.so_far is None else self.so_far + sq
-        if self.max_norm is None:
+        return self._scale()
+
+    def _scale(self) -> torch.Tensor | None:
+        if self.max_norm is None or self.so_far is None:
             return None
         bound = self.so_far.sqrt()
         if self.previous is not None:
@@ -105,12 +117,30 @@ class Stepper:
             return
         for p in params:
             self.begin(p)
-        scale = self.add_norm([p.grad for p in params])  # type: ignore[misc]
+        self._step_now(params, self.add_norm([p.grad for p in params]))  # type: ignore[misc]
+
+    def count(self, p: torch.Tensor) -> None:
+        """Count a small parameter's gradient (whole) into the norm now; :meth:`step_waiting` steps it."""
+        if p.grad is not None and id(p) in self._round():
+            self.begin(p)
+            self.add_norm([p.grad])
+            self.stepped.add(id(p))
+            self.waiting.append(p)
+
+    def step_waiting(self, *_: Any) -> None:
+        """At ``optimizer.step()``: step the counted small parameters together, clipped by the whole step's norm."""
+        waiting = [p for p in self.waiting if p.grad is not None]
+        self.waiting = []
+        if waiting:
+            self._step_now(waiting, self._scale())
+
+    def _step_now(self, params: list[torch.Tensor], scale: torch.Tensor | None) -> None:
         with torch.no_grad(), fixed_positions(self.optimizer):
-            for p in params:
-                if scale is not None:
+            if scale is not None:
+                for p in params:
                     p.grad.mul_(scale.to(p.grad.device))  # type: ignore[union-attr]
-                self._step_one(p, groups[id(p)])
+            self._step_these(params, self._round())
+            for p in params:
                 p.grad = None
                 self.stepped.add(id(p))
 
@@ -124,10 +154,13 @@ class Stepper:
                                "accumulate")  # fmt: skip
         return self._round()[id(p)]
 
-    def _step_one(self, p: torch.Tensor, group: dict[str, Any]) -> None:
+    def _step_these(self, params: list[torch.Tensor], groups: dict[int, dict[str, Any]]) -> None:
+        """One call of the optimizer's step over ``params`` alone, each in (a copy of) its own param group."""
         own = self.optimizer.param_groups
-        single = {**group, "params": [p]}
-        self.optimizer.param_groups = [single]
+        mine: dict[int, list[torch.Tensor]] = {}
+        for p in params:
+            mine.setdefault(id(groups[id(p)]), []).append(p)
+        self.optimizer.param_groups = [{**g, "params": mine[id(g)]} for g in own if id(g) in mine]
         try:
             self.raw_step(self.optimizer)
             finish = finisher(self.optimizer)  # bf16-sr's generic path writes its fp32 copies back
@@ -145,6 +178,10 @@ class Stepper:
         self.stepped.clear()
 
 
+#: parameters with fewer values (biases, norms: their optimizer state is never quantized) have their gradients
+#: counted into the norm as they come, and kept until ``optimizer.step()``, which steps them all in one call of
+#: the optimizer's step, before its own
+SMALL = moments.MIN_NUMEL
 #: values whose norm is taken at once: a low-precision gradient's fp32 copy stays this small
 NORM_CHUNK = 1 << 20
 
@@ -182,9 +219,12 @@ def install(model: torch.nn.Module, optimizer: torch.optim.Optimizer, max_norm: 
     for unit in sharding.fsdp_units(model):
         in_units.update(id(fp.sharded_param) for fp in unit.fsdp_params)
         _after_reduce_scatter(unit, stepper, handles)
-    for param in (p for g in optimizer.param_groups for p in g["params"]):
-        if id(param) not in in_units and param.requires_grad:
-            handles.append(param.register_post_accumulate_grad_hook(lambda p: _step_param(stepper, p)))
+    hooked = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in in_units and p.requires_grad]
+    for param in hooked:
+        then = _step_param if param.numel() >= SMALL else _count_param
+        handles.append(param.register_post_accumulate_grad_hook(functools.partial(then, stepper)))
+    if any(p.numel() < SMALL for p in hooked):  # before the optimizer's own step, as the backward's steps are
+        handles.append(optimizer.register_step_pre_hook(stepper.step_waiting))
     handles.append(optimizer.register_step_post_hook(stepper.finish))
     if slices and group is None:  # FSDP2 reduce-scatters whole gradients: its weights are stepped whole
         from mixprec._src.prepare import sliced_gradients  # it imports the optimizer-state step, as prepare does
@@ -217,12 +257,21 @@ def _save_previous(optimizer: torch.optim.Optimizer, stepper: Stepper, handles: 
 
 
 def _step_param(stepper: Stepper, param: torch.Tensor) -> None:
+    _refuse_unsharded_ranks(stepper)
+    stepper.step([param])
+
+
+def _count_param(stepper: Stepper, param: torch.Tensor) -> None:
+    _refuse_unsharded_ranks(stepper)
+    stepper.count(param)
+
+
+def _refuse_unsharded_ranks(stepper: Stepper) -> None:
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     if distributed and stepper.process_group is None and torch.distributed.get_world_size() > 1:
         raise RuntimeError("step_in_backward=True steps each parameter on this rank's gradient as soon as it is "
                            "ready, before DDP (or any data parallelism outside FSDP2) averages it over ranks; shard "
                            "the model with FSDP2 (fully_shard), or prepare with step_in_backward=False")  # fmt: skip
-    stepper.step([param])
 
 
 def _after_reduce_scatter(unit: Any, stepper: Stepper, handles: list[Any]) -> None:
