@@ -127,3 +127,62 @@ def test_the_cli_prints_the_plan(capsys: pytest.CaptureFixture[str]) -> None:
     out = json.loads(capsys.readouterr().out)
     assert out["state"] == out["parameters"] + out["masters"] + out["gradients"] + out["optimizer_state"]
     assert out["activations"] > 0 and out["peak"] > out["state"]
+
+
+def test_the_peak_holds_what_backward_makes_beyond_the_saved_activations() -> None:
+    """A ReLU MLP in fp32, worked by hand: the forward saves the batch and the ReLU's output; backward then holds,
+    at its worst op (the ReLU's), the gradients of the ReLU's output and input at once, the last weight's
+    gradient and the backward's seed. Stepping in backward (O1), that weight's fp32 gradient is counted in
+    flight instead."""
+    rows, inputs, hidden = 128, 16, 256
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(inputs, hidden, bias=False), nn.ReLU(), nn.Linear(hidden, 1, bias=False))
+    batch = torch.randn(rows, inputs)
+
+    def plan(recipe: Any) -> mixprec.MemoryPlan:
+        optimizer = torch.optim.AdamW(model.parameters())
+        return mixprec.memory_plan(model, optimizer, recipe, batch=batch, loss_fn=lambda out: out.sum())
+
+    fp32 = plan("fp32")
+    assert fp32.activations == 4 * (rows * inputs + rows * hidden)
+    assert fp32.backward == 4 * (2 * rows * hidden + hidden + 1)
+    assert fp32.peak == max(fp32.state + fp32.transient, fp32.state - fp32.gradients + fp32.activations + fp32.backward)
+    after = plan(mixprec.PrepareConfig(level="O1"))
+    stepped = plan(mixprec.PrepareConfig(level="O1", step_in_backward=True))
+    assert after.backward is not None and stepped.backward is not None
+    assert after.backward - stepped.backward == 4 * hidden
+    assert stepped.peak == stepped.state + stepped.activations + stepped.backward + stepped.gradients_in_flight + \
+        stepped.transient  # fmt: skip
+
+
+@pytest.mark.parametrize("level", ["fp32", "bf16-pure", "O1"])
+def test_backward_on_fake_tensors_makes_what_the_real_one_makes(level: str) -> None:
+    """The checkerboard's 1x1 convolutions, batch norms (kept in fp32) and ReLUs: the most bytes backward on fake
+    tensors (the plan's) holds beyond the saved ones is what the real backward of the prepared model holds."""
+    from mixprec._src.observe import backward_timeline
+
+    task = WORKLOADS["checkerboard"].build("tiny", torch.device("cpu"))
+    model, (x, y) = task.model, task.batch(0)
+    optimizer = torch.optim.AdamW(model.parameters())
+    plan = mixprec.memory_plan(model, optimizer, level, batch=x, loss_fn=lambda out: task.loss_fn(out.float(), y))
+    if level != "fp32":
+        mixprec.prepare(model, optimizer, level)
+    timeline = backward_timeline.BackwardTimeline()
+    saved = {backward_timeline.storage_key(p) for p in model.parameters()}  # weights are not saved activations
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if backward_timeline.storage_key(t) not in saved:
+            saved.add(backward_timeline.storage_key(t))
+            timeline.saved(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = task.loss_fn(model(x).float(), y)
+    grads: dict[int, int | None] = {}
+    for p in model.parameters():
+        p.register_hook(lambda g, p=p: grads.update({timeline.number(g): p.numel() * p.element_size()}))
+    with timeline:
+        loss.backward(torch.ones_like(loss))
+    for p in model.parameters():
+        grads[timeline.number(p.grad)] = p.numel() * p.element_size()
+    assert plan.backward == backward_timeline.peak(timeline.events, grads) > 2 * plan.largest_gradient

@@ -6,8 +6,9 @@ state: each term from the parameters' shapes, the level's storage dtypes, the mo
 fp32, the optimizer's state and its precision, and FSDP2's dim-0 shards of rank 0, the largest)
 and the activations one forward saves for backward, measured on fake tensors (no memory, no
 compute: ``torch._subclasses.FakeTensorMode``) under the recipe's autocast, with and without
-activation checkpointing of the model's blocks. Nothing is prepared, copied or run for real;
-nothing syncs.
+activation checkpointing of the model's blocks, and what the backward on the same fakes makes
+beyond them at its worst op (``observe.backward_timeline``). Nothing is prepared, copied or run for
+real; nothing syncs.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from torch import nn
 
 from mixprec._src import casting
 from mixprec._src.amp.autocast import autocast
+from mixprec._src.observe.backward_timeline import BackwardTimeline, peak, storage_key
 from mixprec._src.optim import moments
 from mixprec._src.policy.policy import default_policy
 from mixprec._src.prepare import kept, low_bit_state, sliced_gradients, step_in_backward
@@ -53,6 +55,11 @@ class MemoryPlan:
             (``checkpoint``): the blocks' inputs, the largest block's own, and the rest.
         blocks: the modules counted as blocks for ``activations_checkpointed``.
         world_size, recipe: what the plan is for.
+        largest_gradient: the largest parameter's gradient, whole.
+        backward: the most bytes backward holds at once beyond the activations still saved: the
+            gradients of activations in flight, ops' results, and the parameters' gradients made so far
+            (left out where the step runs in backward: ``gradients_in_flight`` counts those); ``None``
+            without a batch, or where backward cannot run on fake tensors.
     """
 
     parameters: int
@@ -67,6 +74,7 @@ class MemoryPlan:
     world_size: int
     recipe: str
     largest_gradient: int = 0
+    backward: int | None = None
 
     @property
     def state(self) -> int:
@@ -77,18 +85,19 @@ class MemoryPlan:
     def peak(self) -> int | None:
         """The most bytes alive at once over a step, activations included (``None`` without a batch).
 
-        Stepping after backward, the larger of the step (every gradient, and the step's temporaries) and the
-        start of backward (every activation, the state without gradients, and one gradient); stepping in
-        backward, the state, every activation, the gradient in flight and the step's temporaries. Measured
-        against the resident peak of the bench transformer (one sequence): within 1.4% to 5.2% below it, what
-        remains being the allocator's and the libraries' own (docs/memory.md).
+        Stepping after backward, the larger of the step (every gradient, and the step's temporaries) and
+        backward's worst moment (the state without gradients, every activation, and ``backward``); stepping in
+        backward, the state, every activation, ``backward``, the gradient in flight and the step's temporaries.
+        Measured against the process's resident peak (one sequence) within 1% on the bench transformer,
+        MLP and checkerboard at thirteen recipes; a kernel's own scratch memory is not seen (oneDNN's bf16
+        convolutions: docs/memory.md).
         """
         if self.activations is None:
             return None
         if self.gradients == 0:  # stepped in backward
-            return self.state + self.activations + self.gradients_in_flight + self.transient
-        start = self.state - self.gradients + self.activations + self.largest_gradient
-        return max(self.state + self.transient, start)
+            return self.state + self.activations + (self.backward or 0) + self.gradients_in_flight + self.transient
+        held = self.largest_gradient if self.backward is None else self.backward
+        return max(self.state + self.transient, self.state - self.gradients + self.activations + held)
 
     def to_dict(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "state": self.state, "peak": self.peak}
@@ -144,6 +153,7 @@ def memory_plan(
     world = max(1, int(world_size))
     weights = masters = grads = state = 0
     in_flight = largest = largest_gradient = waiting = 0
+    grad_bytes: dict[int, int] = {}  # id(param) -> its gradient's bytes
     largest_on = ""
     step_temporary = shadows = 0
     sliced = _sliced(model, optimizer, config, world)
@@ -160,6 +170,7 @@ def memory_plan(
             weights += numel * stored
         if p.requires_grad:
             grad = numel * stored
+            grad_bytes[id(p)] = grad
             largest_gradient = max(largest_gradient, grad)
             made = sliced.get(id(p), numel)  # values of its gradient alive at once in backward
             if world == 1 and p.numel() < step_in_backward.SMALL:  # kept until step() where not in a unit
@@ -175,13 +186,17 @@ def memory_plan(
         if in_flight < largest * 4 and largest_on != "cpu":
             in_flight += min(largest, step_in_backward.NORM_CHUNK) * 4
         grads, in_flight = 0, in_flight + waiting
-    activations = checkpointed = None
+    activations = checkpointed = backward = None
     names: tuple[str, ...] = ()
     if batch is not None:
-        activations, checkpointed, names = _activations(model, config, batch, loss_fn, blocks, lowp, world, plain)
+        activations, checkpointed, names, (events, of) = _activations(model, config, batch, loss_fn, blocks, lowp,
+                                                                      world, plain)  # fmt: skip
+        if of is not None:  # stepping in backward each gradient is freed as it is stepped: in flight, counted apart
+            sizes = {n: None if config.step_in_backward else grad_bytes.get(i) for n, i in of.items()}
+            backward = peak(events, sizes)
     return MemoryPlan(weights, masters, grads, state, in_flight if config.step_in_backward else grads,
                       step_temporary + shadows, activations, checkpointed, names, world,
-                      "fp32" if plain else str(config), largest_gradient)  # fmt: skip
+                      "fp32" if plain else str(config), largest_gradient, backward)  # fmt: skip
 
 
 def _sliced(model: nn.Module, optimizer: torch.optim.Optimizer | None, config: PrepareConfig,
@@ -312,7 +327,7 @@ def _default_blocks(model: nn.Module) -> list[str]:
 
 def _activations(model: nn.Module, config: PrepareConfig, batch: Any, loss_fn: Callable[[Any], torch.Tensor] | None,
                  blocks: str | Iterable[str] | None, lowp: set[int], world: int,
-                 plain: bool) -> tuple[int, int, tuple[str, ...]]:  # fmt: skip
+                 plain: bool) -> tuple[int, int, tuple[str, ...], Any]:  # fmt: skip
     """Bytes saved for backward by one forward on fake tensors; and with ``blocks`` checkpointed."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -325,6 +340,7 @@ def _activations(model: nn.Module, config: PrepareConfig, batch: Any, loss_fn: C
     block_ids = {id(names[n]): n for n in chosen}
     current: list[str | None] = [None]
     saved: dict[Any, tuple[int, str | None]] = {}
+    timeline = BackwardTimeline()
     block_inputs: dict[str, int] = {}
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     if device.type == "meta":  # a model built on the meta device plans as on the CPU
@@ -351,7 +367,7 @@ def _activations(model: nn.Module, config: PrepareConfig, batch: Any, loss_fn: C
             values[name] = _fake(mode, b, device)
         copies = {id(f): f.detach().to(config.dtype).requires_grad_(f.requires_grad) for i, f in fake_params.items()
                   if swap and i in lowp}  # fmt: skip
-        weights = {_storage(t) for t in (*fake_params.values(), *copies.values())}
+        weights = {storage_key(t) for t in (*fake_params.values(), *copies.values())}
         if swap:
             inside = {id(m) for k in kept.outermost(model, config) for m in k.modules()}
             for module in model.modules():
@@ -360,9 +376,10 @@ def _activations(model: nn.Module, config: PrepareConfig, batch: Any, loss_fn: C
                     _swap_copies(module, own, copies, handles)
 
         def pack(t: torch.Tensor) -> torch.Tensor:
-            key = _storage(t)
+            key = storage_key(t)
             if key not in weights and key not in saved:
                 saved[key] = (t.untyped_storage().nbytes(), current[0])
+                timeline.saved(t)
             return t
 
         for module in model.modules():
@@ -378,8 +395,11 @@ def _activations(model: nn.Module, config: PrepareConfig, batch: Any, loss_fn: C
             out = torch.func.functional_call(model, values, args, kwargs, tie_weights=True, strict=False)
         if config.output_dtype is not None and not plain:
             out = casting.cast_floating(out, config.output_dtype)
-        if loss_fn is not None:
-            loss_fn(out)
+        roots = [loss_fn(out)] if loss_fn is not None else list(_tensors(out))
+        del out
+        leaves = [(i, f) for i, f in fake_params.items()] + [(i, copies[id(f)]) for i, f in fake_params.items()
+                                                               if id(f) in copies]  # fmt: skip
+        grads = _backward(roots, timeline, leaves)
     total = sum(size for size, _ in saved.values())
     by_block: dict[str | None, int] = {}
     for size, where in saved.values():
@@ -387,7 +407,42 @@ def _activations(model: nn.Module, config: PrepareConfig, batch: Any, loss_fn: C
     in_blocks = sum(v for k, v in by_block.items() if k is not None)
     largest = max((v for k, v in by_block.items() if k is not None), default=0)
     checkpointed = total - in_blocks + sum(block_inputs.values()) + largest
-    return total, checkpointed, tuple(chosen)
+    return total, checkpointed, tuple(chosen), (timeline.events, grads)
+
+
+def _backward(roots: list[Any], timeline: BackwardTimeline,
+              leaves: list[tuple[int, torch.Tensor]]) -> dict[int, int] | None:  # fmt: skip
+    """Run backward from ``roots`` on the fakes under ``timeline``; the timeline's number of each storage a
+    parameter's gradient was in -> id of the parameter (``leaves``: (id of a model parameter, a fake its
+    gradient may land on: the fake parameter, or O2's compute copy)); ``None`` where backward cannot run on
+    the fakes."""
+    roots = [r for r in roots if isinstance(r, torch.Tensor) and r.requires_grad]
+    if not roots:
+        return None
+    made: dict[int, int] = {}
+
+    def arriving(i: int) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:  # a gradient on its way to .grad (a transposed one is copied there)
+            number = timeline.number(grad)
+            if number is not None:
+                made[number] = i
+
+        return hook
+
+    handles = [f.register_hook(arriving(i)) for i, f in leaves if f.requires_grad]  # type: ignore[no-untyped-call]
+    try:
+        with timeline:
+            torch.autograd.backward(roots, [torch.ones_like(r) for r in roots])
+    except Exception:  # an op without a fake backward: the peak falls back on one gradient (MemoryPlan.peak)
+        return None
+    finally:
+        for h in handles:
+            h.remove()
+    for i, f in leaves:
+        number = None if f.grad is None else timeline.number(f.grad)
+        if number is not None:
+            made[number] = i
+    return made
 
 
 def _fake(mode: Any, t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -414,11 +469,6 @@ def _swap_copies(module: nn.Module, names: list[str], copies: dict[int, torch.Te
 
     handles.append(module.register_forward_pre_hook(enter))
     handles.append(module.register_forward_hook(leave))
-
-
-def _storage(t: torch.Tensor) -> int:
-    """The identity of ``t``'s storage (views of one storage count once; the graph keeps them alive)."""
-    return int(t.untyped_storage()._cdata)
 
 
 def _enter(current: list[str | None], name: str, inputs: dict[str, int]) -> Callable[..., None]:
