@@ -141,7 +141,7 @@ def train_step(task: Any, model: torch.nn.Module, optimizer: torch.optim.Optimiz
     loss = task.loss_fn(model(x).float(), y)
     loss.backward()
     optimizer.step()
-    return float(loss)
+    return float(loss.detach())
 
 
 def _resident(field: str) -> int:
