@@ -62,7 +62,8 @@ class PrepareConfig:
             formats, for parameters of 4096 values or more).
         step_in_backward: step each parameter during backward, as soon as its gradient is whole, and free
             the gradient (gradients never occupy memory for the whole model); ``optimizer.step()`` then
-            finishes the step. No gradient accumulation over backwards, no fp16 (no GradScaler).
+            finishes the step (the small parameters, biases and norms, are stepped there together). No
+            gradient accumulation over backwards, no fp16 (no GradScaler).
         clip_grad_norm: clip gradients to this global norm before each step (``None``: prepare does not
             clip). With ``step_in_backward``, by the previous step's norm or this backward's so far,
             whichever is larger (see :func:`mixprec.grad_norm`).

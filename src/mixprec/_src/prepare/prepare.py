@@ -143,7 +143,8 @@ def prepare(
             block-wise quantized (``"8bit"``, ``"4bit"``, ``"fp8"``: torchao's formats) for parameters of 4096
             values or more; ``optimizer.state_dict()`` holds the codes and scales.
         step_in_backward: step each parameter in backward as soon as its gradient is whole and free the gradient
-            (``optimizer.step()`` then finishes the step: hooks, counters); no accumulation over backwards, no fp16.
+            (``optimizer.step()`` then finishes the step: the small parameters, biases and norms, stepped together;
+            hooks, counters); no accumulation over backwards, no fp16.
         clip_grad_norm: clip gradients to this global norm before each step (in backward: by the previous
             step's norm, or this backward's so far where larger); :func:`mixprec.grad_norm` gives the norm.
 
