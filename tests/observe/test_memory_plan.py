@@ -186,3 +186,16 @@ def test_backward_on_fake_tensors_makes_what_the_real_one_makes(level: str) -> N
     for p in model.parameters():
         grads[timeline.number(p.grad)] = p.numel() * p.element_size()
     assert plan.backward == backward_timeline.peak(timeline.events, grads) > 2 * plan.largest_gradient
+
+
+def test_a_model_on_the_meta_device_plans_as_on_the_cpu() -> None:
+    """Too large to build: planned from its shapes, the backward on fakes included."""
+    plans = []
+    for device in ("meta", "cpu"):
+        with torch.device(device):
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
+        optimizer = torch.optim.AdamW(model.parameters())
+        loss = lambda out: out.square().mean()  # noqa: E731
+        plans.append(mixprec.memory_plan(model, optimizer, "bf16-sr", batch=torch.randn(32, 64), loss_fn=loss))
+    assert plans[0] == plans[1] and plans[0].backward
