@@ -126,7 +126,10 @@ def test_the_cli_prints_the_plan(capsys: pytest.CaptureFixture[str]) -> None:
 
     out = json.loads(capsys.readouterr().out)
     assert out["state"] == out["parameters"] + out["masters"] + out["gradients"] + out["optimizer_state"]
-    assert out["activations"] > 0 and out["peak"] > out["state"]
+    assert out["activations"] > 0 and out["peak"] > out["state"] and out["backward"] > 0
+    assert main(["memory-plan", "--workload", "checkerboard", "--size", "tiny", "--level", "bf16-sr"]) == 0
+    text = capsys.readouterr().out
+    assert "backward, beyond the activations" in text and "checkpointed" not in text  # a Sequential: no blocks
 
 
 def test_the_peak_holds_what_backward_makes_beyond_the_saved_activations() -> None:

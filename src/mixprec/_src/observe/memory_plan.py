@@ -106,8 +106,11 @@ class MemoryPlan:
         rows = [("weights", self.parameters), ("masters", self.masters), ("gradients", self.gradients),
                 ("optimizer state", self.optimizer_state), ("state (memory_report's total)", self.state)]  # fmt: skip
         if self.activations is not None:
-            rows += [("activations", self.activations), ("peak", self.peak or 0)]
-        if self.activations_checkpointed is not None:
+            rows.append(("activations", self.activations))
+            if self.backward is not None:
+                rows.append(("backward, beyond the activations", self.backward))
+            rows.append(("peak", self.peak or 0))
+        if self.activations_checkpointed is not None and self.blocks:
             rows.append((f"activations, {len(self.blocks)} blocks checkpointed", self.activations_checkpointed))
         width = max(len(name) for name, _ in rows)
         lines = [f"memory plan: {self.recipe}, per rank of {self.world_size}"]
