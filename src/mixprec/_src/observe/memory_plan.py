@@ -328,10 +328,16 @@ def _default_blocks(model: nn.Module) -> list[str]:
     return [f"{name}.{child}" if name else child for child, _ in longest.named_children()]
 
 
+#: a backward run on the fakes: its timeline's events, and the number of each storage a parameter's gradient was
+#: in -> id of the parameter (``None``: backward did not run)
+_Backward = tuple[list[tuple[int, int]], dict[int, int] | None]
+
+
 def _activations(model: nn.Module, config: PrepareConfig, batch: Any, loss_fn: Callable[[Any], torch.Tensor] | None,
                  blocks: str | Iterable[str] | None, lowp: set[int], world: int,
-                 plain: bool) -> tuple[int, int, tuple[str, ...], Any]:  # fmt: skip
-    """Bytes saved for backward by one forward on fake tensors; and with ``blocks`` checkpointed."""
+                 plain: bool) -> tuple[int, int, tuple[str, ...], _Backward]:  # fmt: skip
+    """Bytes saved for backward by one forward on fake tensors; and with ``blocks`` checkpointed; and the
+    backward on them: its timeline's events and the storages the parameters' gradients were in (:func:`_backward`)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     names = dict(model.named_modules())

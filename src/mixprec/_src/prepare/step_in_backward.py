@@ -139,7 +139,7 @@ class Stepper:
             if scale is not None:
                 for p in params:
                     p.grad.mul_(scale.to(p.grad.device))  # type: ignore[union-attr]
-            self._step_these(params, self._round())
+            self._step_these(params)
             for p in params:
                 p.grad = None
                 self.stepped.add(id(p))
@@ -154,9 +154,9 @@ class Stepper:
                                "accumulate")  # fmt: skip
         return self._round()[id(p)]
 
-    def _step_these(self, params: list[torch.Tensor], groups: dict[int, dict[str, Any]]) -> None:
+    def _step_these(self, params: list[torch.Tensor]) -> None:
         """One call of the optimizer's step over ``params`` alone, each in (a copy of) its own param group."""
-        own = self.optimizer.param_groups
+        own, groups = self.optimizer.param_groups, self._round()
         mine: dict[int, list[torch.Tensor]] = {}
         for p in params:
             mine.setdefault(id(groups[id(p)]), []).append(p)
