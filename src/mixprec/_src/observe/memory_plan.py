@@ -188,7 +188,7 @@ def memory_plan(
         # a low-precision gradient's norm is taken a chunk at a time in fp32, but on the CPU where it lies
         if in_flight < largest * 4 and largest_on != "cpu":
             in_flight += min(largest, step_in_backward.NORM_CHUNK) * 4
-        grads, in_flight = 0, in_flight + 2 * waiting  # this backward's small ones, and the last step's, held
+        grads, in_flight = 0, in_flight + waiting
     activations = checkpointed = backward = None
     names: tuple[str, ...] = ()
     if batch is not None:

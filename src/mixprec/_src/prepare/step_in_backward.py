@@ -13,11 +13,7 @@ large GEMM weight's gradient is made and stepped a slice of rows at a time insid
 :data:`SMALL` values: biases, norms; their state is never quantized) are counted into the norm as their
 gradients come and stepped together at ``optimizer.step()``, before its own step: one call of the
 optimizer's step for all of them (a call each cost the bench transformer 1% of its training step), their
-gradients (a few kilobytes a layer) kept until then, and after it until the next step's replace them: made
-last in a backward, they lie at the top of the heap, and freeing them at ``step()`` let glibc's malloc give
-the whole free top (every gradient freed in backward, over a hundred megabytes on the bench transformer)
-back to the kernel, for the next forward to fault in again page by page (17-22 thousand page faults a step
-against 0-5 thousand held; the step 3% faster).
+gradients (a few kilobytes a layer) kept until then.
 
 Clipping (``clip_grad_norm``): a global norm needs every gradient, and a gradient is gone once its
 parameter is stepped. Each gradient is scaled by ``min(1, max_norm / max(previous, so_far))``: the
@@ -89,7 +85,6 @@ class Stepper:
         self.previous: torch.Tensor | None = None  # the last step's global norm
         self.groups: dict[int, dict[str, Any]] | None = None  # id(param) -> its param group, this round
         self.waiting: list[torch.Tensor] = []  # small parameters counted into the norm, stepped at step()
-        self.held: list[torch.Tensor] = []  # their gradients after the step, until the next step's replace them
         self.raw_step = _unhooked_step(optimizer)
 
     def _round(self) -> dict[int, dict[str, Any]]:
@@ -137,9 +132,7 @@ class Stepper:
         waiting = [p for p in self.waiting if p.grad is not None]
         self.waiting = []
         if waiting:
-            held = [p.grad for p in waiting if p.grad is not None]
             self._step_now(waiting, self._scale())
-            self.held = held  # the last step's, freed now: see the module's note on the heap
 
     def _step_now(self, params: list[torch.Tensor], scale: torch.Tensor | None) -> None:
         with torch.no_grad(), fixed_positions(self.optimizer):
