@@ -1,6 +1,7 @@
 """A ``forward`` bound to one module instance that survives ``torch.save(model)`` and ``torch.load``.
 
-fp8 conversion and per-layer precision give single layers a forward of their own. A bound method
+fp8 conversion and per-layer precision give single layers a forward of their own, and prepare gives the
+model its forward and its call (the level's region around the original forward). A bound method
 of a module-level function pickles as ``getattr(module, function name)``, which fails on load (the
 module has no such attribute); :class:`BoundForward` pickles as the function and the module.
 """
@@ -28,6 +29,10 @@ class BoundForward:
 
     def __reduce__(self) -> tuple[Any, ...]:
         return BoundForward, (self.func, self.module)
+
+    @property
+    def __code__(self) -> Any:  # a bound method's, which torch.export reads to name its trace
+        return self.func.__code__
 
 
 def bind(module: nn.Module, func: Callable[..., Any]) -> None:

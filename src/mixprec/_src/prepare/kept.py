@@ -75,23 +75,26 @@ def _keep_exit_to(device_type: str, depth: int) -> None:
         _keep_exit(device_type)
 
 
+def _enter(device_type: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    cast_inputs = torch.is_autocast_enabled(device_type)
+    _keep_enter(device_type)
+    if not cast_inputs:
+        return None
+    return casting.cast_floating((args, kwargs), torch.float32, device_type)
+
+
+def _leave(device_type: str, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+    _keep_exit(device_type)
+
+
 def keep_in_fp32(modules: Iterable[nn.Module], device_type: str, handles: list[Any]) -> None:
     """Hooks on each kept module: autocast off inside it, floating inputs cast to fp32.
 
     The hooks belong to the module, so they run wherever the module runs: in a checkpoint's
-    recompute, under FSDP2, in a copy of the model; torch's own autocast state is all they read.
+    recompute, under FSDP2, in a copy of the model (``copy.deepcopy``, ``torch.save``); torch's own
+    autocast state is all they read.
     """
-
-    def enter(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        cast_inputs = torch.is_autocast_enabled(device_type)
-        _keep_enter(device_type)
-        if not cast_inputs:
-            return None
-        return casting.cast_floating((args, kwargs), torch.float32, device_type)
-
-    def leave(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        _keep_exit(device_type)
-
+    enter, leave = functools.partial(_enter, device_type), functools.partial(_leave, device_type)
     for module in modules:
         handles.append(module.register_forward_pre_hook(enter, with_kwargs=True, prepend=True))
         handles.append(module.register_forward_hook(leave, always_call=True))

@@ -58,6 +58,15 @@ class ComputeCopies:
     def nbytes(self) -> int:
         return sum(c.numel() * c.element_size() for c in self.copies.values())
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (``torch.save(model)``) with each copy beside its parameter: the dicts are keyed by ``id``."""
+        return {"dtype": self.dtype, "params": self.params, "copies": [self.copies.get(id(p)) for p in self.params]}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.dtype, self.params = state["dtype"], state["params"]
+        self.copies = {id(p): c for p, c in zip(self.params, state["copies"], strict=True) if c is not None}
+        self.versions = {id(p): p._version for p in self.params if id(p) in self.copies}
+
 
 class _FromCopy(torch.autograd.Function):
     """The low-precision copy as the forward's weight; its gradient goes to the fp32 parameter, widened."""

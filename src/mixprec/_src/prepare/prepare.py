@@ -40,9 +40,11 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from mixprec._src import casting, input_checks, sharding
 from mixprec._src.amp.autocast import autocast
+from mixprec._src.bound_forward import BoundForward
 from mixprec._src.dtypes import short_name
 from mixprec._src.errors import PrepareOrderError
 from mixprec._src.fp8 import all_gather as fp8_all_gather
@@ -76,6 +78,7 @@ class Prepared:
     checked: bool = False  # the first forward looked for FSDP2 units added since
     told_outer: bool = False  # a forward inside an autocast region of another dtype was told of, once
     fused: bool = False  # bf16-sr: Adam(W) steps the bf16 weights with the compiled fused kernel
+    on_modules: list[Any] = dataclasses.field(default_factory=list)  # the handles of hooks on the model's modules
 
     @property
     def level(self) -> Level:
@@ -88,6 +91,13 @@ class Prepared:
     @property
     def output_dtype(self) -> torch.dtype | None:
         return self.config.output_dtype
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled with its model (``torch.save(model)``): the hooks on the model's modules come along, so the
+        loaded model computes as this one; those on the optimizer do not (torch pickles an optimizer without
+        its hooks), so the loaded model is not tied to one: ``export_fp32`` it, then ``prepare`` it again with
+        an optimizer to train it."""
+        return {**self.__dict__, "handles": list(self.on_modules)}
 
 
 def prepared_state(obj: nn.Module | torch.optim.Optimizer) -> Prepared | None:
@@ -229,9 +239,14 @@ def prepare(
 
     # Bound to the model (a deep copy rebinds them to the copy). _call_impl runs before every
     # module hook, FSDP2's included: the place to refuse a model sharded after prepare.
-    model.forward = types.MethodType(_prepared_forward, model)  # type: ignore[method-assign]
+    model.forward = BoundForward(_prepared_forward, model)  # type: ignore[method-assign]
     if not sharded:
-        model._call_impl = types.MethodType(_prepared_call, model)  # type: ignore[method-assign]
+        model._call_impl = BoundForward(_prepared_call, model)  # type: ignore[method-assign]
+    # the handles a pickled model keeps (Prepared.__getstate__): those of the hooks on its own modules
+    hook_dicts = {id(d) for m in model.modules() for d in vars(m).values() if isinstance(d, dict)}
+    state.on_modules = [
+        h for h in state.handles if isinstance(h, RemovableHandle) and id(h.hooks_dict_ref()) in hook_dicts
+    ]
     model.__dict__[_ATTR] = optimizer.__dict__[_ATTR] = state
     return model, optimizer
 
