@@ -164,8 +164,8 @@ MUTANTS = (
     # --- module rules and prepare levels ------------------------------------------------------------
     Mutant("kept-inputs-not-fp32", "a module kept in fp32 gets its low-precision inputs as they are",
            S + "prepare/kept.py",
-           "        return casting.cast_floating((args, kwargs), torch.float32, device_type)",
-           "        return args, kwargs", PREPARE_TESTS),
+           "    return casting.cast_floating((args, kwargs), torch.float32, device_type)",
+           "    return args, kwargs", PREPARE_TESTS),
     Mutant("o2-grad-lost", "O2's low-precision copy passes no gradient to the fp32 parameter",
            S + "prepare/o2_copies.py", "        return grad.to(ctx.master_dtype), None",
            "        return None, None",
