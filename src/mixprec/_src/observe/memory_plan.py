@@ -406,8 +406,7 @@ def _activations(model: nn.Module, config: PrepareConfig, batch: Any, loss_fn: C
             out = casting.cast_floating(out, config.output_dtype)
         roots = [loss_fn(out)] if loss_fn is not None else list(_tensors(out))
         del out
-        leaves = [(i, f) for i, f in fake_params.items()] + [(i, copies[id(f)]) for i, f in fake_params.items()
-                                                               if id(f) in copies]  # fmt: skip
+        leaves = list(fake_params.items()) + [(i, copies[id(f)]) for i, f in fake_params.items() if id(f) in copies]
         grads = _backward(roots, timeline, leaves)
     total = sum(size for size, _ in saved.values())
     by_block: dict[str | None, int] = {}

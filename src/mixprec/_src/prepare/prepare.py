@@ -42,9 +42,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from mixprec._src import casting, input_checks, sharding
+from mixprec._src import bound_forward, casting, input_checks, sharding
 from mixprec._src.amp.autocast import autocast
-from mixprec._src.bound_forward import BoundForward
 from mixprec._src.dtypes import short_name
 from mixprec._src.errors import PrepareOrderError
 from mixprec._src.fp8 import all_gather as fp8_all_gather
@@ -239,9 +238,9 @@ def prepare(
 
     # Bound to the model (a deep copy rebinds them to the copy). _call_impl runs before every
     # module hook, FSDP2's included: the place to refuse a model sharded after prepare.
-    model.forward = BoundForward(_prepared_forward, model)  # type: ignore[method-assign]
+    bound_forward.bind(model, _prepared_forward)
     if not sharded:
-        model._call_impl = BoundForward(_prepared_call, model)  # type: ignore[method-assign]
+        model._call_impl = bound_forward.BoundForward(_prepared_call, model)  # type: ignore[method-assign]
     # the handles a pickled model keeps (Prepared.__getstate__): those of the hooks on its own modules
     hook_dicts = {id(d) for m in model.modules() for d in vars(m).values() if isinstance(d, dict)}
     state.on_modules = [
