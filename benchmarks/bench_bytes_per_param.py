@@ -28,6 +28,11 @@ backward. Three measurements per recipe, each in processes of its own:
     python benchmarks/bench_bytes_per_param.py --speed-only --interleaved --recipes bf16-pure,"bf16-sr 8bit"
     python benchmarks/bench_bytes_per_param.py --peak-only --workloads hf-gpt2,hf-llama   # config-built HF models
     python benchmarks/bench_bytes_per_param.py --speed-only --paired --rounds 3 --recipes "bf16-sr 8bit"
+    python benchmarks/bench_bytes_per_param.py --device cuda --peak-only    # on a GPU: the allocator's peak
+
+On a CUDA device the peak is the caching allocator's (``torch.cuda.max_memory_allocated``: the bytes of
+live tensors, exact) over the same three steps, less what was allocated before the model was built, and
+each timed step ends with a synchronize.
 """
 
 from __future__ import annotations
@@ -48,6 +53,9 @@ from torch import nn
 
 import mixprec
 from mixprec.bench.workloads import WORKLOADS
+
+#: where the models train (``--device``; the children are told it too)
+DEVICE = torch.device("cpu")
 
 #: name -> prepare options (None: plain fp32 AdamW, no prepare)
 RECIPES: dict[str, dict[str, Any] | None] = {
@@ -98,12 +106,13 @@ def _hf_task(name: str, size: str) -> Any:
                                           num_hidden_layers=layers, num_attention_heads=dim // 64,
                                           num_key_value_heads=dim // 256, max_position_embeddings=seq)  # fmt: skip
         lm = transformers.LlamaForCausalLM(config)
+    lm.to(DEVICE)
     text = markov_text(50_000, vocab=vocab)
 
     def batch_fn(step: int) -> tuple[torch.Tensor, torch.Tensor]:
         starts = torch.randint(0, len(text) - seq - 1, (batch,), generator=torch.Generator().manual_seed(step))
         window = torch.stack([text[s : s + seq + 1] for s in starts.tolist()])
-        return window[:, :-1], window[:, 1:]
+        return window[:, :-1].to(DEVICE), window[:, 1:].to(DEVICE)
 
     def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
@@ -115,7 +124,9 @@ def _task(workload: str, size: str) -> Any:
     """The bench's workload, or a config-built Hugging Face model (``hf-gpt2``, ``hf-llama``)."""
     if workload.startswith("hf-"):
         return _hf_task(workload, size)
-    return WORKLOADS[workload].build(size, torch.device("cpu"))
+    task = WORKLOADS[workload].build(size, DEVICE)
+    task.model.to(DEVICE)
+    return task
 
 
 _MMAP = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
@@ -141,7 +152,10 @@ def train_step(task: Any, model: torch.nn.Module, optimizer: torch.optim.Optimiz
     loss = task.loss_fn(model(x).float(), y)
     loss.backward()
     optimizer.step()
-    return float(loss.detach())
+    value = float(loss.detach())
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize(DEVICE)  # the step too, not only the loss
+    return value
 
 
 def _resident(field: str) -> int:
@@ -172,16 +186,20 @@ def peak_worker(workload: str, size: str, recipe: str) -> dict[str, float]:
                                loss_fn=lambda out: task.loss_fn(out.float(), y))  # fmt: skip
     del fp32_model
     gc.collect()
-    base = _resident("VmRSS")
+    cuda = DEVICE.type == "cuda"
+    base = torch.cuda.memory_allocated(DEVICE) if cuda else _resident("VmRSS")
     built, model, optimizer = build(workload, size, recipe)
     del built  # its own copy of the data
     params = sum(p.numel() for p in model.parameters())
     gc.collect()
-    with open("/proc/self/clear_refs", "w") as refs:  # the peak from here on
-        refs.write("5")
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(DEVICE)
+    else:
+        with open("/proc/self/clear_refs", "w") as refs:  # the peak from here on
+            refs.write("5")
     for step in range(3):
         train_step(task, model, optimizer, step, batch=batches[step])
-    peak = _resident("VmHWM")
+    peak = torch.cuda.max_memory_allocated(DEVICE) if cuda else _resident("VmHWM")
     report = mixprec.memory_report(model, optimizer)
     return {"params": params, "report": report.total / params, "peak": (peak - base) / params,
             "activations": (plan.activations or 0) / params,
@@ -209,8 +227,8 @@ def _in_child(*args: str) -> dict[str, Any]:
     # glibc's setting for the peak only: handing every large block back to the system makes each step's
     # allocations page faults (measured: the MLP's step 25% slower), which no training run pays
     env = {**os.environ, **_MMAP} if args[0] == "peak" else dict(os.environ)
-    out = subprocess.run([sys.executable, __file__, "--child", *args], env=env, capture_output=True, text=True,
-                         check=True)  # fmt: skip
+    command = [sys.executable, __file__, "--device", str(DEVICE), "--child", *args]
+    out = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -235,8 +253,11 @@ def main() -> None:
     parser.add_argument("--paired", action="store_true", help="with --speed-only: each recipe beside bf16-pure alone "
                         "in a process of its own, a step of each in turn; --rounds such processes a recipe, taken in "
                         "turns: the median ratio and its range (one model in company, as training runs)")  # fmt: skip
+    parser.add_argument("--device", default="cpu", help="where the models train (cpu, cuda)")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    global DEVICE
+    DEVICE = torch.device(args.device)
     warnings.filterwarnings("ignore")
     if args.child:
         kind, workload, size, recipe, steps = args.child

@@ -199,18 +199,19 @@ def bench_steps(recipes: list[str], device: torch.device, size: str, steps: int,
     return StepRow("transformer", size, ms, speedup, converted, skipped, last, errors)
 
 
-def sqnr_table(recipes: list[str]) -> dict[str, dict[str, float]]:
+def sqnr_table(recipes: list[str], device: torch.device) -> dict[str, dict[str, float]]:
     """SQNR (dB) of one fp8 linear 256 -> 512 on 256 bf16 tokens against the same layer in bf16, per recipe
-    (the layer and batch of tests/fp8/test_fp8_linear.py::test_sqnr_against_bf16_reference); numerics, any device."""
+    (the layer and batch of tests/fp8/test_fp8_linear.py::test_sqnr_against_bf16_reference), on ``device``
+    (a GPU's fp8 GEMMs, or the CPU's emulation)."""
     from mixprec._src.observe.fp8_diagnostics import sqnr
 
     table = {}
     for recipe in recipes:
         torch.manual_seed(0)
-        layer = nn.Linear(256, 512).bfloat16()
+        layer = nn.Linear(256, 512).bfloat16().to(device)
         reference = copy.deepcopy(layer)
         fp8_conversion.convert(layer, mixprec.Fp8Config(mixprec.Fp8Recipe(recipe), convert_head=True), set())
-        x = torch.randn(4, 64, 256, dtype=torch.bfloat16)
+        x = torch.randn(4, 64, 256, dtype=torch.bfloat16).to(device)
         runs = []
         for module in (layer, reference):
             given = x.clone().requires_grad_()
@@ -246,7 +247,7 @@ def main() -> None:
     size = "tiny" if args.quick else "default" if device.type == "cuda" else "quick"
 
     print("SQNR against bf16, one linear 256 -> 512 on 256 tokens (dB): output, weight gradient, input gradient")
-    for recipe, row in sqnr_table(recipes).items():
+    for recipe, row in sqnr_table(recipes, device).items():
         print(f"  {recipe:<20} " + "  ".join(f"{v:5.1f}" for v in row.values()))
     if args.sqnr_only:
         return

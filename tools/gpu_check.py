@@ -1,12 +1,12 @@
 """``make gpu-check``: what this project tests and measures only on a CUDA GPU, in one run and one report.
 
 Four pieces, each a process of its own with a time limit (one that fails or runs over leaves the
-others' results; the limits and the grace a piece gets after its Ctrl-C add up to 8 minutes):
+others' results; the limits and the grace a piece gets after its Ctrl-C add up to 9 minutes):
 
 * ``tests``: the tests skipped without CUDA (``pytest -m cuda``: ``tests/helpers.py``'s
   ``requires_cuda`` marks them), with their pass/fail counts and failures;
 * ``bench``: ``mixprec bench --quick`` eager, the default modes and every ``prepare`` level
-  (``mixprec-tuned`` is left out: its tuning alone would take minutes of the eight);
+  (``mixprec-tuned`` is left out: its tuning alone would take minutes of the nine);
 * ``bench-compile``: ``mixprec bench --quick --compile``: torch.amp, mixprec and the levels
   eager and compiled (the compiled-vs-eager table) and the kernels inductor generates per fp8
   linear, mixprec against torchao. At its limit it is interrupted as Ctrl-C interrupts the bench,
@@ -43,8 +43,8 @@ from mixprec.bench import runner
 
 ROOT = Path(__file__).resolve().parent.parent
 PIECES = ("tests", "bench", "bench-compile", "fp8-gemm")
-LIMITS = {"tests": 80, "bench": 80, "bench-compile": 200, "fp8-gemm": 60}  # seconds; 420 in all
-GRACE = {"bench-compile": 30}  # seconds after the Ctrl-C, to write what finished (10 for the others): 480 in all
+LIMITS = {"tests": 140, "bench": 80, "bench-compile": 200, "fp8-gemm": 60}  # seconds; 480 in all
+GRACE = {"bench-compile": 30}  # seconds after the Ctrl-C, to write what finished (10 for the others): 540 in all
 EAGER_MODES = "fp32,torch-amp,mixprec,mixprec-cl,O1,O2,bf16-sr,bf16-pure"
 COMPILE_MODES = ",".join(runner.COMPILE_MODES)
 
@@ -89,7 +89,7 @@ def commands(args: argparse.Namespace, out: Path) -> dict[str, list[str]]:
     fp8 += ["--shapes", args.shapes] if args.shapes else []
     fp8 += ["--recipes", args.fp8_recipes] if args.fp8_recipes else []
     fp8 += ["--steps", str(args.steps)] if args.steps else []
-    tests = [python, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider"]
+    tests = [python, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "--continue-on-collection-errors"]
     return {
         "tests": [*tests, "--junitxml", str(out / "tests.xml"), str(ROOT / "tests")],
         "bench": [*bench, "--modes", args.modes, "--out", str(out / "bench")],

@@ -64,7 +64,7 @@ class DecoderBlock(nn.Module):
         q, k, v = self.qkv(h).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
         # rotary embedding computed in fp32 with autocast off, as Hugging Face does
         with torch.autocast(x.device.type, enabled=False):
-            freqs = torch.outer(torch.arange(t, dtype=torch.float32), self.inv_freq.float())
+            freqs = torch.outer(torch.arange(t, dtype=torch.float32, device=x.device), self.inv_freq.float())
             emb = torch.cat((freqs, freqs), dim=-1)
             cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
         q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

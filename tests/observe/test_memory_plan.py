@@ -3,14 +3,18 @@ from the shapes alone, byte for byte, on the bench workloads and on config-built
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 import mixprec
+from helpers import requires_cuda
 from mixprec._src.prepare.prepare import prepared_state
 from mixprec.bench.workloads import WORKLOADS
 
@@ -67,6 +71,62 @@ def test_the_plan_is_what_memory_report_and_the_forward_hold_on_the_bench_worklo
     x, y = task.batch(0)
     optimizer = torch.optim.AdamW(task.model.parameters(), lr=1e-3)
     _check(task.model, optimizer, recipe, x, lambda out: task.loss_fn(out.float(), y))
+
+
+@requires_cuda
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: "-".join(str(v) for v in r.values()))
+@pytest.mark.parametrize("workload", ["mlp", "transformer"])
+def test_on_cuda_the_plan_is_what_memory_report_and_the_forward_hold(workload: str, recipe: dict[str, Any]) -> None:
+    """The GPU's kernels save other tensors than the CPU's (its attention, its fused losses): planned on the
+    model's device, the plan counts the GPU's."""
+    task = WORKLOADS[workload].build("tiny", torch.device("cuda"))
+    task.model.cuda()
+    x, y = task.batch(0)
+    optimizer = torch.optim.AdamW(task.model.parameters(), lr=1e-3)
+    _check(task.model, optimizer, recipe, x, lambda out: task.loss_fn(out.float(), y))
+
+
+IN_BACKWARD = {"optimizer_state": "8bit", "step_in_backward": True}
+
+
+@requires_cuda
+@pytest.mark.parametrize(
+    "options",
+    [None, {"level": "O2"}, {"level": "bf16-sr", **IN_BACKWARD}, {"level": "bf16-sr", **IN_BACKWARD,
+                                                                  "optimizer_state": "4bit"}],
+    ids=["fp32", "O2", "8bit-in-backward", "4bit-in-backward"],
+)  # fmt: skip
+def test_on_cuda_the_planned_peak_is_the_allocators_within_5_percent(options: dict[str, Any] | None) -> None:
+    """The caching allocator counts every live tensor's bytes: its peak over training steps (less the data and
+    what was allocated before, after a warm-up run that made the libraries' workspaces) is the plan's."""
+    cuda = torch.device("cuda")
+
+    def steps(task: Any, x: torch.Tensor, y: torch.Tensor) -> Any:
+        optimizer = torch.optim.AdamW(task.model.parameters(), lr=1e-3)
+        config: Any = "fp32" if options is None else mixprec.PrepareConfig(**options)
+        plan = mixprec.memory_plan(task.model, optimizer, config, batch=x,
+                                   loss_fn=lambda out: task.loss_fn(out.float(), y))  # fmt: skip
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated() - sum(p.nbytes for p in task.model.parameters())  # less the fp32 model
+        if options is not None:
+            mixprec.prepare(task.model, optimizer, config)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        for _ in range(3):
+            optimizer.zero_grad()
+            task.loss_fn(task.model(x).float(), y).backward()
+            optimizer.step()
+        torch.cuda.synchronize()
+        return plan, torch.cuda.max_memory_allocated() - base
+
+    for _ in ("warm-up", "measured"):  # the warm-up makes cuBLAS's workspace and compiles the kernels
+        task = WORKLOADS["transformer"].build("quick", cuda)
+        task.model.cuda()
+        x, y = (t[:4].clone() for t in task.batch(0))
+        plan, peak = steps(task, x, y)
+        del task
+    assert plan.peak is not None
+    assert abs(peak - plan.peak) <= 0.05 * plan.peak, (peak, plan.peak, plan)
 
 
 def _hf_models() -> dict[str, tuple[Callable[[], nn.Module], dict[str, torch.Tensor]]]:
@@ -130,6 +190,97 @@ def test_the_cli_prints_the_plan(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["memory-plan", "--workload", "checkerboard", "--size", "tiny", "--level", "bf16-sr"]) == 0
     text = capsys.readouterr().out
     assert "backward, beyond the activations" in text and "checkpointed" not in text  # a Sequential: no blocks
+
+
+class _NewTensors(TorchDispatchMode):
+    """The most bytes of tensors made inside it alive at once (each storage once; ``known`` ones not counted)."""
+
+    def __init__(self, known: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.known = {t.untyped_storage().data_ptr() for t in known}
+        self.alive: set[int] = set()  # storages made here and not freed yet (an address freed can come again)
+        self.live = self.peak = 0
+
+    def _free(self, key: int, nbytes: int) -> None:
+        self.alive.discard(key)
+        self.live -= nbytes
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes():
+                key, nbytes = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
+                if key not in self.known and key not in self.alive:
+                    self.alive.add(key)
+                    self.live += nbytes
+                    self.peak = max(self.peak, self.live)
+                    weakref.finalize(t, self._free, key, nbytes)
+        return out
+
+
+OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
+    "adamw": lambda ps: torch.optim.AdamW(ps, weight_decay=0.1, foreach=False),
+    "adamw-foreach": lambda ps: torch.optim.AdamW(ps, weight_decay=0.1, foreach=True),
+    "adamw-fused": lambda ps: torch.optim.AdamW(ps, fused=True),
+    "adam-l2": lambda ps: torch.optim.Adam(ps, weight_decay=0.1, foreach=False),
+    "adam-l2-foreach": lambda ps: torch.optim.Adam(ps, weight_decay=0.1, foreach=True),
+    "adamw-maximize": lambda ps: torch.optim.AdamW(ps, maximize=True, foreach=False),
+    "sgd-nesterov-wd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.1,
+                                                  foreach=False),
+    "sgd-nesterov-wd-foreach": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.1,
+                                                          foreach=True),
+    "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, foreach=False),
+    "sgd-momentum-foreach": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, foreach=True),
+    "sgd-wd": lambda ps: torch.optim.SGD(ps, lr=0.1, weight_decay=0.1, foreach=False),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("recipe", ["fp32", "O1", "O2", "bf16-pure"])
+@pytest.mark.parametrize("make", list(OPTIMIZERS))
+def test_the_steps_temporaries_are_what_torchs_step_makes(make: str, recipe: Any) -> None:
+    """torch's own Adam(W) and SGD, for-loop (its CPU default), foreach (its GPU default: a temporary for every
+    tensor of a list at once) and fused: the most bytes the step makes and frees, measured tensor by tensor."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.LayerNorm(256), nn.Linear(256, 128), nn.Linear(128, 64))
+    optimizer = OPTIMIZERS[make](model.parameters())
+    config = recipe if recipe == "fp32" else mixprec.PrepareConfig(level=recipe)
+    plan = mixprec.memory_plan(model, optimizer, config)
+    if recipe != "fp32":
+        mixprec.prepare(model, optimizer, config)
+    x = torch.randn(8, 64)
+
+    def step() -> None:
+        optimizer.zero_grad()
+        model(x).float().square().mean().backward()
+        optimizer.step()
+
+    step()
+    step()
+    optimizer.zero_grad()
+    model(x).float().square().mean().backward()
+    state = prepared_state(model)
+    copies = [] if state is None or state.copies is None else list(state.copies.copies.values())
+    known = [*model.parameters(), *(p.grad for p in model.parameters() if p.grad is not None), *copies,
+             *(v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor))]  # fmt: skip
+    with _NewTensors(known) as made:
+        optimizer.step()
+    assert plan.transient == made.peak, (plan.transient, made.peak)
+
+
+def test_torchs_default_on_a_gpu_is_planned_as_its_foreach_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mixprec._src.observe import memory_plan as planning
+
+    model = nn.Sequential(nn.Linear(64, 256), nn.Linear(256, 128))
+    plans = {}
+    for devices in ([], ["cpu"]):  # as if this CPU were a GPU: torch's default foreach path
+        monkeypatch.setattr(planning, "_foreach_devices", lambda devices=devices: devices)
+        plans[bool(devices)] = mixprec.memory_plan(model, torch.optim.AdamW(model.parameters()), "fp32").transient
+    explicit = mixprec.memory_plan(model, torch.optim.AdamW(model.parameters(), foreach=True), "fp32").transient
+    assert plans[True] == explicit == sum(p.numel() * 4 for p in model.parameters())
+    # for-loop: two temporaries of the largest parameter, and the denominator of the one before it (a bias)
+    assert plans[False] == 2 * 128 * 256 * 4 + 256 * 4
+    lr = torch.tensor(1e-3)  # a tensor learning rate without capturable: torch takes the for-loop
+    assert mixprec.memory_plan(model, torch.optim.AdamW(model.parameters(), lr=lr), "fp32").transient == plans[False]
 
 
 def test_the_peak_holds_what_backward_makes_beyond_the_saved_activations() -> None:

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 
+from helpers import requires_cuda
 from mixprec._src.optim import adam, fused_adam, moments
 from mixprec._src.prepare.sr_noise import moved, seed_tensor, sr_bits
 
@@ -63,6 +64,29 @@ def test_one_compiled_step_is_the_eager_step_up_to_rounding(precision: str, deco
     tolerance = {"rtol": 1.6e-2, "atol": 0} if dtype == torch.bfloat16 else {"rtol": 1e-6, "atol": 1e-9}
     torch.testing.assert_close(p, eager_p, **tolerance)  # bf16: a flip of the last bit at most
     assert _agree(p, eager_p) > 0.95  # measured: at least 98.6% bitwise
+
+
+@requires_cuda
+@pytest.mark.parametrize(("shape", "capacity"), CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("precision", ["8bit", "4bit", "fp8"])
+def test_on_cuda_the_compiled_step_is_the_eager_step_up_to_rounding(
+    precision: str, dtype: torch.dtype, shape: tuple[int, ...], capacity: int
+) -> None:
+    """On the GPU inductor makes the graph a Triton kernel: the eager step on the GPU, up to the same rounding."""
+    p, state = _states(precision, shape, dtype, capacity, True)
+    p, state = p.cuda(), {k: v.cuda() for k, v in state.items()}
+    grad = (torch.randn(shape, generator=torch.Generator().manual_seed(9)) * 1e-2).to(dtype).cuda()
+    eager_p, eager_state = p.clone(), copy.deepcopy(state)
+    adam.adam_step(eager_p, grad, eager_state, GROUP, True, precision, capacity)
+    fused_adam.adam_step(p, grad, state, GROUP, True, precision, capacity)
+    assert p.is_cuda and state["exp_avg_codes"].is_cuda
+    for name in ("exp_avg", "exp_avg_sq"):
+        assert _agree(state[f"{name}_codes"], eager_state[f"{name}_codes"]) > 0.999, name
+        torch.testing.assert_close(state[f"{name}_scale"], eager_state[f"{name}_scale"], rtol=1e-6, atol=0)
+    tolerance = {"rtol": 1.6e-2, "atol": 0} if dtype == torch.bfloat16 else {"rtol": 1e-6, "atol": 1e-9}
+    torch.testing.assert_close(p, eager_p, **tolerance)
+    assert _agree(p, eager_p) > 0.95
 
 
 @pytest.mark.parametrize("precision", ["8bit", "4bit", "fp8"])

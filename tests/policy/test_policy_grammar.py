@@ -40,6 +40,20 @@ def test_builtin_cuda_policy_has_torch_cuda_lists() -> None:
     assert cuda.category_of(torch._C._nn.binary_cross_entropy) is OpCategory.BANNED
 
 
+def test_builtin_policies_leave_out_ops_the_installed_torch_lacks(monkeypatch: pytest.MonkeyPatch) -> None:
+    # another torch than the one the tables were read from lacks some of their ops (torch 2.14 has no 'qr'):
+    # the built-in policies then hold the rest, and importing mixprec does not fail
+    from mixprec._src import op_names
+    from mixprec._src.policy import policy
+
+    gone = {"qr", "addmv", "binary_cross_entropy"}
+    real = op_names.exists
+    monkeypatch.setattr(op_names, "exists", lambda name: name not in gone and real(name))
+    cpu, cuda = policy._builtin("cpu"), policy._builtin("cuda")
+    assert "qr" not in cpu.fp32 and "linalg_qr" in cpu.fp32
+    assert "addmv" not in cuda.lower and "mm" in cuda.lower and "binary_cross_entropy" not in cuda.banned
+
+
 def test_default_policy_per_device() -> None:
     assert mixprec.default_policy("cpu") is mixprec.builtin_policy("cpu")
     assert mixprec.default_policy("cuda") is mixprec.builtin_policy("cuda")

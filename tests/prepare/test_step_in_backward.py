@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mixprec
-from helpers import bitwise_equal, init_process_group, spawn
+from helpers import bitwise_equal, init_process_group, requires_cuda, spawn
 from mixprec._src.prepare import step_in_backward
 
 
@@ -35,14 +35,14 @@ OPTIMIZERS = {
 
 
 def _run(level: str, optimizer: str = "adamw", steps: int = 6, *, scale_loss_at: int | None = None,
-         **options: Any) -> tuple[nn.Module, torch.optim.Optimizer, list[float]]:  # fmt: skip
-    model = _model()
+         device: str = "cpu", **options: Any) -> tuple[nn.Module, torch.optim.Optimizer, list[float]]:  # fmt: skip
+    model = _model().to(device)
     opt = OPTIMIZERS[optimizer](model.parameters())
     model, opt = mixprec.prepare(model, opt, level, **options)
     schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     losses = []
     for step in range(steps):
-        x, y = _batch(step)
+        x, y = (t.to(device) for t in _batch(step))
         opt.zero_grad()
         loss = F.cross_entropy(model(x), y)
         (loss * (1e3 if step == scale_loss_at else 1.0)).backward()
@@ -65,6 +65,19 @@ def test_stepping_in_backward_is_the_plain_step_bit_for_bit(level: str, state: s
     assert all(torch.equal(a, b) for a, b in zip(_weights(model), _weights(plain), strict=True))
     ours, theirs = opt.state_dict()["state"], plain_opt.state_dict()["state"]
     assert sorted(ours) == sorted(theirs)  # stepped in another order: the entries come in another order
+    assert all(bitwise_equal(ours[i], theirs[i]) for i in ours)
+
+
+@requires_cuda
+@pytest.mark.parametrize("state", ["fp32", "8bit", "4bit", "fp8"])
+@pytest.mark.parametrize("level", ["O1", "O2", "bf16-sr", "bf16-pure", "bf16-kahan"])
+def test_on_cuda_stepping_in_backward_is_the_plain_step_bit_for_bit(level: str, state: str) -> None:
+    """On the GPU the quantized step is inductor's Triton kernel, bf16-sr's rounding torch's ops."""
+    plain, plain_opt, _ = _run(level, optimizer_state=state, device="cuda")
+    model, opt, _ = _run(level, optimizer_state=state, step_in_backward=True, device="cuda")
+    assert all(p.is_cuda for p in model.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(_weights(model), _weights(plain), strict=True))
+    ours, theirs = opt.state_dict()["state"], plain_opt.state_dict()["state"]
     assert all(bitwise_equal(ours[i], theirs[i]) for i in ours)
 
 

@@ -13,7 +13,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import mixprec
-from helpers import bitwise_equal, one_step, regression_data, regression_model
+from helpers import bitwise_equal, one_step, regression_data, regression_model, requires_cuda
 from mixprec._src.prepare import sr_kernel, sr_noise
 
 
@@ -44,6 +44,33 @@ def test_weyl_noise_rounding_is_unbiased_over_steps() -> None:
     assert (draws.mean(0) - x).abs().max() < 0.06 * 2**-7  # every element, on average over steps
     # and within one step, about 3/8 of the elements round up
     assert abs(draws.gt(1.0).float().mean(1) - 0.375).max() < 0.1
+
+
+def _noise_by_flat_position(shape: tuple[int, ...], device: str) -> None:
+    x = (torch.randn(shape, generator=torch.Generator().manual_seed(0)) * 1e3).to(device)
+    seed = sr_noise.seed_tensor(-123456789, x.device)
+    flat = sr_noise.sr_bits(x.reshape(-1), seed)
+    index = torch.arange(x.numel(), dtype=torch.int64, device=device)
+    noise = (((index * 0x9E3779B1 + (-123456789 & 0xFFFFFFFF)) & 0xFFFFFFFF) >> 16).to(torch.int32)  # no wrapping
+    assert torch.equal(flat, (x.reshape(-1).view(torch.int32) + noise) & -(1 << 16))
+    assert torch.equal(sr_noise.sr_bits(x, seed).reshape(-1), flat)
+    torch._dynamo.reset()
+    compiled = torch.compile(sr_noise.sr_bits, fullgraph=True, dynamic=False)
+    assert torch.equal(compiled(x, seed).reshape(-1), flat)
+
+
+@pytest.mark.parametrize("shape", [(1000,), (7, 256), (3, 5, 64)])
+def test_the_noise_is_that_of_each_elements_flat_position_whatever_the_shape(shape: tuple[int, ...]) -> None:
+    """A (blocks, block) view rounds as its flat run: the per-dimension constants wrapped to 32 bits (which a
+    Triton kernel needs) give the same noise as the flat position times the Weyl constant."""
+    _noise_by_flat_position(shape, "cpu")
+
+
+@requires_cuda
+@pytest.mark.parametrize("shape", [(1000,), (7, 256), (4096, 256)])
+def test_on_cuda_the_noise_is_that_of_each_elements_flat_position(shape: tuple[int, ...]) -> None:
+    """Compiled for the GPU: a Triton kernel, whose index arithmetic is int32."""
+    _noise_by_flat_position(shape, "cuda")
 
 
 def test_fused_adam_sr_kernel_matches_its_eager_form() -> None:

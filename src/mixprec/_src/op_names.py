@@ -13,7 +13,7 @@ import torch
 
 from mixprec._src.errors import PolicyError
 
-__all__ = ["PYTHON_OPS", "names", "Op", "op_name"]
+__all__ = ["PYTHON_OPS", "exists", "names", "Op", "op_name"]
 
 Op = str | Callable[..., Any]
 
@@ -58,7 +58,7 @@ def op_name(op: Op) -> str:
     )
     if isinstance(func_name, str) and from_torch:
         candidate = _ALIASES.get(func_name, func_name)
-        if _aten_exists(candidate):
+        if exists(candidate):
             return candidate
     raise TypeError(
         f"{op!r} is not a torch op a policy can list; name the ATen op it runs (e.g. 'mm'), "
@@ -66,7 +66,8 @@ def op_name(op: Op) -> str:
     )
 
 
-def _aten_exists(name: str) -> bool:
+def exists(name: str) -> bool:
+    """Whether the installed torch has the ATen op ``name``."""
     try:
         getattr(torch.ops.aten, name)
     except (AttributeError, RuntimeError):
@@ -78,7 +79,7 @@ def _checked_name(text: str) -> str:
     name = text.strip()
     namespace, sep, short = name.rpartition("::")
     if not sep or namespace == "aten":
-        if _aten_exists(short):
+        if exists(short):
             return short
         raise PolicyError(f"unknown op {text!r}{_suggest(short)}; policies name ATen ops as torch's lists do ('mm')")
     if name in PYTHON_OPS:

@@ -107,6 +107,10 @@ def pop_to(depth: int) -> None:
         pop()
 
 
+# torch's autocast that Dynamo leaves alone inside a traced function (torch 2.13); before it, autocast itself
+_UNMANAGED = getattr(torch.amp.autocast_mode, "_UnmanagedAutocast", torch.amp.autocast_mode.autocast)
+
+
 @torch.fx.node.has_side_effect
 @torch._dynamo.allow_in_graph  # type: ignore[untyped-decorator]
 def enter_traced(device_type: str, dtype: torch.dtype, enabled: bool, cache_enabled: bool, token: str) -> None:
@@ -114,7 +118,7 @@ def enter_traced(device_type: str, dtype: torch.dtype, enabled: bool, cache_enab
     # tracing (so the ops traced after it see the region), compiled code no longer needs it.
     unwind_on_failed_trace(len(_state().regions))
     compiled_backward.backward_like_eager()
-    torch_ctx = torch.amp.autocast_mode._UnmanagedAutocast(device_type, dtype, enabled, cache_enabled)
+    torch_ctx = _UNMANAGED(device_type, dtype, enabled, cache_enabled)
     torch_ctx.__enter__()  # type: ignore[no-untyped-call]
     push(device_type, interning.policy_for(token), torch_ctx, traced=True)
 

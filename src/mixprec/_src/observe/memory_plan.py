@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fnmatch
+import itertools
 import math
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, cast
@@ -159,6 +160,9 @@ def memory_plan(
     grad_bytes: dict[int, int] = {}  # id(param) -> its gradient's bytes
     largest_on = ""
     step_temporary = shadows = 0
+    lists: dict[tuple[int, int], int] = {}  # (param group, bytes a value) -> bytes of the tensors torch's foreach steps
+    carried: dict[int, int] = {}  # param group -> the denominator torch's for-loop Adam(W) still holds
+    small = largest_listed = 0  # of those: the small parameters' (stepped together in backward), the largest
     sliced = _sliced(model, optimizer, config, world)
     for p in params:
         numel = _shard_numel(p, world)
@@ -182,11 +186,25 @@ def memory_plan(
                 in_flight, largest, largest_on = made * stored, made, p.device.type
             grads += grad
             state += _state_bytes(p, numel, stored, optimizer, config, world, id(p) in lowp)
-            temporary, shadow = _step_temporaries(p, numel, stored, optimizer, config, id(p) in lowp)
+            temporary, shadow = _step_temporaries(p, numel, stored, optimizer, config, id(p) in lowp, world)
+            if temporary > 0 and not config.step_in_backward and _torch_steps(p, stored, optimizer, config, lowp):
+                # torch's for-loop keeps the last parameter's denominator until it makes this one's
+                where = _group_index(optimizer, p)
+                temporary += carried.get(where, 0)
+                carried[where] = numel * stored if type(optimizer) is not torch.optim.SGD else 0
             step_temporary, shadows = max(step_temporary, temporary), shadows + shadow
+            if temporary < 0:  # torch's foreach step: one temporary per tensor of its list, all alive at once
+                key = (_group_index(optimizer, p), stored)
+                lists[key] = lists.get(key, 0) + numel * stored
+                small = small + numel * stored if world == 1 and p.numel() < step_in_backward.SMALL else small
+                largest_listed = max(largest_listed, numel * stored)
+    if lists:  # stepping in backward, a parameter's list is itself, or the small parameters stepped together
+        step_temporary = max(step_temporary, max(small, largest_listed) if config.step_in_backward else
+                             _foreach_peak(lists, type(optimizer) is torch.optim.SGD))  # fmt: skip
     if config.step_in_backward:
-        # a low-precision gradient's norm is taken a chunk at a time in fp32, but on the CPU where it lies
-        if in_flight < largest * 4 and largest_on != "cpu":
+        # a low-precision gradient's norm is taken a chunk at a time in fp32, but where it lies on the CPU (mixprec's
+        # kernel) and on a GPU (CUDA's norm kernel casts as it reads: measured, make gpu-check)
+        if in_flight < largest * 4 and largest_on not in ("cpu", "cuda"):
             in_flight += min(largest, step_in_backward.NORM_CHUNK) * 4
         grads, in_flight = 0, in_flight + waiting
     activations = checkpointed = backward = None
@@ -296,8 +314,9 @@ def _state_bytes(p: torch.Tensor, numel: int, stored: int, optimizer: torch.opti
 
 
 def _step_temporaries(p: torch.Tensor, numel: int, stored: int, optimizer: torch.optim.Optimizer | None,
-                      config: PrepareConfig, low: bool) -> tuple[int, int]:  # fmt: skip
-    """(temporaries the step makes for ``p`` alone, fp32 copies held with every other parameter's)."""
+                      config: PrepareConfig, low: bool, world: int) -> tuple[int, int]:  # fmt: skip
+    """(temporaries the step makes for ``p`` alone, fp32 copies held with every other parameter's); ``-1`` for the
+    first where torch's foreach step takes ``p`` (its temporaries are its list's: the caller sums them)."""
     if optimizer is None:
         return 0, 0
     adam = type(optimizer) in (torch.optim.Adam, torch.optim.AdamW)
@@ -308,7 +327,60 @@ def _step_temporaries(p: torch.Tensor, numel: int, stored: int, optimizer: torch
         return 0, 0  # the fused kernel
     if bf16_step:  # fp32 copies of the weight, its gradient and its state, all held at once
         return 0, numel * 4 * (2 + (1 if type(optimizer) is torch.optim.SGD else 2))
-    return (2 if adam else 1) * numel * stored, 0
+    return _torch_temporaries(optimizer, p, world) * numel * stored, 0
+
+
+def _torch_steps(p: torch.Tensor, stored: int, optimizer: torch.optim.Optimizer | None, config: PrepareConfig,
+                 lowp: set[int]) -> bool:  # fmt: skip
+    """Whether torch's own step takes ``p`` (not mixprec's kernels: quantized state, bf16-sr's and bf16-kahan's)."""
+    if optimizer is None or (config.optimizer_state != "fp32" and p.numel() >= moments.MIN_NUMEL):
+        return False
+    return not (config.level in (Level.BF16_SR, Level.BF16_KAHAN) and id(p) in lowp)
+
+
+def _torch_temporaries(optimizer: torch.optim.Optimizer, p: torch.Tensor, world: int) -> int:
+    """Temporaries of ``p``'s size torch's own step makes (measured: tests/observe/test_memory_plan.py); ``-1``
+    where it takes the foreach path (its default for plain tensors on a GPU: a temporary for every tensor of a
+    list at once), 0 for the fused kernels."""
+    group = optimizer.param_groups[_group_index(optimizer, p)]
+    if group.get("fused"):
+        return 0
+    foreach = group.get("foreach")
+    if foreach is None:  # torch.optim's default: foreach for plain tensors (not FSDP2's DTensors) on a GPU
+        device = "cpu" if p.device.type == "meta" else p.device.type
+        foreach = not group.get("differentiable") and world == 1 and device in _foreach_devices()
+        if isinstance(group.get("lr"), torch.Tensor) and not group.get("capturable"):
+            foreach = False
+    weight_decay, maximize = bool(group.get("weight_decay")), bool(group.get("maximize"))
+    if type(optimizer) is torch.optim.SGD:
+        if foreach:  # the gradients with weight decay added (nesterov adds the momentum in place)
+            return -1 if weight_decay or maximize else 0
+        return int(weight_decay or maximize) + int(bool(group.get("nesterov")) and bool(group.get("momentum")))
+    if foreach:  # the denominators' list (the gradients with L2 decay added are freed before it)
+        return -1
+    l2 = weight_decay and type(optimizer) is torch.optim.Adam and not group.get("decoupled_weight_decay")
+    return 2 + int(l2 or maximize)  # the denominator and the update, and a gradient with L2 decay or negated
+
+
+def _foreach_peak(lists: dict[tuple[int, int], int], sgd: bool) -> int:
+    """The most bytes torch's foreach step holds at once: a param group's tensors go as lists of one dtype, in
+    the order each dtype first comes; Adam(W) keeps a list's denominators until the next list's are made."""
+    most = 0
+    for group in {g for g, _ in lists}:
+        sizes = [size for (g, _), size in lists.items() if g == group]
+        most = max(most, *sizes, *([] if sgd else [a + b for a, b in itertools.pairwise(sizes)]))
+    return most
+
+
+def _foreach_devices() -> list[str]:
+    from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
+
+    return list(_get_foreach_kernels_supported_devices())
+
+
+def _group_index(optimizer: torch.optim.Optimizer | None, p: torch.Tensor) -> int:
+    groups = [] if optimizer is None else optimizer.param_groups
+    return next((i for i, g in enumerate(groups) if any(q is p for q in g["params"])), 0)
 
 
 def _codes_bytes(numel: int, precision: str) -> int:

@@ -93,7 +93,7 @@ def _kernel(p: torch.Tensor, g: torch.Tensor, m_codes: torch.Tensor, m_scale: to
     elif rounding is None:
         p.copy_(new)
     else:
-        p.copy_(rounding(new.reshape(-1), seed).view(torch.float32).view(p.shape))
+        p.copy_(rounding(new, seed).view(torch.float32))  # (blocks, block): see sr_noise.sr_bits
 
 
 #: blocks a call of the kernel steps at most: the fp32 buffers it makes are this many blocks' (about 4 MiB
@@ -168,16 +168,21 @@ def step_scalars(group: dict[str, Any], step: torch.Tensor, decoupled: bool, dev
     """The seven scalars of step ``step`` (counted) of ``group``: lr, the weight decay as applied, 1 - beta1,
     1 - beta2, the two bias corrections (the second's root), eps; fp32, on ``device``."""
     beta1, beta2 = (float(b) for b in group["betas"])
-    lr = torch.tensor(float(group["lr"]), dtype=torch.float32)
+    here = step.device  # the count's (torch's capturable Adam keeps it on the parameter's device)
+
+    def scalar(value: float) -> torch.Tensor:
+        return torch.tensor(value, dtype=torch.float32, device=here)
+
+    lr = scalar(float(group["lr"]))
     weight_decay = float(group["weight_decay"])
     return torch.stack([
         lr,
-        (lr * weight_decay) if decoupled else torch.tensor(weight_decay, dtype=torch.float32),
-        torch.tensor(1 - beta1, dtype=torch.float32),
-        torch.tensor(1 - beta2, dtype=torch.float32),
+        (lr * weight_decay) if decoupled else scalar(weight_decay),
+        scalar(1 - beta1),
+        scalar(1 - beta2),
         1 - beta1**step,
         (1 - beta2**step).sqrt(),
-        torch.tensor(float(group["eps"]), dtype=torch.float32),
+        scalar(float(group["eps"])),
     ]).to(device)  # fmt: skip
 
 

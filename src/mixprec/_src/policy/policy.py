@@ -318,20 +318,26 @@ BANNED_HINT = "this op is banned by the active mixprec policy"
 # --- the built-in policies ---------------------------------------------------------------------------
 
 
+def _installed(ops: tuple[str, ...]) -> frozenset[str]:
+    """The ops of a torch list that the installed torch has (another torch than 2.13 lacks a few, e.g. 2.14 ``qr``):
+    an op torch does not have is one no autocast list of it can hold."""
+    return frozenset(op for op in ops if op_names.exists(op))
+
+
 def _builtin(name: str) -> Policy:
     if name == "cpu":
         return Policy(
-            lower=frozenset(tables.CPU_LOWER),
-            fp32=frozenset(tables.CPU_FP32),
-            promote=frozenset(tables.CPU_PROMOTE),
+            lower=_installed(tables.CPU_LOWER),
+            fp32=_installed(tables.CPU_FP32),
+            promote=_installed(tables.CPU_PROMOTE),
             name="cpu",
         )
     return Policy(
-        lower=frozenset(tables.CUDA_LOWER),
-        fp32=frozenset(tables.CUDA_FP32),
-        fp32_set_dtype=frozenset(tables.CUDA_FP32_SET_DTYPE),
-        promote=frozenset(tables.CUDA_PROMOTE),
-        banned=tables.CUDA_BANNED,
+        lower=_installed(tables.CUDA_LOWER),
+        fp32=_installed(tables.CUDA_FP32),
+        fp32_set_dtype=_installed(tables.CUDA_FP32_SET_DTYPE),
+        promote=_installed(tables.CUDA_PROMOTE),
+        banned={op: text for op, text in tables.CUDA_BANNED.items() if op_names.exists(op)},
         name="cuda",
     )
 

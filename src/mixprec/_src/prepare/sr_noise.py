@@ -103,9 +103,18 @@ def seed_tensor(seed: int, device: torch.device) -> torch.Tensor:
 
 
 def sr_bits(x: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
-    """fp32 ``x`` (1-D) stochastically rounded to bf16 precision, as fp32 bits with 16 low zeros."""
-    index = torch.arange(x.numel(), dtype=torch.int32, device=x.device)
-    noise = ((index * _WEYL + seed) >> 16) & 0xFFFF
+    """fp32 ``x`` (contiguous) stochastically rounded to bf16 precision, as fp32 bits with 16 low zeros; element
+    ``i`` in flat order gets the noise of flat position ``i``, whatever ``x``'s shape.
+
+    The position times the Weyl constant is summed per dimension, each index times ``stride * W`` wrapped to
+    32 bits (the same value mod 2**32): inductor folds ``(row * cols + col) * W`` into one constant per index,
+    which overflows int32 in a Triton kernel (``cols * W``) where the wrapped constants do not.
+    """
+    weyl = torch.zeros((), dtype=torch.int32, device=x.device)
+    for dim, (size, stride) in enumerate(zip(x.shape, x.stride(), strict=True)):
+        index = torch.arange(size, dtype=torch.int32, device=x.device) * _int32(stride * _WEYL)
+        weyl = weyl + index.view([-1 if d == dim else 1 for d in range(x.dim())])
+    noise = ((weyl + seed) >> 16) & 0xFFFF
     return (x.view(torch.int32) + noise) & -(1 << 16)
 
 

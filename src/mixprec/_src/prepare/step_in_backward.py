@@ -189,7 +189,8 @@ NORM_CHUNK = 1 << 20
 def square_norm(g: torch.Tensor) -> torch.Tensor:
     """The fp32 sum of squares of ``g`` (a 0-dim tensor). A low-precision gradient on the CPU is read where it
     lies (``cpu_adam.square_norm``); elsewhere a chunk at a time: ``vector_norm`` with ``dtype=float32`` copies
-    its whole input to fp32 first, the size of the largest gradient again."""
+    its whole input to fp32 first on devices whose norm kernel does not cast as it reads (CUDA's does), the size
+    of the largest gradient again."""
     flat = g.reshape(-1)
     native = None if flat.dtype == torch.float32 else cpu_adam.square_norm(flat)
     if native is not None:
