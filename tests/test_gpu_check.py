@@ -46,6 +46,10 @@ def test_the_cuda_tests_are_the_ones_it_runs(tmp_path: pathlib.Path) -> None:
     command = gpu_check.commands(args, tmp_path)["tests"]
     assert command[:3] == [sys.executable, "-m", "pytest"] and command[3:].count("-m") == 1
     assert command[command.index("-m", 3) + 1] == "cuda" and "--junitxml" in command
+    # only the modules that hold CUDA tests are collected: every such module, and no other
+    modules = {pathlib.Path(c).relative_to(gpu_check.ROOT).as_posix() for c in command if c.endswith(".py")}
+    assert {"tests/optim/test_fused_adam.py", "tests/observe/test_memory_plan.py"} <= modules
+    assert "tests/test_cli.py" not in modules and "tests/helpers.py" not in modules
 
 
 def test_a_piece_that_fails_or_runs_over_its_limit(tmp_path: pathlib.Path) -> None:
