@@ -406,7 +406,7 @@ MUTANTS = (
            S + "observe/memory_plan.py", "*([] if sgd else [a + b for a, b in itertools.pairwise(sizes)])", "*[]",
            ("tests/observe/test_memory_plan.py",)),
     Mutant("plan-no-carried-denominator", "torch's for-loop Adam planned without the last parameter's denominator",
-           S + "observe/memory_plan.py", "temporary += carried.get(where, 0)", "temporary += 0",
+           S + "observe/memory_plan.py", "temporary += carried.get(cast(int, where), 0)", "temporary += 0",
            ("tests/observe/test_memory_plan.py",)),
     Mutant("peak-with-garbage-in-the-base", "the bench's peak starts from a level that holds uncollected garbage",
            "src/mixprec/bench/peak_memory.py", "        gc.collect()\n        if self.device.type",

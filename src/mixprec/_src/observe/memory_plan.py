@@ -164,6 +164,8 @@ def memory_plan(
     carried: dict[int, int] = {}  # param group -> the denominator torch's for-loop Adam(W) still holds
     small = largest_listed = 0  # of those: the small parameters' (stepped together in backward), the largest
     sliced = _sliced(model, optimizer, config, world)
+    groups = [] if optimizer is None else optimizer.param_groups
+    group_of = {id(q): i for i, g in enumerate(groups) for q in g["params"]}  # id(param) -> its group's index
     for p in params:
         numel = _shard_numel(p, world)
         stored = 4 if config.level is Level.O1 or id(p) in kept_ids or id(p) not in lowp else 2
@@ -185,19 +187,21 @@ def memory_plan(
             elif made * stored > in_flight:
                 in_flight, largest, largest_on = made * stored, made, p.device.type
             grads += grad
-            state += _state_bytes(p, numel, stored, optimizer, config, world, id(p) in lowp)
-            temporary, shadow = _step_temporaries(p, numel, stored, optimizer, config, id(p) in lowp, world)
-            if temporary > 0 and not config.step_in_backward and _torch_steps(p, stored, optimizer, config, lowp):
-                # torch's for-loop keeps the last parameter's denominator until it makes this one's
-                where = _group_index(optimizer, p)
-                temporary += carried.get(where, 0)
-                carried[where] = numel * stored if type(optimizer) is not torch.optim.SGD else 0
-            step_temporary, shadows = max(step_temporary, temporary), shadows + shadow
-            if temporary < 0:  # torch's foreach step: one temporary per tensor of its list, all alive at once
-                key = (_group_index(optimizer, p), stored)
+            where = group_of.get(id(p))
+            group = None if where is None else groups[where]
+            state += _state_bytes(p, numel, stored, optimizer, group, config, id(p) in lowp)
+            temporary, shadow, form = _step_temporaries(p, numel, stored, optimizer, group, config, id(p) in lowp,
+                                                        world)  # fmt: skip
+            if form == "foreach":  # one temporary per tensor of its list, all alive at once: summed below
+                key = (cast(int, where), stored)
                 lists[key] = lists.get(key, 0) + numel * stored
                 small = small + numel * stored if world == 1 and p.numel() < step_in_backward.SMALL else small
                 largest_listed = max(largest_listed, numel * stored)
+            elif form == "loop" and temporary > 0 and not config.step_in_backward:
+                # torch's for-loop keeps the last parameter's denominator until it makes this one's
+                temporary += carried.get(cast(int, where), 0)
+                carried[cast(int, where)] = numel * stored if type(optimizer) is not torch.optim.SGD else 0
+            step_temporary, shadows = max(step_temporary, temporary), shadows + shadow
     if lists:  # stepping in backward, a parameter's list is itself, or the small parameters stepped together
         step_temporary = max(step_temporary, max(small, largest_listed) if config.step_in_backward else
                              _foreach_peak(lists, type(optimizer) is torch.optim.SGD))  # fmt: skip
@@ -288,12 +292,10 @@ def _shard_numel(p: torch.Tensor, world: int) -> int:
 
 
 def _state_bytes(p: torch.Tensor, numel: int, stored: int, optimizer: torch.optim.Optimizer | None,
-                 config: PrepareConfig, world: int, low: bool) -> int:  # fmt: skip
-    """Bytes ``optimizer`` keeps for ``p`` after a step, as the level and the state precision keep them."""
-    if optimizer is None:
-        return 0
-    group = next((g for g in optimizer.param_groups if any(q is p for q in g["params"])), None)
-    if group is None:
+                 group: dict[str, Any] | None, config: PrepareConfig, low: bool) -> int:  # fmt: skip
+    """Bytes ``optimizer`` keeps for ``p`` (in param group ``group``) after a step, as the level and the state
+    precision keep them."""
+    if optimizer is None or group is None:
         return 0
     kind = type(optimizer)
     comp = numel * 2 if config.level is Level.BF16_KAHAN and low else 0
@@ -314,37 +316,32 @@ def _state_bytes(p: torch.Tensor, numel: int, stored: int, optimizer: torch.opti
 
 
 def _step_temporaries(p: torch.Tensor, numel: int, stored: int, optimizer: torch.optim.Optimizer | None,
-                      config: PrepareConfig, low: bool, world: int) -> tuple[int, int]:  # fmt: skip
-    """(temporaries the step makes for ``p`` alone, fp32 copies held with every other parameter's); ``-1`` for the
-    first where torch's foreach step takes ``p`` (its temporaries are its list's: the caller sums them)."""
-    if optimizer is None:
-        return 0, 0
+                      group: dict[str, Any] | None, config: PrepareConfig, low: bool,
+                      world: int) -> tuple[int, int, str]:  # fmt: skip
+    """(temporaries the step makes for ``p`` alone, fp32 copies held with every other parameter's, the form of
+    torch's own step that takes ``p``: ``"loop"``, ``"foreach"`` (its temporaries are its list's: the caller
+    sums them) or ``""`` where mixprec's kernels step it or no optimizer does)."""
+    if optimizer is None or group is None:
+        return 0, 0, ""
     adam = type(optimizer) in (torch.optim.Adam, torch.optim.AdamW)
     if config.optimizer_state != "fp32" and p.numel() >= moments.MIN_NUMEL:
-        return (0 if adam else 3 * numel * 4), 0  # the compiled kernel in chunks; SGD's eager fp32 copies
+        return (0 if adam else 3 * numel * 4), 0, ""  # the compiled kernel in chunks; SGD's eager fp32 copies
     bf16_step = config.level in (Level.BF16_SR, Level.BF16_KAHAN) and low
     if bf16_step and adam:
-        return 0, 0  # the fused kernel
+        return 0, 0, ""  # the fused kernel
     if bf16_step:  # fp32 copies of the weight, its gradient and its state, all held at once
-        return 0, numel * 4 * (2 + (1 if type(optimizer) is torch.optim.SGD else 2))
-    return _torch_temporaries(optimizer, p, world) * numel * stored, 0
+        return 0, numel * 4 * (2 + (1 if type(optimizer) is torch.optim.SGD else 2)), ""
+    count, foreach = _torch_temporaries(optimizer, group, p, world)
+    return (0 if foreach else count * numel * stored), 0, "foreach" if count and foreach else "loop"
 
 
-def _torch_steps(p: torch.Tensor, stored: int, optimizer: torch.optim.Optimizer | None, config: PrepareConfig,
-                 lowp: set[int]) -> bool:  # fmt: skip
-    """Whether torch's own step takes ``p`` (not mixprec's kernels: quantized state, bf16-sr's and bf16-kahan's)."""
-    if optimizer is None or (config.optimizer_state != "fp32" and p.numel() >= moments.MIN_NUMEL):
-        return False
-    return not (config.level in (Level.BF16_SR, Level.BF16_KAHAN) and id(p) in lowp)
-
-
-def _torch_temporaries(optimizer: torch.optim.Optimizer, p: torch.Tensor, world: int) -> int:
-    """Temporaries of ``p``'s size torch's own step makes (measured: tests/observe/test_memory_plan.py); ``-1``
-    where it takes the foreach path (its default for plain tensors on a GPU: a temporary for every tensor of a
-    list at once), 0 for the fused kernels."""
-    group = optimizer.param_groups[_group_index(optimizer, p)]
+def _torch_temporaries(optimizer: torch.optim.Optimizer, group: dict[str, Any], p: torch.Tensor,
+                       world: int) -> tuple[int, bool]:  # fmt: skip
+    """(temporaries of ``p``'s size torch's own step makes, whether it takes its foreach path: its default for
+    plain tensors on a GPU, a temporary for every tensor of a list at once), measured:
+    tests/observe/test_memory_plan.py. 0 for the fused kernels."""
     if group.get("fused"):
-        return 0
+        return 0, False
     foreach = group.get("foreach")
     if foreach is None:  # torch.optim's default: foreach for plain tensors (not FSDP2's DTensors) on a GPU
         device = "cpu" if p.device.type == "meta" else p.device.type
@@ -354,12 +351,12 @@ def _torch_temporaries(optimizer: torch.optim.Optimizer, p: torch.Tensor, world:
     weight_decay, maximize = bool(group.get("weight_decay")), bool(group.get("maximize"))
     if type(optimizer) is torch.optim.SGD:
         if foreach:  # the gradients with weight decay added (nesterov adds the momentum in place)
-            return -1 if weight_decay or maximize else 0
-        return int(weight_decay or maximize) + int(bool(group.get("nesterov")) and bool(group.get("momentum")))
+            return int(weight_decay or maximize), True
+        return int(weight_decay or maximize) + int(bool(group.get("nesterov")) and bool(group.get("momentum"))), False
     if foreach:  # the denominators' list (the gradients with L2 decay added are freed before it)
-        return -1
+        return 1, True
     l2 = weight_decay and type(optimizer) is torch.optim.Adam and not group.get("decoupled_weight_decay")
-    return 2 + int(l2 or maximize)  # the denominator and the update, and a gradient with L2 decay or negated
+    return 2 + int(l2 or maximize), False  # the denominator and the update, and a gradient with L2 decay or negated
 
 
 def _foreach_peak(lists: dict[tuple[int, int], int], sgd: bool) -> int:
@@ -376,11 +373,6 @@ def _foreach_devices() -> list[str]:
     from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
 
     return list(_get_foreach_kernels_supported_devices())
-
-
-def _group_index(optimizer: torch.optim.Optimizer | None, p: torch.Tensor) -> int:
-    groups = [] if optimizer is None else optimizer.param_groups
-    return next((i for i, g in enumerate(groups) if any(q is p for q in g["params"])), 0)
 
 
 def _codes_bytes(numel: int, precision: str) -> int:
