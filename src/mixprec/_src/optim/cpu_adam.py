@@ -5,7 +5,8 @@ written out in fp32 between them, the code lookups as scalar loads); here each b
 fp8) or 128 (4-bit) values is dequantized, updated, measured, quantized and written while it sits in
 the core's L1 cache, by a C++ function compiled once per format and weight and gradient dtype with the
 toolchain inductor uses (its cache, its flags for this CPU, OpenMP across the blocks; ATen's vector
-types, so a CPU without AVX2 or AVX-512 takes their scalar forms). The arithmetic is
+types, so a CPU without AVX2 or AVX-512 takes their scalar forms; 4-bit codes unpacked and packed
+sixteen bytes at a time with SSE2, which every x86-64 CPU has). The arithmetic is
 ``adam.adam_step``'s, operation for operation and rounding for rounding (ATen's ``lerp`` is a fused
 multiply-add, written as one; nothing else is contracted): the codes and scales are the eager step's
 bit for bit, and so are bf16 weights; fp32 weights can differ in the last place, where torch's CPU
@@ -39,6 +40,9 @@ _SOURCE = r"""
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#ifdef __SSE2__
+#include <emmintrin.h>
+#endif
 
 namespace {
 constexpr int32_t LAST_ROW = 0x3F800000 >> 16;
@@ -148,10 +152,20 @@ inline VecI load_codes(const uint8_t* codes) {  // one code a byte
 inline const uint8_t* block_codes(const uint8_t* codes, int64_t first, uint8_t* unpacked) {
     if (BITS == 8) return codes + first;
     const uint8_t* bytes = codes + (first >> 1);
+#ifdef __SSE2__
+    const __m128i low = _mm_set1_epi8(0x0F);
+    for (int64_t j = 0; j < BLOCK / 2; j += 16) {  // 16 bytes: their high halves and low halves, interleaved
+        const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + j));
+        const __m128i high = _mm_and_si128(_mm_srli_epi16(packed, 4), low), rest = _mm_and_si128(packed, low);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(unpacked + 2 * j), _mm_unpacklo_epi8(high, rest));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(unpacked + 2 * j + 16), _mm_unpackhi_epi8(high, rest));
+    }
+#else
     for (int64_t j = 0; j < BLOCK / 2; ++j) {
         unpacked[2 * j] = bytes[j] >> 4;
         unpacked[2 * j + 1] = bytes[j] & 0xF;
     }
+#endif
     return unpacked;
 }
 
@@ -190,6 +204,22 @@ inline VecI vec_lookup(const VecF& x, const int32_t* lookup, int32_t rows) {
     return (entry >> VecI(17)) + ((key >= (entry & VecI(0x1FFFF))) & VecI(1));
 }
 
+// a block's 4-bit codes (one a byte, each below 16) two to a byte, the first in the high half
+inline void pack_codes(const uint8_t* c, uint8_t* out) {
+#ifdef __SSE2__
+    const __m128i even = _mm_set1_epi16(0x00FF);
+    for (int64_t j = 0; j < BLOCK; j += 32) {  // per 16-bit lane: an even code in its low byte, the next above it
+        const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + j));
+        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + j + 16));
+        const __m128i pa = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(a, even), 4), _mm_srli_epi16(a, 8));
+        const __m128i pb = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, even), 4), _mm_srli_epi16(b, 8));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + j / 2), _mm_packus_epi16(pa, pb));
+    }
+#else
+    for (int64_t j = 0; j < BLOCK / 2; ++j) out[j] = static_cast<uint8_t>((c[2 * j] << 4) | c[2 * j + 1]);
+#endif
+}
+
 inline void vec_quantize_block(const float* x, float scale, const int32_t* lookup, int32_t rows, bool second,
                                uint8_t* codes, int64_t first) {
     alignas(64) uint8_t c[BLOCK];
@@ -211,9 +241,7 @@ inline void vec_quantize_block(const float* x, float scale, const int32_t* looku
         }
         at::vec::convert<uint8_t>(code).store(out + i, VecF::size());
     }
-    if (BITS == 4)
-        for (int64_t j = 0; j < BLOCK / 2; ++j)
-            codes[(first >> 1) + j] = static_cast<uint8_t>((c[2 * j] << 4) | c[2 * j + 1]);
+    if (BITS == 4) pack_codes(c, codes + (first >> 1));
 }
 
 template <typename P, typename G>
