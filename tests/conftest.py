@@ -31,3 +31,16 @@ def _clean_autocast_state() -> Iterator[None]:
 def host_syncs() -> HostSyncs:
     """A :class:`HostSyncs` probe; ``with host_syncs: ...`` records the reads inside the block."""
     return HostSyncs()
+
+
+@pytest.fixture
+def aten_fp8_gemm() -> Iterator[None]:
+    """oneDNN off for the test: another library's ``torch._scaled_mm`` on the CPU then runs ATen's fp32 emulation,
+    as mixprec's CPU fp8 GEMM always does (torch sends it to oneDNN on CPUs with AVX512-FP16, which sums in
+    another order: a differential test compares the fp8 recipe, not two CPU backends)."""
+    enabled = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(False)
+    try:
+        yield
+    finally:
+        torch._C._set_mkldnn_enabled(enabled)

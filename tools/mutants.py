@@ -420,6 +420,9 @@ MUTANTS = (
     Mutant("fused-state-fp8-zero", "the compiled fp8 step stores a tiny positive second moment as zero",
            S + "optim/fused_adam.py", "            scaled = torch.where((scaled > 0) & (scaled <= 2.0**-10), 2.0**-9, "
            "scaled)", "            pass", FUSED_STATE_TESTS),
+    Mutant("fp8-cpu-gemm-on-onednn", "the CPU fp8 GEMM leaves oneDNN on (a scalar loop where the CPU has "
+           "AVX512-FP16, summed in another order)", S + "fp8/gemm.py", "    torch._C._set_mkldnn_enabled(False)\n",
+           "", ("tests/fp8/test_fp8_gemm.py",)),
     Mutant("cpu-state-lerp-unfused", "the CPU block kernel's lerp rounds its multiply before the add",
            S + "optim/cpu_adam.py", "? at::vec::fmadd(VecF(weight), end - start, start)",
            "? VecF(weight) * (end - start) + start", CPU_ADAM_TESTS),

@@ -115,3 +115,24 @@ def test_amax_is_per_row_of_a_and_per_column_of_b() -> None:
     assert fp8_gemm.amax_of(t, T4, "a").item() == 5.0
     assert fp8_gemm.amax_of(t, R4, "a").flatten().tolist() == [5.0, 3.0]
     assert fp8_gemm.amax_of(t, R4, "b").flatten().tolist() == [2.0, 5.0]
+
+
+def test_the_cpu_gemm_runs_atens_emulation_whatever_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a CPU with AVX512-FP16 torch sends a tensorwise ``_scaled_mm`` to oneDNN (a scalar loop there, summed in
+    another order): mixprec's CPU GEMM turns oneDNN off for the call, and back on after it."""
+    seen = []
+    real = torch._scaled_mm
+
+    def spy(*args: object, **kwargs: object) -> torch.Tensor:
+        seen.append(torch._C._get_mkldnn_enabled())
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(torch, "_scaled_mm", spy)
+    torch.manual_seed(0)
+    a, b = torch.randn(32, 48), torch.randn(48, 16)
+    assert torch._C._get_mkldnn_enabled()
+    got = fp8_gemm.gemm(a, T4, b, T4, torch.float32)
+    assert seen == [False] and torch._C._get_mkldnn_enabled()
+    assert torch.equal(got, reference(a, T4, b, T4, torch.float32, False))
+    compiled = torch.compile(lambda a, b: fp8_gemm.gemm(a, T4, b, T4, torch.float32), fullgraph=True)
+    assert torch.equal(compiled(a, b), got)  # one opaque op in the graph: no break

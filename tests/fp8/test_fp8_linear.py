@@ -64,6 +64,7 @@ def _torchao_model(recipe: str, model: nn.Module) -> nn.Module:
     return theirs
 
 
+@pytest.mark.usefixtures("aten_fp8_gemm")
 @pytest.mark.parametrize("tokens", [48, 30])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])

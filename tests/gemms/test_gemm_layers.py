@@ -81,6 +81,7 @@ def _fwd_bwd(model: nn.Module, x: torch.Tensor, region: bool = True) -> tuple[to
     return out.detach(), x.grad  # type: ignore[return-value]
 
 
+@pytest.mark.usefixtures("aten_fp8_gemm")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
 def test_a_conv1d_in_fp8_is_bitwise_torchaos_float8_linear_on_the_transposed_weight(
@@ -111,6 +112,7 @@ def test_a_conv1d_with_a_precision_computes_as_the_same_linear_and_keeps_its_sta
 # --- patch convolutions -------------------------------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("aten_fp8_gemm")
 @pytest.mark.parametrize("size", [(16, 16), (18, 17)])  # 18x17: positions past the last whole patch are dropped
 def test_a_patch_convolution_in_fp8_is_torchaos_float8_linear_on_unfolded_patches(size: tuple[int, int]) -> None:
     torch.manual_seed(0)
@@ -234,6 +236,7 @@ class _ExplicitAttention(nn.Module):
         return self.out_proj(out).view(length, batch, embed), None
 
 
+@pytest.mark.usefixtures("aten_fp8_gemm")
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_an_attention_in_fp8_equals_explicit_qkv_and_out_projections_in_torchaos_float8(recipe: str) -> None:
     torch.manual_seed(0)

@@ -2,10 +2,15 @@
 
 An operand is cast as ``q = clamp(t * scale, -max, max).to(fp8)`` with ``scale = max / amax``
 (amax of the tensor, or of each row of the GEMM operand over the reduction axis); the GEMM is
-``_scaled_mm(a_q, b_q, 1/scale_a, 1/scale_b)``. On a CPU ``_scaled_mm`` is an fp32 emulation that
-accepts shapes and layouts CUDA rejects; :func:`check_cuda_rules` holds every call to CUDA's rules
-(dims multiples of 16, no e5m2 x e5m2, row-major first and column-major second operand, bf16 output
-for rowwise scales), so what runs here runs on a GPU. Nothing here syncs with the device.
+``_scaled_mm(a_q, b_q, 1/scale_a, 1/scale_b)``. On a CPU ``_scaled_mm`` is ATen's fp32 emulation
+(the operands dequantized, one fp32 matrix product), which accepts shapes and layouts CUDA rejects;
+:func:`check_cuda_rules` holds every call to CUDA's rules (dims multiples of 16, no e5m2 x e5m2,
+row-major first and column-major second operand, bf16 output for rowwise scales), so what runs here
+runs on a GPU. Where the CPU has AVX512-FP16 (Sapphire Rapids and later), torch sends a tensorwise
+``_scaled_mm`` to oneDNN instead, whose fp8 matrix product there is a scalar loop (a 2048x1024x2048
+GEMM took 50 s, against 10 ms emulated) that also sums in another order than the emulation: the CPU
+GEMM here is :func:`cpu_scaled_mm`, the emulation on every CPU (an opaque op that a compiled graph
+calls as it is). Nothing here syncs with the device.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ __all__ = [
     "EPS",
     "amax_of",
     "check_cuda_rules",
+    "cpu_scaled_mm",
     "fp8_max",
     "gemm",
     "quantize",
@@ -124,5 +130,30 @@ def gemm(a: torch.Tensor, a_op: Operand, b: torch.Tensor, b_op: Operand, out_dty
     gemm_dtype = torch.bfloat16 if rowwise else out_dtype
     inv_a, inv_b = sa.reciprocal(), sb.reciprocal()
     check_cuda_rules(a_q, b_q, inv_a, inv_b, gemm_dtype)
-    out = torch._scaled_mm(a_q, b_q, scale_a=inv_a, scale_b=inv_b, out_dtype=gemm_dtype, use_fast_accum=fast_accum)
+    out: torch.Tensor
+    if a_q.device.type == "cpu":
+        out = cpu_scaled_mm(a_q, b_q, inv_a, inv_b, gemm_dtype, fast_accum)
+    else:
+        out = torch._scaled_mm(a_q, b_q, scale_a=inv_a, scale_b=inv_b, out_dtype=gemm_dtype,
+                               use_fast_accum=fast_accum)  # fmt: skip
     return out.to(out_dtype)
+
+
+@torch.library.custom_op("mixprec::cpu_scaled_mm", mutates_args=())
+def cpu_scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                  out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:  # fmt: skip
+    """``torch._scaled_mm`` on the CPU as ATen emulates it, with oneDNN off for the call (see the module)."""
+    enabled = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(False)
+    try:
+        out: torch.Tensor = torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype,
+                                             use_fast_accum=fast_accum)  # fmt: skip
+        return out
+    finally:
+        torch._C._set_mkldnn_enabled(enabled)
+
+
+@cpu_scaled_mm.register_fake
+def _(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, out_dtype: torch.dtype,
+      fast_accum: bool) -> torch.Tensor:  # fmt: skip
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
