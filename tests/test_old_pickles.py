@@ -36,7 +36,7 @@ def test_a_model_pickled_before_the_subpackages_loads_and_computes_the_same() ->
     with mixprec.autocast("cpu", dtype=torch.bfloat16):
         out, expected = model(x), fresh(x)
     assert torch.equal(out, expected)
-    assert sqnr(out.detach(), saved["out"].detach()) > 40  # and what it computed when it was saved, within bf16's rounding
+    assert sqnr(out.detach(), saved["out"].detach()) > 40  # and what it computed when saved, within rounding
     assert isinstance(saved["scaler"], mixprec.GradScaler) and saved["scaler"].get_scale() == 2.0**10
     assert saved["config"] == mixprec.Fp8Config("delayed")
     assert saved["prepare_config"] == mixprec.PrepareConfig(level="O2")

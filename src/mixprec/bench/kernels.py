@@ -34,6 +34,8 @@ TOKENS = 256
 
 _DEFINITION = re.compile(r"^(\w+) = async_compile\.(\w+)\(", re.MULTILINE)
 _EXTERN = re.compile(r"\bextern_kernels\.(\w+)\(")
+# mixprec's CPU fp8 GEMM, an opaque op in the graph: ``_scaled_mm`` as ATen emulates it (``fp8/gemm.py``)
+_CPU_SCALED_MM = re.compile(r"\btorch\.ops\.mixprec\.cpu_scaled_mm\.default\(")
 _FALLBACK = re.compile(r"\b(?:torch\.ops\.)?(aten|prims|_quantized|quantized)\.(\w+)\.\w+\(")
 
 
@@ -41,7 +43,8 @@ def count_code(code: str) -> dict[str, Any]:
     """Count what one graph's inductor output code runs.
 
     Returns ``{"kernels": generated kernels defined, "launches": their calls in the graph's ``call``,
-    "extern": {name: calls} of ``extern_kernels`` (GEMMs and other library kernels), "fallbacks":
+    "extern": {name: calls} of ``extern_kernels`` (GEMMs and other library kernels; mixprec's CPU fp8 GEMM
+    counted as the ``_scaled_mm`` it runs), "fallbacks":
     {aten op: calls}, "kernel_names": [...], "launches_by_kernel": {name: calls}}``. Kernels are the
     ``name = async_compile.<kind>(...)`` definitions (``triton``, ``cpp_pybinding``, ...).
     """
@@ -50,6 +53,8 @@ def count_code(code: str) -> dict[str, Any]:
     body = code[start:] if start >= 0 else ""
     launched = {name: len(re.findall(rf"\b{re.escape(name)}(?:\.run)?\(", body)) for name in names}
     extern = Counter(_EXTERN.findall(body))
+    extern["_scaled_mm"] += len(_CPU_SCALED_MM.findall(body))
+    extern = +extern  # no zero counts
     fallbacks = Counter(f"{ns}.{op}" for ns, op in _FALLBACK.findall(body))
     return {"kernels": len(names), "launches": sum(launched.values()), "extern": dict(extern),
             "fallbacks": dict(fallbacks), "kernel_names": names, "launches_by_kernel": launched}  # fmt: skip
