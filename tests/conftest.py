@@ -13,6 +13,7 @@ from helpers import HostSyncs
 from mixprec._src.amp import autocast as autocast_module
 from mixprec._src.amp import dispatch as dispatch_module
 from mixprec._src.amp import thread_state
+from mixprec._src.fp8.gemm import onednn_off
 
 
 @pytest.fixture(autouse=True)
@@ -38,9 +39,5 @@ def aten_fp8_gemm() -> Iterator[None]:
     """oneDNN off for the test: another library's ``torch._scaled_mm`` on the CPU then runs ATen's fp32 emulation,
     as mixprec's CPU fp8 GEMM always does (torch sends it to oneDNN on CPUs with AVX512-FP16, which sums in
     another order: a differential test compares the fp8 recipe, not two CPU backends)."""
-    enabled = torch._C._get_mkldnn_enabled()
-    torch._C._set_mkldnn_enabled(False)
-    try:
+    with onednn_off():
         yield
-    finally:
-        torch._C._set_mkldnn_enabled(enabled)

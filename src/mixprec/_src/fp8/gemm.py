@@ -15,7 +15,9 @@ calls as it is). Nothing here syncs with the device.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +32,7 @@ __all__ = [
     "cpu_scaled_mm",
     "fp8_max",
     "gemm",
+    "onednn_off",
     "quantize",
     "saturation_threshold",
     "scale_from_amax",
@@ -143,12 +146,19 @@ def gemm(a: torch.Tensor, a_op: Operand, b: torch.Tensor, b_op: Operand, out_dty
 def cpu_scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
                   out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:  # fmt: skip
     """``torch._scaled_mm`` on the CPU as ATen emulates it, with oneDNN off for the call (see the module)."""
+    with onednn_off():
+        out: torch.Tensor = torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype,
+                                             use_fast_accum=fast_accum)  # fmt: skip
+    return out
+
+
+@contextlib.contextmanager
+def onednn_off() -> Iterator[None]:
+    """oneDNN off inside (CPU ``_scaled_mm`` then takes ATen's emulation), restored after."""
     enabled = torch._C._get_mkldnn_enabled()
     torch._C._set_mkldnn_enabled(False)
     try:
-        out: torch.Tensor = torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype,
-                                             use_fast_accum=fast_accum)  # fmt: skip
-        return out
+        yield
     finally:
         torch._C._set_mkldnn_enabled(enabled)
 
