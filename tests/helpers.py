@@ -97,6 +97,19 @@ def init_process_group(rank: int, world: int, port: int) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
 
 
+# What every worker imports, imported once: the workers are forked from a server process that has them (and
+# has run nothing: no thread pool to inherit), not started as new interpreters that import torch each time.
+_PRELOAD = ["torch", "torch.distributed.checkpoint", "torch.distributed.fsdp", "mixprec", "helpers"]
+
+
+def _worker_context() -> Any:
+    import torch.multiprocessing as mp
+
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(_PRELOAD)  # read when the server starts: the suite's first group
+    return context
+
+
 def spawn(fn: Any, world: int, *args: Any) -> list[dict[str, Any]]:
     """Run ``fn(rank, world, port, results, *args)`` in ``world`` processes; each rank's ``results[rank]``.
 
@@ -109,11 +122,12 @@ def spawn(fn: Any, world: int, *args: Any) -> list[dict[str, Any]]:
 
     import torch.multiprocessing as mp
 
+    context = _worker_context()
     for attempt in range(2):
-        manager = mp.get_context("spawn").Manager()
+        manager = context.Manager()
         results = manager.dict()
         try:
-            mp.start_processes(fn, args=(world, free_port(), results, *args), nprocs=world, start_method="spawn")
+            mp.start_processes(fn, args=(world, free_port(), results, *args), nprocs=world, start_method="forkserver")
         except mp.ProcessExitedException as crash:
             if crash.signal_name is None or attempt == 1:
                 raise

@@ -1,9 +1,9 @@
-"""PyTorch's own GradScaler and autocast tests, run with plain torch and then with mixprec swapped in.
+"""PyTorch's own GradScaler and autocast tests, run with plain torch and with mixprec swapped in.
 
 The tests are PyTorch's code (BSD licence), kept outside the project in ``<repo>/../shared/peer-tests``
 and run from there. ``tests/peer/swap_plugin.py`` rebinds torch's ``GradScaler`` and ``autocast``
 names to mixprec's before the test module is imported, and counts mixprec's constructions so the
-test can prove the swap was real. Each file runs twice in a subprocess (plain torch, then swapped):
+test can prove the swap was real. Each file runs twice, in two subprocesses at once (plain torch, and swapped):
 every test that passes with torch must pass with mixprec, except the few in ``NOT_APPLICABLE``.
 """
 
@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -76,8 +77,10 @@ def test_torch_own_tests_pass_with_mixprec_swapped_in(name: str, tmp_path: Path)
         pytest.skip(
             f"PyTorch's peer tests are not here: expected {PEER_DIR / name} (shared/peer-tests beside the repo)"
         )
-    with_torch, _ = _run(name, tmp_path, swap=False)
-    with_mixprec, counts = _run(name, tmp_path, swap=True)
+    with ThreadPoolExecutor(2) as pool:  # the two runs side by side, one a core
+        torch_run = pool.submit(_run, name, tmp_path, swap=False)
+        mixprec_run = pool.submit(_run, name, tmp_path, swap=True)
+        (with_torch, _), (with_mixprec, counts) = torch_run.result(), mixprec_run.result()
     assert counts.get(SWAPPED[name], 0) > 0, f"the swap was not real: mixprec constructions {counts}"
     passing = {test for test, outcome in with_torch.items() if outcome == "passed"}
     assert passing, f"nothing passed with plain torch: {with_torch}"
