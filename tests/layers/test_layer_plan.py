@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -155,6 +156,35 @@ def test_measure_times_each_called_layer_at_its_shapes_and_skips_emulated_fp8() 
     assert "fp8-tensorwise, fp8-rowwise not timed: fp8 GEMMs emulated" in choice.reason
     _, emulated_notes = layer_plan.measure(model, x, square_loss, ["bf16"], time.perf_counter() + 60, {"bf16": 40.0})
     assert any("not run in bf16 (a matmul 40x slower than fp32: emulated)" in n for n in emulated_notes)
+
+
+def test_an_fp8_emulation_far_slower_than_atens_is_not_run_for_the_other_layers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A CPU backend whose fp8 GEMM is a scalar loop (oneDNN's on AVX512-FP16, before mixprec's CPU GEMM ran ATen's)
+    took 50 s a GEMM: six of them were tune's whole budget five times over. The first slow one stops fp8's SQNR."""
+    fp8_calls = []
+
+    class SlowFp8(layer_plan._Run):
+        def __init__(self, captured: Any, precision: str, loss_scale: float = 1.0) -> None:
+            super().__init__(captured, precision, loss_scale)
+            if precision.startswith("fp8"):  # inside the timed forward: past 0.1 s and 50x a small layer's fp32 run
+                self.holder.layer.register_forward_pre_hook(lambda *_: fp8_calls.append(precision) or time.sleep(0.15))
+
+    monkeypatch.setattr(layer_plan, "_Run", SlowFp8)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 8))  # 3 fp8-able
+    measured, notes = layer_plan.measure(model, torch.randn(64, 32), square_loss, ["bf16", *layer_plan.FP8_CANDIDATES],
+                                         time.perf_counter() + 60)  # fmt: skip
+    assert fp8_calls == ["fp8-tensorwise"]  # the first layer's first fp8 run; its rowwise and the later layers' not
+    assert any("fp8's SQNR not measured from layer 0 on: its fp8-tensorwise GEMMs took" in n for n in notes)
+    first, later = measured[0], measured[1:3]
+    assert "fp8-tensorwise" in first.sqnr_db and first.not_measured["fp8-rowwise"] == layer_plan._SLOW_REASON
+    for m in later:
+        assert not any(p.startswith("fp8") for p in m.sqnr_db)
+        assert m.not_measured["fp8-tensorwise"] == m.not_measured["fp8-rowwise"] == layer_plan._SLOW_REASON
+    assert "output head" in measured[3].not_measured["fp8-tensorwise"]  # a rule's reason stays the rule's
+    assert all(set(m.ms) == {"fp32", "bf16"} and "bf16" in m.sqnr_db for m in measured)  # the rest as before
 
 
 def test_fp16_is_measured_behind_the_loss_scale_a_grad_scaler_trains_at() -> None:

@@ -64,6 +64,11 @@ __all__ = [
 FP8_CANDIDATES = (FP8_PREFIX + Fp8Recipe.TENSORWISE.value, FP8_PREFIX + Fp8Recipe.ROWWISE.value)
 _REPS = 3  # timed repetitions per layer and precision (after one warm-up): the fastest counts
 _MAX_REPS = 8  # ... repeated up to this many while the fastest two of a precision differ by over timing.NOISY
+# An untimed (emulated) fp8 run of a layer past this many times its fp32 run is not the emulation the SQNR table
+# is for (ATen's is about 2x fp32: quantize, then an fp32 GEMM); one such GEMM can outlast the whole budget.
+_SLOW_EMULATION = 50.0
+_SLOW_FLOOR_S = 0.1  # ... and past this (a tiny layer's fp32 run is all overhead)
+_SLOW_REASON = "fp8 GEMMs emulated too slowly here for their SQNR"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -294,6 +299,7 @@ def measure(model: nn.Module, batch: Any, loss_of: Callable[[Any], torch.Tensor]
                      f"a GradScaler trains this model at (largest gradient {largest_gradient:.3g})")  # fmt: skip
     head = fp8_conversion.head_of(model, sites.gemm_layers(model, route=False))
     out: list[Measured] = []
+    dropped: set[str] = set()  # untimed precisions whose emulation here is too slow to run for its SQNR
     for name, c in captured.items():
         if time.perf_counter() > deadline:
             notes.append(f"the budget ran out after {len(out)} of {len(captured)} layers: the others keep the "
@@ -312,11 +318,24 @@ def measure(model: nn.Module, batch: Any, loss_of: Callable[[Any], torch.Tensor]
             if why is not None:
                 entry.not_measured[p] = why.split(" (")[0].split(", which")[0]  # the rule, without its advice
                 continue
+            if p in dropped:
+                entry.not_measured[p] = _SLOW_REASON
+                continue
             runs[p] = _Run(c, p, fp16_scale if p == "fp16" else 1.0)
         if progress is not None:
             progress(f"  layer {name} ({entry.shape}): {', '.join(runs)}")
-        for run in runs.values():
-            run()  # warm-up
+        for p, run in list(runs.items()):
+            if p in dropped:  # this layer's earlier fp8 run was the slow one
+                del runs[p]
+                entry.not_measured[p] = _SLOW_REASON
+                continue
+            seconds = run()  # warm-up
+            if p in untimed and seconds > max(_SLOW_EMULATION * runs["fp32"].times[0], _SLOW_FLOOR_S):
+                dropped |= untimed
+                ratio = seconds / runs["fp32"].times[0]
+                notes.append(f"per-layer plan: fp8's SQNR not measured from layer {name} on: its {p} GEMMs took "
+                             f"{seconds:.2g} s, {ratio:.0f}x its fp32 run (the emulation is about 2x), and one "
+                             "such GEMM of a larger layer could take the whole budget")  # fmt: skip
         timed = {p: run for p, run in runs.items() if p not in untimed}
         rep = 0
         while rep < _REPS or (rep < _MAX_REPS and _noise(timed) > timing.NOISY and time.perf_counter() < deadline):
