@@ -138,7 +138,13 @@ def test_training_is_torchaos_low_bit_adamw_bitwise_where_every_parameter_is_qua
     assert ours == reference and ours[-1] < ours[0]
 
 
-@pytest.mark.parametrize(("precision", "theirs"), [("8bit", "AdamW8bit"), ("4bit", "AdamW4bit"), ("fp8", "AdamWFp8")])
+# torchao's step compiles a graph per parameter shape (8-15 s a precision on an empty inductor cache): make test
+# runs 4-bit's; the eager differential above holds every precision bitwise there, and make test-slow runs all three.
+@pytest.mark.parametrize(
+    ("precision", "theirs"),
+    [pytest.param("8bit", "AdamW8bit", marks=pytest.mark.slow), ("4bit", "AdamW4bit"),
+     pytest.param("fp8", "AdamWFp8", marks=pytest.mark.slow)],
+)  # fmt: skip
 def test_training_follows_torchaos_compiled_low_bit_adamw(precision: str, theirs: str) -> None:
     """Within 2% a step: torchao's step compiled by inductor rounds differently, and mixprec steps the small
     parameters (biases, the 256-value head) with torch's own AdamW, which arranges the update differently from
