@@ -19,6 +19,17 @@ def _reset_dynamo() -> None:
     torch._dynamo.reset()
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _rule_hooks_removed() -> Any:
+    """A region with rules traced by a compile leaves the global module hooks installed (its frame's guards read
+    them); the next eager region with rules removes them. Done here, so a later module's ``torch.compile(module)``
+    runs without torch's warning about global hooks."""
+    yield
+    with mixprec.autocast("cpu", policy=_rules()):
+        pass
+    assert not nn.modules.module._has_any_global_hook()
+
+
 def _model() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.LayerNorm(16), nn.Linear(16, 4))
