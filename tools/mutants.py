@@ -73,10 +73,32 @@ _BEFORE_STEP = """        grad_x = grad_bias = None
         layer.backward(grad2, x2)
 """  # a sliced layer's backward: the input's gradient, the bias's, then the weight's slices
 KAHAN_TESTS = ("tests/prepare/test_kahan.py",)
+BF16_STATE_TESTS = ("tests/optim/test_bf16_state.py",)
 PLAN_MEMORY_TESTS = ("tests/observe/test_memory_plan.py",)
 MEMORY_BUDGET_TESTS = ("tests/tune/test_memory_budget.py",)
 
 MUTANTS = (
+    Mutant("bf16-state-rounds-nearest", "bf16 moments are stored rounded to nearest, not stochastically",
+           S + "prepare/bf16_state.py", "    bits = sr_bits(value.contiguous(), seed_tensor(seed, value.device))\n"
+           "    target.copy_(bits.view(torch.float32).view(target.shape))",
+           "    target.copy_(value.view(target.shape))", BF16_STATE_TESTS),
+    Mutant("bf16-state-chunk-noise-from-zero", "each chunk of a moment takes the noise of the tensor's first values",
+           S + "prepare/bf16_state.py", "_round_into(m_old, m, moved(seeds[0], first))",
+           "_round_into(m_old, m, seeds[0])", BF16_STATE_TESTS),
+    Mutant("bf16-state-left-fp32-on-load", "a loaded checkpoint's moments stay as load_state_dict cast them (fp32)",
+           S + "prepare/bf16_state.py", "                    state[name] = value.to(torch.bfloat16)",
+           "                    state[name] = value", BF16_STATE_TESTS),
+    Mutant("bf16-state-sgd-first-buffer-zero", "SGD's first step with bf16 momentum starts from a zero buffer",
+           S + "prepare/bf16_state.py", "buf_old.float() if started else None", "buf_old.float()",
+           BF16_STATE_TESTS),
+    Mutant("bf16-state-chunks-overlap", "a chunk's temporaries live on while the next chunk's are made",
+           S + "prepare/bf16_state.py", "        del m, v, new  #", "        pass  #", PLAN_MEMORY_TESTS),
+    Mutant("plan-bf16-state-four-bytes", "the plan counts bf16 moments at fp32's four bytes",
+           S + "observe/memory_plan.py", "            return count * numel * 2 + step + comp",
+           "            return count * numel * 4 + step + comp", BF16_STATE_TESTS + PLAN_MEMORY_TESTS),
+    Mutant("plan-bf16-state-no-temporaries", "the plan leaves the bf16 step's chunk copies out",
+           S + "observe/memory_plan.py", "return (8 if adam else 7) * 4 * min(numel, bf16_state.CHUNK) + 4, 0, \"\"",
+           "return 0, 0, \"\"", PLAN_MEMORY_TESTS),
     Mutant("state-codes-cast-on-load", "a loaded checkpoint's codes and scales are left as load_state_dict cast them",
            S + "prepare/low_bit_state.py", "{k: sharding.local(v).to(param.device) for k, v in tensors.items()}",
            "{k: sharding.local(v).to(param.device, param.dtype) for k, v in tensors.items()}", STATE_TESTS),
@@ -493,7 +515,7 @@ MUTANTS = (
            S + "prepare/kahan.py", "    rounded = bf16_nearest(s)", "    rounded = s.to(torch.bfloat16).float()",
            KAHAN_TESTS),
     Mutant("plan-step-count-left-out", "memory_plan leaves Adam's step counts out of the optimizer state",
-           S + "observe/memory_plan.py", "        step = 4  # a 0-dim fp32 tensor", "        step = 0",
+           S + "observe/memory_plan.py", "    step = 4  # a 0-dim fp32 tensor", "    step = 0",
            PLAN_MEMORY_TESTS),
     Mutant("plan-compensation-left-out", "memory_plan leaves bf16-kahan's compensation out",
            S + "observe/memory_plan.py", "comp = numel * 2 if config.level is Level.BF16_KAHAN and low else 0",

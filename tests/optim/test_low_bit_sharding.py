@@ -1,5 +1,5 @@
-"""Quantized optimizer state under FSDP2 (fully_shard) on real gloo process groups: sharded per rank, trained as
-one process trains it within the quantization's noise, resumed from DCP bit for bit."""
+"""Quantized and bf16 optimizer state under FSDP2 (fully_shard) on real gloo process groups: sharded per rank,
+trained as one process trains it within the quantization's noise, resumed from DCP bit for bit."""
 
 from __future__ import annotations
 
@@ -64,22 +64,22 @@ def _full(model: nn.Module) -> list[torch.Tensor]:
     return [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().clone() for p in model.parameters()]
 
 
-def _worker(rank: int, world: int, port: int, results: Any, where: str, level: str) -> None:
+def _worker(rank: int, world: int, port: int, results: Any, where: str, level: str, precision: str) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     warnings.filterwarnings("ignore")
     init_process_group(rank, world, port)
     out: dict[str, Any] = {}
-    model, optimizer = _build(world, "8bit", level)
+    model, optimizer = _build(world, precision, level)
     out["losses"] = _train(model, optimizer, range(STEPS), rank, world)
     out["full"] = _full(model)
     out["state_bytes"] = mixprec.memory_report(model, optimizer).optimizer_state
-    model, optimizer = _build(world, "8bit", level)
+    model, optimizer = _build(world, precision, level)
     _train(model, optimizer, range(SAVE_AT), rank, world)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=where)
-    model, optimizer = _build(world, "8bit", level)
+    model, optimizer = _build(world, precision, level)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     loaded = {"model": model_sd, "optim": optim_sd}
     dcp.load(loaded, checkpoint_id=where)
@@ -90,25 +90,27 @@ def _worker(rank: int, world: int, port: int, results: Any, where: str, level: s
     dist.destroy_process_group()
 
 
-def _one_process(level: str) -> dict[str, Any]:
-    model, optimizer = _build(1, "8bit", level)
+def _one_process(level: str, precision: str) -> dict[str, Any]:
+    model, optimizer = _build(1, precision, level)
     losses = _train(model, optimizer, range(STEPS), 0, 1)
     return {"losses": losses, "state_bytes": mixprec.memory_report(model, optimizer).optimizer_state}
 
 
 @pytest.mark.parametrize(
-    ("world", "level"),
+    ("world", "level", "precision"),
     [
-        (2, "bf16-pure"),
-        pytest.param(2, "bf16-sr", marks=pytest.mark.slow),
-        pytest.param(4, "bf16-pure", marks=pytest.mark.slow),
+        (2, "bf16-pure", "8bit"),
+        pytest.param(2, "bf16-sr", "8bit", marks=pytest.mark.slow),
+        pytest.param(4, "bf16-pure", "8bit", marks=pytest.mark.slow),
+        (2, "O2", "bf16"),
+        pytest.param(4, "bf16-sr", "bf16", marks=pytest.mark.slow),
     ],
 )
 def test_quantized_state_is_sharded_trains_as_one_process_and_resumes_from_dcp_bitwise(
-    world: int, level: str, tmp_path: Path
+    world: int, level: str, precision: str, tmp_path: Path
 ) -> None:
-    one_process = _one_process(level)
-    ranks = spawn(_worker, world, str(tmp_path), level)
+    one_process = _one_process(level, precision)
+    ranks = spawn(_worker, world, str(tmp_path), level, precision)
     for rank in ranks:  # each rank holds its shard's codes and scales: a world's share, and the padding of its blocks
         assert rank["state_bytes"] <= one_process["state_bytes"] / world * 1.05
     assert all(torch.equal(a, b) for a, b in zip(ranks[0]["resumed"], ranks[0]["full"], strict=True))

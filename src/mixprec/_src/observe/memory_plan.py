@@ -29,7 +29,7 @@ from mixprec._src.amp.autocast import autocast
 from mixprec._src.observe.backward_timeline import BackwardTimeline, peak, storage_key
 from mixprec._src.optim import moments
 from mixprec._src.policy.policy import default_policy
-from mixprec._src.prepare import kept, low_bit_state, sliced_gradients, step_in_backward
+from mixprec._src.prepare import bf16_state, kept, low_bit_state, sliced_gradients, step_in_backward
 from mixprec._src.prepare.config import Level, PrepareConfig
 
 __all__ = ["MemoryPlan", "memory_plan"]
@@ -299,17 +299,22 @@ def _state_bytes(p: torch.Tensor, numel: int, stored: int, optimizer: torch.opti
         return 0
     kind = type(optimizer)
     comp = numel * 2 if config.level is Level.BF16_KAHAN and low else 0
-    quantized = config.optimizer_state != "fp32" and p.numel() >= moments.MIN_NUMEL
+    own = config.optimizer_state != "fp32" and p.numel() >= moments.MIN_NUMEL  # mixprec's step keeps its state
+    bf16 = own and config.optimizer_state == moments.BF16
+    step = 4  # a 0-dim fp32 tensor
     if kind in (torch.optim.Adam, torch.optim.AdamW):
         count = 3 if group.get("amsgrad") else 2
-        step = 4  # a 0-dim fp32 tensor
-        if quantized:
+        if bf16:
+            return count * numel * 2 + step + comp
+        if own:
             return count * _codes_bytes(numel, config.optimizer_state) + step + comp
         return count * numel * stored + step + comp
     if kind is torch.optim.SGD:
         if not group.get("momentum"):
             return comp
-        if quantized:
+        if bf16:  # the buffer, and a step count for its rounding's noise
+            return numel * 2 + step + comp
+        if own:
             return _codes_bytes(numel, config.optimizer_state) + comp
         return numel * stored + comp
     raise ValueError(f"memory_plan knows the state of Adam, AdamW and SGD; this optimizer is a {kind.__name__}")
@@ -324,6 +329,9 @@ def _step_temporaries(p: torch.Tensor, numel: int, stored: int, optimizer: torch
     if optimizer is None or group is None:
         return 0, 0, ""
     adam = type(optimizer) in (torch.optim.Adam, torch.optim.AdamW)
+    if config.optimizer_state == moments.BF16 and p.numel() >= moments.MIN_NUMEL:
+        # a chunk at a time: its fp32 copies and the update's arrays (Adam 8, SGD 7), and a 0-dim seed; measured
+        return (8 if adam else 7) * 4 * min(numel, bf16_state.CHUNK) + 4, 0, ""
     if config.optimizer_state != "fp32" and p.numel() >= moments.MIN_NUMEL:
         return (0 if adam else 3 * numel * 4), 0, ""  # the compiled kernel in chunks; SGD's eager fp32 copies
     bf16_step = config.level in (Level.BF16_SR, Level.BF16_KAHAN) and low

@@ -27,7 +27,7 @@ import torch
 
 from mixprec._src.optim import moments
 
-__all__ = ["KEYS", "adam_step", "quantized_moments"]
+__all__ = ["KEYS", "adam_step", "adam_update", "quantized_moments"]
 
 #: The state keys of a quantized parameter.
 KEYS = ("step", "exp_avg_codes", "exp_avg_scale", "exp_avg_sq_codes", "exp_avg_sq_scale")
@@ -61,23 +61,30 @@ def adam_step(p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group:
     quantized_moments(state, p, precision, capacity)
     state["step"] += 1
     step = state["step"]
+    m, v, new = adam_update(p.float(), grad.float(), moments.load(state, "exp_avg", p.shape),
+                            moments.load(state, "exp_avg_sq", p.shape), step, group, decoupled)  # fmt: skip
+    moments.store(state, "exp_avg", m, precision, capacity)
+    moments.store(state, "exp_avg_sq", v, precision, capacity)
+    if write is None:
+        p.copy_(new)
+    else:
+        write(p, new)
+
+
+def adam_update(p32: torch.Tensor, g32: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: torch.Tensor,
+                group: dict[str, Any], decoupled: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Adam(W)'s arithmetic on fp32 tensors (the module's formulas): the new moments and the new weight, from the
+    weight, its gradient, the moments before the step and the step count after it (``step``, a 0-dim tensor)."""
     lr = torch.tensor(float(group["lr"]), dtype=torch.float32)
     beta1, beta2 = (float(b) for b in group["betas"])
     weight_decay, eps = float(group["weight_decay"]), float(group["eps"])
-    p32, g32 = p.float(), grad.float()
     if decoupled:
         p32 = p32 - lr * weight_decay * p32
     else:
         g32 = g32 + weight_decay * p32
     bias_correction1 = 1 - beta1**step
     bias_correction2 = 1 - beta2**step
-    m = moments.load(state, "exp_avg", p.shape).lerp(g32, 1 - beta1)
-    v = moments.load(state, "exp_avg_sq", p.shape).lerp(g32.square(), 1 - beta2)
-    moments.store(state, "exp_avg", m, precision, capacity)
-    moments.store(state, "exp_avg_sq", v, precision, capacity)
+    m = m.lerp(g32, 1 - beta1)
+    v = v.lerp(g32.square(), 1 - beta2)
     denom = (v.sqrt() / bias_correction2.sqrt()) + eps
-    new = p32 - lr * (m / bias_correction1) / denom
-    if write is None:
-        p.copy_(new)
-    else:
-        write(p, new)
+    return m, v, p32 - lr * (m / bias_correction1) / denom

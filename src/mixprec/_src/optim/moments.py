@@ -14,6 +14,7 @@ import torch
 from mixprec._src.optim import quantize as q
 
 __all__ = [
+    "BF16",
     "FORMATS",
     "MIN_NUMEL",
     "STATE_PRECISIONS",
@@ -28,8 +29,10 @@ __all__ = [
 
 #: State precision -> (bits, block size): torchao's formats (fp8: e4m3 values, ``AdamWFp8``'s).
 FORMATS = {"8bit": (8, 256), "4bit": (4, 128), "fp8": (8, 256)}
-#: What ``PrepareConfig.optimizer_state`` takes: the state as the level keeps it, or quantized.
-STATE_PRECISIONS = ("fp32", *FORMATS)
+#: bf16 state: the moments as bf16 tensors, stochastically rounded (``prepare.bf16_state``)
+BF16 = "bf16"
+#: What ``PrepareConfig.optimizer_state`` takes: the state as the level keeps it, in bf16, or quantized.
+STATE_PRECISIONS = ("fp32", BF16, *FORMATS)
 #: Parameters with fewer values keep their state as the level keeps it (torchao's threshold).
 MIN_NUMEL = 4096
 _UNSIGNED = ("exp_avg_sq",)

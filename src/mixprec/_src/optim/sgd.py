@@ -20,7 +20,7 @@ import torch
 from mixprec._src.optim import moments
 from mixprec._src.optim.adam import Write
 
-__all__ = ["sgd_step"]
+__all__ = ["sgd_step", "sgd_update"]
 
 _BUFFER = "momentum_buffer"
 
@@ -30,22 +30,25 @@ def sgd_step(p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: 
              capacity: int = 0, write: Write | None = None) -> None:  # fmt: skip
     """One SGD-with-momentum step of ``p`` (in place), the buffer quantized in ``state``."""
     capacity = max(capacity, p.numel())
-    momentum, dampening = float(group["momentum"]), float(group["dampening"])
-    lr, weight_decay = float(group["lr"]), float(group["weight_decay"])
-    p32, g32 = p.float(), grad.float()
-    if weight_decay != 0:
-        g32 = g32.add(p32, alpha=weight_decay)
     saved = state.pop(_BUFFER, None)  # an fp32 buffer (a checkpoint of an fp32-state run)
-    if saved is not None:
-        buf = saved.float().mul(momentum).add(g32, alpha=1 - dampening)
-    elif moments.is_quantized(state):
-        buf = moments.load(state, _BUFFER, p.shape).mul(momentum).add(g32, alpha=1 - dampening)
-    else:
-        buf = g32.clone()
+    if saved is None and moments.is_quantized(state):
+        saved = moments.load(state, _BUFFER, p.shape)
+    buf, new = sgd_update(p.float(), grad.float(), None if saved is None else saved.float(), group)
     moments.store(state, _BUFFER, buf, precision, capacity)
-    d = g32.add(buf, alpha=momentum) if group["nesterov"] else buf
-    new = p32.add(d, alpha=-lr)
     if write is None:
         p.copy_(new)
     else:
         write(p, new)
+
+
+def sgd_update(p32: torch.Tensor, g32: torch.Tensor, buf: torch.Tensor | None,
+               group: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """SGD's arithmetic on fp32 tensors (the module's formulas): the new buffer and the new weight, from the weight,
+    its gradient and the buffer before the step (``None`` at the first step)."""
+    momentum, dampening = float(group["momentum"]), float(group["dampening"])
+    lr, weight_decay = float(group["lr"]), float(group["weight_decay"])
+    if weight_decay != 0:
+        g32 = g32.add(p32, alpha=weight_decay)
+    buf = g32.clone() if buf is None else buf.mul(momentum).add(g32, alpha=1 - dampening)
+    d = g32.add(buf, alpha=momentum) if group["nesterov"] else buf
+    return buf, p32.add(d, alpha=-lr)

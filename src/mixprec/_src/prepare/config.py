@@ -58,8 +58,8 @@ class PrepareConfig:
         fp8: linears that compute in fp8 (a recipe name or an :class:`Fp8Config`); ``None``: none.
             Modules kept in fp32 stay out of fp8.
         optimizer_state: the precision of Adam's and AdamW's moments and SGD's momentum: ``"fp32"`` (as the level
-            keeps them), ``"8bit"``, ``"4bit"`` or ``"fp8"`` (block-wise quantized, torchao's
-            formats, for parameters of 4096 values or more).
+            keeps them), ``"bf16"`` (bf16 tensors, stochastically rounded), ``"8bit"``, ``"4bit"`` or ``"fp8"``
+            (block-wise quantized, torchao's formats); for parameters of 4096 values or more.
         step_in_backward: step each parameter during backward, as soon as its gradient is whole, and free
             the gradient (gradients never occupy memory for the whole model); ``optimizer.step()`` then
             finishes the step (the small parameters, biases and norms, are stepped there together). No

@@ -1,4 +1,5 @@
-"""Adam(W)'s moments and SGD's momentum stored block-wise quantized: ``PrepareConfig(optimizer_state="8bit")``.
+"""Adam(W)'s moments and SGD's momentum stored block-wise quantized (``PrepareConfig(optimizer_state="8bit")``), or
+in bf16 (``"bf16"``: ``bf16_state``).
 
 The optimizer's own ``step`` stays (its hooks, LR schedulers' wrappers); its ``_init_group``, which
 ``step`` calls once per param group, is overridden on this optimizer: it steps each parameter of at
@@ -27,7 +28,7 @@ import torch
 
 from mixprec._src import sharding
 from mixprec._src.optim import adam, cpu_adam, fused_adam, moments, sgd
-from mixprec._src.prepare import kahan
+from mixprec._src.prepare import bf16_state, kahan
 from mixprec._src.prepare.sr_noise import moved, seed_tensor, shard_seed, sr_bits, tensor_seed
 from mixprec._src.prepare.stochastic_rounding import SEED_KEY, STEP_KEY, Restore, positions, step_eagerly
 
@@ -39,7 +40,8 @@ def check(optimizer: torch.optim.Optimizer, precision: str) -> None:
     otherwise than FSDP2's dim 0 (before anything is installed)."""
     if precision == "fp32":
         return
-    _check_sharding(optimizer)
+    if precision != moments.BF16:  # bf16 moments are kept elementwise: any sharding
+        _check_sharding(optimizer)
     if isinstance(optimizer, torch.optim.SGD) and type(optimizer).__module__.startswith("torch.optim"):
         flags = [n for n in ("maximize", "fused", "differentiable") if any(g.get(n) for g in optimizer.param_groups)]
         if any(not g.get("momentum") for g in optimizer.param_groups):
@@ -82,14 +84,16 @@ def install(optimizer: torch.optim.Optimizer, precision: str, handles: list[Any]
     def _init_group(self: torch.optim.Optimizer, group: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
         decoupled = _decoupled(self, group)
         momentum = isinstance(self, torch.optim.SGD)
-        where = positions(self) if writeback == "stochastic" else {}
+        where = positions(self) if writeback == "stochastic" or precision == moments.BF16 else {}
         rest = []
         for p in group["params"]:
             if p.grad is None or p.numel() < moments.MIN_NUMEL:  # numel: the whole tensor's, on every rank
                 rest.append(p)
                 continue
             local_p, local_g = sharding.local(p.data), sharding.local(p.grad)
-            if momentum:
+            if precision == moments.BF16:
+                _bf16_step(self, p, local_p, local_g, group, decoupled, momentum, writeback, where)
+            elif momentum:
                 write = _writeback(self, p, local_p, group, writeback, where, 0)[2]
                 sgd.sgd_step(local_p, local_g, self.state[p], group, precision, _capacity(p), write)
             else:
@@ -105,8 +109,29 @@ def install(optimizer: torch.optim.Optimizer, precision: str, handles: list[Any]
     handles.append(Restore(optimizer, "_init_group"))
     optimizer.__dict__[_INSTALLED] = (precision, writeback)
     handles.append(Restore(optimizer, _INSTALLED))
-    _keep_codes_on_load(optimizer, handles)
+    _keep_codes_on_load(optimizer, handles)  # a quantized checkpoint loads into bf16 state too
     handles.append(optimizer.register_state_dict_post_hook(_sharded_codes))
+    if precision == moments.BF16:
+        handles.append(optimizer.register_load_state_dict_post_hook(bf16_state.narrow_after_load))
+
+
+def _bf16_step(optimizer: torch.optim.Optimizer, p: torch.Tensor, local_p: torch.Tensor, local_g: torch.Tensor,
+               group: dict[str, Any], decoupled: bool, momentum: bool, writeback: str,
+               where: dict[int, int]) -> None:  # fmt: skip
+    """One step of ``p`` with its state in bf16 (``bf16_state``), its weight written as ``writeback`` says."""
+
+    def write_at(offset: int, target: torch.Tensor, new: torch.Tensor) -> None:
+        write = _writeback(optimizer, p, target, group, writeback, where, offset)[2]
+        if write is None:
+            target.copy_(new)
+        else:
+            write(target, new)
+
+    seed = bf16_state.seed_of(int(group[SEED_KEY]), where[id(p)], p)
+    if momentum:
+        bf16_state.sgd_step(p, local_p, local_g, optimizer.state[p], group, seed, write_at)
+    else:
+        bf16_state.adam_step(p, local_p, local_g, optimizer.state[p], group, decoupled, seed, write_at)
 
 
 #: ``optimizer.__dict__`` key: ``(precision, writeback)`` where :func:`install` ran

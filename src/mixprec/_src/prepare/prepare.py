@@ -148,9 +148,10 @@ def prepare(
         fp8: linears computed in fp8: a recipe (``"tensorwise"``, ``"rowwise"``,
             ``"rowwise_with_gw_hp"``, ``"delayed"``) or an :class:`Fp8Config` choosing layers and
             scaling; ``mixprec.fp8_layers(model)`` lists the layers converted and those left out.
-        optimizer_state: Adam's and AdamW's moments and SGD's momentum as the level keeps them (``"fp32"``), or
-            block-wise quantized (``"8bit"``, ``"4bit"``, ``"fp8"``: torchao's formats) for parameters of 4096
-            values or more; ``optimizer.state_dict()`` holds the codes and scales.
+        optimizer_state: Adam's and AdamW's moments and SGD's momentum as the level keeps them (``"fp32"``), in
+            bf16 with stochastic rounding (``"bf16"``), or block-wise quantized (``"8bit"``, ``"4bit"``, ``"fp8"``:
+            torchao's formats) for parameters of 4096 values or more; ``optimizer.state_dict()`` holds the bf16
+            moments, or the codes and scales.
         step_in_backward: step each parameter in backward as soon as its gradient is whole and free the gradient
             (``optimizer.step()`` then finishes the step: the small parameters, biases and norms, stepped together;
             hooks, counters); no accumulation over backwards, no fp16.
@@ -224,6 +225,9 @@ def prepare(
         seed = sr_noise.draw_seed(sharding.process_group(model) if sharded else None)
         stochastic_rounding.add_counters(optimizer, seed, state.handles)
         state.fused = stochastic_rounding.install(optimizer, state.lowp_params, state.handles)
+    elif config.optimizer_state == "bf16":  # the bf16 moments round stochastically, the weights do not
+        seed = sr_noise.draw_seed(sharding.process_group(model) if sharded else None)
+        stochastic_rounding.add_counters(optimizer, seed, state.handles)
     else:  # the keys every level's checkpoint holds; nothing rounds stochastically here
         stochastic_rounding.add_counters(optimizer, 0, state.handles)
     if level is Level.BF16_KAHAN:
