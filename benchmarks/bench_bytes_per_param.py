@@ -65,6 +65,8 @@ RECIPES: dict[str, dict[str, Any] | None] = {
     "bf16-pure": {"level": "bf16-pure"},
     "bf16-sr": {"level": "bf16-sr"},
     "bf16-kahan": {"level": "bf16-kahan"},
+    "O2 bf16": {"level": "O2", "optimizer_state": "bf16"},
+    "bf16-pure bf16": {"level": "bf16-pure", "optimizer_state": "bf16"},
     "bf16-sr 8bit": {"level": "bf16-sr", "optimizer_state": "8bit"},
     "bf16-sr fp8": {"level": "bf16-sr", "optimizer_state": "fp8"},
     "bf16-sr 8bit in-backward": {"level": "bf16-sr", "optimizer_state": "8bit", "step_in_backward": True},

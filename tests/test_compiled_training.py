@@ -224,8 +224,9 @@ def test_fp8_recipes_compile_whole_and_train_as_eager(fp8: str) -> None:
         {"output_dtype": None},
         {"output_dtype": torch.bfloat16},
         {"policy": "compute=bf16,fp32=relu"},
+        {"optimizer_state": "bf16"},
     ],
-    ids=["keep_names", "keep_filter", "no_kept", "output_as_computed", "output_bf16", "edited_policy"],
+    ids=["keep_names", "keep_filter", "no_kept", "output_as_computed", "output_bf16", "edited_policy", "bf16_state"],
 )
 def test_prepare_options_compile_whole_and_train_as_eager(options: dict[str, Any]) -> None:
     _assert_compiles_like_eager(NET, "O2", **options)

@@ -60,6 +60,16 @@ def _adamw_by_hand(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.T
     return m, v, p - lr_t * (m / bc1) / (v.sqrt() / bc2.sqrt() + eps)
 
 
+@pytest.fixture
+def chunked_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bf16 state's step on fp32 copies, a chunk at a time (torch's operations), not cpu_adam's kernel (the
+    default on the CPU: bitwise it but where torch's sqrt is not correctly rounded, below)."""
+    from mixprec._src.optim import cpu_adam
+
+    monkeypatch.setattr(cpu_adam, "bf16_builds", lambda *_: False)
+
+
+@pytest.mark.usefixtures("chunked_step")
 def test_a_step_is_adamws_in_fp32_with_each_moment_stored_as_one_of_its_bf16_neighbours() -> None:
     layer = nn.Linear(64, 128, bias=False)  # 8192 values: its state is bf16
     optimizer = torch.optim.AdamW(layer.parameters(), lr=1e-2, weight_decay=0.1)
@@ -220,6 +230,7 @@ def test_what_cannot_keep_bf16_moments_is_refused_with_what_to_do() -> None:
     assert str(mixprec.PrepareConfig("O2", optimizer_state="bf16")).endswith("state=bf16")
 
 
+@pytest.mark.usefixtures("chunked_step")
 @pytest.mark.parametrize("level", ["O1", "bf16-sr"])
 def test_the_chunks_a_step_is_taken_in_do_not_change_a_bit(level: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The step reads a chunk of values at a time; each element keeps the noise of its place in the whole tensor,
@@ -261,3 +272,35 @@ def test_an_sgd_step_is_torchs_from_the_stored_buffer_with_the_new_one_rounded_t
         cut, away = _neighbours(torchs.state[twin]["momentum_buffer"])
         buffer = optimizer.state[layer.weight]["momentum_buffer"].float()
         assert ((buffer == cut) | (buffer == away)).all()
+
+
+@pytest.mark.parametrize(("level", "kind"), [("O2", "adamw"), ("bf16-sr", "adamw"), ("bf16-kahan", "adam"),
+                                             ("bf16-pure", "adamw")])  # fmt: skip
+def test_the_cpu_kernel_is_the_chunked_step(level: str, kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """cpu_adam's kernel against the step on fp32 copies: the moments bit for bit, bf16 weights bit for bit, fp32
+    weights within a unit in the last place (torch's CPU sqrt is not correctly rounded; the kernel's is)."""
+    from mixprec._src.optim import cpu_adam
+
+    data, runs = _data(1 if level == "O2" else 4), []  # fp32 weights: one step (a unit in the last place compounds)
+    for kernel in (True, False):
+        if not kernel:
+            monkeypatch.setattr(cpu_adam, "bf16_builds", lambda *_: False)
+        model = _mlp()
+        make = torch.optim.AdamW if kind == "adamw" else torch.optim.Adam
+        optimizer = make(model.parameters(), lr=3e-3, weight_decay=0.01)
+        mixprec.prepare(model, optimizer, level, optimizer_state="bf16")
+        for x, y in data:
+            optimizer.zero_grad()
+            (model(x).float() - y).square().mean().backward()
+            optimizer.step()
+        weight = optimizer.param_groups[0]["params"][2]  # O2: the master
+        state = optimizer.state[weight]
+        assert cpu_adam.bf16_available(weight.detach(), weight.grad, state["exp_avg"]) == kernel
+        runs.append((weight.detach().clone(), state["exp_avg"].clone(), state["exp_avg_sq"].clone()))
+    (w_kernel, *m_kernel), (w_chunks, *m_chunks) = runs
+    assert all(torch.equal(a, b) for a, b in zip(m_kernel, m_chunks, strict=True))
+    if w_kernel.dtype is torch.bfloat16:
+        assert torch.equal(w_kernel, w_chunks)
+    else:
+        torch.testing.assert_close(w_kernel, w_chunks, rtol=2**-22, atol=0)
+        assert not torch.equal(w_kernel.to(torch.bfloat16).float(), w_kernel)  # fp32 indeed

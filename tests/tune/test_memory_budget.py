@@ -3,6 +3,8 @@ nothing fits is refused with the smallest figure any recipe reaches."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -63,3 +65,25 @@ def test_a_budget_nothing_fits_is_refused_with_the_smallest_figure() -> None:
     with pytest.raises(ValueError, match=r"no recipe fits in a memory budget of 9\.8 KiB: the smallest, bf16 bf16-sr "
                                          r"state\[\w+\].*, needs [0-9.]+ KiB at this batch"):  # fmt: skip
         mixprec.tune(model, batch, _loss, budget_s=5, memory_budget="10KB", per_layer=False)
+
+
+def test_o2_gives_up_its_fp32_moments_for_bf16_ones_before_quantizing_them() -> None:
+    """Between the step in backward and fp8 state: bf16 moments (O2 at 14 bytes a parameter instead of 18)."""
+    model, batch = _mlp()
+    optimizer = torch.optim.AdamW(model.parameters())
+
+    def peak(**options: object) -> int:
+        plan = mixprec.memory_plan(model, optimizer, mixprec.PrepareConfig("O2", **options), batch=batch,
+                                   loss_fn=_loss)  # fmt: skip
+        assert plan.peak is not None
+        return plan.peak
+
+    from mixprec._src.tune.memory_fit import Fit
+
+    bf16, in_backward = peak(optimizer_state="bf16"), peak(step_in_backward=True)
+    assert peak(optimizer_state="fp8") < bf16 < in_backward < peak()
+    fit = Fit(model, optimizer, batch, _loss, (bf16 + in_backward) // 2)
+    base = mixprec.Recipe(level="O2")
+    assert fit.changes(base) == {"optimizer_state": "bf16"}
+    fitted = dataclasses.replace(base, optimizer_state="bf16")
+    assert "the optimizer state's precision (bf16 instead of fp32)" in fit.gave_up(fitted)

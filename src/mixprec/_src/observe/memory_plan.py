@@ -27,7 +27,7 @@ from torch import nn
 from mixprec._src import casting
 from mixprec._src.amp.autocast import autocast
 from mixprec._src.observe.backward_timeline import BackwardTimeline, peak, storage_key
-from mixprec._src.optim import moments
+from mixprec._src.optim import cpu_adam, fused_adam, moments
 from mixprec._src.policy.policy import default_policy
 from mixprec._src.prepare import bf16_state, kept, low_bit_state, sliced_gradients, step_in_backward
 from mixprec._src.prepare.config import Level, PrepareConfig
@@ -330,6 +330,8 @@ def _step_temporaries(p: torch.Tensor, numel: int, stored: int, optimizer: torch
         return 0, 0, ""
     adam = type(optimizer) in (torch.optim.Adam, torch.optim.AdamW)
     if config.optimizer_state == moments.BF16 and p.numel() >= moments.MIN_NUMEL:
+        if adam and p.device.type in ("cpu", "meta") and fused_adam.NATIVE and cpu_adam.bf16_expected():
+            return _KERNEL_SCALARS, 0, ""  # cpu_adam's kernel reads and writes in place
         # a chunk at a time: its fp32 copies and the update's arrays (Adam 8, SGD 7), and a 0-dim seed; measured
         return (8 if adam else 7) * 4 * min(numel, bf16_state.CHUNK) + 4, 0, ""
     if config.optimizer_state != "fp32" and p.numel() >= moments.MIN_NUMEL:
@@ -341,6 +343,11 @@ def _step_temporaries(p: torch.Tensor, numel: int, stored: int, optimizer: torch
         return 0, numel * 4 * (2 + (1 if type(optimizer) is torch.optim.SGD else 2)), ""
     count, foreach = _torch_temporaries(optimizer, group, p, world)
     return (0 if foreach else count * numel * stored), 0, "foreach" if count and foreach else "loop"
+
+
+#: bytes of the scalars a step of cpu_adam's kernel makes (``fused_adam.step_scalars``: seven 0-dim tensors and
+#: their stack); measured
+_KERNEL_SCALARS = 56
 
 
 def _torch_temporaries(optimizer: torch.optim.Optimizer, group: dict[str, Any], p: torch.Tensor,

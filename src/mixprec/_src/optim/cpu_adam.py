@@ -24,7 +24,16 @@ import torch
 from mixprec._src.optim import moments
 from mixprec._src.optim import quantize as q
 
-__all__ = ["adam_step", "available", "rounding_mode", "square_norm"]
+__all__ = [
+    "adam_step",
+    "available",
+    "bf16_adam_step",
+    "bf16_available",
+    "bf16_builds",
+    "bf16_expected",
+    "rounding_mode",
+    "square_norm",
+]
 
 #: how the new weight is written: rounded to nearest, stochastically (bf16-sr), or with Kahan's compensation
 NEAREST, STOCHASTIC, KAHAN = 0, 1, 2
@@ -53,18 +62,7 @@ constexpr bool UNSIGNED_ZERO = %(unsigned_zero)d;  // the second moment's codebo
 constexpr bool FP8 = %(fp8)d;  // codes are e4m3 values (quantize.quantize_fp8), not codebook indices
 using Fp8 = c10::Float8_e4m3fn;
 
-inline int32_t bits_of(float x) { int32_t r; std::memcpy(&r, &x, 4); return r; }
-inline float from_bits(int32_t r) { float x; std::memcpy(&x, &r, 4); return x; }
-inline float to_float(float x) { return x; }
-inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
-inline void store(float* p, float x) { *p = x; }
-inline void store(c10::BFloat16* p, float x) { *p = c10::BFloat16(x); }  // round to nearest even, as copy_
-
-// ATen's lerp (its vectorized form): one fused multiply-add
-inline float lerp(float start, float end, float weight) {
-    return std::abs(weight) < 0.5f ? std::fma(weight, end - start, start) : std::fma(weight - 1.0f, end - start, end);
-}
-
+%(helpers)s
 // quantize.lookup_codes
 inline int32_t lookup_code(float x, const int32_t* lookup, int32_t rows) {
     const int32_t raw = bits_of(x);
@@ -134,15 +132,6 @@ inline void quantize_block(const float* x, float scale, const int32_t* lookup, i
     }
 }
 
-using VecF = at::vec::Vectorized<float>;
-using VecI = at::vec::Vectorized<int32_t>;
-
-inline VecF load_float(const float* x) { return VecF::loadu(x); }
-inline VecF load_float(const c10::BFloat16* x) {
-    return at::vec::convert<float>(at::vec::Vectorized<c10::BFloat16>::loadu(x, VecF::size()));
-}
-inline void store_vec(float* p, const VecF& x) { x.store(p); }
-inline void store_vec(c10::BFloat16* p, const VecF& x) { at::vec::convert<c10::BFloat16>(x).store(p, VecF::size()); }
 
 inline VecI load_codes(const uint8_t* codes) {  // one code a byte
     return at::vec::convert<int32_t>(at::vec::Vectorized<uint8_t>::loadu(codes, VecF::size()));
@@ -353,6 +342,29 @@ extern "C" void kernel(%(p_type)s* p, const %(g_type)s* g, c10::BFloat16* comp,
 }
 """
 
+#: what both kernels share: bit casts, fp32 and bf16 loads and stores, ATen's lerp, ATen's vector types
+_HELPERS = """using VecF = at::vec::Vectorized<float>;
+using VecI = at::vec::Vectorized<int32_t>;
+
+inline int32_t bits_of(float x) { int32_t r; std::memcpy(&r, &x, 4); return r; }
+inline float from_bits(int32_t r) { float x; std::memcpy(&x, &r, 4); return x; }
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+inline void store(float* p, float x) { *p = x; }
+inline void store(c10::BFloat16* p, float x) { *p = c10::BFloat16(x); }  // round to nearest even, as copy_
+
+// ATen's lerp (its vectorized form): one fused multiply-add
+inline float lerp(float start, float end, float weight) {
+    return std::abs(weight) < 0.5f ? std::fma(weight, end - start, start) : std::fma(weight - 1.0f, end - start, end);
+}
+
+inline VecF load_float(const float* x) { return VecF::loadu(x); }
+inline VecF load_float(const c10::BFloat16* x) {
+    return at::vec::convert<float>(at::vec::Vectorized<c10::BFloat16>::loadu(x, VecF::size()));
+}
+inline void store_vec(float* p, const VecF& x) { x.store(p); }
+inline void store_vec(c10::BFloat16* p, const VecF& x) { at::vec::convert<c10::BFloat16>(x).store(p, VecF::size()); }
+"""
 _CTYPES = {torch.float32: "float", torch.bfloat16: "c10::BFloat16"}
 _failed: set[tuple[Any, ...]] = set()
 
@@ -366,7 +378,8 @@ def _compiled(fmt: str, p_dtype: torch.dtype, g_dtype: torch.dtype) -> Any:
     bits, block = moments.FORMATS[fmt]
     fp8 = fmt == "fp8"
     source = _SOURCE % {"bits": bits, "block": block, "unsigned_zero": int(not fp8 and q.codebook(bits, False)[0] == 0),
-                        "fp8": int(fp8), "p_type": _CTYPES[p_dtype], "g_type": _CTYPES[g_dtype]}  # fmt: skip
+                        "fp8": int(fp8), "p_type": _CTYPES[p_dtype], "g_type": _CTYPES[g_dtype],
+                        "helpers": _HELPERS}  # fmt: skip
     argtypes = [f"{_CTYPES[p_dtype]}*", f"const {_CTYPES[g_dtype]}*", "c10::BFloat16*", "uint8_t*", "float*",
                 "uint8_t*", "float*", "const float*", "const int32_t*", "const float*", "const int32_t*",
                 "const float*"] + ["int64_t"] * 7  # fmt: skip
@@ -417,6 +430,138 @@ def adam_step(p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], scalar
            state["exp_avg_sq_codes"], state["exp_avg_sq_scale"], m_table, m_lookup, v_table, v_lookup,
            scalars.contiguous(), p.numel(), state["exp_avg_scale"].numel(), m_lookup.numel() // 2,
            v_lookup.numel() // 2, int(decoupled), rounding, seed)  # fmt: skip
+
+
+_BF16_SOURCE = r"""
+#include <torch/csrc/inductor/cpp_prefix.h>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+// Adam(W) with bf16 moments rounded stochastically (prepare.bf16_state): adam.adam_update's arithmetic, operation
+// for operation (the quantized kernel's), each moment written with sr_noise.sr_bits' noise of its own seed
+namespace {
+constexpr int32_t WEYL = -1640531535;
+constexpr int64_t CHUNK = 4096;
+%(helpers)s
+// ATen's lerp, vectorized (as the quantized kernel's vec_lerp)
+inline VecF lerp_vec(const VecF& a, const VecF& b, float t) {
+    return std::abs(t) < 0.5f ? at::vec::fmadd(VecF(t), b - a, a) : at::vec::fmadd(VecF(t - 1.0f), b - a, b);
+}
+// sr_noise.sr_bits at flat positions pos, pos + 1, ...: fp32 bits with 16 low zeros (exact in bf16)
+inline VecF vec_sr(const VecF& x, int64_t pos, int64_t seed) {
+    const VecI index = VecI::arange(static_cast<int32_t>(pos), 1);
+    const VecI noise = ((index * VecI(WEYL) + VecI(static_cast<int32_t>(seed))) >> VecI(16)) & VecI(0xFFFF);
+    return at::vec::cast<float>((at::vec::cast<int32_t>(x) + noise) & VecI(-(1 << 16)));
+}
+inline float sr(float x, int64_t pos, int64_t seed) {
+    const int32_t noise = ((int32_t)((uint32_t)pos * (uint32_t)WEYL + (uint32_t)seed) >> 16) & 0xFFFF;
+    return from_bits((int32_t)((uint32_t)bits_of(x) + (uint32_t)noise) & -(1 << 16));
+}
+}  // namespace
+
+extern "C" void kernel(%(p_type)s* p, const %(g_type)s* g, c10::BFloat16* comp, c10::BFloat16* m,
+                       c10::BFloat16* v, const float* s, int64_t numel, int64_t decoupled, int64_t rounding,
+                       int64_t seed, int64_t m_seed, int64_t v_seed) {
+    const int64_t chunks = (numel + CHUNK - 1) / CHUNK;
+    #pragma omp parallel for schedule(static)
+    for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t first = c * CHUNK, last = first + CHUNK < numel ? first + CHUNK : numel;
+        const VecF lr(s[0]), decay(s[1]), bc1(s[4]), bc2(s[5]), eps(s[6]);
+        int64_t k = first;
+        for (; k + VecF::size() <= last; k += VecF::size()) {
+            const VecF w = load_float(p + k);
+            VecF pk = w, gk = load_float(g + k);
+            if (decoupled) pk = pk - decay * pk;
+            else gk = gk + decay * pk;
+            const VecF mk = lerp_vec(load_float(m + k), gk, s[2]);
+            const VecF vk = lerp_vec(load_float(v + k), gk * gk, s[3]);
+            store_vec(m + k, vec_sr(mk, k, m_seed));
+            store_vec(v + k, vec_sr(vk, k, v_seed));
+            const VecF next = pk - (lr * (mk / bc1)) / (vk.sqrt() / bc2 + eps);
+            if (rounding == 1) {
+                store_vec(p + k, vec_sr(next, k, seed));
+            } else if (rounding == 2) {
+                const VecF sum = w + ((next - w) + load_float(comp + k));
+                store_vec(p + k, sum);
+                const VecF written = load_float(p + k);
+                store_vec(comp + k, sum - written);
+            } else {
+                store_vec(p + k, next);
+            }
+        }
+        for (; k < last; ++k) {
+            const float w = to_float(p[k]);
+            float pk = w, gk = to_float(g[k]);
+            if (decoupled) pk = pk - s[1] * pk;
+            else gk = gk + s[1] * pk;
+            const float mk = lerp(to_float(m[k]), gk, s[2]), vk = lerp(to_float(v[k]), gk * gk, s[3]);
+            m[k] = c10::BFloat16(sr(mk, k, m_seed));
+            v[k] = c10::BFloat16(sr(vk, k, v_seed));
+            const float next = pk - (s[0] * (mk / s[4])) / (std::sqrt(vk) / s[5] + s[6]);
+            if (rounding == 1) {
+                store(p + k, sr(next, k, seed));
+            } else if (rounding == 2) {
+                const float sum = w + ((next - w) + static_cast<float>(comp[k]));
+                store(p + k, sum);
+                comp[k] = c10::BFloat16(sum - to_float(p[k]));
+            } else {
+                store(p + k, next);
+            }
+        }
+    }
+}
+"""
+
+
+@functools.cache
+def _bf16_compiled(p_dtype: torch.dtype, g_dtype: torch.dtype) -> Any:
+    from torch._inductor.codecache import CppPythonBindingsCodeCache
+
+    source = _BF16_SOURCE % {"p_type": _CTYPES[p_dtype], "g_type": _CTYPES[g_dtype], "helpers": _HELPERS}
+    argtypes = [f"{_CTYPES[p_dtype]}*", f"const {_CTYPES[g_dtype]}*", "c10::BFloat16*", "c10::BFloat16*",
+                "c10::BFloat16*", "const float*"] + ["int64_t"] * 6  # fmt: skip
+    return CppPythonBindingsCodeCache.load_pybinding(argtypes, source, extra_flags=("-ffp-contract=off",))
+
+
+def bf16_available(p: torch.Tensor, grad: torch.Tensor, *state: torch.Tensor) -> bool:
+    """Whether :func:`bf16_adam_step` runs here: contiguous CPU fp32/bf16 weight and gradient, contiguous bf16
+    moments, and the kernel compiles."""
+    tensors = (p, grad, *state)
+    if any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
+        return False
+    return all(t.dtype == torch.bfloat16 for t in state) and bf16_builds(p.dtype, grad.dtype)
+
+
+def bf16_expected() -> bool:
+    """Whether a bf16-state step on the CPU is expected to take :func:`bf16_adam_step` (no kernel of it failed to
+    build in this process); compiles nothing."""
+    return not any(key[0] == "bf16" for key in _failed)
+
+
+def bf16_builds(p_dtype: torch.dtype, g_dtype: torch.dtype) -> bool:
+    """Whether :func:`bf16_adam_step`'s kernel for these dtypes compiles here (once per process and kind; a
+    failure is remembered)."""
+    key = ("bf16", p_dtype, g_dtype)
+    if p_dtype not in _CTYPES or g_dtype not in _CTYPES or key in _failed:
+        return False
+    try:
+        _bf16_compiled(p_dtype, g_dtype)
+    except Exception:  # no C++ toolchain, an unsupported platform
+        _failed.add(key)
+        return False
+    return True
+
+
+def bf16_adam_step(p: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, scalars: torch.Tensor,
+                   decoupled: bool, seeds: tuple[int, int], rounding: int = NEAREST, seed: int = 0,
+                   comp: torch.Tensor | None = None) -> None:  # fmt: skip
+    """One Adam(W) step of ``p`` (in place) with its bf16 moments ``m`` and ``v`` (in place), each written with
+    stochastic rounding from its seed in ``seeds`` (its first value's); ``scalars``, ``rounding``, ``seed``,
+    ``comp``: as :func:`adam_step`'s. Call where :func:`bf16_available`."""
+    kernel = _bf16_compiled(p.dtype, grad.dtype)
+    kernel(p, grad, _NO_COMP if comp is None else comp, m, v, scalars.contiguous(), p.numel(), int(decoupled),
+           rounding, seed, seeds[0], seeds[1])  # fmt: skip
 
 
 _NORM_SOURCE = r"""

@@ -27,10 +27,10 @@ from typing import Any
 import torch
 
 from mixprec._src import sharding
-from mixprec._src.optim import adam, moments, sgd
+from mixprec._src.optim import adam, cpu_adam, fused_adam, moments, sgd
 from mixprec._src.prepare.sr_noise import moved, seed_tensor, shard_seed, sr_bits, tensor_seed
 
-__all__ = ["CHUNK", "NAMES", "adam_step", "narrow_after_load", "seed_of", "sgd_step"]
+__all__ = ["CHUNK", "NAMES", "Writeback", "adam_step", "narrow_after_load", "seed_of", "sgd_step"]
 
 #: values read into fp32 at once: a step's fp32 temporaries stay a few of this size
 CHUNK = 1 << 18
@@ -38,8 +38,9 @@ CHUNK = 1 << 18
 NAMES = {"adam": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
 #: each moment's noise is its own: the seed is mixed with this before the step and the position
 _SALT = {"exp_avg": 0x6D31, "exp_avg_sq": 0x7632, "momentum_buffer": 0x6233}
-#: ``(offset, chunk of the local weight, its new fp32 values)``: writes a chunk of the weight as the level does
-WriteAt = Callable[[int, torch.Tensor, torch.Tensor], None]
+#: ``(offset, the local weight's values from there) -> (bf16-sr's seed, bf16-kahan's compensation, write)``: how
+#: the level writes them (``low_bit_state``'s; ``write(target, new)``, ``None``: rounded to nearest)
+Writeback = Callable[[int, torch.Tensor], tuple[int | None, torch.Tensor | None, Any]]
 
 
 def seed_of(base: int, position: int, p: torch.Tensor) -> Callable[[str, int], int]:
@@ -80,19 +81,36 @@ def _part(t: torch.Tensor, flat: bool, first: int, last: int) -> torch.Tensor:
     return t.view(-1)[first:last] if flat else t
 
 
+def _write_at(writeback: Writeback, first: int, target: torch.Tensor, new: torch.Tensor) -> None:
+    write = writeback(first, target)[2]
+    if write is None:
+        target.copy_(new)
+    else:
+        write(target, new)
+
+
 @torch.no_grad()
 def adam_step(p: torch.Tensor, local_p: torch.Tensor, local_g: torch.Tensor, state: dict[str, Any],
               group: dict[str, Any], decoupled: bool, seed: Callable[[str, int], int],
-              write_at: WriteAt) -> None:  # fmt: skip
+              writeback: Writeback) -> None:  # fmt: skip
     """One Adam (``decoupled=False``) or AdamW step of ``p`` (``local_p``, ``local_g``: this rank's values and
-    gradient) with its moments in bf16 in ``state``."""
+    gradient) with its moments in bf16 in ``state``: on the CPU ``cpu_adam``'s kernel (one pass, no copies),
+    elsewhere a chunk at a time on fp32 copies (the same arithmetic and noise)."""
     names = NAMES["adam"]
     _ready(state, p, names, first_zero=True)
     state["step"] += 1
     step = state["step"]
     held = [sharding.local(state[name]) for name in names]
-    flat = local_p.is_contiguous() and all(t.is_contiguous() for t in held)
     seeds = [seed(name, int(step)) for name in names]
+    if fused_adam.NATIVE and cpu_adam.bf16_available(local_p, local_g, *held):
+        w_seed, comp, _ = writeback(0, local_p)
+        mode = cpu_adam.rounding_mode(stochastic=w_seed is not None, compensated=comp is not None)
+        scalars = fused_adam.step_scalars(group, step, decoupled, local_p.device)
+        cpu_adam.bf16_adam_step(local_p, local_g, held[0], held[1], scalars, decoupled, (seeds[0], seeds[1]),
+                                mode, 0 if w_seed is None else w_seed,
+                                None if comp is None else comp.reshape(-1))  # fmt: skip
+        return
+    flat = local_p.is_contiguous() and all(t.is_contiguous() for t in held)
     for first, last in _chunks(local_p.numel(), flat):
         m_old, v_old = (_part(t, flat, first, last) for t in held)
         target = _part(local_p, flat, first, last)
@@ -101,13 +119,13 @@ def adam_step(p: torch.Tensor, local_p: torch.Tensor, local_g: torch.Tensor, sta
                                      decoupled)  # fmt: skip
         _round_into(m_old, m, moved(seeds[0], first))
         _round_into(v_old, v, moved(seeds[1], first))
-        write_at(first, target, new)
+        _write_at(writeback, first, target, new)
         del m, v, new  # before the next chunk's are made: the step's temporaries are one chunk's
 
 
 @torch.no_grad()
 def sgd_step(p: torch.Tensor, local_p: torch.Tensor, local_g: torch.Tensor, state: dict[str, Any],
-             group: dict[str, Any], seed: Callable[[str, int], int], write_at: WriteAt) -> None:  # fmt: skip
+             group: dict[str, Any], seed: Callable[[str, int], int], writeback: Writeback) -> None:  # fmt: skip
     """One SGD-with-momentum step of ``p`` with its momentum buffer in bf16 in ``state``."""
     (name,) = NAMES["sgd"]
     _ready(state, p, (name,), first_zero=False)
@@ -125,7 +143,7 @@ def sgd_step(p: torch.Tensor, local_p: torch.Tensor, local_g: torch.Tensor, stat
         grad = local_g.reshape(-1)[first:last] if flat else local_g
         buf, new = sgd.sgd_update(target.float(), grad.float(), buf_old.float() if started else None, group)
         _round_into(buf_old, buf, moved(base, first))
-        write_at(first, target, new)
+        _write_at(writeback, first, target, new)
         del buf, new
 
 

@@ -120,18 +120,14 @@ def _bf16_step(optimizer: torch.optim.Optimizer, p: torch.Tensor, local_p: torch
                where: dict[int, int]) -> None:  # fmt: skip
     """One step of ``p`` with its state in bf16 (``bf16_state``), its weight written as ``writeback`` says."""
 
-    def write_at(offset: int, target: torch.Tensor, new: torch.Tensor) -> None:
-        write = _writeback(optimizer, p, target, group, writeback, where, offset)[2]
-        if write is None:
-            target.copy_(new)
-        else:
-            write(target, new)
+    def how(offset: int, target: torch.Tensor) -> tuple[int | None, torch.Tensor | None, Any]:
+        return _writeback(optimizer, p, target, group, writeback, where, offset)
 
     seed = bf16_state.seed_of(int(group[SEED_KEY]), where[id(p)], p)
     if momentum:
-        bf16_state.sgd_step(p, local_p, local_g, optimizer.state[p], group, seed, write_at)
+        bf16_state.sgd_step(p, local_p, local_g, optimizer.state[p], group, seed, how)
     else:
-        bf16_state.adam_step(p, local_p, local_g, optimizer.state[p], group, decoupled, seed, write_at)
+        bf16_state.adam_step(p, local_p, local_g, optimizer.state[p], group, decoupled, seed, how)
 
 
 #: ``optimizer.__dict__`` key: ``(precision, writeback)`` where :func:`install` ran

@@ -29,6 +29,7 @@ __all__ = ["VARIANTS", "Fit", "parse_bytes"]
 VARIANTS: tuple[dict[str, Any], ...] = (
     {},
     {"step_in_backward": True},
+    {"optimizer_state": "bf16"},
     {"optimizer_state": "fp8"},
     {"optimizer_state": "fp8", "step_in_backward": True},
     {"optimizer_state": "8bit", "step_in_backward": True},
