@@ -332,8 +332,10 @@ def _step_temporaries(p: torch.Tensor, numel: int, stored: int, optimizer: torch
     if config.optimizer_state == moments.BF16 and p.numel() >= moments.MIN_NUMEL:
         if adam and p.device.type in ("cpu", "meta") and fused_adam.NATIVE and cpu_adam.bf16_expected():
             return _KERNEL_SCALARS, 0, ""  # cpu_adam's kernel reads and writes in place
-        # a chunk at a time: its fp32 copies and the update's arrays (Adam 8, SGD 7), and a 0-dim seed; measured
-        return (8 if adam else 7) * 4 * min(numel, bf16_state.CHUNK) + 4, 0, ""
+        # a chunk at a time: its fp32 copies (of a bf16 weight and gradient too) and the update's arrays, and a
+        # 0-dim seed; measured
+        arrays = (10 if adam else 8) + (2 if config.level.bf16_weights and low else 0)
+        return arrays * 4 * min(numel, bf16_state.CHUNK) + 4, 0, ""
     if config.optimizer_state != "fp32" and p.numel() >= moments.MIN_NUMEL:
         return (0 if adam else 3 * numel * 4), 0, ""  # the compiled kernel in chunks; SGD's eager fp32 copies
     bf16_step = config.level in (Level.BF16_SR, Level.BF16_KAHAN) and low

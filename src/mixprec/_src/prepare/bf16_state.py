@@ -115,12 +115,14 @@ def adam_step(p: torch.Tensor, local_p: torch.Tensor, local_g: torch.Tensor, sta
         m_old, v_old = (_part(t, flat, first, last) for t in held)
         target = _part(local_p, flat, first, last)
         grad = local_g.reshape(-1)[first:last] if flat else local_g
-        m, v, new = adam.adam_update(target.float(), grad.float(), m_old.float(), v_old.float(), step, group,
-                                     decoupled)  # fmt: skip
+        # held here for the whole update (how long CPython keeps a callee's rebound argument alive otherwise
+        # depends on its call path), and dropped before the next chunk's are made
+        copies = (target.float(), grad.float(), m_old.float(), v_old.float())
+        m, v, new = adam.adam_update(*copies, step, group, decoupled)
         _round_into(m_old, m, moved(seeds[0], first))
         _round_into(v_old, v, moved(seeds[1], first))
         _write_at(writeback, first, target, new)
-        del m, v, new  # before the next chunk's are made: the step's temporaries are one chunk's
+        del copies, m, v, new
 
 
 @torch.no_grad()
@@ -141,10 +143,11 @@ def sgd_step(p: torch.Tensor, local_p: torch.Tensor, local_g: torch.Tensor, stat
     for first, last in _chunks(local_p.numel(), flat):
         buf_old, target = _part(held, flat, first, last), _part(local_p, flat, first, last)
         grad = local_g.reshape(-1)[first:last] if flat else local_g
-        buf, new = sgd.sgd_update(target.float(), grad.float(), buf_old.float() if started else None, group)
+        copies = (target.float(), grad.float(), buf_old.float() if started else None)  # held, as Adam's
+        buf, new = sgd.sgd_update(*copies, group)
         _round_into(buf_old, buf, moved(base, first))
         _write_at(writeback, first, target, new)
-        del buf, new
+        del copies, buf, new
 
 
 def narrow_after_load(optimizer: torch.optim.Optimizer) -> None:
