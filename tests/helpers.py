@@ -272,6 +272,23 @@ def regression_data(steps: int, seed: int = 1) -> list[tuple[torch.Tensor, torch
     return batches
 
 
+def state_mlp() -> nn.Module:
+    """The optimizer-state tests' model: three weights of 4096 values or more (their state kept in low precision),
+    biases under it (kept as the level keeps them)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 1))
+
+
+def state_data(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Batches for :func:`state_mlp`: a sum of sines of the inputs."""
+    g = torch.Generator().manual_seed(2)
+    out = []
+    for _ in range(steps):
+        x = torch.randn(32, 64, generator=g)
+        out.append((x, x[:, :8].sin().sum(1, keepdim=True)))
+    return out
+
+
 def weights_seen(model: nn.Module) -> dict[str, tuple[torch.dtype, torch.Tensor]]:
     """Each module's weight as its own forward sees it (dtype and value), recorded by a hook."""
     seen: dict[str, tuple[torch.dtype, torch.Tensor]] = {}

@@ -13,21 +13,8 @@ import torch
 from torch import nn
 
 import mixprec
+from helpers import state_data, state_mlp
 from mixprec._src.optim import moments
-
-
-def _mlp() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 1))
-
-
-def _data(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(2)
-    out = []
-    for _ in range(steps):
-        x = torch.randn(32, 64, generator=g)
-        out.append((x, x[:, :8].sin().sum(1, keepdim=True)))
-    return out
 
 
 def _train(model: nn.Module, optimizer: torch.optim.Optimizer, data: list) -> list[float]:
@@ -117,10 +104,10 @@ def test_stochastic_rounding_lets_a_slow_second_moment_grow_where_round_to_neare
     [("O1", "adamw"), ("O2", "adam"), ("bf16-sr", "adamw"), ("bf16-kahan", "adamw"), ("O2", "sgd"), ("bf16-sr", "sgd")],
 )
 def test_a_run_resumed_from_state_dicts_continues_bit_for_bit(level: str, kind: str) -> None:
-    data = _data(8)
+    data = state_data(8)
 
     def fresh() -> tuple[nn.Module, torch.optim.Optimizer]:
-        model = _mlp()
+        model = state_mlp()
         if kind == "sgd":
             optimizer: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
         else:
@@ -145,8 +132,8 @@ def test_a_run_resumed_from_state_dicts_continues_bit_for_bit(level: str, kind: 
 
 
 def test_checkpoints_move_between_fp32_bf16_and_quantized_state() -> None:
-    data = _data(8)
-    plain = _mlp()
+    data = state_data(8)
+    plain = state_mlp()
     plain_opt = torch.optim.AdamW(plain.parameters(), lr=3e-3)
     _train(plain, plain_opt, data[:2])
     model = copy.deepcopy(plain)
@@ -209,10 +196,10 @@ def test_bf16_moments_hold_half_the_bytes_and_the_plan_says_so(level: str) -> No
 
 
 def test_stepping_in_backward_with_bf16_state_is_stepping_after_it_bitwise() -> None:
-    data = _data(4)
+    data = state_data(4)
     runs: dict[bool, Any] = {}
     for in_backward in (False, True):
-        model = _mlp()
+        model = state_mlp()
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
         mixprec.prepare(model, optimizer, "bf16-sr", optimizer_state="bf16", step_in_backward=in_backward)
         losses = _train(model, optimizer, data)
@@ -237,10 +224,10 @@ def test_the_chunks_a_step_is_taken_in_do_not_change_a_bit(level: str, monkeypat
     so the chunk size changes nothing (the 256x256 weight: one chunk, or 64 of 1024 values)."""
     from mixprec._src.prepare import bf16_state
 
-    data, runs = _data(3), []
+    data, runs = state_data(3), []
     for chunk in (bf16_state.CHUNK, 1024):
         monkeypatch.setattr(bf16_state, "CHUNK", chunk)
-        model = _mlp()
+        model = state_mlp()
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
         mixprec.prepare(model, optimizer, level, optimizer_state="bf16")
         _train(model, optimizer, data)
@@ -281,11 +268,11 @@ def test_the_cpu_kernel_is_the_chunked_step(level: str, kind: str, monkeypatch: 
     weights within a unit in the last place (torch's CPU sqrt is not correctly rounded; the kernel's is)."""
     from mixprec._src.optim import cpu_adam
 
-    data, runs = _data(1 if level == "O2" else 4), []  # fp32 weights: one step (a unit in the last place compounds)
+    data, runs = state_data(1 if level == "O2" else 4), []  # fp32 weights: one step (an ulp compounds)
     for kernel in (True, False):
         if not kernel:
             monkeypatch.setattr(cpu_adam, "bf16_builds", lambda *_: False)
-        model = _mlp()
+        model = state_mlp()
         make = torch.optim.AdamW if kind == "adamw" else torch.optim.Adam
         optimizer = make(model.parameters(), lr=3e-3, weight_decay=0.01)
         mixprec.prepare(model, optimizer, level, optimizer_state="bf16")

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import mixprec
+from helpers import state_data, state_mlp
 from mixprec._src.optim import adam, fused_adam, moments
 
 
@@ -94,20 +95,6 @@ def test_a_step_is_torchaos_single_param_adam_bitwise(precision: str, adamw: boo
     )
 
 
-def _mlp() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 1))
-
-
-def _data(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(2)
-    out = []
-    for _ in range(steps):
-        x = torch.randn(32, 64, generator=g)
-        out.append((x, x[:, :8].sin().sum(1, keepdim=True)))
-    return out
-
-
 def _train(model: nn.Module, optimizer: torch.optim.Optimizer, data: list) -> list[float]:
     """Steps in a bf16 region (a prepared model opens its own: the unprepared reference computes the same)."""
     losses = []
@@ -128,7 +115,7 @@ def test_training_is_torchaos_low_bit_adamw_bitwise_where_every_parameter_is_qua
 ) -> None:
     """torchao's optimizer run eagerly (its step compiles with inductor, whose arithmetic differs by roundings)."""
     optim = _torchao("torchao.optim")
-    data = [(x, y.expand(-1, 16)) for x, y in _data(12)]
+    data = [(x, y.expand(-1, 16)) for x, y in state_data(12)]
     ours_model, their_model = _no_small_parameters(), _no_small_parameters()
     ours_opt = torch.optim.AdamW(ours_model.parameters(), lr=3e-3, weight_decay=0.01)
     mixprec.prepare(ours_model, ours_opt, "O1", optimizer_state=precision)
@@ -150,8 +137,8 @@ def test_training_follows_torchaos_compiled_low_bit_adamw(precision: str, theirs
     parameters (biases, the 256-value head) with torch's own AdamW, which arranges the update differently from
     torchao's; a rounding that flips a code compounds (measured over 40 steps: 0.6% at most, both widths)."""
     optim = _torchao("torchao.optim")
-    data = _data(40)
-    ours_model, their_model = _mlp(), _mlp()
+    data = state_data(40)
+    ours_model, their_model = state_mlp(), state_mlp()
     ours_opt = torch.optim.AdamW(ours_model.parameters(), lr=3e-3, weight_decay=0.01)
     mixprec.prepare(ours_model, ours_opt, "O1", optimizer_state=precision)
     ours = _train(ours_model, ours_opt, data)
@@ -170,10 +157,10 @@ def _no_small_parameters() -> nn.Module:
     ("level", "precision"), [("O1", "8bit"), ("O2", "4bit"), ("bf16-pure", "8bit"), ("O1", "fp8"), ("bf16-sr", "4bit")]
 )
 def test_a_run_resumed_from_state_dicts_continues_bit_for_bit(level: str, precision: str) -> None:
-    data = _data(8)
+    data = state_data(8)
 
     def fresh() -> tuple[nn.Module, torch.optim.Optimizer]:
-        model = _mlp()
+        model = state_mlp()
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
         return mixprec.prepare(model, optimizer, level, optimizer_state=precision)
 
@@ -195,8 +182,8 @@ def test_a_run_resumed_from_state_dicts_continues_bit_for_bit(level: str, precis
 
 
 def test_checkpoints_move_between_fp32_and_quantized_moments() -> None:
-    data = _data(6)
-    plain = _mlp()
+    data = state_data(6)
+    plain = state_mlp()
     plain_opt = torch.optim.AdamW(plain.parameters(), lr=3e-3)
     _train(plain, plain_opt, data[:3])
     model = copy.deepcopy(plain)
@@ -244,10 +231,10 @@ def test_a_run_resumed_from_a_distributed_checkpoint_continues_bit_for_bit(tmp_p
     dcp = pytest.importorskip("torch.distributed.checkpoint")
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    data = _data(8)
+    data = state_data(8)
 
     def fresh() -> tuple[nn.Module, torch.optim.Optimizer]:
-        model = _mlp()
+        model = state_mlp()
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
         return mixprec.prepare(model, optimizer, "bf16-pure", optimizer_state="8bit")
 
@@ -317,10 +304,10 @@ def test_a_fused_adamw_keeps_its_fused_step_for_the_small_tensors() -> None:
     small ones keep torch's fused step."""
     results = []
     for fused in (False, True):
-        model = _mlp()
+        model = state_mlp()
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=fused or None)
         mixprec.prepare(model, optimizer, "O1", optimizer_state="8bit")
-        _train(model, optimizer, _data(3))
+        _train(model, optimizer, state_data(3))
         results.append({n: p.detach().clone() for n, p in model.named_parameters()})
     large = [n for n, p in results[0].items() if p.numel() >= moments.MIN_NUMEL]
     assert large and all(torch.equal(results[0][n], results[1][n]) for n in large)
