@@ -191,6 +191,10 @@ def test_the_cli_prints_the_plan(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["memory-plan", "--workload", "checkerboard", "--size", "tiny", "--level", "bf16-sr"]) == 0
     text = capsys.readouterr().out
     assert "backward, beyond the activations" in text and "checkpointed" not in text  # a Sequential: no blocks
+    assert main(["memory-plan", "--workload", "mlp", "--size", "tiny", "--level", "O2", "--optimizer-state", "bf16",
+                 "--json"]) == 0  # fmt: skip
+    out = json.loads(capsys.readouterr().out)
+    assert out["optimizer_state"] < 7 * out["parameter_count"]  # bf16 moments (fp32's: 8 bytes a parameter)
 
 
 class _NewTensors(TorchDispatchMode):

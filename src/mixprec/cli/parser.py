@@ -127,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--size", choices=SIZES, default="default", help="--workload's size (default: default)")
     plan.add_argument("--level", default="O2", choices=["O1", "O2", "bf16-sr", "bf16-kahan", "bf16-pure"])
     plan.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd"])
-    plan.add_argument("--optimizer-state", default="fp32", choices=["fp32", "8bit", "4bit", "fp8"])
+    plan.add_argument("--optimizer-state", default="fp32", choices=["fp32", "bf16", "8bit", "4bit", "fp8"])
     plan.add_argument("--step-in-backward", action="store_true", help="step each parameter in backward")
     plan.add_argument("--world-size", type=int, default=1, help="FSDP2 ranks (default 1)")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
