@@ -158,11 +158,6 @@ inline const uint8_t* block_codes(const uint8_t* codes, int64_t first, uint8_t* 
     return unpacked;
 }
 
-inline VecF vec_lerp(const VecF& start, const VecF& end, float weight) {
-    return std::abs(weight) < 0.5f ? at::vec::fmadd(VecF(weight), end - start, start)
-                                   : at::vec::fmadd(VecF(weight - 1.0f), end - start, end);
-}
-
 inline float vec_absmax_clamped(const float* x) {
     VecF best(0.0f);
     for (int64_t i = 0; i < BLOCK; i += VecF::size()) best = at::vec::maximum(best, VecF::loadu(x + i).abs());
@@ -265,19 +260,7 @@ inline void whole_block(P* p, const G* g, c10::BFloat16* comp, uint8_t* m_codes,
         const int64_t k = first + i;
         const VecF denom = VecF::loadu(v + i).sqrt() / bc2 + eps;
         const VecF next = VecF::loadu(p32 + i) - (lr * (VecF::loadu(m + i) / bc1)) / denom;
-        if (rounding == 1) {
-            const VecI index = VecI::arange(static_cast<int32_t>(k), 1);
-            const VecI noise = ((index * VecI(WEYL) + VecI(static_cast<int32_t>(seed))) >> VecI(16)) & VecI(0xFFFF);
-            store_vec(p + k, at::vec::cast<float>((at::vec::cast<int32_t>(next) + noise) & VecI(-(1 << 16))));
-        } else if (rounding == 2) {
-            const VecF w = load_float(p + k);
-            const VecF c = load_float(comp + k);
-            const VecF sum = w + ((next - w) + c);
-            store_vec(p + k, sum);
-            store_vec(comp + k, sum - load_float(p + k));
-        } else {
-            store_vec(p + k, next);
-        }
+        write_vec(p, comp, k, next, rounding, seed);
     }
 }
 }  // namespace
@@ -326,23 +309,14 @@ extern "C" void kernel(%(p_type)s* p, const %(g_type)s* g, c10::BFloat16* comp,
             const float denom = std::sqrt(v[i]) / bias_correction2_sqrt + eps;
             const float next = p32[i] - (lr * (m[i] / bias_correction1)) / denom;
             const int64_t k = first + i;
-            if (rounding == 1) {  // sr_noise.sr_bits at flat position k
-                const int32_t noise = ((int32_t)((uint32_t)k * (uint32_t)WEYL + (uint32_t)seed) >> 16) & 0xFFFF;
-                store(p + k, from_bits((int32_t)((uint32_t)bits_of(next) + (uint32_t)noise) & -(1 << 16)));
-            } else if (rounding == 2) {  // kahan.write
-                const float y = (next - w[i]) + static_cast<float>(comp[k]);
-                const float s = w[i] + y;
-                store(p + k, s);
-                comp[k] = c10::BFloat16(s - to_float(p[k]));
-            } else {
-                store(p + k, next);
-            }
+            write_one(p, comp, k, next, w[i], rounding, seed);
         }
     }
 }
 """
 
-#: what both kernels share: bit casts, fp32 and bf16 loads and stores, ATen's lerp, ATen's vector types
+#: what both kernels share: bit casts, fp32 and bf16 loads and stores, ATen's lerp, bf16-sr's noise, the weight's
+#: writes, ATen's vector types
 _HELPERS = """using VecF = at::vec::Vectorized<float>;
 using VecI = at::vec::Vectorized<int32_t>;
 
@@ -364,6 +338,48 @@ inline VecF load_float(const c10::BFloat16* x) {
 }
 inline void store_vec(float* p, const VecF& x) { x.store(p); }
 inline void store_vec(c10::BFloat16* p, const VecF& x) { at::vec::convert<c10::BFloat16>(x).store(p, VecF::size()); }
+inline VecF vec_lerp(const VecF& start, const VecF& end, float weight) {
+    return std::abs(weight) < 0.5f ? at::vec::fmadd(VecF(weight), end - start, start)
+                                   : at::vec::fmadd(VecF(weight - 1.0f), end - start, end);
+}
+
+// sr_noise.sr_bits at flat positions pos, pos + 1, ... (the seed's): fp32 bits with 16 low zeros (exact in bf16)
+inline VecF vec_sr(const VecF& x, int64_t pos, int64_t seed) {
+    const VecI index = VecI::arange(static_cast<int32_t>(pos), 1);
+    const VecI noise = ((index * VecI(WEYL) + VecI(static_cast<int32_t>(seed))) >> VecI(16)) & VecI(0xFFFF);
+    return at::vec::cast<float>((at::vec::cast<int32_t>(x) + noise) & VecI(-(1 << 16)));
+}
+inline float sr(float x, int64_t pos, int64_t seed) {
+    const int32_t noise = ((int32_t)((uint32_t)pos * (uint32_t)WEYL + (uint32_t)seed) >> 16) & 0xFFFF;
+    return from_bits((int32_t)((uint32_t)bits_of(x) + (uint32_t)noise) & -(1 << 16));
+}
+
+// the new weights at k, ..., written as rounding says: to nearest (0), bf16-sr's noise (1), kahan.write (2)
+template <typename P>
+inline void write_vec(P* p, c10::BFloat16* comp, int64_t k, const VecF& next, int64_t rounding, int64_t seed) {
+    if (rounding == 1) {
+        store_vec(p + k, vec_sr(next, k, seed));
+    } else if (rounding == 2) {
+        const VecF w = load_float(p + k);
+        const VecF sum = w + ((next - w) + load_float(comp + k));
+        store_vec(p + k, sum);
+        store_vec(comp + k, sum - load_float(p + k));
+    } else {
+        store_vec(p + k, next);
+    }
+}
+template <typename P>
+inline void write_one(P* p, c10::BFloat16* comp, int64_t k, float next, float w, int64_t rounding, int64_t seed) {
+    if (rounding == 1) {
+        store(p + k, sr(next, k, seed));
+    } else if (rounding == 2) {
+        const float sum = w + ((next - w) + static_cast<float>(comp[k]));
+        store(p + k, sum);
+        comp[k] = c10::BFloat16(sum - to_float(p[k]));
+    } else {
+        store(p + k, next);
+    }
+}
 """
 _CTYPES = {torch.float32: "float", torch.bfloat16: "c10::BFloat16"}
 _failed: set[tuple[Any, ...]] = set()
@@ -444,20 +460,6 @@ namespace {
 constexpr int32_t WEYL = -1640531535;
 constexpr int64_t CHUNK = 4096;
 %(helpers)s
-// ATen's lerp, vectorized (as the quantized kernel's vec_lerp)
-inline VecF lerp_vec(const VecF& a, const VecF& b, float t) {
-    return std::abs(t) < 0.5f ? at::vec::fmadd(VecF(t), b - a, a) : at::vec::fmadd(VecF(t - 1.0f), b - a, b);
-}
-// sr_noise.sr_bits at flat positions pos, pos + 1, ...: fp32 bits with 16 low zeros (exact in bf16)
-inline VecF vec_sr(const VecF& x, int64_t pos, int64_t seed) {
-    const VecI index = VecI::arange(static_cast<int32_t>(pos), 1);
-    const VecI noise = ((index * VecI(WEYL) + VecI(static_cast<int32_t>(seed))) >> VecI(16)) & VecI(0xFFFF);
-    return at::vec::cast<float>((at::vec::cast<int32_t>(x) + noise) & VecI(-(1 << 16)));
-}
-inline float sr(float x, int64_t pos, int64_t seed) {
-    const int32_t noise = ((int32_t)((uint32_t)pos * (uint32_t)WEYL + (uint32_t)seed) >> 16) & 0xFFFF;
-    return from_bits((int32_t)((uint32_t)bits_of(x) + (uint32_t)noise) & -(1 << 16));
-}
 }  // namespace
 
 extern "C" void kernel(%(p_type)s* p, const %(g_type)s* g, c10::BFloat16* comp, c10::BFloat16* m,
@@ -470,25 +472,14 @@ extern "C" void kernel(%(p_type)s* p, const %(g_type)s* g, c10::BFloat16* comp, 
         const VecF lr(s[0]), decay(s[1]), bc1(s[4]), bc2(s[5]), eps(s[6]);
         int64_t k = first;
         for (; k + VecF::size() <= last; k += VecF::size()) {
-            const VecF w = load_float(p + k);
-            VecF pk = w, gk = load_float(g + k);
+            VecF pk = load_float(p + k), gk = load_float(g + k);
             if (decoupled) pk = pk - decay * pk;
             else gk = gk + decay * pk;
-            const VecF mk = lerp_vec(load_float(m + k), gk, s[2]);
-            const VecF vk = lerp_vec(load_float(v + k), gk * gk, s[3]);
+            const VecF mk = vec_lerp(load_float(m + k), gk, s[2]);
+            const VecF vk = vec_lerp(load_float(v + k), gk * gk, s[3]);
             store_vec(m + k, vec_sr(mk, k, m_seed));
             store_vec(v + k, vec_sr(vk, k, v_seed));
-            const VecF next = pk - (lr * (mk / bc1)) / (vk.sqrt() / bc2 + eps);
-            if (rounding == 1) {
-                store_vec(p + k, vec_sr(next, k, seed));
-            } else if (rounding == 2) {
-                const VecF sum = w + ((next - w) + load_float(comp + k));
-                store_vec(p + k, sum);
-                const VecF written = load_float(p + k);
-                store_vec(comp + k, sum - written);
-            } else {
-                store_vec(p + k, next);
-            }
+            write_vec(p, comp, k, pk - (lr * (mk / bc1)) / (vk.sqrt() / bc2 + eps), rounding, seed);
         }
         for (; k < last; ++k) {
             const float w = to_float(p[k]);
@@ -498,16 +489,7 @@ extern "C" void kernel(%(p_type)s* p, const %(g_type)s* g, c10::BFloat16* comp, 
             const float mk = lerp(to_float(m[k]), gk, s[2]), vk = lerp(to_float(v[k]), gk * gk, s[3]);
             m[k] = c10::BFloat16(sr(mk, k, m_seed));
             v[k] = c10::BFloat16(sr(vk, k, v_seed));
-            const float next = pk - (s[0] * (mk / s[4])) / (std::sqrt(vk) / s[5] + s[6]);
-            if (rounding == 1) {
-                store(p + k, sr(next, k, seed));
-            } else if (rounding == 2) {
-                const float sum = w + ((next - w) + static_cast<float>(comp[k]));
-                store(p + k, sum);
-                comp[k] = c10::BFloat16(sum - to_float(p[k]));
-            } else {
-                store(p + k, next);
-            }
+            write_one(p, comp, k, pk - (s[0] * (mk / s[4])) / (std::sqrt(vk) / s[5] + s[6]), w, rounding, seed);
         }
     }
 }
