@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from mixprec._src import dispatch_modes
 from mixprec._src.numerics import bf16_nearest
 from mixprec._src.optim import cpu_adam, moments
 from mixprec._src.optim import quantize as q
@@ -188,8 +189,9 @@ def step_scalars(group: dict[str, Any], step: torch.Tensor, decoupled: bool, dev
 
 def runs(precision: str, p: torch.Tensor, grad: torch.Tensor) -> bool:
     """Whether :func:`adam_step` runs for these tensors: ``cpu_adam``'s kernel on the CPU (the graph is then not
-    compiled at all), else the compiled graph where inductor compiles."""
-    return (NATIVE and cpu_adam.available(precision, p, grad)) or available()
+    compiled at all), else the compiled graph where inductor compiles, and no Python dispatch mode is active (compiled
+    code refuses to run under one: the eager step runs there)."""
+    return (NATIVE and cpu_adam.available(precision, p, grad)) or (not dispatch_modes.active() and available())
 
 
 def _step(kernel: Callable[..., None] | None, p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any],

@@ -97,7 +97,7 @@ def install(optimizer: torch.optim.Optimizer, lowp: Iterable[torch.Tensor], hand
     if kernel is None:
         stochastic_rounding.install_generic(optimizer, ids, handles, _generic_write)
         return False
-    install_fused_adam(optimizer, ids, handles, kernel, _compensations)
+    install_fused_adam(optimizer, ids, handles, kernel, _compensations, adam_kahan_update)
     return True
 
 

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from mixprec._src import sharding
-from mixprec._src.prepare.sr_kernel import adam_scalars, compiled_kernel, fused_supported
+from mixprec._src import dispatch_modes, sharding
+from mixprec._src.prepare.sr_kernel import adam_scalars, adam_sr_update, compiled_kernel, fused_supported
 from mixprec._src.prepare.sr_noise import seed_tensor, shard_seed, sr_bits, tensor_seed
 
 __all__ = [
@@ -100,14 +100,15 @@ Extras = Callable[[torch.optim.Optimizer, dict[str, Any]], PerTensor]
 
 
 def install_fused_adam(optimizer: torch.optim.Optimizer, lowp: set[int], handles: list[Any],
-                       kernel: Callable[..., None], extras: Extras) -> None:  # fmt: skip
+                       kernel: Callable[..., None], extras: Extras, eager: Callable[..., None]) -> None:  # fmt: skip
     """Have Adam(W)'s own ``step`` update the bf16 tensors ``lowp`` (ids) with the compiled ``kernel``.
 
     ``step`` itself is left alone (its hooks, profiling and LR schedulers' wrappers all stay in
     place): Adam's ``_init_group``, which ``step`` calls once per param group to collect the
     tensors to update, is overridden on this optimizer. It updates the bf16 weights of the group
     with ``kernel(weight, gradient, exp_avg, exp_avg_sq, *extras, scalars)`` on 1-D views of the local
-    shards and hands the rest (fp32 weights of kept modules) to Adam's own.
+    shards and hands the rest (fp32 weights of kept modules) to Adam's own. Under a Python dispatch mode
+    (``FlopCounterMode``), where compiled code cannot run, ``eager`` (the kernel's uncompiled function) steps.
     """
     adams_own = type(optimizer)._init_group  # type: ignore[attr-defined]
 
@@ -115,6 +116,7 @@ def install_fused_adam(optimizer: torch.optim.Optimizer, lowp: set[int], handles
         decoupled = bool(group.get("decoupled_weight_decay", isinstance(self, torch.optim.AdamW)))
         by_step: dict[tuple[float, torch.device], torch.Tensor] = {}
         more = extras(self, group)
+        run = eager if dispatch_modes.active() else kernel
         rest = []
         for p in group["params"]:
             local_p, local_g = sharding.local(p.data), None if p.grad is None else sharding.local(p.grad)
@@ -133,7 +135,7 @@ def install_fused_adam(optimizer: torch.optim.Optimizer, lowp: set[int], handles
                 scalars = by_step[key] = adam_scalars(group, key[0], decoupled).to(local_p.device)
             # 1-D views of the local shards: one compiled graph serves every parameter, whatever its shape.
             flat = [sharding.local(t).view(-1) for t in (p.data, p.grad, st["exp_avg"], st["exp_avg_sq"])]
-            kernel(*flat, *more(p, st), scalars)
+            run(*flat, *more(p, st), scalars)
         return adams_own(self, {**group, "params": rest}, *args, **kwargs)
 
     optimizer._init_group = types.MethodType(_init_group, optimizer)  # type: ignore[attr-defined]
@@ -258,7 +260,7 @@ def install(optimizer: torch.optim.Optimizer, lowp: Iterable[torch.Tensor], hand
     step_eagerly(optimizer, handles)
     kernel = compiled_kernel() if fused_supported(optimizer) else None
     if kernel is not None:
-        install_fused_adam(optimizer, ids, handles, kernel, _seeds)
+        install_fused_adam(optimizer, ids, handles, kernel, _seeds, adam_sr_update)
         return True
     install_generic(optimizer, ids, handles)
     return False
