@@ -72,12 +72,29 @@ _BEFORE_STEP = """        grad_x = grad_bias = None
             grad_bias = grad2.sum(0)
         layer.backward(grad2, x2)
 """  # a sliced layer's backward: the input's gradient, the bias's, then the weight's slices
-KAHAN_TESTS = ("tests/prepare/test_kahan.py",)
+KAHAN_TESTS = ("tests/prepare/test_kahan.py", "tests/optim/test_cpu_multi_adam.py")
+STEP_TESTS = ("tests/optim/test_cpu_multi_adam.py",)
 BF16_STATE_TESTS = ("tests/optim/test_bf16_state.py",)
 PLAN_MEMORY_TESTS = ("tests/observe/test_memory_plan.py",)
 MEMORY_BUDGET_TESTS = ("tests/tune/test_memory_budget.py",)
 
 MUTANTS = (
+    Mutant("step-scalars-of-another-group", "the group's list steps with the first param group's lr, decay and betas",
+           S + "prepare/stochastic_rounding.py", "cpu_multi_adam.adam_step(rows, adam_scalars(group, step, decoupled)",
+           "cpu_multi_adam.adam_step(rows, adam_scalars(self.param_groups[0], step, decoupled)", STEP_TESTS),
+    Mutant("step-write-rule-swapped", "bf16-kahan's list writes its weights with bf16-sr's rounding",
+           S + "prepare/kahan.py", "adam_kahan_update, cpu_multi_adam.KAHAN)",
+           "adam_kahan_update, cpu_multi_adam.STOCHASTIC)", STEP_TESTS),
+    Mutant("step-moment-skipped", "the list's step leaves the second moment as it was",
+           S + "optim/cpu_multi_adam.py", "        store_vec(v + k, vk);\n", "", STEP_TESTS),
+    Mutant("step-counts-stale", "the host-side step counts ignore a state dict loaded into the running optimizer",
+           S + "prepare/stochastic_rounding.py", "fresh = held is not None and held[0] is t and held[1] == t._version",
+           "fresh = held is not None", STEP_TESTS),
+    Mutant("step-compiled-under-dispatch-mode", "a step under FlopCounterMode calls the compiled kernel (it raises)",
+           S + "prepare/stochastic_rounding.py", "run = eager if mode else kernel", "run = kernel", STEP_TESTS),
+    Mutant("o2-copies-per-parameter", "O2's copies refreshed one parameter at a time after a step",
+           S + "prepare/o2_copies.py", "torch._foreach_copy_([self.copies[id(p)] for p in self.params], list[torch.Te",
+           "[self.copies[id(p)].copy_(p) for p in self.params] or ([], list[torch.Te", STEP_TESTS),
     Mutant("bf16-state-rounds-nearest", "bf16 moments are stored rounded to nearest, not stochastically",
            S + "prepare/bf16_state.py", "    bits = sr_bits(value.contiguous(), seed_tensor(seed, value.device))\n"
            "    target.copy_(bits.view(torch.float32).view(target.shape))",

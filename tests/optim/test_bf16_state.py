@@ -264,8 +264,10 @@ def test_an_sgd_step_is_torchs_from_the_stored_buffer_with_the_new_one_rounded_t
 @pytest.mark.parametrize(("level", "kind"), [("O2", "adamw"), ("bf16-sr", "adamw"), ("bf16-kahan", "adam"),
                                              ("bf16-pure", "adamw")])  # fmt: skip
 def test_the_cpu_kernel_is_the_chunked_step(level: str, kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """cpu_adam's kernel against the step on fp32 copies: the moments bit for bit, bf16 weights bit for bit, fp32
-    weights within a unit in the last place (torch's CPU sqrt is not correctly rounded; the kernel's is)."""
+    """cpu_adam's kernel against the step on fp32 copies: the moments bit for bit; where torch's CPU sqrt is
+    correctly rounded, bf16 weights bit for bit and fp32 weights within a unit in the last place (the chunked
+    step's arithmetic order); where it is not, a bf16 weight may round to its other neighbour and an fp32 weight
+    near zero differs by many of its ulps."""
     from mixprec._src.optim import cpu_adam
 
     data, runs = state_data(1 if level == "O2" else 4), []  # fp32 weights: one step (an ulp compounds)
@@ -286,8 +288,21 @@ def test_the_cpu_kernel_is_the_chunked_step(level: str, kind: str, monkeypatch: 
         runs.append((weight.detach().clone(), state["exp_avg"].clone(), state["exp_avg_sq"].clone()))
     (w_kernel, *m_kernel), (w_chunks, *m_chunks) = runs
     assert all(torch.equal(a, b) for a, b in zip(m_kernel, m_chunks, strict=True))
-    if w_kernel.dtype is torch.bfloat16:
+    exact = _torch_sqrt_is_correctly_rounded()
+    if w_kernel.dtype is torch.bfloat16 and exact:
         assert torch.equal(w_kernel, w_chunks)
-    else:
-        torch.testing.assert_close(w_kernel, w_chunks, rtol=2**-22, atol=0)
+    elif w_kernel.dtype is torch.bfloat16:  # an update an ulp apart rounds to the other bf16 neighbour, rarely
+        apart = w_kernel != w_chunks
+        assert apart.float().mean() < 0.01
+        step = (w_chunks.float().abs() * 2**-7).clamp_min(2**-126)
+        assert ((w_kernel.float() - w_chunks.float()).abs()[apart] <= step[apart]).all()
+    else:  # near zero, an ulp of the update is many of the weight's
+        torch.testing.assert_close(w_kernel, w_chunks, rtol=2**-22 if exact else 2**-13, atol=0 if exact else 1e-9)
         assert not torch.equal(w_kernel.to(torch.bfloat16).float(), w_kernel)  # fp32 indeed
+
+
+def _torch_sqrt_is_correctly_rounded() -> bool:
+    """Whether torch's eager fp32 sqrt is correctly rounded on this CPU (the kernel's always is): on some CPUs'
+    vector paths it is not (seen on an AMD EPYC with AVX-512: a fifth of random values an ulp off)."""
+    x = torch.rand(1 << 14, generator=torch.Generator().manual_seed(0)) * 1e-6
+    return torch.equal(x.sqrt(), x.double().sqrt().float())

@@ -1,15 +1,16 @@
 """What a training step costs at each level and optimizer-state precision: ``mixprec bench --step-cost``.
 
 For each recipe (torch.amp's autocast, then ``mixprec.prepare`` at a level with a state precision) and each form
-of the user's optimizer (AdamW default, ``foreach=True``, ``fused=True``; SGD with momentum), on a small pre-norm
-transformer (the bench's :class:`~mixprec.bench.workloads.TinyLM`):
+of the user's optimizer (AdamW's default, on the CPU a loop over the parameters; ``foreach=True``; ``fused=True``;
+SGD with momentum), on a small pre-norm transformer (the bench's :class:`~mixprec.bench.workloads.TinyLM`):
 
 * **ops per optimizer step**: what ``optimizer.step()`` dispatches, at 2 and at 8 blocks: the aten ops called
   outside any other aten op, and each compiled graph or mixprec CPU kernel as one (the profiler's view; on a GPU
   each is a kernel launch or more). A step whose count grows with the blocks launches per parameter.
 * **host reads in a whole step** (zero_grad, forward, backward, step): ``_local_scalar_dense`` (``.item()``,
   ``float(t)``, ``bool(t)``) of any tensor but an optimizer's step counter that torch keeps on the host (a
-  non-fused, non-capturable optimizer's): on a GPU each is a device-to-host sync that blocks CUDA graph capture.
+  non-fused, non-capturable optimizer's): on a GPU each is a device-to-host sync that blocks CUDA graph
+  capture.
 * **step time**: the median of whole training steps, the recipes of one optimizer form interleaved step by step,
   as a ratio to torch.amp's with the same optimizer (above 1: faster).
 
@@ -20,6 +21,7 @@ test: ratios from one run on a shared machine are figures to read, not threshold
 from __future__ import annotations
 
 import dataclasses
+import functools
 import statistics
 import time
 from collections.abc import Callable, Iterable
@@ -38,7 +40,7 @@ __all__ = ["HEADER", "OPTIMIZERS", "RECIPES", "Recipe", "Row", "count_ops", "hos
 
 #: the forms of the user's optimizer: ``name -> (class, keyword arguments)``
 OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
-    "adamw": (torch.optim.AdamW, {"lr": 1e-3, "foreach": False}),
+    "adamw": (torch.optim.AdamW, {"lr": 1e-3}),
     "adamw-foreach": (torch.optim.AdamW, {"lr": 1e-3, "foreach": True}),
     "adamw-fused": (torch.optim.AdamW, {"lr": 1e-3, "fused": True}),
     "sgd": (torch.optim.SGD, {"lr": 1e-2, "momentum": 0.9}),
@@ -56,7 +58,7 @@ class Recipe:
 
     def build(self, blocks: int, dim: int, optimizer: str) -> tuple[nn.Module, torch.optim.Optimizer]:
         torch.manual_seed(0)
-        model = TinyLM(256, dim, blocks, heads=max(1, dim // 16))
+        model: nn.Module = TinyLM(256, dim, blocks, heads=max(1, dim // 16))
         kind, options = OPTIMIZERS[optimizer]
         opt = kind(model.parameters(), **options)
         if self.level is not None:
@@ -123,7 +125,7 @@ def _train_step(model: nn.Module, opt: torch.optim.Optimizer, recipe: Recipe,
 
 
 def _is_counted(event: Any) -> bool:
-    name = event.name
+    name: str = event.name
     return name.startswith("aten::") or name.startswith("## Call CompiledFxGraph") or name.startswith("mixprec::")
 
 
@@ -143,11 +145,11 @@ def count_ops(step: Callable[[], Any]) -> int:
     return counted
 
 
-class _Reads(TorchDispatchMode):
+class _Reads(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Counts ``_local_scalar_dense`` of tensors other than ``host_side`` (data pointers)."""
 
     def __init__(self, host_side: set[int]) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self.host_side, self.reads = host_side, 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -198,7 +200,7 @@ def measure(recipes: Iterable[Recipe] = RECIPES, optimizers: Iterable[str] = tup
                 _forward_backward(model, opt, recipe, batch)
                 ops.append(count_ops(opt.step))
                 if n == 8:
-                    reads = host_reads(lambda m=model, o=opt: _train_step(m, o, recipe, batch), opt)
+                    reads = host_reads(functools.partial(_train_step, model, opt, recipe, batch), opt)
             counts[recipe.name] = ((ops[0], ops[1]), reads)
         runs = {r.name: (r, *r.build(blocks, dim, optimizer)) for r in chosen}
         whole: dict[str, list[float]] = {name: [] for name in runs}

@@ -26,6 +26,8 @@ def run(args: argparse.Namespace) -> int:
     from mixprec.bench.runner import BenchConfig, BenchInterrupted, ModeResult, run
 
     size = args.size or ("quick" if args.quick else "default")
+    if args.step_cost:
+        return run_step_cost(args, size)
     if args.nproc is not None:
         return run_sharded(args, size)
     compile_ = args.compile or args.compile_modes is not None
@@ -127,6 +129,33 @@ def _memory_table(args: argparse.Namespace, report: Any, size: str) -> str:
     title = (f"Memory: the bench transformer ({size}), per rank, from mixprec.memory_plan; the largest in "
              f"{budget / 2**30:.2f} GiB grows its layers")  # fmt: skip
     return "\n".join([title, "", *markdown_table(memory_table.HEADER, rows)])
+
+
+def run_step_cost(args: argparse.Namespace, size: str) -> int:
+    """``mixprec bench --step-cost``: the step-cost table (bench/step_cost.py), as Markdown."""
+    from rich.console import Console
+
+    from mixprec.bench import step_cost
+    from mixprec.bench.tables import markdown_table
+
+    cost_size = "default" if size == "default" else "tiny"
+    recipes = step_cost.RECIPES
+    print(f"mixprec bench --step-cost: {len(recipes)} recipes x {len(step_cost.OPTIMIZERS)} optimizers, size "
+          f"{cost_size}, cpu, torch {torch.__version__}", flush=True)  # fmt: skip
+    console = Console(stderr=True)
+    steps = args.steps or 20
+    try:
+        if args.quiet or not sys.stderr.isatty():
+            rows = step_cost.measure(recipes, size=cost_size, steps=steps)
+        else:
+            with console.status("measuring") as status:
+                rows = step_cost.measure(recipes, size=cost_size, steps=steps,
+                                         progress=lambda what: status.update(what))  # fmt: skip
+    except KeyboardInterrupt:
+        print("mixprec bench: interrupted; nothing measured", file=sys.stderr)
+        return 130
+    print("\n".join(markdown_table(step_cost.HEADER, step_cost.table_rows(rows))), flush=True)
+    return 0
 
 
 def run_sharded(args: argparse.Namespace, size: str) -> int:

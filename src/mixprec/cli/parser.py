@@ -78,6 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="also print the memory table: per mode, bytes a parameter of the bench transformer, its "
                        "predicted peak, the largest bench transformer fitting this budget (e.g. 4GiB) and the "
                        "final loss against fp32 (memory_plan: nothing more is trained)")  # fmt: skip
+    bench.add_argument("--step-cost", action="store_true",
+                       help="instead of training the workloads, print what a training step costs at each level and "
+                       "optimizer-state precision, with each form of AdamW and with SGD: optimizer.step()'s ops at 2 "
+                       "and 8 blocks of a small transformer, host reads in a whole step, step time against torch.amp "
+                       "(--size tiny or quick: width 64, overhead-bound; default: width 256); on the CPU")  # fmt: skip
     bench.add_argument("--fp8-kernels", action=argparse.BooleanOptionalAction, default=True,
                        help="with --compile: count inductor's kernels per fp8 linear, mixprec against torchao "
                        "(default on)")  # fmt: skip

@@ -22,6 +22,7 @@ import torch
 
 from mixprec._src import sharding
 from mixprec._src.numerics import bf16_nearest
+from mixprec._src.optim import cpu_multi_adam
 from mixprec._src.prepare import stochastic_rounding
 from mixprec._src.prepare.sr_kernel import adam_scalars, fused_supported
 from mixprec._src.prepare.stochastic_rounding import PerTensor, install_fused_adam, step_eagerly
@@ -97,13 +98,13 @@ def install(optimizer: torch.optim.Optimizer, lowp: Iterable[torch.Tensor], hand
     if kernel is None:
         stochastic_rounding.install_generic(optimizer, ids, handles, _generic_write)
         return False
-    install_fused_adam(optimizer, ids, handles, kernel, _compensations, adam_kahan_update)
+    install_fused_adam(optimizer, ids, handles, kernel, _compensations, adam_kahan_update, cpu_multi_adam.KAHAN)
     return True
 
 
 def _compensations(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> PerTensor:
     """The fused kernel's extras: each weight's compensation (made at its first step)."""
-    return lambda p, state: [sharding.local(compensation(state, p)).view(-1)]
+    return lambda p, state: sharding.local(compensation(state, p))
 
 
 def _generic_write(param: torch.Tensor, shadow: torch.Tensor, shadow_state: dict[str, Any], seed: int) -> None:

@@ -39,8 +39,8 @@ class ComputeCopies:
                 held = self.copies.get(id(p))
                 if held is None or held.shape != p.shape or held.device != p.device:
                     self.copies[id(p)] = torch.empty_like(p, dtype=self.dtype, memory_format=torch.preserve_format)
-            if self.params:
-                torch._foreach_copy_([self.copies[id(p)] for p in self.params], [p.detach() for p in self.params])
+            if self.params:  # one multi-tensor copy (no detach a parameter: under no_grad they are not recorded)
+                torch._foreach_copy_([self.copies[id(p)] for p in self.params], list[torch.Tensor](self.params))
         self.versions = {id(p): p._version for p in self.params}
 
     def of(self, param: torch.Tensor) -> torch.Tensor:
@@ -69,15 +69,15 @@ class ComputeCopies:
 
 
 class _FromCopy(torch.autograd.Function):
-    """The low-precision copy as the forward's weight; its gradient goes to the fp32 parameter, widened."""
+    """The low-precision copy as the forward's weight; its gradient goes to the fp32 parameter, widened.
+
+    Written with ``forward(ctx, ...)``, not ``setup_context``: with ``setup_context`` every ``apply`` binds its
+    arguments through ``inspect.signature`` (about 50 us a call, a call per parameter per forward)."""
 
     @staticmethod
-    def forward(master: torch.Tensor, held: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, master: torch.Tensor, held: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.master_dtype = master.dtype
         return held.detach()
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.master_dtype = inputs[0].dtype
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]

@@ -54,10 +54,13 @@ _PROBE_GROUP = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 
 
 
 def fused_supported(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the fused kernel steps this optimizer's bf16 weights: torch's Adam or AdamW in any form (default,
+    ``foreach``, ``fused``: the form only says how torch would step them) without amsgrad, maximize, capturable or
+    differentiable."""
     if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
         return False
     return all(not g.get("amsgrad") and not g.get("maximize") and not g.get("capturable")
-               and not g.get("differentiable") and not g.get("fused") for g in optimizer.param_groups)  # fmt: skip
+               and not g.get("differentiable") for g in optimizer.param_groups)  # fmt: skip
 
 
 def compiled_kernel() -> Callable[..., None] | None:

@@ -13,6 +13,7 @@ it and a resumed run rounds exactly as an uninterrupted one. Nothing here syncs 
 
 from __future__ import annotations
 
+import struct
 import types
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 
 from mixprec._src import dispatch_modes, sharding
+from mixprec._src.optim import cpu_multi_adam
 from mixprec._src.prepare.sr_kernel import adam_scalars, adam_sr_update, compiled_kernel, fused_supported
 from mixprec._src.prepare.sr_noise import seed_tensor, shard_seed, sr_bits, tensor_seed
 
@@ -92,54 +94,134 @@ def finisher(optimizer: torch.optim.Optimizer) -> Any:
     return optimizer.__dict__.get(_FINISHER)
 
 
-#: ``(param, its state) -> the kernel's arguments after the weight, gradient and moments``
-PerTensor = Callable[[torch.Tensor, dict[str, Any]], list[torch.Tensor]]
-#: ``extras(optimizer, group)``, called once per param group, gives its :data:`PerTensor` (bf16-sr: the
-#: rounding seed; bf16-kahan: the compensation)
+#: ``(param, its state) -> the kernel's argument after the weight, gradient and moments``: bf16-sr's rounding seed
+#: (an int), bf16-kahan's compensation (the local shard)
+PerTensor = Callable[[torch.Tensor, dict[str, Any]], "int | torch.Tensor"]
+#: ``extras(optimizer, group)``, called once per param group, gives its :data:`PerTensor`
 Extras = Callable[[torch.optim.Optimizer, dict[str, Any]], PerTensor]
 
 
 def install_fused_adam(optimizer: torch.optim.Optimizer, lowp: set[int], handles: list[Any],
-                       kernel: Callable[..., None], extras: Extras, eager: Callable[..., None]) -> None:  # fmt: skip
-    """Have Adam(W)'s own ``step`` update the bf16 tensors ``lowp`` (ids) with the compiled ``kernel``.
+                       kernel: Callable[..., None], extras: Extras, eager: Callable[..., None],
+                       rounding: int) -> None:  # fmt: skip
+    """Have Adam(W)'s own ``step`` update the bf16 tensors ``lowp`` (ids) with one fused kernel.
 
     ``step`` itself is left alone (its hooks, profiling and LR schedulers' wrappers all stay in
     place): Adam's ``_init_group``, which ``step`` calls once per param group to collect the
-    tensors to update, is overridden on this optimizer. It updates the bf16 weights of the group
-    with ``kernel(weight, gradient, exp_avg, exp_avg_sq, *extras, scalars)`` on 1-D views of the local
-    shards and hands the rest (fp32 weights of kept modules) to Adam's own. Under a Python dispatch mode
-    (``FlopCounterMode``), where compiled code cannot run, ``eager`` (the kernel's uncompiled function) steps.
+    tensors to update, is overridden on this optimizer. It updates the bf16 weights of the group and
+    hands the rest (fp32 weights of kept modules) to Adam's own. On the CPU the group's bf16 weights step
+    together, one call of ``cpu_multi_adam``'s kernel (``rounding``: its mode) per step count; elsewhere each
+    takes the compiled ``kernel(weight, gradient, exp_avg, exp_avg_sq, extra, scalars)`` on 1-D views of the
+    local shards, bitwise the same update. Under a Python dispatch mode (``FlopCounterMode``), where
+    compiled code cannot run, ``eager`` (the kernel's uncompiled function) steps each, and the mode sees its ops.
+
+    Whatever the form of the user's Adam(W) (``foreach``, ``fused``), the bf16 weights take this kernel. A
+    GradScaler that drives a fused Adam(W) (it sets ``grad_scale`` and ``found_inf`` on it and leaves
+    unscaling and skipping to the optimizer) is honoured: the bf16 gradients are unscaled in place and
+    ``found_inf`` is read once (a host sync: bf16 needs no loss scaling; a disabled scaler costs nothing).
     """
     adams_own = type(optimizer)._init_group  # type: ignore[attr-defined]
+    multi = cpu_multi_adam.available()
+    counts = HostCounts()
 
     def _init_group(self: torch.optim.Optimizer, group: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
         decoupled = bool(group.get("decoupled_weight_decay", isinstance(self, torch.optim.AdamW)))
-        by_step: dict[tuple[float, torch.device], torch.Tensor] = {}
+        ours, rest = _split(self, group, lowp)
+        if ours and _scaled_step_skips(self, ours):
+            ours = []
         more = extras(self, group)
-        run = eager if dispatch_modes.active() else kernel
-        rest = []
-        for p in group["params"]:
-            local_p, local_g = sharding.local(p.data), None if p.grad is None else sharding.local(p.grad)
-            if id(p) not in lowp or local_g is None or not (local_p.is_contiguous() and local_g.is_contiguous()):
-                rest.append(p)
+        mode = dispatch_modes.active()
+        run = eager if mode else kernel
+        states = [_adam_state(self, p) for p in ours]
+        lists: dict[float, list[Any]] = {}  # step count -> the CPU kernel's rows
+        by_step: dict[tuple[float, torch.device], torch.Tensor] = {}
+        for p, st, step in zip(ours, states, counts.advance(ours, states), strict=True):
+            local = [sharding.local(t) for t in (p.data, p.grad, st["exp_avg"], st["exp_avg_sq"])]  # type: ignore[arg-type]
+            extra = more(p, st)
+            comp = extra if isinstance(extra, torch.Tensor) else None
+            if multi and not mode and cpu_multi_adam.takes(*local, *([] if comp is None else [comp])):
+                lists.setdefault(step, []).append((*local, comp, 0 if comp is not None else extra))
                 continue
-            st = self.state[p]
-            if "step" not in st:
-                st["step"] = torch.tensor(0.0)
-                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            st["step"] += 1
-            key = (float(st["step"]), local_p.device)  # the step count lives on the CPU: no sync
-            scalars = by_step.get(key)
+            device = local[0].device
+            scalars = by_step.get((step, device))
             if scalars is None:
-                scalars = by_step[key] = adam_scalars(group, key[0], decoupled).to(local_p.device)
+                scalars = by_step[step, device] = adam_scalars(group, step, decoupled).to(device)
             # 1-D views of the local shards: one compiled graph serves every parameter, whatever its shape.
-            flat = [sharding.local(t).view(-1) for t in (p.data, p.grad, st["exp_avg"], st["exp_avg_sq"])]
-            run(*flat, *more(p, st), scalars)
+            flat = [t.view(-1) for t in local]
+            run(*flat, comp.view(-1) if comp is not None else seed_tensor(int(extra), device), scalars)
+        for step, rows in lists.items():
+            cpu_multi_adam.adam_step(rows, adam_scalars(group, step, decoupled), rounding)
         return adams_own(self, {**group, "params": rest}, *args, **kwargs)
 
     optimizer._init_group = types.MethodType(_init_group, optimizer)  # type: ignore[attr-defined]
     handles.append(Restore(optimizer, "_init_group"))
+
+
+def _adam_state(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> dict[str, Any]:
+    """``p``'s Adam state, made at its first step (moments like ``p``, a step count on the host)."""
+    st: dict[str, Any] = optimizer.state[p]
+    if "step" not in st:
+        st["step"] = torch.tensor(0.0)
+        st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    elif st["step"].device.type != "cpu":  # a fused Adam's checkpoint loaded: counted on the host from now on
+        st["step"] = st["step"].cpu()
+    return st
+
+
+class HostCounts:
+    """Each weight's step count on the host beside its ``state["step"]`` tensor, so a step reads none of them.
+
+    :meth:`advance` adds one to every step tensor in one multi-tensor add and returns the new counts, as the
+    tensors hold them (fp32). A count is read from its tensor (``float``, a read of a CPU tensor) only where
+    the tensor is not the one last counted or was written since (its version moved: a loaded checkpoint, a
+    count set by hand).
+    """
+
+    def __init__(self) -> None:
+        self.held: dict[int, tuple[torch.Tensor, int, float]] = {}  # id(param) -> (its step tensor, version, count)
+
+    def advance(self, params: list[torch.Tensor], states: list[dict[str, Any]]) -> list[float]:
+        steps = [st["step"] for st in states]
+        before = []
+        for p, t in zip(params, steps, strict=True):
+            held = self.held.get(id(p))
+            fresh = held is not None and held[0] is t and held[1] == t._version
+            before.append(held[2] if fresh else float(t))  # type: ignore[index]
+        if steps:
+            torch._foreach_add_(steps, 1.0)
+        after = [_as_stored(t, c + 1.0) for t, c in zip(steps, before, strict=True)]
+        for p, t, c in zip(params, steps, after, strict=True):
+            self.held[id(p)] = (t, t._version, c)
+        return after
+
+
+def _as_stored(t: torch.Tensor, value: float) -> float:
+    """``value`` as the step tensor ``t`` holds it (fp32 counts stop at 2**24, as torch's do)."""
+    return struct.unpack("f", struct.pack("f", value))[0] if t.dtype is torch.float32 else value  # type: ignore[no-any-return]
+
+
+def _split(optimizer: torch.optim.Optimizer, group: dict[str, Any],
+           lowp: set[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:  # fmt: skip
+    """The group's bf16 weights the kernel steps (a gradient, contiguous local shards), and the rest."""
+    ours: list[torch.Tensor] = []
+    rest: list[torch.Tensor] = []
+    for p in group["params"]:
+        local_g = None if p.grad is None else sharding.local(p.grad)
+        mine = id(p) in lowp and local_g is not None and local_g.is_contiguous()
+        (ours if mine and sharding.local(p.data).is_contiguous() else rest).append(p)
+    return ours, rest
+
+
+def _scaled_step_skips(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> bool:
+    """Where a GradScaler left unscaling and skipping to the optimizer (a fused one): the bf16 gradients unscaled in
+    place; whether this step is skipped (``found_inf`` read: a sync)."""
+    grad_scale, found_inf = getattr(optimizer, "grad_scale", None), getattr(optimizer, "found_inf", None)
+    if found_inf is not None and bool(found_inf):
+        return True
+    if grad_scale is not None:
+        torch._foreach_div_([sharding.local(p.grad) for p in params if p.grad is not None], grad_scale.float())
+    return False
 
 
 def _seeds(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> PerTensor:
@@ -147,8 +229,8 @@ def _seeds(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> PerTensor
     base, step = _advance(group)
     position = positions(optimizer)
 
-    def seed(p: torch.Tensor, state: dict[str, Any]) -> list[torch.Tensor]:
-        return [seed_tensor(shard_seed(tensor_seed(base, step, position[id(p)]), p), sharding.local(p.data).device)]
+    def seed(p: torch.Tensor, state: dict[str, Any]) -> int:
+        return shard_seed(tensor_seed(base, step, position[id(p)]), p)
 
     return seed
 
@@ -260,7 +342,7 @@ def install(optimizer: torch.optim.Optimizer, lowp: Iterable[torch.Tensor], hand
     step_eagerly(optimizer, handles)
     kernel = compiled_kernel() if fused_supported(optimizer) else None
     if kernel is not None:
-        install_fused_adam(optimizer, ids, handles, kernel, _seeds, adam_sr_update)
+        install_fused_adam(optimizer, ids, handles, kernel, _seeds, adam_sr_update, cpu_multi_adam.STOCHASTIC)
         return True
     install_generic(optimizer, ids, handles)
     return False

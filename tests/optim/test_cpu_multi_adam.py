@@ -1,0 +1,214 @@
+"""bf16-sr's and bf16-kahan's multi-tensor CPU step: bitwise the per-tensor compiled kernels it replaces, one call a
+group whatever the form of the user's AdamW, no host reads, and runs under a dispatch mode."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+import mixprec
+from mixprec._src.optim import cpu_multi_adam
+from mixprec._src.prepare import kahan, sr_kernel, stochastic_rounding
+from mixprec._src.prepare.prepare import prepared_state
+from mixprec.bench import step_cost
+
+pytestmark = pytest.mark.skipif(not cpu_multi_adam.available(), reason="no C++ toolchain for the CPU kernel")
+
+SIZES = (1, 7, 16, 17, 4095, 4096, 4097, 12345)
+GROUP = {"lr": 3e-3, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.1}
+
+
+def _tensors(n: int, g: torch.Generator) -> list[torch.Tensor]:
+    scales = (0.05, 1e-3, 1e-4, None, 1e-5)
+    out = [(torch.randn(n, generator=g) * s).bfloat16() for s in scales if s is not None]
+    out.insert(3, (torch.rand(n, generator=g) * 1e-6).bfloat16())
+    out[1][::97] = 0.0  # zero gradients
+    return out
+
+
+@pytest.mark.parametrize("mode", ["stochastic", "kahan"])
+@pytest.mark.parametrize("decoupled", [True, False])
+@pytest.mark.parametrize("step", [1.0, 7.0])
+def test_the_list_steps_bitwise_as_the_compiled_kernel_steps_each(mode: str, decoupled: bool, step: float) -> None:
+    scalars = sr_kernel.adam_scalars(GROUP, step, decoupled)
+    each = [_tensors(n, torch.Generator().manual_seed(i)) for i, n in enumerate(SIZES)]
+    together = copy.deepcopy(each)
+    seeds = [12345 * (i + 1) - 2**30 for i in range(len(SIZES))]
+    kernel = sr_kernel.compiled_kernel() if mode == "stochastic" else kahan._kernel()
+    assert kernel is not None
+    with torch.no_grad():
+        for (p, g, m, v, c), seed in zip(each, seeds, strict=True):
+            extra = torch.tensor(seed, dtype=torch.int32) if mode == "stochastic" else c
+            kernel(p, g, m, v, extra, scalars)
+    rounding = cpu_multi_adam.STOCHASTIC if mode == "stochastic" else cpu_multi_adam.KAHAN
+    rows = [
+        (p, g, m, v, c if mode == "kahan" else None, seed)
+        for (p, g, m, v, c), seed in zip(together, seeds, strict=True)
+    ]
+    cpu_multi_adam.adam_step(rows, scalars, rounding)
+    for n, a, b in zip(SIZES, each, together, strict=True):
+        for name, x, y in zip(("weight", "grad", "exp_avg", "exp_avg_sq", "comp"), a, b, strict=True):
+            assert torch.equal(x.view(torch.int16), y.view(torch.int16)), f"{name} of {n} values"
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 64), nn.LayerNorm(64), nn.GELU(), nn.Linear(64, 70), nn.Linear(70, 8))
+
+
+def _train(level: str, make_opt, steps: int = 4, multi: bool = True, monkeypatch=None):  # type: ignore[no-untyped-def]
+    model = _model()
+    opt = make_opt(model)
+    if not multi:
+        monkeypatch.setattr(cpu_multi_adam, "available", lambda: False)
+    model, opt = mixprec.prepare(model, opt, level=level)
+    if not multi:
+        monkeypatch.undo()
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 8, generator=g)
+        opt.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    return model, opt
+
+
+def _two_groups(**options):  # type: ignore[no-untyped-def]
+    def make(model: nn.Module) -> torch.optim.Optimizer:
+        first, second = list(model[0].parameters()) + list(model[1].parameters()), list(model[3:].parameters())
+        return torch.optim.AdamW([{"params": first, "lr": 1e-2, "weight_decay": 0.3},
+                                  {"params": second, "lr": 3e-3, "betas": (0.8, 0.95)}], **options)  # fmt: skip
+
+    return make
+
+
+@pytest.mark.parametrize("level", ["bf16-sr", "bf16-kahan"])
+def test_a_prepared_step_is_bitwise_todays_per_tensor_step(level: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two param groups of their own lr, decay and betas: the one call per group steps each weight, moment and
+    compensation as the compiled kernel stepped each weight alone."""
+    new, new_opt = _train(level, _two_groups())
+    old, old_opt = _train(level, _two_groups(), multi=False, monkeypatch=monkeypatch)
+    for (name, a), b in zip(new.named_parameters(), old.parameters(), strict=True):
+        assert torch.equal(a, b), name
+    for p, q in zip(new.parameters(), old.parameters(), strict=True):
+        for key, value in new_opt.state[p].items():
+            assert torch.equal(value, old_opt.state[q][key]), key
+
+
+@pytest.mark.parametrize("level", ["bf16-sr", "bf16-kahan"])
+@pytest.mark.parametrize("form", [{"fused": True}, {"foreach": True}])
+def test_a_fused_or_foreach_adamw_steps_the_bf16_weights_with_the_kernel(level: str, form: dict[str, bool]) -> None:
+    """The form of the user's AdamW only says how torch would step: the bf16 weights step as with the default."""
+    plain, _ = _train(level, _two_groups())
+    formed, _ = _train(level, _two_groups(**form))
+    state = prepared_state(formed)
+    assert state is not None and state.fused
+    low = {id(p) for p in state.lowp_params}
+    for (name, a), b in zip(formed.named_parameters(), plain.parameters(), strict=True):
+        if id(a) in low:
+            assert torch.equal(a, b), name
+
+
+def test_a_checkpoint_loaded_into_the_running_optimizer_is_counted_from() -> None:
+    """The host-side step counts follow a state dict loaded mid-run: rewinding replays the same steps bitwise."""
+    model, opt = _train("bf16-sr", _two_groups(), steps=2)
+    saved_model, saved_opt = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    g = torch.Generator().manual_seed(5)
+    batches = [(torch.randn(8, 16, generator=g), torch.randn(8, 8, generator=g)) for _ in range(2)]
+
+    def run() -> list[torch.Tensor]:
+        for x, y in batches:
+            opt.zero_grad(set_to_none=True)
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    first = run()
+    run()  # the counts move on two more steps
+    model.load_state_dict(saved_model)
+    opt.load_state_dict(saved_opt)
+    again = run()
+    for a, b in zip(first, again, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_grad_scaler_driving_a_fused_adamw_unscales_and_skips() -> None:
+    model, opt = _train("bf16-sr", lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True), steps=1)
+    plain, plain_opt = _train("bf16-sr", lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), steps=1)
+    scaler = mixprec.GradScaler("cpu", init_scale=2.0**10)
+    x, y = torch.randn(8, 16), torch.randn(8, 8)
+    for m, o, s in ((model, opt, scaler), (plain, plain_opt, None)):
+        o.zero_grad(set_to_none=True)
+        loss = nn.functional.mse_loss(m(x), y)
+        if s is None:
+            loss.backward()
+            o.step()
+        else:
+            s.scale(loss).backward()
+            s.step(o)
+            s.update()
+    low = {id(p) for p in prepared_state(model).lowp_params}  # type: ignore[union-attr]
+    for a, b in zip(model.parameters(), plain.parameters(), strict=True):
+        if id(a) in low:  # the scale is a power of two: unscaling is exact
+            assert torch.equal(a, b)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.zero_grad(set_to_none=True)
+    scaler.scale(nn.functional.mse_loss(model(x), y) * float("inf")).backward()
+    scaler.step(opt)
+    scaler.update()
+    for a, b in zip(model.parameters(), before, strict=True):
+        assert torch.equal(a, b)
+
+
+LEVELS = ("O1", "O2", "bf16-pure", "bf16-sr", "bf16-kahan")
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_steps_ops_do_not_grow_with_the_parameters_and_it_reads_nothing(level: str) -> None:
+    """With torch's fused AdamW (itself one call), optimizer.step()'s ops at 2 and at 8 blocks within 1.5x; no
+    host read in a whole training step."""
+    recipe = step_cost.Recipe(level, level)
+    batch = step_cost._batch(2, 8)
+    ops = []
+    for blocks in (2, 8):
+        model, opt = recipe.build(blocks, 32, "adamw-fused")
+        for _ in range(2):
+            step_cost._train_step(model, opt, recipe, batch)
+        step_cost._forward_backward(model, opt, recipe, batch)
+        ops.append(step_cost.count_ops(opt.step))
+    assert ops[1] <= 1.5 * ops[0], ops
+    assert step_cost.host_reads(lambda: step_cost._train_step(model, opt, recipe, batch), opt) == 0
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_step_runs_under_a_dispatch_mode(level: str) -> None:
+    """FlopCounterMode (MFU counters, Lightning's measure_flops) around a whole step with a plain AdamW."""
+    model, opt = _train(level, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), steps=1)
+    before = [p.detach().clone() for p in model.parameters()]
+    with FlopCounterMode(display=False) as counter:
+        opt.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(model(torch.randn(8, 16)), torch.randn(8, 8)).backward()
+        opt.step()
+    assert counter.get_total_flops() > 0
+    assert all(not torch.equal(a, b) for a, b in zip(model.parameters(), before, strict=True))
+
+
+def test_under_a_dispatch_mode_the_eager_update_steps() -> None:
+    """The mode sees the update's ops: the compiled kernel and the C++ list stepped nothing there."""
+    model, opt = _train("bf16-sr", lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), steps=1)
+    opt.zero_grad(set_to_none=True)
+    nn.functional.mse_loss(model(torch.randn(8, 16)), torch.randn(8, 8)).backward()
+    seen = step_cost._Reads(set())
+    calls: list[str] = []
+    original = stochastic_rounding.cpu_multi_adam.adam_step
+    try:
+        stochastic_rounding.cpu_multi_adam.adam_step = lambda *a: calls.append("list")  # type: ignore[assignment]
+        with seen:
+            opt.step()
+    finally:
+        stochastic_rounding.cpu_multi_adam.adam_step = original  # type: ignore[assignment]
+    assert calls == []
