@@ -4,6 +4,7 @@ group whatever the form of the user's AdamW, no host reads, and runs under a dis
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -212,3 +213,57 @@ def test_under_a_dispatch_mode_the_eager_update_steps() -> None:
     finally:
         stochastic_rounding.cpu_multi_adam.adam_step = original  # type: ignore[assignment]
     assert calls == []
+
+
+def _state_model() -> nn.Module:
+    torch.manual_seed(0)  # weights of 4096 values and more take the state precision; the rest the level's state
+    return nn.Sequential(nn.Linear(64, 128), nn.LayerNorm(128), nn.GELU(), nn.Linear(128, 96), nn.Linear(96, 8))
+
+
+def _train_state(level: str, state: str, lists: bool, monkeypatch: pytest.MonkeyPatch, steps: int = 3):  # type: ignore[no-untyped-def]
+    if not lists:
+        monkeypatch.setattr(cpu_multi_adam, "lists_build", lambda *_: False)
+    model = _state_model()
+    opt = torch.optim.AdamW([{"params": list(model[:2].parameters()), "lr": 1e-2, "weight_decay": 0.2},
+                             {"params": list(model[3:].parameters()), "lr": 3e-3}], fused=True)  # fmt: skip
+    model, opt = mixprec.prepare(model, opt, level=level, optimizer_state=state)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(model(torch.randn(8, 64, generator=g)), torch.randn(8, 8, generator=g)).backward()
+        opt.step()
+    monkeypatch.undo()
+    return model, opt
+
+
+@pytest.mark.parametrize("state", ["bf16", "8bit", "4bit", "fp8"])
+@pytest.mark.parametrize("level", ["O2", "bf16-sr", "bf16-kahan", "bf16-pure"])
+def test_a_state_precisions_list_steps_bitwise_as_each_weight_alone(
+    level: str, state: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Quantized and bf16 moments: a group's large weights in one call, as cpu_adam's kernel stepped each (two
+    groups of their own lr and decay): weights, codes, scales, moments and compensations bit for bit."""
+    listed, listed_opt = _train_state(level, state, True, monkeypatch)
+    alone, alone_opt = _train_state(level, state, False, monkeypatch)
+    for (name, a), b in zip(listed.named_parameters(), alone.parameters(), strict=True):
+        assert torch.equal(a, b), name
+        for key, value in listed_opt.state[a].items():
+            assert torch.equal(value, alone_opt.state[b][key]), f"{name} {key}"
+
+
+@pytest.mark.parametrize("state", ["bf16", "8bit"])
+def test_a_state_precisions_step_does_not_grow_with_the_parameters(state: str) -> None:
+    """optimizer.step()'s ops at 2 and 8 blocks within 1.5x, and no host read in a whole step."""
+    for level in ("O2", "bf16-sr"):
+        recipe = step_cost.Recipe(level, level, state)
+        batch = step_cost._batch(2, 8)
+        ops = []
+        for blocks in (2, 8):
+            model, opt = recipe.build(blocks, 64, "adamw-fused")
+            for _ in range(2):
+                step_cost._train_step(model, opt, recipe, batch)
+            step_cost._forward_backward(model, opt, recipe, batch)
+            ops.append(step_cost.count_ops(opt.step))
+        assert ops[1] <= 1.5 * ops[0], (level, ops)
+        whole_step = functools.partial(step_cost._train_step, model, opt, recipe, batch)
+        assert step_cost.host_reads(whole_step, opt) == 0

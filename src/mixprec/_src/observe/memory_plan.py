@@ -162,6 +162,7 @@ def memory_plan(
     step_temporary = shadows = 0
     lists: dict[tuple[int, int], int] = {}  # (param group, bytes a value) -> bytes of the tensors torch's foreach steps
     carried: dict[int, int] = {}  # param group -> the denominator torch's for-loop Adam(W) still holds
+    cpu_rows: dict[int, int] = {}  # param group -> the bytes of its CPU list step's table
     small = largest_listed = 0  # of those: the small parameters' (stepped together in backward), the largest
     sliced = _sliced(model, optimizer, config, world)
     groups = [] if optimizer is None else optimizer.param_groups
@@ -192,7 +193,11 @@ def memory_plan(
             state += _state_bytes(p, numel, stored, optimizer, group, config, id(p) in lowp)
             temporary, shadow, form = _step_temporaries(p, numel, stored, optimizer, group, config, id(p) in lowp,
                                                         world)  # fmt: skip
-            if form == "foreach":  # one temporary per tensor of its list, all alive at once: summed below
+            if form == "cpu-list":  # a row of its group's table (one step in backward: a table of its own)
+                index = cast(int, where)
+                cpu_rows[index] = temporary if config.step_in_backward else cpu_rows.get(index, 0) + temporary
+                temporary = _LIST_SCALARS + cpu_rows[index]
+            elif form == "foreach":  # one temporary per tensor of its list, all alive at once: summed below
                 key = (cast(int, where), stored)
                 lists[key] = lists.get(key, 0) + numel * stored
                 small = small + numel * stored if world == 1 and p.numel() < step_in_backward.SMALL else small
@@ -324,14 +329,17 @@ def _step_temporaries(p: torch.Tensor, numel: int, stored: int, optimizer: torch
                       group: dict[str, Any] | None, config: PrepareConfig, low: bool,
                       world: int) -> tuple[int, int, str]:  # fmt: skip
     """(temporaries the step makes for ``p`` alone, fp32 copies held with every other parameter's, the form of
-    torch's own step that takes ``p``: ``"loop"``, ``"foreach"`` (its temporaries are its list's: the caller
-    sums them) or ``""`` where mixprec's kernels step it or no optimizer does)."""
+    the step that takes ``p``: torch's ``"loop"`` or ``"foreach"`` (its temporaries are its list's: the caller
+    sums them), ``"cpu-list"`` (mixprec's CPU kernels, a table row for each weight of the group: the caller sums
+    them) or ``""`` where mixprec's other kernels step it or no optimizer does)."""
     if optimizer is None or group is None:
         return 0, 0, ""
     adam = type(optimizer) in (torch.optim.Adam, torch.optim.AdamW)
+    native = adam and p.device.type in ("cpu", "meta") and fused_adam.NATIVE
+    if config.optimizer_state != "fp32" and p.numel() >= moments.MIN_NUMEL and native and cpu_adam.bf16_expected():
+        # cpu_adam's kernel reads and writes in place; the group's weights go in one call: a table row each
+        return _LIST_ROW[config.optimizer_state == moments.BF16], 0, "cpu-list"
     if config.optimizer_state == moments.BF16 and p.numel() >= moments.MIN_NUMEL:
-        if adam and p.device.type in ("cpu", "meta") and fused_adam.NATIVE and cpu_adam.bf16_expected():
-            return _KERNEL_SCALARS, 0, ""  # cpu_adam's kernel reads and writes in place
         # a chunk at a time: its fp32 copies (of a bf16 weight and gradient too) and the update's arrays, and a
         # 0-dim seed; measured
         arrays = (10 if adam else 8) + (2 if config.level.bf16_weights and low else 0)
@@ -347,9 +355,11 @@ def _step_temporaries(p: torch.Tensor, numel: int, stored: int, optimizer: torch
     return (0 if foreach else count * numel * stored), 0, "foreach" if count and foreach else "loop"
 
 
-#: bytes of the scalars a step of cpu_adam's kernel makes (``fused_adam.step_scalars``: seven 0-dim tensors and
-#: their stack); measured
-_KERNEL_SCALARS = 56
+#: bytes of the scalars a list step of cpu_adam's kernels holds beside its table (``fused_adam.step_scalars``: the
+#: stack of seven fp32 values), and of a row of the table (int64 addresses, sizes and seeds: ten a row for
+#: quantized moments, nine for bf16 ones); measured
+_LIST_SCALARS = 28
+_LIST_ROW = {False: 10 * 8, True: 9 * 8}
 
 
 def _torch_temporaries(optimizer: torch.optim.Optimizer, group: dict[str, Any], p: torch.Tensor,

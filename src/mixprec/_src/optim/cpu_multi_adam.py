@@ -1,4 +1,5 @@
-"""bf16-sr's and bf16-kahan's Adam(W) step on the CPU for every bf16 weight of a param group in one call.
+"""Adam(W) steps on the CPU for every weight of a param group in one call: bf16-sr's and bf16-kahan's, and those
+with quantized or bf16 moments.
 
 ``prepare``'s bf16-sr and bf16-kahan levels step each bf16 weight with a compiled fused kernel
 (``prepare.sr_kernel.adam_sr_update``, ``prepare.kahan.adam_kahan_update``): one call a parameter, each with
@@ -10,7 +11,10 @@ as inductor compiles; IEEE division and square root in both): weights, moments a
 bitwise equal to theirs (tests/optim/test_cpu_multi_adam.py). The rounding of the weight is ``cpu_adam``'s
 (bf16-sr's noise at each flat position, or Kahan's compensated write). Compiled once per process with the
 toolchain inductor uses; where it is missing, :func:`available` is false and the per-tensor kernels run.
-Nothing here syncs with a device: CPU tensors only.
+
+:func:`quantized_step` and :func:`bf16_state_step` do the same for ``cpu_adam``'s kernels (quantized moments, bf16
+moments): its per-tensor kernel, compiled unchanged beside a loop over a table of rows, so every weight steps
+bitwise as ``cpu_adam`` steps it alone. Nothing here syncs with a device: CPU tensors only.
 """
 
 from __future__ import annotations
@@ -20,9 +24,22 @@ from typing import Any
 
 import torch
 
-from mixprec._src.optim.cpu_adam import _HELPERS, KAHAN, STOCHASTIC
+from mixprec._src.optim import cpu_adam, moments
+from mixprec._src.optim import quantize as q
+from mixprec._src.optim.cpu_adam import _BF16_SOURCE, _CTYPES, _HELPERS, KAHAN, NEAREST, STOCHASTIC
+from mixprec._src.optim.cpu_adam import _SOURCE as _QUANTIZED_SOURCE
 
-__all__ = ["KAHAN", "STOCHASTIC", "adam_step", "available", "takes"]
+__all__ = [
+    "KAHAN",
+    "NEAREST",
+    "STOCHASTIC",
+    "adam_step",
+    "available",
+    "bf16_state_step",
+    "lists_build",
+    "quantized_step",
+    "takes",
+]
 
 _SOURCE = r"""
 #include <torch/csrc/inductor/cpp_prefix.h>
@@ -122,3 +139,107 @@ def adam_step(rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.T
     table = torch.tensor([[p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), 0 if c is None else c.data_ptr(),
                            p.numel(), seed] for p, g, m, v, c, seed in rows], dtype=torch.int64)  # fmt: skip
     _compiled()(table, len(rows), scalars.contiguous(), rounding)
+
+
+# cpu_adam's per-tensor kernels, each compiled unchanged (renamed) beside a loop over a table of rows
+_QUANTIZED_LIST = r"""
+// table: n rows of (weight, gradient, compensation or 0, exp_avg codes, exp_avg scales, exp_avg_sq codes,
+// exp_avg_sq scales, numel, blocks, seed)
+extern "C" void kernel(const int64_t* table, int64_t n, const float* m_table, const int32_t* m_lookup,
+                       const float* v_table, const int32_t* v_lookup, const float* scalars, int64_t m_rows,
+                       int64_t v_rows, int64_t decoupled, int64_t rounding) {
+    for (int64_t i = 0; i < n; ++i) {
+        const int64_t* r = table + 10 * i;
+        one_tensor(reinterpret_cast<%(p_type)s*>(r[0]), reinterpret_cast<const %(g_type)s*>(r[1]),
+                   reinterpret_cast<c10::BFloat16*>(r[2]), reinterpret_cast<uint8_t*>(r[3]),
+                   reinterpret_cast<float*>(r[4]), reinterpret_cast<uint8_t*>(r[5]), reinterpret_cast<float*>(r[6]),
+                   m_table, m_lookup, v_table, v_lookup, scalars, r[7], r[8], m_rows, v_rows, decoupled, rounding,
+                   r[9]);
+    }
+}
+"""
+_BF16_LIST = r"""
+// table: n rows of (weight, gradient, compensation or 0, exp_avg, exp_avg_sq, numel, seed, exp_avg's seed,
+// exp_avg_sq's seed)
+extern "C" void kernel(const int64_t* table, int64_t n, const float* s, int64_t decoupled, int64_t rounding) {
+    for (int64_t i = 0; i < n; ++i) {
+        const int64_t* r = table + 9 * i;
+        one_tensor(reinterpret_cast<%(p_type)s*>(r[0]), reinterpret_cast<const %(g_type)s*>(r[1]),
+                   reinterpret_cast<c10::BFloat16*>(r[2]), reinterpret_cast<c10::BFloat16*>(r[3]),
+                   reinterpret_cast<c10::BFloat16*>(r[4]), s, r[5], decoupled, rounding, r[6], r[7], r[8]);
+    }
+}
+"""
+_ONE = 'extern "C" void kernel('
+
+
+@functools.cache
+def _quantized(fmt: str, p_dtype: torch.dtype, g_dtype: torch.dtype) -> Any:
+    from torch._inductor.codecache import CppPythonBindingsCodeCache
+
+    bits, block = moments.FORMATS[fmt]
+    fp8 = fmt == "fp8"
+    values = {"bits": bits, "block": block, "unsigned_zero": int(not fp8 and q.codebook(bits, False)[0] == 0),
+              "fp8": int(fp8), "p_type": _CTYPES[p_dtype], "g_type": _CTYPES[g_dtype], "helpers": _HELPERS}  # fmt: skip
+    source = (_QUANTIZED_SOURCE % values).replace(_ONE, "static void one_tensor(") + _QUANTIZED_LIST % values
+    argtypes = ["const int64_t*", "int64_t", "const float*", "const int32_t*", "const float*", "const int32_t*",
+                "const float*"] + ["int64_t"] * 4  # fmt: skip
+    return CppPythonBindingsCodeCache.load_pybinding(argtypes, source, extra_flags=("-ffp-contract=off",))
+
+
+@functools.cache
+def _bf16_state(p_dtype: torch.dtype, g_dtype: torch.dtype) -> Any:
+    from torch._inductor.codecache import CppPythonBindingsCodeCache
+
+    values = {"p_type": _CTYPES[p_dtype], "g_type": _CTYPES[g_dtype], "helpers": _HELPERS}
+    source = (_BF16_SOURCE % values).replace(_ONE, "static void one_tensor(") + _BF16_LIST % values
+    argtypes = ["const int64_t*", "int64_t", "const float*", "int64_t", "int64_t"]
+    return CppPythonBindingsCodeCache.load_pybinding(argtypes, source, extra_flags=("-ffp-contract=off",))
+
+
+_lists_failed: set[tuple[Any, ...]] = set()
+
+
+def lists_build(kind: str, p_dtype: torch.dtype, g_dtype: torch.dtype) -> bool:
+    """Whether the list kernel of ``kind`` (a quantized format, or ``"bf16"`` moments) builds here for these dtypes
+    (once per process; a failure is remembered)."""
+    key = (kind, p_dtype, g_dtype)
+    if key in _lists_failed or p_dtype not in _CTYPES or g_dtype not in _CTYPES:
+        return False
+    try:
+        _bf16_state(p_dtype, g_dtype) if kind == moments.BF16 else _quantized(kind, p_dtype, g_dtype)
+    except Exception:  # no C++ toolchain, an unsupported platform
+        _lists_failed.add(key)
+        return False
+    return True
+
+
+def _pointer(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def quantized_step(fmt: str, rows: list[tuple[Any, ...]], scalars: torch.Tensor, decoupled: bool,
+                   rounding: int) -> None:  # fmt: skip
+    """``cpu_adam.adam_step`` of every ``(weight, gradient, state, compensation or None, seed)`` of ``rows`` (one
+    step count, weight and gradient dtypes alike; moments already quantized), in one call. Call where
+    :func:`lists_build` and ``cpu_adam.available`` for each row."""
+    p0, g0 = rows[0][0], rows[0][1]
+    kernel = _quantized(fmt, p0.dtype, g0.dtype)
+    m_table, m_lookup, v_table, v_lookup = cpu_adam._tables(fmt)
+    table = torch.tensor([[p.data_ptr(), g.data_ptr(), _pointer(c), st["exp_avg_codes"].data_ptr(),
+                           st["exp_avg_scale"].data_ptr(), st["exp_avg_sq_codes"].data_ptr(),
+                           st["exp_avg_sq_scale"].data_ptr(), p.numel(), st["exp_avg_scale"].numel(), seed]
+                          for p, g, st, c, seed in rows], dtype=torch.int64)  # fmt: skip
+    kernel(table, len(rows), m_table, m_lookup, v_table, v_lookup, scalars.contiguous(), m_lookup.numel() // 2,
+           v_lookup.numel() // 2, int(decoupled), rounding)  # fmt: skip
+
+
+def bf16_state_step(rows: list[tuple[Any, ...]], scalars: torch.Tensor, decoupled: bool, rounding: int) -> None:
+    """``cpu_adam.bf16_adam_step`` of every ``(weight, gradient, exp_avg, exp_avg_sq, compensation or None, seed,
+    exp_avg's seed, exp_avg_sq's seed)`` of ``rows`` (one step count, weight and gradient dtypes alike), in one
+    call. Call where :func:`lists_build` and ``cpu_adam.bf16_available`` for each row."""
+    kernel = _bf16_state(rows[0][0].dtype, rows[0][1].dtype)
+    table = torch.tensor([[p.data_ptr(), g.data_ptr(), _pointer(c), m.data_ptr(), v.data_ptr(), p.numel(), seed,
+                           m_seed, v_seed] for p, g, m, v, c, seed, m_seed, v_seed in rows],
+                         dtype=torch.int64)  # fmt: skip
+    kernel(table, len(rows), scalars.contiguous(), int(decoupled), rounding)

@@ -30,7 +30,7 @@ from mixprec._src import sharding
 from mixprec._src.optim import adam, cpu_adam, fused_adam, moments, sgd
 from mixprec._src.prepare.sr_noise import moved, seed_tensor, shard_seed, sr_bits, tensor_seed
 
-__all__ = ["CHUNK", "NAMES", "Writeback", "adam_step", "narrow_after_load", "seed_of", "sgd_step"]
+__all__ = ["CHUNK", "NAMES", "Writeback", "adam_step", "narrow_after_load", "ready_adam", "seed_of", "sgd_step"]
 
 #: values read into fp32 at once: a step's fp32 temporaries stay a few of this size
 CHUNK = 1 << 18
@@ -64,7 +64,13 @@ def _ready(state: dict[str, Any], p: torch.Tensor, names: tuple[str, ...], first
             value = value.to(torch.bfloat16)
         if value is not None:
             state[name] = value
-    state.setdefault("step", torch.tensor(0.0))
+    if "step" not in state:  # not setdefault: it would make a tensor at every step
+        state["step"] = torch.tensor(0.0)
+
+
+def ready_adam(state: dict[str, Any], p: torch.Tensor) -> None:
+    """``state``'s Adam moments ready for a step in bf16 (made, cast or dequantized) and its step count."""
+    _ready(state, p, NAMES["adam"], first_zero=True)
 
 
 def _round_into(target: torch.Tensor, value: torch.Tensor, seed: int) -> None:

@@ -27,10 +27,10 @@ from typing import Any
 import torch
 
 from mixprec._src import sharding
-from mixprec._src.optim import adam, cpu_adam, fused_adam, moments, sgd
+from mixprec._src.optim import adam, cpu_adam, cpu_multi_adam, fused_adam, moments, sgd
 from mixprec._src.prepare import bf16_state, kahan
 from mixprec._src.prepare.sr_noise import moved, seed_tensor, shard_seed, sr_bits, tensor_seed
-from mixprec._src.prepare.stochastic_rounding import SEED_KEY, STEP_KEY, Restore, positions, step_eagerly
+from mixprec._src.prepare.stochastic_rounding import SEED_KEY, STEP_KEY, HostCounts, Restore, positions, step_eagerly
 
 __all__ = ["check", "count_step", "install", "restore_fp32", "slice_block", "slice_stepper", "sliced"]
 
@@ -80,18 +80,22 @@ def install(optimizer: torch.optim.Optimizer, precision: str, handles: list[Any]
     step_eagerly(optimizer, handles)
     own = optimizer.__dict__.get("_init_group")  # bf16-sr's, where it is installed
     take_rest = (lambda opt, group, *a, **k: own(group, *a, **k)) if own is not None else type(optimizer)._init_group  # type: ignore[attr-defined]
+    counts = HostCounts()
 
     def _init_group(self: torch.optim.Optimizer, group: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
         decoupled = _decoupled(self, group)
         momentum = isinstance(self, torch.optim.SGD)
         where = positions(self) if writeback == "stochastic" or precision == moments.BF16 else {}
         rest = []
+        listed: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         for p in group["params"]:
             if p.grad is None or p.numel() < moments.MIN_NUMEL:  # numel: the whole tensor's, on every rank
                 rest.append(p)
                 continue
             local_p, local_g = sharding.local(p.data), sharding.local(p.grad)
-            if precision == moments.BF16:
+            if not momentum and _listed(self, p, local_p, local_g, precision):
+                listed.append((p, local_p, local_g))
+            elif precision == moments.BF16:
                 _bf16_step(self, p, local_p, local_g, group, decoupled, momentum, writeback, where)
             elif momentum:
                 write = _writeback(self, p, local_p, group, writeback, where, 0)[2]
@@ -99,6 +103,8 @@ def install(optimizer: torch.optim.Optimizer, precision: str, handles: list[Any]
             else:
                 _adam(self, p, local_p, local_g, self.state[p], group, decoupled, precision, _capacity(p), writeback,
                       where, 0)  # fmt: skip
+        if listed:
+            _step_lists(self, listed, group, decoupled, precision, writeback, where, counts)
         rest_group = {**group, "params": rest}
         result = take_rest(self, rest_group, *args, **kwargs)
         if STEP_KEY in rest_group:
@@ -113,6 +119,55 @@ def install(optimizer: torch.optim.Optimizer, precision: str, handles: list[Any]
     handles.append(optimizer.register_state_dict_post_hook(_sharded_codes))
     if precision == moments.BF16:
         handles.append(optimizer.register_load_state_dict_post_hook(bf16_state.narrow_after_load))
+
+
+def _listed(optimizer: torch.optim.Optimizer, p: torch.Tensor, local_p: torch.Tensor, local_g: torch.Tensor,
+            precision: str) -> bool:  # fmt: skip
+    """Whether ``p``'s Adam(W) step goes in its group's list (``cpu_multi_adam``: one call for all, bitwise
+    ``cpu_adam``'s per-tensor kernel): contiguous CPU weight, gradient and moments the kernels take, its state
+    made ready for them here."""
+    if not (fused_adam.NATIVE and local_p.is_contiguous() and local_g.is_contiguous()):
+        return False
+    if local_p.device.type != "cpu" or not cpu_multi_adam.lists_build(precision, local_p.dtype, local_g.dtype):
+        return False
+    state = optimizer.state[p]
+    if precision == moments.BF16:
+        bf16_state.ready_adam(state, p)
+        return cpu_adam.bf16_available(local_p, local_g, *(sharding.local(state[n]) for n in bf16_state.NAMES["adam"]))
+    if not fused_adam.runs(precision, local_p, local_g):  # the eager step chosen (tests pin it against torchao's)
+        return False
+    adam.quantized_moments(state, p, precision, _capacity(p))
+    return cpu_adam.available(precision, local_p, local_g)
+
+
+def _step_lists(optimizer: torch.optim.Optimizer, listed: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                group: dict[str, Any], decoupled: bool, precision: str, writeback: str, where: dict[int, int],
+                counts: HostCounts) -> None:  # fmt: skip
+    """One Adam(W) step of every weight of ``listed`` (``_listed``): the step counts advanced together (counted on
+    the host: nothing read), then one call a list of one step count, dtypes and write rule."""
+    params = [p for p, _, _ in listed]
+    states = [optimizer.state[p] for p in params]
+    lists: dict[tuple[Any, ...], list[tuple[Any, ...]]] = {}
+    for (p, local_p, local_g), state, count in zip(listed, states, counts.advance(params, states), strict=True):
+        low = local_p.dtype is torch.bfloat16
+        seed = _seed(group, where, p, 0) if low and writeback == "stochastic" else None
+        comp = sharding.local(kahan.compensation(state, p)) if low and writeback == "kahan" else None
+        mode = cpu_adam.rounding_mode(stochastic=seed is not None, compensated=comp is not None)
+        row: tuple[Any, ...]
+        if precision == moments.BF16:
+            moment_seed = bf16_state.seed_of(int(group[SEED_KEY]), where[id(p)], p)
+            held = [sharding.local(state[n]) for n in bf16_state.NAMES["adam"]]
+            row = (local_p, local_g, *held, comp, 0 if seed is None else seed,
+                   *(moment_seed(n, int(count)) for n in bf16_state.NAMES["adam"]))  # fmt: skip
+        else:
+            row = (local_p, local_g, state, comp, 0 if seed is None else seed)
+        lists.setdefault((count, local_p.dtype, local_g.dtype, mode), []).append(row)
+    for (count, _, _, mode), rows in lists.items():
+        scalars = fused_adam.step_scalars(group, torch.tensor(count), decoupled, rows[0][0].device)
+        if precision == moments.BF16:
+            cpu_multi_adam.bf16_state_step(rows, scalars, decoupled, mode)
+        else:
+            cpu_multi_adam.quantized_step(precision, rows, scalars, decoupled, mode)
 
 
 def _bf16_step(optimizer: torch.optim.Optimizer, p: torch.Tensor, local_p: torch.Tensor, local_g: torch.Tensor,
