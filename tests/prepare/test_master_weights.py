@@ -14,6 +14,7 @@ from torch import nn
 
 import mixprec
 from helpers import HostSyncs, bitwise_equal, one_step, regression_data, regression_model, weights_seen
+from mixprec._src.prepare.prepare import prepared_state
 
 
 def _train(level: str | None, steps: int = 150, lr: float = 3e-3, dtype: torch.dtype = torch.bfloat16,
@@ -427,7 +428,8 @@ def test_training_steps_read_no_device_data(
 
 
 def test_o2_refreshes_its_copies_once_per_step_in_one_fused_copy() -> None:
-    """The docs' claim: one fused copy after every optimizer.step(), none in the forwards that follow."""
+    """The docs' claim: one multi-tensor copy for every optimizer.step(), made by the first forward after it, none
+    in the forwards that follow."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Ops(TorchDispatchMode):  # type: ignore[no-untyped-call]
@@ -446,11 +448,32 @@ def test_o2_refreshes_its_copies_once_per_step_in_one_fused_copy() -> None:
     F.mse_loss(model(x), y).backward()
     with Ops() as during_step:
         opt.step()
+    with Ops() as first_forward:
+        model(x)
     with Ops() as during_forward:
         model(x)
-        model(x)
-    assert during_step.names.count("_foreach_copy_") == 1
+    assert "_foreach_copy_" not in during_step.names
+    assert first_forward.names.count("_foreach_copy_") == 1 and "copy_" not in first_forward.names
     assert "copy_" not in during_forward.names and "_foreach_copy_" not in during_forward.names
+
+
+def test_a_compiled_o2_forward_leaves_the_eager_copies_alone() -> None:
+    """Compiled, the forward casts the masters in its graph: the step's refresh of the eager copies is not made."""
+    model = regression_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = mixprec.prepare(model, opt, level="O2")
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    (x, y), _ = regression_data(2)
+    state = prepared_state(model)
+    assert state is not None and state.copies is not None
+    for _ in range(2):
+        opt.zero_grad()
+        F.mse_loss(compiled(x), y).backward()
+        opt.step()
+        assert state.copies.behind
+    eager = model(x)
+    assert not state.copies.behind
+    torch.testing.assert_close(eager, compiled(x), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("level", ["O1", "O2", "bf16-sr"])

@@ -1,7 +1,8 @@
 """O2's low-precision copies: the forward of each module computes with copies of its fp32 master weights.
 
 :class:`ComputeCopies` holds one low-precision copy per parameter, refreshed together after each
-optimizer step (one fused copy) and one by one when a parameter was written since (its version
+optimizer step (one multi-tensor copy, at the first eager forward after it: a compiled forward casts in
+its graph and never reads them) and one by one when a parameter was written since (its version
 counter, read on the host: no sync). :func:`install_copies` puts a module's copies in place
 around its forward, as FSDP2 puts gathered parameters; their gradients flow into the fp32
 masters, widened. Compiled, the forward casts the master in the graph instead.
@@ -20,9 +21,10 @@ __all__ = ["ComputeCopies", "install_copies"]
 class ComputeCopies:
     """O2's low-precision copies of fp32 parameters, made once per change of the parameter.
 
-    Refreshed together after each optimizer step (one fused copy) and, one by one, whenever a
-    parameter's version counter moved since (``load_state_dict``, ``nn.init``, in-place writes
-    under ``no_grad``). Checking a version is host-side: no sync.
+    Refreshed together after each optimizer step (one multi-tensor copy, made when the first copy is
+    asked for after :meth:`stale` was called: a compiled forward never asks) and, one by one, whenever
+    a parameter's version counter moved since (``load_state_dict``, ``nn.init``, in-place writes under
+    ``no_grad``). Checking a version is host-side: no sync.
     """
 
     def __init__(self, dtype: torch.dtype, params: list[nn.Parameter]) -> None:
@@ -30,10 +32,16 @@ class ComputeCopies:
         self.params = params
         self.copies: dict[int, torch.Tensor] = {}
         self.versions: dict[int, int] = {}
+        self.behind = False  # an optimizer step wrote the parameters since the last refresh
         self.refresh()
 
+    def stale(self) -> None:
+        """Every copy is behind its parameter (an optimizer step): all are refreshed together at the next use."""
+        self.behind = True
+
     def refresh(self) -> None:
-        """Copy every parameter into its low-precision copy (after an optimizer step)."""
+        """Copy every parameter into its low-precision copy."""
+        self.behind = False
         with torch.no_grad():
             for p in self.params:
                 held = self.copies.get(id(p))
@@ -45,6 +53,8 @@ class ComputeCopies:
 
     def of(self, param: torch.Tensor) -> torch.Tensor:
         """``param``'s copy, refreshed first if the parameter was written since."""
+        if self.behind:
+            self.refresh()
         held = self.copies[id(param)]
         if param._version != self.versions[id(param)] or held.device != param.device or held.shape != param.shape:
             with torch.no_grad():
@@ -60,10 +70,12 @@ class ComputeCopies:
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled (``torch.save(model)``) with each copy beside its parameter: the dicts are keyed by ``id``."""
+        if self.behind:  # the loaded copies are taken as current
+            self.refresh()
         return {"dtype": self.dtype, "params": self.params, "copies": [self.copies.get(id(p)) for p in self.params]}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.dtype, self.params = state["dtype"], state["params"]
+        self.dtype, self.params, self.behind = state["dtype"], state["params"], False
         self.copies = {id(p): c for p, c in zip(self.params, state["copies"], strict=True) if c is not None}
         self.versions = {id(p): p._version for p in self.params if id(p) in self.copies}
 

@@ -281,7 +281,7 @@ def _lower(model: nn.Module, optimizer: torch.optim.Optimizer, state: Prepared) 
         if unmanaged:
             copies = state.copies = o2_copies.ComputeCopies(dtype, unmanaged)
             o2_copies.install_copies(converted, copies, state.handles)
-            state.handles.append(optimizer.register_step_post_hook(lambda *_: copies.refresh()))
+            state.handles.append(optimizer.register_step_post_hook(lambda *_: copies.stale()))
     else:
         for param in state.lowp_params:
             _convert(param, dtype)
