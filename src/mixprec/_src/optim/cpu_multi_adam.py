@@ -127,7 +127,10 @@ def available() -> bool:
 def takes(*tensors: torch.Tensor) -> bool:
     """Whether a weight's tensors (weight, gradient, moments, compensation) go in the kernel's list: contiguous bf16
     CPU tensors."""
-    return all(t.device.type == "cpu" and t.dtype is torch.bfloat16 and t.is_contiguous() for t in tensors)
+    for t in tensors:  # a loop, not all() over a generator: this runs for every weight at every step  # noqa: SIM110
+        if t.dtype is not torch.bfloat16 or not t.is_cpu or not t.is_contiguous():
+            return False
+    return True
 
 
 def adam_step(rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, int]],

@@ -92,13 +92,15 @@ def _kernel() -> Callable[..., None] | None:
 def install(optimizer: torch.optim.Optimizer, lowp: Iterable[torch.Tensor], handles: list[Any]) -> bool:
     """Make ``optimizer`` write the bf16 tensors ``lowp`` back with Kahan compensation; whether Adam(W)'s fused
     kernel is in use."""
+    lowp = list(lowp)
     ids = {id(p) for p in lowp}
     step_eagerly(optimizer, handles)
     kernel = _kernel() if fused_supported(optimizer) else None
     if kernel is None:
         stochastic_rounding.install_generic(optimizer, ids, handles, _generic_write)
         return False
-    install_fused_adam(optimizer, ids, handles, kernel, _compensations, adam_kahan_update, cpu_multi_adam.KAHAN)
+    install_fused_adam(optimizer, ids, handles, kernel, _compensations, adam_kahan_update, cpu_multi_adam.KAHAN,
+                       any(sharding.is_sharded(p) for p in lowp))  # fmt: skip
     return True
 
 

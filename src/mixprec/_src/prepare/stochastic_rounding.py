@@ -103,8 +103,9 @@ Extras = Callable[[torch.optim.Optimizer, dict[str, Any]], PerTensor]
 
 def install_fused_adam(optimizer: torch.optim.Optimizer, lowp: set[int], handles: list[Any],
                        kernel: Callable[..., None], extras: Extras, eager: Callable[..., None],
-                       rounding: int) -> None:  # fmt: skip
-    """Have Adam(W)'s own ``step`` update the bf16 tensors ``lowp`` (ids) with one fused kernel.
+                       rounding: int, sharded: bool = True) -> None:  # fmt: skip
+    """Have Adam(W)'s own ``step`` update the bf16 tensors ``lowp`` (ids) with one fused kernel (``sharded``: some
+    of them are DTensors, whose local shards it steps).
 
     ``step`` itself is left alone (its hooks, profiling and LR schedulers' wrappers all stay in
     place): Adam's ``_init_group``, which ``step`` calls once per param group to collect the
@@ -123,10 +124,11 @@ def install_fused_adam(optimizer: torch.optim.Optimizer, lowp: set[int], handles
     adams_own = type(optimizer)._init_group  # type: ignore[attr-defined]
     multi = cpu_multi_adam.available()
     counts = HostCounts()
+    local_of = sharding.local if sharded else _itself
 
     def _init_group(self: torch.optim.Optimizer, group: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
         decoupled = bool(group.get("decoupled_weight_decay", isinstance(self, torch.optim.AdamW)))
-        ours, rest = _split(self, group, lowp)
+        ours, rest = _split(group, lowp, local_of)
         if ours and _scaled_step_skips(self, ours):
             ours = []
         more = extras(self, group)
@@ -136,7 +138,7 @@ def install_fused_adam(optimizer: torch.optim.Optimizer, lowp: set[int], handles
         lists: dict[float, list[Any]] = {}  # step count -> the CPU kernel's rows
         by_step: dict[tuple[float, torch.device], torch.Tensor] = {}
         for p, st, step in zip(ours, states, counts.advance(ours, states), strict=True):
-            local = [sharding.local(t) for t in (p.data, p.grad, st["exp_avg"], st["exp_avg_sq"])]  # type: ignore[arg-type]
+            local = [local_of(t) for t in (p.data, p.grad, st["exp_avg"], st["exp_avg_sq"])]  # type: ignore[arg-type]
             extra = more(p, st)
             comp = extra if isinstance(extra, torch.Tensor) else None
             if multi and not mode and cpu_multi_adam.takes(*local, *([] if comp is None else [comp])):
@@ -201,15 +203,19 @@ def _as_stored(t: torch.Tensor, value: float) -> float:
     return struct.unpack("f", struct.pack("f", value))[0] if t.dtype is torch.float32 else value  # type: ignore[no-any-return]
 
 
-def _split(optimizer: torch.optim.Optimizer, group: dict[str, Any],
-           lowp: set[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:  # fmt: skip
+def _itself(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _split(group: dict[str, Any], lowp: set[int], local_of: Callable[[torch.Tensor], torch.Tensor]
+           ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:  # fmt: skip
     """The group's bf16 weights the kernel steps (a gradient, contiguous local shards), and the rest."""
     ours: list[torch.Tensor] = []
     rest: list[torch.Tensor] = []
     for p in group["params"]:
-        local_g = None if p.grad is None else sharding.local(p.grad)
-        mine = id(p) in lowp and local_g is not None and local_g.is_contiguous()
-        (ours if mine and sharding.local(p.data).is_contiguous() else rest).append(p)
+        grad = p.grad
+        mine = grad is not None and id(p) in lowp and local_of(grad).is_contiguous()
+        (ours if mine and local_of(p.data).is_contiguous() else rest).append(p)
     return ours, rest
 
 
@@ -338,11 +344,13 @@ def install(optimizer: torch.optim.Optimizer, lowp: Iterable[torch.Tensor], hand
     The noise comes from the counters :func:`add_counters` put in the param groups. Returns
     whether Adam(W)'s fused kernel is in use.
     """
+    lowp = list(lowp)
     ids = {id(p) for p in lowp}
     step_eagerly(optimizer, handles)
     kernel = compiled_kernel() if fused_supported(optimizer) else None
     if kernel is not None:
-        install_fused_adam(optimizer, ids, handles, kernel, _seeds, adam_sr_update, cpu_multi_adam.STOCHASTIC)
+        install_fused_adam(optimizer, ids, handles, kernel, _seeds, adam_sr_update, cpu_multi_adam.STOCHASTIC,
+                           any(sharding.is_sharded(p) for p in lowp))  # fmt: skip
         return True
     install_generic(optimizer, ids, handles)
     return False
