@@ -72,31 +72,31 @@ _BEFORE_STEP = """        grad_x = grad_bias = None
             grad_bias = grad2.sum(0)
         layer.backward(grad2, x2)
 """  # a sliced layer's backward: the input's gradient, the bias's, then the weight's slices
-KAHAN_TESTS = ("tests/prepare/test_kahan.py", "tests/optim/test_cpu_multi_adam.py")
-STEP_TESTS = ("tests/optim/test_cpu_multi_adam.py",)
+KAHAN_TESTS = ("tests/prepare/test_kahan.py", "tests/optim/test_cpu_lists.py")
+STEP_TESTS = ("tests/optim/test_cpu_lists.py",)
 BF16_STATE_TESTS = ("tests/optim/test_bf16_state.py",)
 PLAN_MEMORY_TESTS = ("tests/observe/test_memory_plan.py",)
 MEMORY_BUDGET_TESTS = ("tests/tune/test_memory_budget.py",)
 
 MUTANTS = (
     Mutant("step-scalars-of-another-group", "the group's list steps with the first param group's lr, decay and betas",
-           S + "prepare/stochastic_rounding.py", "cpu_multi_adam.adam_step(rows, adam_scalars(group, step, decoupled)",
-           "cpu_multi_adam.adam_step(rows, adam_scalars(self.param_groups[0], step, decoupled)", STEP_TESTS),
+           S + "prepare/stochastic_rounding.py", "cpu_lists.adam_step(rows, adam_scalars(group, step, decoupled)",
+           "cpu_lists.adam_step(rows, adam_scalars(self.param_groups[0], step, decoupled)", STEP_TESTS),
     Mutant("step-write-rule-swapped", "bf16-kahan's list writes its weights with bf16-sr's rounding",
-           S + "prepare/kahan.py", "adam_kahan_update, cpu_multi_adam.KAHAN)",
-           "adam_kahan_update, cpu_multi_adam.STOCHASTIC)", STEP_TESTS),
+           S + "prepare/kahan.py", "adam_kahan_update, cpu_lists.KAHAN)",
+           "adam_kahan_update, cpu_lists.STOCHASTIC)", STEP_TESTS),
     Mutant("step-moment-skipped", "the list's step leaves the second moment as it was",
-           S + "optim/cpu_multi_adam.py", "        store_vec(v + k, vk);\n", "", STEP_TESTS),
+           S + "optim/cpu_lists.py", "        store_vec(v + k, vk);\n", "", STEP_TESTS),
     Mutant("step-counts-stale", "the host-side step counts ignore a state dict loaded into the running optimizer",
            S + "prepare/stochastic_rounding.py", "fresh = held is not None and held[0] is t and held[1] == t._version",
            "fresh = held is not None", STEP_TESTS),
     Mutant("step-compiled-under-dispatch-mode", "a step under FlopCounterMode calls the compiled kernel (it raises)",
            S + "prepare/stochastic_rounding.py", "run = eager if mode else kernel", "run = kernel", STEP_TESTS),
     Mutant("state-list-row-skipped", "the quantized list steps every weight but its last",
-           S + "optim/cpu_multi_adam.py", "i < n; ++i) {\n        const int64_t* r = table + 10 * i;",
+           S + "optim/cpu_lists.py", "i < n; ++i) {\n        const int64_t* r = table + 10 * i;",
            "i + 1 < n; ++i) {\n        const int64_t* r = table + 10 * i;", STEP_TESTS),
     Mutant("state-list-moment-seeds-swapped", "the bf16 moments' list rounds each moment with the other's noise",
-           S + "optim/cpu_multi_adam.py", "s, r[5], decoupled, rounding, r[6], r[7], r[8]);",
+           S + "optim/cpu_lists.py", "s, r[5], decoupled, rounding, r[6], r[7], r[8]);",
            "s, r[5], decoupled, rounding, r[6], r[8], r[7]);", STEP_TESTS),
     Mutant("state-list-step-count-stale", "the state precisions' list steps with the count before this step",
            S + "prepare/low_bit_state.py", "fused_adam.step_scalars(group, torch.tensor(count), decoupled",
@@ -107,6 +107,14 @@ MUTANTS = (
     Mutant("o2-stale-copies-read", "O2's forward after a step reads the copies the step left behind",
            S + "prepare/o2_copies.py", "        if self.behind:\n            self.refresh()\n        held =",
            "        held =", ("tests/prepare/test_master_weights.py",)),
+    Mutant("sgd-list-nesterov-ignored", "the SGD list steps a Nesterov group with the plain momentum",
+           S + "optim/cpu_lists.py", "gk = nesterov ? at::vec::fmadd(b, m, gk) : b;", "gk = b;", STEP_TESTS),
+    Mutant("sgd-list-buffer-restarted", "the SGD list starts every momentum buffer again from the gradient",
+           S + "prepare/stochastic_rounding.py", "rows.append((local_p, local_g, None if buffer is None else "
+           "sharding.local(buffer), comp, seed, started))", "rows.append((local_p, local_g, None if buffer is None "
+           "else sharding.local(buffer), comp, seed, False))", STEP_TESTS),
+    Mutant("sgd-list-damping-ignored", "the SGD list adds the whole gradient to the momentum, dampening aside",
+           S + "optim/cpu_lists.py", '1.0 - float(group["dampening"])', "1.0", STEP_TESTS),
     Mutant("o2-copies-per-parameter", "O2's copies refreshed one parameter at a time after a step",
            S + "prepare/o2_copies.py", "torch._foreach_copy_([self.copies[id(p)] for p in self.params], list[torch.Te",
            "[self.copies[id(p)].copy_(p) for p in self.params] or ([], list[torch.Te", STEP_TESTS),

@@ -193,10 +193,10 @@ def memory_plan(
             state += _state_bytes(p, numel, stored, optimizer, group, config, id(p) in lowp)
             temporary, shadow, form = _step_temporaries(p, numel, stored, optimizer, group, config, id(p) in lowp,
                                                         world)  # fmt: skip
-            if form == "cpu-list":  # a row of its group's table (one step in backward: a table of its own)
+            if form.startswith("cpu-list"):  # a row of its group's table (one step in backward: a table of its own)
                 index = cast(int, where)
                 cpu_rows[index] = temporary if config.step_in_backward else cpu_rows.get(index, 0) + temporary
-                temporary = _LIST_SCALARS + cpu_rows[index]
+                temporary = _LIST_SCALARS[form] + cpu_rows[index]
             elif form == "foreach":  # one temporary per tensor of its list, all alive at once: summed below
                 key = (cast(int, where), stored)
                 lists[key] = lists.get(key, 0) + numel * stored
@@ -338,7 +338,7 @@ def _step_temporaries(p: torch.Tensor, numel: int, stored: int, optimizer: torch
     native = adam and p.device.type in ("cpu", "meta") and fused_adam.NATIVE
     if config.optimizer_state != "fp32" and p.numel() >= moments.MIN_NUMEL and native and cpu_adam.bf16_expected():
         # cpu_adam's kernel reads and writes in place; the group's weights go in one call: a table row each
-        return _LIST_ROW[config.optimizer_state == moments.BF16], 0, "cpu-list"
+        return _LIST_ROW[config.optimizer_state], 0, "cpu-list"
     if config.optimizer_state == moments.BF16 and p.numel() >= moments.MIN_NUMEL:
         # a chunk at a time: its fp32 copies (of a bf16 weight and gradient too) and the update's arrays, and a
         # 0-dim seed; measured
@@ -347,6 +347,10 @@ def _step_temporaries(p: torch.Tensor, numel: int, stored: int, optimizer: torch
     if config.optimizer_state != "fp32" and p.numel() >= moments.MIN_NUMEL:
         return (0 if adam else 3 * numel * 4), 0, ""  # the compiled kernel in chunks; SGD's eager fp32 copies
     bf16_step = config.level in (Level.BF16_SR, Level.BF16_KAHAN) and low
+    on_cpu = p.device.type in ("cpu", "meta")
+    sgd = type(optimizer) is torch.optim.SGD and not (group.get("fused") or group.get("differentiable"))
+    if bf16_step and on_cpu and (adam or sgd) and cpu_adam.bf16_expected():  # the group's weights in one call
+        return _LIST_ROW["weights"], 0, "cpu-list-sgd" if sgd else "cpu-list-adam"
     if bf16_step and adam:
         return 0, 0, ""  # the fused kernel
     if bf16_step:  # fp32 copies of the weight, its gradient and its state, all held at once
@@ -355,11 +359,12 @@ def _step_temporaries(p: torch.Tensor, numel: int, stored: int, optimizer: torch
     return (0 if foreach else count * numel * stored), 0, "foreach" if count and foreach else "loop"
 
 
-#: bytes of the scalars a list step of cpu_adam's kernels holds beside its table (``fused_adam.step_scalars``: the
-#: stack of seven fp32 values), and of a row of the table (int64 addresses, sizes and seeds: ten a row for
-#: quantized moments, nine for bf16 ones); measured
-_LIST_SCALARS = 28
-_LIST_ROW = {False: 10 * 8, True: 9 * 8}
+#: bytes of the scalars a CPU list step (``optim/cpu_lists.py``) holds beside its table: seven fp32 values for the
+#: state precisions' (``fused_adam.step_scalars``), nine for bf16-sr's and bf16-kahan's Adam, four for their SGD;
+#: and of a row of the table (int64 addresses, sizes and seeds: ten a row for quantized moments, nine for bf16
+#: ones, seven for bf16 weights with their own state); measured
+_LIST_SCALARS = {"cpu-list": 7 * 4, "cpu-list-adam": 9 * 4, "cpu-list-sgd": 4 * 4}
+_LIST_ROW = {"8bit": 10 * 8, "4bit": 10 * 8, "fp8": 10 * 8, "bf16": 9 * 8, "weights": 7 * 8}
 
 
 def _torch_temporaries(optimizer: torch.optim.Optimizer, group: dict[str, Any], p: torch.Tensor,

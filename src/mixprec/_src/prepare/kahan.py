@@ -22,7 +22,7 @@ import torch
 
 from mixprec._src import sharding
 from mixprec._src.numerics import bf16_nearest
-from mixprec._src.optim import cpu_multi_adam
+from mixprec._src.optim import cpu_lists
 from mixprec._src.prepare import stochastic_rounding
 from mixprec._src.prepare.sr_kernel import adam_scalars, fused_supported
 from mixprec._src.prepare.stochastic_rounding import PerTensor, install_fused_adam, step_eagerly
@@ -97,9 +97,9 @@ def install(optimizer: torch.optim.Optimizer, lowp: Iterable[torch.Tensor], hand
     step_eagerly(optimizer, handles)
     kernel = _kernel() if fused_supported(optimizer) else None
     if kernel is None:
-        stochastic_rounding.install_generic(optimizer, ids, handles, _generic_write)
+        stochastic_rounding.install_generic(optimizer, ids, handles, _generic_write, cpu_lists.KAHAN, compensation)
         return False
-    install_fused_adam(optimizer, ids, handles, kernel, _compensations, adam_kahan_update, cpu_multi_adam.KAHAN,
+    install_fused_adam(optimizer, ids, handles, kernel, _compensations, adam_kahan_update, cpu_lists.KAHAN,
                        any(sharding.is_sharded(p) for p in lowp))  # fmt: skip
     return True
 

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from mixprec._src import sharding
-from mixprec._src.optim import adam, cpu_adam, cpu_multi_adam, fused_adam, moments, sgd
+from mixprec._src.optim import adam, cpu_adam, cpu_lists, fused_adam, moments, sgd
 from mixprec._src.prepare import bf16_state, kahan
 from mixprec._src.prepare.sr_noise import moved, seed_tensor, shard_seed, sr_bits, tensor_seed
 from mixprec._src.prepare.stochastic_rounding import SEED_KEY, STEP_KEY, HostCounts, Restore, positions, step_eagerly
@@ -123,12 +123,12 @@ def install(optimizer: torch.optim.Optimizer, precision: str, handles: list[Any]
 
 def _listed(optimizer: torch.optim.Optimizer, p: torch.Tensor, local_p: torch.Tensor, local_g: torch.Tensor,
             precision: str) -> bool:  # fmt: skip
-    """Whether ``p``'s Adam(W) step goes in its group's list (``cpu_multi_adam``: one call for all, bitwise
+    """Whether ``p``'s Adam(W) step goes in its group's list (``cpu_lists``: one call for all, bitwise
     ``cpu_adam``'s per-tensor kernel): contiguous CPU weight, gradient and moments the kernels take, its state
     made ready for them here."""
     if not (fused_adam.NATIVE and local_p.is_contiguous() and local_g.is_contiguous()):
         return False
-    if local_p.device.type != "cpu" or not cpu_multi_adam.lists_build(precision, local_p.dtype, local_g.dtype):
+    if local_p.device.type != "cpu" or not cpu_lists.lists_build(precision, local_p.dtype, local_g.dtype):
         return False
     state = optimizer.state[p]
     if precision == moments.BF16:
@@ -165,9 +165,9 @@ def _step_lists(optimizer: torch.optim.Optimizer, listed: list[tuple[torch.Tenso
     for (count, _, _, mode), rows in lists.items():
         scalars = fused_adam.step_scalars(group, torch.tensor(count), decoupled, rows[0][0].device)
         if precision == moments.BF16:
-            cpu_multi_adam.bf16_state_step(rows, scalars, decoupled, mode)
+            cpu_lists.bf16_state_step(rows, scalars, decoupled, mode)
         else:
-            cpu_multi_adam.quantized_step(precision, rows, scalars, decoupled, mode)
+            cpu_lists.quantized_step(precision, rows, scalars, decoupled, mode)
 
 
 def _bf16_step(optimizer: torch.optim.Optimizer, p: torch.Tensor, local_p: torch.Tensor, local_g: torch.Tensor,

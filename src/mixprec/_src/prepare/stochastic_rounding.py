@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from mixprec._src import dispatch_modes, sharding
-from mixprec._src.optim import cpu_multi_adam
+from mixprec._src.optim import cpu_lists
 from mixprec._src.prepare.sr_kernel import adam_scalars, adam_sr_update, compiled_kernel, fused_supported
 from mixprec._src.prepare.sr_noise import seed_tensor, shard_seed, sr_bits, tensor_seed
 
@@ -111,7 +111,7 @@ def install_fused_adam(optimizer: torch.optim.Optimizer, lowp: set[int], handles
     place): Adam's ``_init_group``, which ``step`` calls once per param group to collect the
     tensors to update, is overridden on this optimizer. It updates the bf16 weights of the group and
     hands the rest (fp32 weights of kept modules) to Adam's own. On the CPU the group's bf16 weights step
-    together, one call of ``cpu_multi_adam``'s kernel (``rounding``: its mode) per step count; elsewhere each
+    together, one call of ``cpu_lists``'s kernel (``rounding``: its mode) per step count; elsewhere each
     takes the compiled ``kernel(weight, gradient, exp_avg, exp_avg_sq, extra, scalars)`` on 1-D views of the
     local shards, bitwise the same update. Under a Python dispatch mode (``FlopCounterMode``), where
     compiled code cannot run, ``eager`` (the kernel's uncompiled function) steps each, and the mode sees its ops.
@@ -122,7 +122,7 @@ def install_fused_adam(optimizer: torch.optim.Optimizer, lowp: set[int], handles
     ``found_inf`` is read once (a host sync: bf16 needs no loss scaling; a disabled scaler costs nothing).
     """
     adams_own = type(optimizer)._init_group  # type: ignore[attr-defined]
-    multi = cpu_multi_adam.available()
+    multi = cpu_lists.available()
     counts = HostCounts()
     local_of = sharding.local if sharded else _itself
 
@@ -141,7 +141,7 @@ def install_fused_adam(optimizer: torch.optim.Optimizer, lowp: set[int], handles
             local = [local_of(t) for t in (p.data, p.grad, st["exp_avg"], st["exp_avg_sq"])]  # type: ignore[arg-type]
             extra = more(p, st)
             comp = extra if isinstance(extra, torch.Tensor) else None
-            if multi and not mode and cpu_multi_adam.takes(*local, *([] if comp is None else [comp])):
+            if multi and not mode and cpu_lists.takes(*local, *([] if comp is None else [comp])):
                 lists.setdefault(step, []).append((*local, comp, 0 if comp is not None else extra))
                 continue
             device = local[0].device
@@ -152,7 +152,7 @@ def install_fused_adam(optimizer: torch.optim.Optimizer, lowp: set[int], handles
             flat = [t.view(-1) for t in local]
             run(*flat, comp.view(-1) if comp is not None else seed_tensor(int(extra), device), scalars)
         for step, rows in lists.items():
-            cpu_multi_adam.adam_step(rows, adam_scalars(group, step, decoupled), rounding)
+            cpu_lists.adam_step(rows, adam_scalars(group, step, decoupled), rounding)
         return adams_own(self, {**group, "params": rest}, *args, **kwargs)
 
     optimizer._init_group = types.MethodType(_init_group, optimizer)  # type: ignore[attr-defined]
@@ -253,19 +253,38 @@ def _stochastic_write(param: torch.Tensor, shadow: torch.Tensor, shadow_state: d
 Write = Callable[[torch.Tensor, torch.Tensor, dict[str, Any], int], None]
 
 
-def install_generic(optimizer: torch.optim.Optimizer, lowp: set[int], handles: list[Any],
-                    write: Write = _stochastic_write) -> None:  # fmt: skip
-    """Step fp32 copies of the bf16 tensors ``lowp`` (ids) with the optimizer's own code, then ``write`` them back."""
-    shadows: list[tuple[dict[str, Any], int, torch.Tensor, torch.Tensor, int]] = []
+#: ``compensation(state, param)``: bf16-kahan's compensation of ``param``, made at its first step
+Compensation = Callable[[dict[str, Any], torch.Tensor], torch.Tensor]
 
-    def widen(opt: torch.optim.Optimizer, group: dict[str, Any]) -> None:
+
+def install_generic(optimizer: torch.optim.Optimizer, lowp: set[int], handles: list[Any],
+                    write: Write = _stochastic_write, rounding: int = cpu_lists.STOCHASTIC,
+                    compensation: Compensation | None = None) -> None:  # fmt: skip
+    """Step fp32 copies of the bf16 tensors ``lowp`` (ids) with the optimizer's own code, then ``write`` them back.
+
+    torch's SGD on the CPU steps them instead in one call a param group (``cpu_lists.sgd_step``: its for-loop's
+    arithmetic on the copies, bit for bit, ``rounding`` the write: bf16-sr's noise, or Kahan's with each weight's
+    ``compensation(state, param)``), with no copy made; the others (fused or differentiable SGD, under a Python
+    dispatch mode, tensors the kernel does not take) as any optimizer's.
+    """
+    shadows: list[tuple[dict[str, Any], int, torch.Tensor, torch.Tensor, int]] = []
+    listing = type(optimizer) is torch.optim.SGD and cpu_lists.sgd_available()
+
+    def widen(opt: torch.optim.Optimizer, group: dict[str, Any]) -> set[int]:
         # The optimizer steps fp32 shadows swapped into its param groups, state moved over. The
         # parameters themselves keep their dtype: changing it through .data would reset their
         # gradient accumulators, and with them the hooks DDP all-reduces through.
         base, step = _advance(group)
         position = positions(opt)
+        lists = listing and not (group.get("fused") or group.get("differentiable") or dispatch_modes.active())
+        rows: list[tuple[Any, ...]] = []
+        listed: set[int] = set()
         for i, param in enumerate(group["params"]):
             if id(param) not in lowp or param.grad is None:
+                continue
+            seed = shard_seed(tensor_seed(base, step, position[id(param)]), param)
+            if lists and _sgd_row(opt, group, param, seed, rows, compensation):
+                listed.add(id(param))
                 continue
             shadow = param.detach().float().requires_grad_(True)
             shadow.grad = param.grad.float()
@@ -273,7 +292,10 @@ def install_generic(optimizer: torch.optim.Optimizer, lowp: set[int], handles: l
             opt.state[shadow] = {k: (v.float() if isinstance(v, torch.Tensor) and v.dtype is torch.bfloat16
                                      and v.dim() > 0 else v) for k, v in param_state.items()}  # fmt: skip
             group["params"][i] = shadow
-            shadows.append((group, i, param, shadow, shard_seed(tensor_seed(base, step, position[id(param)]), param)))
+            shadows.append((group, i, param, shadow, seed))
+        if rows:
+            cpu_lists.sgd_step(rows, group, rounding)
+        return listed
 
     def narrow(opt: torch.optim.Optimizer, *_: Any) -> None:
         with torch.no_grad():
@@ -295,7 +317,9 @@ def install_generic(optimizer: torch.optim.Optimizer, lowp: set[int], handles: l
         # runs after the user's pre-hooks (they see and may change the bf16 gradients, or raise and
         # leave the optimizer as it was). Other classes may not call it from step: a pre-hook.
         def _init_group(self: torch.optim.Optimizer, group: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
-            widen(self, group)
+            listed = widen(self, group)
+            if listed:  # stepped already: torch's step collects the rest
+                group = {**group, "params": [p for p in group["params"] if id(p) not in listed]}
             return own_init_group(self, group, *args, **kwargs)
 
         optimizer._init_group = types.MethodType(_init_group, optimizer)  # type: ignore[attr-defined]
@@ -310,6 +334,24 @@ def install_generic(optimizer: torch.optim.Optimizer, lowp: set[int], handles: l
     handles.append(optimizer.register_step_post_hook(narrow))
     optimizer.__dict__[_FINISHER] = narrow
     handles.append(Restore(optimizer, _FINISHER))
+
+
+def _sgd_row(optimizer: torch.optim.Optimizer, group: dict[str, Any], param: torch.Tensor, seed: int,
+             rows: list[tuple[Any, ...]], compensation: Compensation | None) -> bool:  # fmt: skip
+    """``param``'s row of ``cpu_lists.sgd_step`` added to ``rows`` (its momentum buffer made where it has none), or
+    ``False`` where the kernel does not take its tensors."""
+    state = optimizer.state[param]
+    local_p, local_g = sharding.local(param.data), sharding.local(param.grad)  # type: ignore[arg-type]
+    buffer = state.get("momentum_buffer")
+    comp = None if compensation is None else sharding.local(compensation(state, param))
+    held = [t for t in (None if buffer is None else sharding.local(buffer), comp) if t is not None]
+    if not cpu_lists.takes(local_p, local_g, *held):
+        return False
+    started = buffer is not None
+    if not started and float(group["momentum"]) != 0:  # torch's first step makes it from the gradient
+        buffer = state["momentum_buffer"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+    rows.append((local_p, local_g, None if buffer is None else sharding.local(buffer), comp, seed, started))
+    return True
 
 
 def add_counters(optimizer: torch.optim.Optimizer, seed: int, handles: list[Any]) -> None:
@@ -349,7 +391,7 @@ def install(optimizer: torch.optim.Optimizer, lowp: Iterable[torch.Tensor], hand
     step_eagerly(optimizer, handles)
     kernel = compiled_kernel() if fused_supported(optimizer) else None
     if kernel is not None:
-        install_fused_adam(optimizer, ids, handles, kernel, _seeds, adam_sr_update, cpu_multi_adam.STOCHASTIC,
+        install_fused_adam(optimizer, ids, handles, kernel, _seeds, adam_sr_update, cpu_lists.STOCHASTIC,
                            any(sharding.is_sharded(p) for p in lowp))  # fmt: skip
         return True
     install_generic(optimizer, ids, handles)

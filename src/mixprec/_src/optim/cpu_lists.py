@@ -8,7 +8,7 @@ the tensors' addresses, sizes and seeds, split into chunks of 4096 values that O
 list (a small tensor is not a thread's whole turn), each chunk read and written once. The arithmetic is the
 compiled kernels', operation for operation and rounding for rounding (fp32 on bf16 storage; no contraction,
 as inductor compiles; IEEE division and square root in both): weights, moments and compensations come out
-bitwise equal to theirs (tests/optim/test_cpu_multi_adam.py). The rounding of the weight is ``cpu_adam``'s
+bitwise equal to theirs (tests/optim/test_cpu_lists.py). The rounding of the weight is ``cpu_adam``'s
 (bf16-sr's noise at each flat position, or Kahan's compensated write). Compiled once per process with the
 toolchain inductor uses; where it is missing, :func:`available` is false and the per-tensor kernels run.
 
@@ -246,3 +246,109 @@ def bf16_state_step(rows: list[tuple[Any, ...]], scalars: torch.Tensor, decouple
                            m_seed, v_seed] for p, g, m, v, c, seed, m_seed, v_seed in rows],
                          dtype=torch.int64)  # fmt: skip
     kernel(table, len(rows), scalars.contiguous(), int(decoupled), rounding)
+
+
+_SGD_SOURCE = r"""
+#include <torch/csrc/inductor/cpp_prefix.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+constexpr int32_t WEYL = -1640531535;
+constexpr int64_t CHUNK = 4096;
+using BF16 = c10::BFloat16;
+%(helpers)s
+
+// torch.optim.SGD's for-loop step on fp32 copies, as ATen computes it (add with alpha is one fused multiply-add, in
+// its vector loop and its tail alike; mul rounds), the momentum buffer stored back to nearest; s: weight decay,
+// momentum, 1 - dampening, -lr; flags: 1 nesterov, 2 maximize, 4 momentum
+inline void sgd(BF16* p, const BF16* g, BF16* buf, BF16* comp, int64_t first, int64_t last, const float* s,
+                int64_t flags, bool started, int64_t rounding, int64_t seed) {
+    const bool nesterov = flags & 1, maximize = flags & 2, momentum = flags & 4;
+    const VecF wd(s[0]), m(s[1]), damp(s[2]), neg_lr(s[3]);
+    int64_t k = first;
+    for (; k + VecF::size() <= last; k += VecF::size()) {
+        const VecF pk = load_float(p + k);
+        VecF gk = load_float(g + k);
+        if (maximize) gk = gk.neg();
+        if (s[0] != 0.0f) gk = at::vec::fmadd(pk, wd, gk);
+        if (momentum) {
+            const VecF b = started ? at::vec::fmadd(gk, damp, load_float(buf + k) * m) : gk;
+            store_vec(buf + k, b);
+            gk = nesterov ? at::vec::fmadd(b, m, gk) : b;
+        }
+        write_vec(p, comp, k, at::vec::fmadd(gk, neg_lr, pk), rounding, seed);
+    }
+    for (; k < last; ++k) {
+        const float pk = to_float(p[k]);
+        float gk = to_float(g[k]);
+        if (maximize) gk = -gk;
+        if (s[0] != 0.0f) gk = std::fma(pk, s[0], gk);
+        if (momentum) {
+            const float b = started ? std::fma(gk, s[2], to_float(buf[k]) * s[1]) : gk;
+            store(buf + k, b);
+            gk = nesterov ? std::fma(b, s[1], gk) : b;
+        }
+        write_one(p, comp, k, std::fma(gk, s[3], pk), pk, rounding, seed);
+    }
+}
+}  // namespace
+
+// table: n rows of (weight, gradient, momentum buffer or 0, compensation or 0, numel, seed, buffer started)
+extern "C" void kernel(const int64_t* table, int64_t n, const float* s, int64_t flags, int64_t rounding) {
+    std::vector<int64_t> starts(n + 1, 0);
+    for (int64_t i = 0; i < n; ++i) starts[i + 1] = starts[i] + (table[7 * i + 4] + CHUNK - 1) / CHUNK;
+    const int64_t chunks = starts[n];
+    #pragma omp parallel for schedule(static)
+    for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t i = std::upper_bound(starts.begin(), starts.end(), c) - starts.begin() - 1;
+        const int64_t* row = table + 7 * i;
+        const int64_t first = (c - starts[i]) * CHUNK, last = std::min(first + CHUNK, row[4]);
+        sgd(reinterpret_cast<BF16*>(row[0]), reinterpret_cast<const BF16*>(row[1]), reinterpret_cast<BF16*>(row[2]),
+            reinterpret_cast<BF16*>(row[3]), first, last, s, flags, row[6] != 0, rounding, row[5]);
+    }
+}
+"""
+#: the SGD kernel's flags
+NESTEROV, MAXIMIZE, MOMENTUM = 1, 2, 4
+_sgd_failed = False
+
+
+@functools.cache
+def _sgd() -> Any:
+    from torch._inductor.codecache import CppPythonBindingsCodeCache
+
+    argtypes = ["const int64_t*", "int64_t", "const float*", "int64_t", "int64_t"]
+    return CppPythonBindingsCodeCache.load_pybinding(argtypes, _SGD_SOURCE % {"helpers": _HELPERS},
+                                                     extra_flags=("-ffp-contract=off",))  # fmt: skip
+
+
+def sgd_available() -> bool:
+    """Whether :func:`sgd_step` runs here (its kernel compiled once per process; a failure is remembered)."""
+    global _sgd_failed
+    if _sgd_failed:
+        return False
+    try:
+        _sgd()
+    except Exception:  # no C++ toolchain, an unsupported platform
+        _sgd_failed = True
+    return not _sgd_failed
+
+
+def sgd_step(rows: list[tuple[Any, ...]], group: dict[str, Any], rounding: int) -> None:
+    """torch.optim.SGD's step of every ``(weight, gradient, momentum buffer or None, compensation or None, seed,
+    buffer started)`` of ``rows`` (bf16 CPU tensors, contiguous) with ``group``'s options, in one call, as torch's
+    for-loop steps fp32 copies of them (bit for bit); the buffers (bf16) written back rounded to nearest, the
+    weights with bf16-sr's noise (``rounding`` :data:`STOCHASTIC`, each its ``seed``) or Kahan's compensation."""
+    momentum = float(group["momentum"])
+    flags = (NESTEROV * bool(group.get("nesterov")) | MAXIMIZE * bool(group.get("maximize"))
+             | MOMENTUM * (momentum != 0))  # fmt: skip
+    # torch hands each scalar to ATen as a double, which its fp32 kernels narrow to fp32
+    scalars = torch.tensor([float(group["weight_decay"]), momentum, 1.0 - float(group["dampening"]),
+                            -float(group["lr"])], dtype=torch.float32)  # fmt: skip
+    table = torch.tensor([[p.data_ptr(), g.data_ptr(), _pointer(b), _pointer(c), p.numel(), seed, int(started)]
+                          for p, g, b, c, seed, started in rows], dtype=torch.int64)  # fmt: skip
+    _sgd()(table, len(rows), scalars, flags, rounding)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import functools
+from typing import Any
 
 import pytest
 import torch
@@ -12,12 +13,13 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import mixprec
-from mixprec._src.optim import cpu_multi_adam
+from mixprec._src.optim import cpu_lists
 from mixprec._src.prepare import kahan, sr_kernel, stochastic_rounding
 from mixprec._src.prepare.prepare import prepared_state
 from mixprec.bench import step_cost
+from mixprec.bench.workloads import TinyLM
 
-pytestmark = pytest.mark.skipif(not cpu_multi_adam.available(), reason="no C++ toolchain for the CPU kernel")
+pytestmark = pytest.mark.skipif(not cpu_lists.available(), reason="no C++ toolchain for the CPU kernel")
 
 SIZES = (1, 7, 16, 17, 4095, 4096, 4097, 12345)
 GROUP = {"lr": 3e-3, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.1}
@@ -45,12 +47,12 @@ def test_the_list_steps_bitwise_as_the_compiled_kernel_steps_each(mode: str, dec
         for (p, g, m, v, c), seed in zip(each, seeds, strict=True):
             extra = torch.tensor(seed, dtype=torch.int32) if mode == "stochastic" else c
             kernel(p, g, m, v, extra, scalars)
-    rounding = cpu_multi_adam.STOCHASTIC if mode == "stochastic" else cpu_multi_adam.KAHAN
+    rounding = cpu_lists.STOCHASTIC if mode == "stochastic" else cpu_lists.KAHAN
     rows = [
         (p, g, m, v, c if mode == "kahan" else None, seed)
         for (p, g, m, v, c), seed in zip(together, seeds, strict=True)
     ]
-    cpu_multi_adam.adam_step(rows, scalars, rounding)
+    cpu_lists.adam_step(rows, scalars, rounding)
     for n, a, b in zip(SIZES, each, together, strict=True):
         for name, x, y in zip(("weight", "grad", "exp_avg", "exp_avg_sq", "comp"), a, b, strict=True):
             assert torch.equal(x.view(torch.int16), y.view(torch.int16)), f"{name} of {n} values"
@@ -65,7 +67,7 @@ def _train(level: str, make_opt, steps: int = 4, multi: bool = True, monkeypatch
     model = _model()
     opt = make_opt(model)
     if not multi:
-        monkeypatch.setattr(cpu_multi_adam, "available", lambda: False)
+        monkeypatch.setattr(cpu_lists, "available", lambda: False)
     model, opt = mixprec.prepare(model, opt, level=level)
     if not multi:
         monkeypatch.undo()
@@ -205,13 +207,13 @@ def test_under_a_dispatch_mode_the_eager_update_steps() -> None:
     nn.functional.mse_loss(model(torch.randn(8, 16)), torch.randn(8, 8)).backward()
     seen = step_cost._Reads(set())
     calls: list[str] = []
-    original = stochastic_rounding.cpu_multi_adam.adam_step
+    original = stochastic_rounding.cpu_lists.adam_step
     try:
-        stochastic_rounding.cpu_multi_adam.adam_step = lambda *a: calls.append("list")  # type: ignore[assignment]
+        stochastic_rounding.cpu_lists.adam_step = lambda *a: calls.append("list")  # type: ignore[assignment]
         with seen:
             opt.step()
     finally:
-        stochastic_rounding.cpu_multi_adam.adam_step = original  # type: ignore[assignment]
+        stochastic_rounding.cpu_lists.adam_step = original  # type: ignore[assignment]
     assert calls == []
 
 
@@ -222,7 +224,7 @@ def _state_model() -> nn.Module:
 
 def _train_state(level: str, state: str, lists: bool, monkeypatch: pytest.MonkeyPatch, steps: int = 3):  # type: ignore[no-untyped-def]
     if not lists:
-        monkeypatch.setattr(cpu_multi_adam, "lists_build", lambda *_: False)
+        monkeypatch.setattr(cpu_lists, "lists_build", lambda *_: False)
     model = _state_model()
     opt = torch.optim.AdamW([{"params": list(model[:2].parameters()), "lr": 1e-2, "weight_decay": 0.2},
                              {"params": list(model[3:].parameters()), "lr": 3e-3}], fused=True)  # fmt: skip
@@ -267,3 +269,61 @@ def test_a_state_precisions_step_does_not_grow_with_the_parameters(state: str) -
         assert ops[1] <= 1.5 * ops[0], (level, ops)
         whole_step = functools.partial(step_cost._train_step, model, opt, recipe, batch)
         assert step_cost.host_reads(whole_step, opt) == 0
+
+
+SGD_GROUPS = (
+    ({"momentum": 0.9, "weight_decay": 0.01}, {"momentum": 0.8, "nesterov": True, "lr": 0.02}),
+    ({"momentum": 0.9, "dampening": 0.1, "maximize": True}, {"momentum": 0.0, "weight_decay": 0.1}),
+)
+
+
+@pytest.mark.parametrize("level", ["bf16-sr", "bf16-kahan"])
+@pytest.mark.parametrize("options", SGD_GROUPS)
+def test_sgd_steps_its_bf16_weights_in_one_call_as_on_fp32_copies(
+    level: str, options: tuple[dict[str, Any], dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch's SGD (momentum, dampening, Nesterov, weight decay, maximize; two groups of their own) on the CPU: the
+    bf16 weights, their momentum buffers and compensations bit for bit as the optimizer's own step on fp32 copies
+    wrote them."""
+
+    def run(lists: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
+        if not lists:
+            monkeypatch.setattr(cpu_lists, "sgd_available", lambda: False)
+        model = _state_model()
+        first, second = options
+        opt = torch.optim.SGD([{"params": list(model[:2].parameters()), **first},
+                               {"params": list(model[3:].parameters()), **second}], lr=0.05)  # fmt: skip
+        model, opt = mixprec.prepare(model, opt, level=level)
+        g = torch.Generator().manual_seed(2)
+        for _ in range(3):
+            opt.zero_grad(set_to_none=True)
+            nn.functional.mse_loss(model(torch.randn(8, 64, generator=g)), torch.randn(8, 8, generator=g)).backward()
+            opt.step()
+        monkeypatch.undo()
+        return model, opt
+
+    (listed, listed_opt), (alone, alone_opt) = run(True), run(False)
+    for (name, a), b in zip(listed.named_parameters(), alone.parameters(), strict=True):
+        assert torch.equal(a, b), name
+        assert listed_opt.state[a].keys() == alone_opt.state[b].keys(), name
+        for key, value in listed_opt.state[a].items():
+            assert torch.equal(value, alone_opt.state[b][key]), f"{name} {key}"
+
+
+@pytest.mark.parametrize("level", ["bf16-sr", "bf16-kahan"])
+def test_an_sgd_step_does_not_grow_with_its_bf16_weights(level: str) -> None:
+    """keep_types=() (every weight bf16: torch's own for-loop steps none), optimizer.step()'s ops at 2 and 8 blocks
+    within 1.5x."""
+    batch = step_cost._batch(2, 8)
+    ops = []
+    for blocks in (2, 8):
+        torch.manual_seed(0)
+        model: nn.Module = TinyLM(256, 32, blocks, heads=2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        model, opt = mixprec.prepare(model, opt, level=level, keep_types=())
+        recipe = step_cost.Recipe(level, level)
+        for _ in range(2):
+            step_cost._train_step(model, opt, recipe, batch)
+        step_cost._forward_backward(model, opt, recipe, batch)
+        ops.append(step_cost.count_ops(opt.step))
+    assert ops[1] <= 1.5 * ops[0], ops
