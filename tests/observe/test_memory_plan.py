@@ -277,16 +277,14 @@ def test_the_steps_temporaries_are_what_torchs_step_makes(make: str, recipe: Any
 @pytest.mark.parametrize("make", ["adamw", "adam-l2", "sgd-nesterov-wd"])
 def test_the_bf16_states_temporaries_are_what_its_step_makes(make: str, level: str, kernel: bool,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
-    """optimizer_state="bf16": Adam(W) on the CPU by cpu_adam's kernel (in place: its scalars alone), else (SGD,
-    no toolchain, another device) a chunk's fp32 copies at a time (the 512x1024 weight in two chunks, the others
-    in one), measured tensor by tensor (no biases: bf16-sr steps those with its compiled kernel)."""
+    """optimizer_state="bf16": Adam(W) and SGD on the CPU by the list kernels (in place: their scalars and table
+    alone), else (no toolchain, another device) a chunk's fp32 copies at a time (the 512x1024 weight in two chunks,
+    the others in one), measured tensor by tensor (no biases: bf16-sr steps those with its compiled kernel)."""
     from mixprec._src.optim import cpu_adam
 
     if not kernel:
         monkeypatch.setattr(cpu_adam, "bf16_builds", lambda *_: False)
         monkeypatch.setattr(cpu_adam, "bf16_expected", lambda: False)
-    elif make.startswith("sgd"):
-        pytest.skip("SGD's bf16 momentum steps in chunks")
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 512, bias=False), nn.Linear(512, 1024, bias=False),
                           nn.Linear(1024, 8, bias=False))  # fmt: skip

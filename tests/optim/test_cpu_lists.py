@@ -327,3 +327,35 @@ def test_an_sgd_step_does_not_grow_with_its_bf16_weights(level: str) -> None:
         step_cost._forward_backward(model, opt, recipe, batch)
         ops.append(step_cost.count_ops(opt.step))
     assert ops[1] <= 1.5 * ops[0], ops
+
+
+@pytest.mark.parametrize("level", ["O2", "bf16-sr", "bf16-kahan", "bf16-pure"])
+@pytest.mark.parametrize("options", [SGD_GROUPS[0], ({"momentum": 0.9, "dampening": 0.1}, {"momentum": 0.5})])
+def test_sgd_with_bf16_momentum_steps_in_one_call_as_each_alone(
+    level: str, options: tuple[dict[str, Any], dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """optimizer_state="bf16" with torch's SGD: a group's large weights in one call, their weights, buffers (each
+    rounded with its own noise) and compensations bit for bit as the per-tensor step on fp32 chunks made them."""
+
+    def run(lists: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
+        if not lists:
+            monkeypatch.setattr(cpu_lists, "sgd_bf16_state_builds", lambda *_: False)
+        model = _state_model()
+        first, second = options
+        opt = torch.optim.SGD([{"params": list(model[:2].parameters()), **first},
+                               {"params": list(model[3:].parameters()), **second}], lr=0.05)  # fmt: skip
+        model, opt = mixprec.prepare(model, opt, level=level, optimizer_state="bf16")
+        g = torch.Generator().manual_seed(3)
+        for _ in range(3):
+            opt.zero_grad(set_to_none=True)
+            nn.functional.mse_loss(model(torch.randn(8, 64, generator=g)), torch.randn(8, 8, generator=g)).backward()
+            opt.step()
+        monkeypatch.undo()
+        return model, opt
+
+    (listed, listed_opt), (alone, alone_opt) = run(True), run(False)
+    for (name, a), b in zip(listed.named_parameters(), alone.parameters(), strict=True):
+        assert torch.equal(a, b), name
+        assert listed_opt.state[a].keys() == alone_opt.state[b].keys(), name
+        for key, value in listed_opt.state[a].items():
+            assert torch.equal(value, alone_opt.state[b][key]), f"{name} {key}"

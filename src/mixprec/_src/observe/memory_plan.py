@@ -335,10 +335,13 @@ def _step_temporaries(p: torch.Tensor, numel: int, stored: int, optimizer: torch
     if optimizer is None or group is None:
         return 0, 0, ""
     adam = type(optimizer) in (torch.optim.Adam, torch.optim.AdamW)
-    native = adam and p.device.type in ("cpu", "meta") and fused_adam.NATIVE
-    if config.optimizer_state != "fp32" and p.numel() >= moments.MIN_NUMEL and native and cpu_adam.bf16_expected():
+    on_cpu = p.device.type in ("cpu", "meta")
+    native = on_cpu and fused_adam.NATIVE and cpu_adam.bf16_expected() and p.numel() >= moments.MIN_NUMEL
+    if config.optimizer_state != "fp32" and native and adam:
         # cpu_adam's kernel reads and writes in place; the group's weights go in one call: a table row each
         return _LIST_ROW[config.optimizer_state], 0, "cpu-list"
+    if config.optimizer_state == moments.BF16 and native and type(optimizer) is torch.optim.SGD:
+        return _LIST_ROW["sgd-bf16"], 0, "cpu-list-sgd"  # the same, with SGD's bf16 momentum
     if config.optimizer_state == moments.BF16 and p.numel() >= moments.MIN_NUMEL:
         # a chunk at a time: its fp32 copies (of a bf16 weight and gradient too) and the update's arrays, and a
         # 0-dim seed; measured
@@ -347,7 +350,6 @@ def _step_temporaries(p: torch.Tensor, numel: int, stored: int, optimizer: torch
     if config.optimizer_state != "fp32" and p.numel() >= moments.MIN_NUMEL:
         return (0 if adam else 3 * numel * 4), 0, ""  # the compiled kernel in chunks; SGD's eager fp32 copies
     bf16_step = config.level in (Level.BF16_SR, Level.BF16_KAHAN) and low
-    on_cpu = p.device.type in ("cpu", "meta")
     sgd = type(optimizer) is torch.optim.SGD and not (group.get("fused") or group.get("differentiable"))
     if bf16_step and on_cpu and (adam or sgd) and cpu_adam.bf16_expected():  # the group's weights in one call
         return _LIST_ROW["weights"], 0, "cpu-list-sgd" if sgd else "cpu-list-adam"
@@ -360,11 +362,11 @@ def _step_temporaries(p: torch.Tensor, numel: int, stored: int, optimizer: torch
 
 
 #: bytes of the scalars a CPU list step (``optim/cpu_lists.py``) holds beside its table: seven fp32 values for the
-#: state precisions' (``fused_adam.step_scalars``), nine for bf16-sr's and bf16-kahan's Adam, four for their SGD;
-#: and of a row of the table (int64 addresses, sizes and seeds: ten a row for quantized moments, nine for bf16
-#: ones, seven for bf16 weights with their own state); measured
+#: state precisions' (``fused_adam.step_scalars``), nine for bf16-sr's and bf16-kahan's Adam, four for SGD's; and
+#: of a row of the table (int64 addresses, sizes and seeds: ten a row for quantized moments, nine for bf16 ones,
+#: eight for SGD's bf16 momentum, seven for bf16 weights with their own state); measured
 _LIST_SCALARS = {"cpu-list": 7 * 4, "cpu-list-adam": 9 * 4, "cpu-list-sgd": 4 * 4}
-_LIST_ROW = {"8bit": 10 * 8, "4bit": 10 * 8, "fp8": 10 * 8, "bf16": 9 * 8, "weights": 7 * 8}
+_LIST_ROW = {"8bit": 10 * 8, "4bit": 10 * 8, "fp8": 10 * 8, "bf16": 9 * 8, "weights": 7 * 8, "sgd-bf16": 8 * 8}
 
 
 def _torch_temporaries(optimizer: torch.optim.Optimizer, group: dict[str, Any], p: torch.Tensor,

@@ -352,3 +352,98 @@ def sgd_step(rows: list[tuple[Any, ...]], group: dict[str, Any], rounding: int) 
     table = torch.tensor([[p.data_ptr(), g.data_ptr(), _pointer(b), _pointer(c), p.numel(), seed, int(started)]
                           for p, g, b, c, seed, started in rows], dtype=torch.int64)  # fmt: skip
     _sgd()(table, len(rows), scalars, flags, rounding)
+
+
+_SGD_BF16_STATE = r"""
+#include <torch/csrc/inductor/cpp_prefix.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+// SGD with a bf16 momentum buffer rounded stochastically (prepare.bf16_state.sgd_step): optim.sgd.sgd_update's
+// arithmetic (ATen's add with alpha: one fused multiply-add), the buffer written with its own seed's noise
+namespace {
+constexpr int32_t WEYL = -1640531535;
+constexpr int64_t CHUNK = 4096;
+using BF16 = c10::BFloat16;
+%(helpers)s
+
+// s: weight decay, momentum, 1 - dampening, -lr; nesterov
+inline void sgd(%(p_type)s* p, const %(g_type)s* g, BF16* buf, BF16* comp, int64_t first, int64_t last, const float* s,
+                bool nesterov, bool started, int64_t rounding, int64_t seed, int64_t buf_seed) {
+    const VecF wd(s[0]), m(s[1]), damp(s[2]), neg_lr(s[3]);
+    int64_t k = first;
+    for (; k + VecF::size() <= last; k += VecF::size()) {
+        const VecF pk = load_float(p + k);
+        VecF gk = load_float(g + k);
+        if (s[0] != 0.0f) gk = at::vec::fmadd(pk, wd, gk);
+        const VecF b = started ? at::vec::fmadd(gk, damp, load_float(buf + k) * m) : gk;
+        store_vec(buf + k, vec_sr(b, k, buf_seed));
+        const VecF d = nesterov ? at::vec::fmadd(b, m, gk) : b;
+        write_vec(p, comp, k, at::vec::fmadd(d, neg_lr, pk), rounding, seed);
+    }
+    for (; k < last; ++k) {
+        const float pk = to_float(p[k]);
+        float gk = to_float(g[k]);
+        if (s[0] != 0.0f) gk = std::fma(pk, s[0], gk);
+        const float b = started ? std::fma(gk, s[2], to_float(buf[k]) * s[1]) : gk;
+        buf[k] = BF16(sr(b, k, buf_seed));
+        const float d = nesterov ? std::fma(b, s[1], gk) : b;
+        write_one(p, comp, k, std::fma(d, s[3], pk), pk, rounding, seed);
+    }
+}
+}  // namespace
+
+// table: n rows of (weight, gradient, momentum buffer, compensation or 0, numel, seed, buffer's seed, started)
+extern "C" void kernel(const int64_t* table, int64_t n, const float* s, int64_t nesterov, int64_t rounding) {
+    std::vector<int64_t> starts(n + 1, 0);
+    for (int64_t i = 0; i < n; ++i) starts[i + 1] = starts[i] + (table[8 * i + 4] + CHUNK - 1) / CHUNK;
+    const int64_t chunks = starts[n];
+    #pragma omp parallel for schedule(static)
+    for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t i = std::upper_bound(starts.begin(), starts.end(), c) - starts.begin() - 1;
+        const int64_t* row = table + 8 * i;
+        const int64_t first = (c - starts[i]) * CHUNK, last = std::min(first + CHUNK, row[4]);
+        sgd(reinterpret_cast<%(p_type)s*>(row[0]), reinterpret_cast<const %(g_type)s*>(row[1]),
+            reinterpret_cast<BF16*>(row[2]), reinterpret_cast<BF16*>(row[3]), first, last, s, nesterov != 0,
+            row[7] != 0, rounding, row[5], row[6]);
+    }
+}
+"""
+
+
+@functools.cache
+def _sgd_bf16_state(p_dtype: torch.dtype, g_dtype: torch.dtype) -> Any:
+    from torch._inductor.codecache import CppPythonBindingsCodeCache
+
+    source = _SGD_BF16_STATE % {"p_type": _CTYPES[p_dtype], "g_type": _CTYPES[g_dtype], "helpers": _HELPERS}
+    argtypes = ["const int64_t*", "int64_t", "const float*", "int64_t", "int64_t"]
+    return CppPythonBindingsCodeCache.load_pybinding(argtypes, source, extra_flags=("-ffp-contract=off",))
+
+
+def sgd_bf16_state_builds(p_dtype: torch.dtype, g_dtype: torch.dtype) -> bool:
+    """Whether :func:`sgd_bf16_state_step`'s kernel for these dtypes builds here (once; a failure is remembered)."""
+    key = ("sgd-bf16", p_dtype, g_dtype)
+    if key in _lists_failed or p_dtype not in _CTYPES or g_dtype not in _CTYPES:
+        return False
+    try:
+        _sgd_bf16_state(p_dtype, g_dtype)
+    except Exception:  # no C++ toolchain, an unsupported platform
+        _lists_failed.add(key)
+        return False
+    return True
+
+
+def sgd_bf16_state_step(rows: list[tuple[Any, ...]], group: dict[str, Any], rounding: int) -> None:
+    """``bf16_state.sgd_step`` of every ``(weight, gradient, momentum buffer, compensation or None, seed, buffer's
+    seed, buffer started)`` of ``rows`` (weight and gradient dtypes alike; bf16 buffers; contiguous CPU tensors)
+    with ``group``'s options, in one call, bit for bit; ``rounding``: the weight's write (:data:`NEAREST` for fp32
+    weights)."""
+    kernel = _sgd_bf16_state(rows[0][0].dtype, rows[0][1].dtype)
+    scalars = torch.tensor([float(group["weight_decay"]), float(group["momentum"]), 1.0 - float(group["dampening"]),
+                            -float(group["lr"])], dtype=torch.float32)  # fmt: skip
+    table = torch.tensor([[p.data_ptr(), g.data_ptr(), b.data_ptr(), _pointer(c), p.numel(), seed, b_seed,
+                           int(started)] for p, g, b, c, seed, b_seed, started in rows], dtype=torch.int64)  # fmt: skip
+    kernel(table, len(rows), scalars, int(bool(group["nesterov"])), rounding)

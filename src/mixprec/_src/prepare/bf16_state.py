@@ -30,7 +30,17 @@ from mixprec._src import sharding
 from mixprec._src.optim import adam, cpu_adam, fused_adam, moments, sgd
 from mixprec._src.prepare.sr_noise import moved, seed_tensor, shard_seed, sr_bits, tensor_seed
 
-__all__ = ["CHUNK", "NAMES", "Writeback", "adam_step", "narrow_after_load", "ready_adam", "seed_of", "sgd_step"]
+__all__ = [
+    "CHUNK",
+    "NAMES",
+    "Writeback",
+    "adam_step",
+    "narrow_after_load",
+    "ready_adam",
+    "ready_sgd",
+    "seed_of",
+    "sgd_step",
+]
 
 #: values read into fp32 at once: a step's fp32 temporaries stay a few of this size
 CHUNK = 1 << 18
@@ -71,6 +81,17 @@ def _ready(state: dict[str, Any], p: torch.Tensor, names: tuple[str, ...], first
 def ready_adam(state: dict[str, Any], p: torch.Tensor) -> None:
     """``state``'s Adam moments ready for a step in bf16 (made, cast or dequantized) and its step count."""
     _ready(state, p, NAMES["adam"], first_zero=True)
+
+
+def ready_sgd(state: dict[str, Any], p: torch.Tensor) -> bool:
+    """``state``'s momentum buffer ready for a step in bf16 (made as zeros where it is the first step: it is then
+    the gradient), and its step count; whether the buffer had started."""
+    (name,) = NAMES["sgd"]
+    _ready(state, p, (name,), first_zero=False)
+    started = name in state
+    if not started:
+        state[name] = torch.zeros_like(p, dtype=torch.bfloat16)
+    return started
 
 
 def _round_into(target: torch.Tensor, value: torch.Tensor, seed: int) -> None:

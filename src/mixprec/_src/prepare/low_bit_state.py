@@ -93,7 +93,7 @@ def install(optimizer: torch.optim.Optimizer, precision: str, handles: list[Any]
                 rest.append(p)
                 continue
             local_p, local_g = sharding.local(p.data), sharding.local(p.grad)
-            if not momentum and _listed(self, p, local_p, local_g, precision):
+            if _listed(self, p, local_p, local_g, precision, momentum):
                 listed.append((p, local_p, local_g))
             elif precision == moments.BF16:
                 _bf16_step(self, p, local_p, local_g, group, decoupled, momentum, writeback, where)
@@ -122,15 +122,23 @@ def install(optimizer: torch.optim.Optimizer, precision: str, handles: list[Any]
 
 
 def _listed(optimizer: torch.optim.Optimizer, p: torch.Tensor, local_p: torch.Tensor, local_g: torch.Tensor,
-            precision: str) -> bool:  # fmt: skip
-    """Whether ``p``'s Adam(W) step goes in its group's list (``cpu_lists``: one call for all, bitwise
-    ``cpu_adam``'s per-tensor kernel): contiguous CPU weight, gradient and moments the kernels take, its state
-    made ready for them here."""
-    if not (fused_adam.NATIVE and local_p.is_contiguous() and local_g.is_contiguous()):
-        return False
-    if local_p.device.type != "cpu" or not cpu_lists.lists_build(precision, local_p.dtype, local_g.dtype):
+            precision: str, momentum: bool) -> bool:  # fmt: skip
+    """Whether ``p``'s step goes in its group's list (``cpu_lists``: one call for all, bitwise the per-tensor step):
+    contiguous CPU weight, gradient and state the kernels take (Adam(W) at every state precision, SGD with a bf16
+    buffer), its state made ready for them here."""
+    if not (fused_adam.NATIVE and local_p.is_contiguous() and local_g.is_contiguous()) or not local_p.is_cpu:
         return False
     state = optimizer.state[p]
+    if momentum:
+        if precision != moments.BF16 or not cpu_adam.bf16_builds(local_p.dtype, local_g.dtype):
+            return False  # the chunked step where cpu_adam's kernels are not built
+        if not cpu_lists.sgd_bf16_state_builds(local_p.dtype, local_g.dtype):
+            return False
+        buffer = state.get(bf16_state.NAMES["sgd"][0])  # one of another dtype: the per-tensor step casts it
+        held = None if buffer is None else sharding.local(buffer)
+        return held is None or (held.is_contiguous() and held.is_cpu and held.dtype is torch.bfloat16)
+    if not cpu_lists.lists_build(precision, local_p.dtype, local_g.dtype):
+        return False
     if precision == moments.BF16:
         bf16_state.ready_adam(state, p)
         return cpu_adam.bf16_available(local_p, local_g, *(sharding.local(state[n]) for n in bf16_state.NAMES["adam"]))
@@ -147,14 +155,22 @@ def _step_lists(optimizer: torch.optim.Optimizer, listed: list[tuple[torch.Tenso
     the host: nothing read), then one call a list of one step count, dtypes and write rule."""
     params = [p for p, _, _ in listed]
     states = [optimizer.state[p] for p in params]
+    momentum = isinstance(optimizer, torch.optim.SGD)
+    started = [bf16_state.ready_sgd(state, p) for p, state in zip(params, states, strict=True)] if momentum else []
     lists: dict[tuple[Any, ...], list[tuple[Any, ...]]] = {}
-    for (p, local_p, local_g), state, count in zip(listed, states, counts.advance(params, states), strict=True):
+    for i, ((p, local_p, local_g), state, count) in enumerate(zip(listed, states, counts.advance(params, states),
+                                                                  strict=True)):  # fmt: skip
         low = local_p.dtype is torch.bfloat16
         seed = _seed(group, where, p, 0) if low and writeback == "stochastic" else None
         comp = sharding.local(kahan.compensation(state, p)) if low and writeback == "kahan" else None
         mode = cpu_adam.rounding_mode(stochastic=seed is not None, compensated=comp is not None)
         row: tuple[Any, ...]
-        if precision == moments.BF16:
+        if momentum:
+            (name,) = bf16_state.NAMES["sgd"]
+            moment_seed = bf16_state.seed_of(int(group[SEED_KEY]), where[id(p)], p)
+            row = (local_p, local_g, sharding.local(state[name]), comp, 0 if seed is None else seed,
+                   moment_seed(name, int(count)), started[i])  # fmt: skip
+        elif precision == moments.BF16:
             moment_seed = bf16_state.seed_of(int(group[SEED_KEY]), where[id(p)], p)
             held = [sharding.local(state[n]) for n in bf16_state.NAMES["adam"]]
             row = (local_p, local_g, *held, comp, 0 if seed is None else seed,
@@ -163,6 +179,9 @@ def _step_lists(optimizer: torch.optim.Optimizer, listed: list[tuple[torch.Tenso
             row = (local_p, local_g, state, comp, 0 if seed is None else seed)
         lists.setdefault((count, local_p.dtype, local_g.dtype, mode), []).append(row)
     for (count, _, _, mode), rows in lists.items():
+        if momentum:
+            cpu_lists.sgd_bf16_state_step(rows, group, mode)
+            continue
         scalars = fused_adam.step_scalars(group, torch.tensor(count), decoupled, rows[0][0].device)
         if precision == moments.BF16:
             cpu_lists.bf16_state_step(rows, scalars, decoupled, mode)
