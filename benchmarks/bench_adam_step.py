@@ -5,7 +5,7 @@ after two warm-up steps, in ms per million values:
 
 * **CPU kernel** (``optim/cpu_adam.py``, the default on the CPU): a block at a time;
 * **compiled graph** (``optim/fused_adam.py``'s inductor graph, the default on other devices; not for bf16 state);
-* **eager** (``optim/adam.py``, the reference; bf16 state: ``prepare/bf16_state.py``'s chunks of fp32 copies, its
+* **eager** (``optim/adam.py``, the reference; bf16 state: ``step/bf16_state.py``'s chunks of fp32 copies, its
   default off the CPU);
 * **torchao** ``AdamW8bit``/``AdamW4bit``/``AdamWFp8`` as shipped (compiled; ``--torchao``, slow to compile);
 * **torch** ``AdamW`` on bf16 (foreach and fused), the step with no state to quantize.
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from mixprec._src.optim import adam, cpu_adam, fused_adam
-from mixprec._src.prepare import bf16_state
+from mixprec._src.step import bf16_state
 
 GROUP = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
 FORMATS = ("8bit", "4bit", "fp8", "bf16")

@@ -22,7 +22,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 import mixprec
 from helpers import bitwise_equal
-from mixprec._src.prepare import step_in_backward
+from mixprec._src.step import step_in_backward
 from mixprec.bench.workloads import WORKLOADS
 
 pytestmark = [

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SRC = ROOT / "src" / "mixprec" / "_src"
-LAYERS = ("base", "gemms", "policy", "amp", "scaling", "fp8", "layers", "optim", "prepare", "observe", "tune")
+LAYERS = ("base", "gemms", "policy", "amp", "scaling", "fp8", "layers", "optim", "step", "prepare", "observe", "tune")
 PACKAGE = "mixprec._src"
 
 

@@ -47,7 +47,7 @@ SCALER_TESTS = (
 )
 PREPARE_TESTS = (
     "tests/prepare/test_master_weights.py",
-    "tests/prepare/test_stochastic_rounding.py",
+    "tests/step/test_stochastic_rounding.py",
     "tests/prepare/test_prepare_config.py",
 )
 POLICY_TESTS = ("tests/policy/test_policy.py", "tests/policy/test_policy_grammar.py")
@@ -63,8 +63,8 @@ STATE_TESTS = ("tests/optim/test_low_bit_state.py",)
 SGD_TESTS = ("tests/optim/test_low_bit_sgd.py",)
 FUSED_STATE_TESTS = ("tests/optim/test_fused_adam.py",)
 CPU_ADAM_TESTS = ("tests/optim/test_cpu_adam.py",)
-IN_BACKWARD_TESTS = ("tests/prepare/test_step_in_backward.py",)
-SLICED_TESTS = ("tests/prepare/test_sliced_gradients.py",)
+IN_BACKWARD_TESTS = ("tests/step/test_step_in_backward.py",)
+SLICED_TESTS = ("tests/step/test_sliced_gradients.py",)
 _BEFORE_STEP = """        grad_x = grad_bias = None
         if ctx.needs_input_grad[0]:  # with the weight as the forward used it, before its step
             grad_x = (grad2.mm(w.t()) if layer.transposed else grad2.mm(w)).view(x.shape)
@@ -72,7 +72,7 @@ _BEFORE_STEP = """        grad_x = grad_bias = None
             grad_bias = grad2.sum(0)
         layer.backward(grad2, x2)
 """  # a sliced layer's backward: the input's gradient, the bias's, then the weight's slices
-KAHAN_TESTS = ("tests/prepare/test_kahan.py", "tests/optim/test_cpu_lists.py")
+KAHAN_TESTS = ("tests/step/test_kahan.py", "tests/optim/test_cpu_lists.py")
 STEP_TESTS = ("tests/optim/test_cpu_lists.py",)
 BF16_STATE_TESTS = ("tests/optim/test_bf16_state.py",)
 PLAN_MEMORY_TESTS = ("tests/observe/test_memory_plan.py",)
@@ -80,18 +80,18 @@ MEMORY_BUDGET_TESTS = ("tests/tune/test_memory_budget.py",)
 
 MUTANTS = (
     Mutant("step-scalars-of-another-group", "the group's list steps with the first param group's lr, decay and betas",
-           S + "prepare/stochastic_rounding.py", "cpu_lists.adam_step(rows, adam_scalars(group, step, decoupled)",
+           S + "step/stochastic_rounding.py", "cpu_lists.adam_step(rows, adam_scalars(group, step, decoupled)",
            "cpu_lists.adam_step(rows, adam_scalars(self.param_groups[0], step, decoupled)", STEP_TESTS),
     Mutant("step-write-rule-swapped", "bf16-kahan's list writes its weights with bf16-sr's rounding",
-           S + "prepare/kahan.py", "adam_kahan_update, cpu_lists.KAHAN)",
-           "adam_kahan_update, cpu_lists.STOCHASTIC)", STEP_TESTS),
+           S + "step/kahan.py", "adam_kahan_update, cpu_lists.KAHAN,", "adam_kahan_update, cpu_lists.STOCHASTIC,",
+           STEP_TESTS),
     Mutant("step-moment-skipped", "the list's step leaves the second moment as it was",
            S + "optim/cpu_lists.py", "        store_vec(v + k, vk);\n", "", STEP_TESTS),
     Mutant("step-counts-stale", "the host-side step counts ignore a state dict loaded into the running optimizer",
-           S + "prepare/stochastic_rounding.py", "fresh = held is not None and held[0] is t and held[1] == t._version",
+           S + "step/stochastic_rounding.py", "fresh = held is not None and held[0] is t and held[1] == t._version",
            "fresh = held is not None", STEP_TESTS),
     Mutant("step-compiled-under-dispatch-mode", "a step under FlopCounterMode calls the compiled kernel (it raises)",
-           S + "prepare/stochastic_rounding.py", "run = eager if mode else kernel", "run = kernel", STEP_TESTS),
+           S + "step/stochastic_rounding.py", "run = eager if mode else kernel", "run = kernel", STEP_TESTS),
     Mutant("state-list-row-skipped", "the quantized list steps every weight but its last",
            S + "optim/cpu_lists.py", "i < n; ++i) {\n        const int64_t* r = table + 10 * i;",
            "i + 1 < n; ++i) {\n        const int64_t* r = table + 10 * i;", STEP_TESTS),
@@ -99,7 +99,7 @@ MUTANTS = (
            S + "optim/cpu_lists.py", "s, r[5], decoupled, rounding, r[6], r[7], r[8]);",
            "s, r[5], decoupled, rounding, r[6], r[8], r[7]);", STEP_TESTS),
     Mutant("state-list-step-count-stale", "the state precisions' list steps with the count before this step",
-           S + "prepare/low_bit_state.py", "fused_adam.step_scalars(group, torch.tensor(count), decoupled",
+           S + "step/low_bit_state.py", "fused_adam.step_scalars(group, torch.tensor(count), decoupled",
            "fused_adam.step_scalars(group, torch.tensor(count - 1), decoupled", STEP_TESTS),
     Mutant("o2-refresh-at-every-step", "O2's copies refreshed at each step, though a compiled forward never reads them",
            S + "prepare/prepare.py", "register_step_post_hook(lambda *_: copies.stale())",
@@ -110,7 +110,7 @@ MUTANTS = (
     Mutant("sgd-list-nesterov-ignored", "the SGD list steps a Nesterov group with the plain momentum",
            S + "optim/cpu_lists.py", "gk = nesterov ? at::vec::fmadd(b, m, gk) : b;", "gk = b;", STEP_TESTS),
     Mutant("sgd-list-buffer-restarted", "the SGD list starts every momentum buffer again from the gradient",
-           S + "prepare/stochastic_rounding.py", "rows.append((local_p, local_g, None if buffer is None else "
+           S + "step/stochastic_rounding.py", "rows.append((local_p, local_g, None if buffer is None else "
            "sharding.local(buffer), comp, seed, started))", "rows.append((local_p, local_g, None if buffer is None "
            "else sharding.local(buffer), comp, seed, False))", STEP_TESTS),
     Mutant("sgd-list-damping-ignored", "the SGD list adds the whole gradient to the momentum, dampening aside",
@@ -122,7 +122,7 @@ MUTANTS = (
            S + "prepare/o2_copies.py", "torch._foreach_copy_([self.copies[id(p)] for p in self.params], list[torch.Te",
            "[self.copies[id(p)].copy_(p) for p in self.params] or ([], list[torch.Te", STEP_TESTS),
     Mutant("bf16-state-rounds-nearest", "bf16 moments are stored rounded to nearest, not stochastically",
-           S + "prepare/bf16_state.py", "    bits = sr_bits(value.contiguous(), seed_tensor(seed, value.device))\n"
+           S + "step/bf16_state.py", "    bits = sr_bits(value.contiguous(), seed_tensor(seed, value.device))\n"
            "    target.copy_(bits.view(torch.float32).view(target.shape))",
            "    target.copy_(value.view(target.shape))", BF16_STATE_TESTS),
     Mutant("bf16-state-kernel-rounds-nearest", "cpu_adam's bf16-state kernel stores the first moment to nearest",
@@ -134,18 +134,19 @@ MUTANTS = (
     Mutant("budget-skips-bf16-state", "a memory budget never tries bf16 moments (O2 goes to fp8 state instead)",
            S + "tune/memory_fit.py", '    {"optimizer_state": "bf16"},\n', "", MEMORY_BUDGET_TESTS),
     Mutant("bf16-state-chunk-noise-from-zero", "each chunk of a moment takes the noise of the tensor's first values",
-           S + "prepare/bf16_state.py", "_round_into(m_old, m, moved(seeds[0], first))",
+           S + "step/bf16_state.py", "_round_into(m_old, m, moved(seeds[0], first))",
            "_round_into(m_old, m, seeds[0])", BF16_STATE_TESTS),
     Mutant("bf16-state-left-fp32-on-load", "a loaded checkpoint's moments stay as load_state_dict cast them (fp32)",
-           S + "prepare/bf16_state.py", "                    state[name] = value.to(torch.bfloat16)",
+           S + "step/bf16_state.py", "                    state[name] = value.to(torch.bfloat16)",
            "                    state[name] = value", BF16_STATE_TESTS),
     Mutant("bf16-state-sgd-first-buffer-zero", "SGD's first step with bf16 momentum starts from a zero buffer",
-           S + "prepare/bf16_state.py", "buf_old.float() if started else None", "buf_old.float()",
+           S + "step/bf16_state.py", "buf_old.float() if started else None", "buf_old.float()",
            BF16_STATE_TESTS),
     Mutant("bf16-state-chunks-overlap", "a chunk's temporaries live on while the next chunk's are made",
-           S + "prepare/bf16_state.py", "        del copies, m, v, new\n", "", PLAN_MEMORY_TESTS),
-    Mutant("plan-bf16-state-kernel-scalars-left-out", "the plan leaves out the scalars of the bf16 state's CPU kernel",
-           S + "observe/memory_plan.py", "return _KERNEL_SCALARS, 0, \"\"", "return 0, 0, \"\"", PLAN_MEMORY_TESTS),
+           S + "step/bf16_state.py", "        del copies, m, v, new\n", "", PLAN_MEMORY_TESTS),
+    Mutant("plan-bf16-state-kernel-scalars-left-out", "the plan leaves out the scalars of the CPU list kernels",
+           S + "observe/memory_plan.py", "temporary = _LIST_SCALARS[form] + cpu_rows[index]",
+           "temporary = cpu_rows[index]", PLAN_MEMORY_TESTS),
     Mutant("plan-bf16-state-four-bytes", "the plan counts bf16 moments at fp32's four bytes",
            S + "observe/memory_plan.py", "            return count * numel * 2 + step + comp",
            "            return count * numel * 4 + step + comp", BF16_STATE_TESTS + PLAN_MEMORY_TESTS),
@@ -153,7 +154,7 @@ MUTANTS = (
            S + "observe/memory_plan.py", "return arrays * 4 * min(numel, bf16_state.CHUNK) + 4, 0, \"\"",
            "return 0, 0, \"\"", PLAN_MEMORY_TESTS),
     Mutant("state-codes-cast-on-load", "a loaded checkpoint's codes and scales are left as load_state_dict cast them",
-           S + "prepare/low_bit_state.py", "{k: sharding.local(v).to(param.device) for k, v in tensors.items()}",
+           S + "step/low_bit_state.py", "{k: sharding.local(v).to(param.device) for k, v in tensors.items()}",
            "{k: sharding.local(v).to(param.device, param.dtype) for k, v in tensors.items()}", STATE_TESTS),
     Mutant("state-fp8-unscaled", "fp8 moments are cast without their block's scale (small values flush)",
            S + "optim/quantize.py", "    scaled = blocks / scale[:, None]\n    codes = scaled.to(FP8)",
@@ -165,12 +166,12 @@ MUTANTS = (
            S + "optim/quantize.py", "    if not signed:\n        smallest", "    if False:\n        smallest",
            STATE_TESTS),
     Mutant("state-sr-rounds-nearest", "at bf16-sr, quantized-state weights are written rounded to nearest",
-           S + "prepare/low_bit_state.py", '    if writeback == "stochastic":\n        seed = _seed(',
+           S + "step/low_bit_state.py", '    if writeback == "stochastic":\n        seed = _seed(',
            '    if False:\n        seed = _seed(', STATE_TESTS),
     Mutant("state-sgd-nesterov-ignored", "quantized-momentum SGD ignores nesterov",
            S + "optim/sgd.py", 'd = g32.add(buf, alpha=momentum) if group["nesterov"] else buf', "d = buf", SGD_TESTS),
     Mutant("state-small-quantized", "biases and other small parameters get quantized moments too",
-           S + "prepare/low_bit_state.py", "if p.grad is None or p.numel() < moments.MIN_NUMEL:",
+           S + "step/low_bit_state.py", "if p.grad is None or p.numel() < moments.MIN_NUMEL:",
            "if p.grad is None:", STATE_TESTS),
     Mutant("state-step-uses-stored-moments", "the update uses the moments as stored (quantized), not this step's",
            S + "optim/adam.py", "    denom = (v.sqrt() / bias_correction2.sqrt()) + eps\n",
@@ -247,7 +248,7 @@ MUTANTS = (
            PREPARE_TESTS),
     Mutant("o2-copies-stale", "O2's copies are not refreshed after optimizer.step()",
            S + "prepare/prepare.py",
-           "            state.handles.append(optimizer.register_step_post_hook(lambda *_: copies.refresh()))",
+           "            state.handles.append(optimizer.register_step_post_hook(lambda *_: copies.stale()))",
            "            pass", PREPARE_TESTS),
     Mutant("o2-writes-ignored", "O2's copies do not follow writes into the weights (version counters ignored)",
            S + "prepare/o2_copies.py", "        if param._version != self.versions[id(param)] or",
@@ -257,10 +258,10 @@ MUTANTS = (
            "    return out if state.output_dtype is None else casting.cast_floating(out, state.output_dtype)",
            "    return out", PREPARE_TESTS),
     Mutant("sr-rounds-to-nearest", "bf16-sr writes the weights back rounded to nearest",
-           S + "prepare/sr_noise.py", "    noise = ((weyl + seed) >> 16) & 0xFFFF",
+           S + "step/sr_noise.py", "    noise = ((weyl + seed) >> 16) & 0xFFFF",
            "    noise = 0x8000 + 0 * weyl", PREPARE_TESTS),
     Mutant("sr-seed-not-saved", "the rounding counters are not restored from a state dict",
-           S + "prepare/stochastic_rounding.py", "                group.setdefault(key, value)",
+           S + "step/stochastic_rounding.py", "                group.setdefault(key, value)",
            "                group[key] = value",
            PREPARE_TESTS),
     # --- FSDP2 ------------------------------------------------------------------------------------------
@@ -272,7 +273,7 @@ MUTANTS = (
            S + "sharding.py", "    fsdp_param.param_dtype = None", "    pass",
            ("tests/prepare/test_sharding.py",)),
     Mutant("sr-shard-offset-ignored", "a shard rounds as if it were the start of the tensor",
-           S + "prepare/sr_noise.py", "    return _int32(seed + offset * _WEYL)", "    return seed",
+           S + "step/sr_noise.py", "    return _int32(seed + offset * _WEYL)", "    return seed",
            ("tests/prepare/test_sharding.py",)),
     Mutant("sharded-after-prepare-unseen", "prepare then fully_shard trains without a word",
            S + "prepare/prepare.py", "    if not state.sharded and sharding.fsdp_modules(model):",
@@ -382,7 +383,7 @@ MUTANTS = (
            "    if not torch.compiler.is_compiling():\n        return False",
            "    if True:\n        return False", COMPILE_TESTS),
     Mutant("compile-sr-step-traced", "bf16-sr's optimizer step is traced in a compiled training step",
-           S + "prepare/stochastic_rounding.py", "    step_eagerly(optimizer, handles)\n", "", COMPILE_TESTS),
+           S + "step/stochastic_rounding.py", "    step_eagerly(optimizer, handles)\n", "", COMPILE_TESTS),
     Mutant("compile-o2-stale-copies", "O2's compiled forward reads the copies without refreshing them",
            S + "prepare/o2_copies.py",
            "                module._parameters[name] = master.to(self.copies.dtype)",
@@ -452,20 +453,20 @@ MUTANTS = (
            S + "tune/rounds.py", "if any((t.noise(default) or 0.0) > timing.NOISY for t in running):",
            "if False:", ("tests/tune/test_tune.py",)),
     Mutant("in-backward-gradient-kept", "a parameter stepped in backward keeps its gradient",
-           S + "prepare/step_in_backward.py", "                p.grad = None\n                self.stepped.add(id(p))",
+           S + "step/step_in_backward.py", "                p.grad = None\n                self.stepped.add(id(p))",
            "                self.stepped.add(id(p))", IN_BACKWARD_TESTS),
     Mutant("in-backward-clipping-skipped", "the step in backward never scales a gradient by the clipping",
-           S + "prepare/step_in_backward.py", "                    p.grad.mul_(scale.to(p.grad.device))",
+           S + "step/step_in_backward.py", "                    p.grad.mul_(scale.to(p.grad.device))",
            "                    pass", IN_BACKWARD_TESTS),
     Mutant("in-backward-previous-norm-ignored", "clipping in backward forgets the previous step's norm",
-           S + "prepare/step_in_backward.py", "            bound = torch.maximum(bound, self.previous)",
+           S + "step/step_in_backward.py", "            bound = torch.maximum(bound, self.previous)",
            "            pass", IN_BACKWARD_TESTS),
     Mutant("in-backward-small-unclipped", "the small parameters are left to the optimizer's own step, unclipped",
-           S + "prepare/step_in_backward.py",
+           S + "step/step_in_backward.py",
            "        handles.append(optimizer.register_step_pre_hook(stepper.step_waiting))", "        pass",
            IN_BACKWARD_TESTS),
     Mutant("in-backward-small-not-counted", "the small parameters' gradients are left out of the norm",
-           S + "prepare/step_in_backward.py", "            self.add_norm([p.grad])\n", "", IN_BACKWARD_TESTS),
+           S + "step/step_in_backward.py", "            self.add_norm([p.grad])\n", "", IN_BACKWARD_TESTS),
     Mutant("pickle-optimizer-hooks", "a pickled prepared model takes its optimizer's hooks along (and fails)",
            S + "prepare/prepare.py", 'return {**self.__dict__, "handles": list(self.on_modules)}',
            "return dict(self.__dict__)", ("tests/prepare/test_saving_whole.py",)),
@@ -476,8 +477,8 @@ MUTANTS = (
            S + "policy/policy.py", "return frozenset(op for op in ops if op_names.exists(op))", "return frozenset(ops)",
            ("tests/policy/test_policy_grammar.py",)),
     Mutant("sr-noise-flat-index", "a (blocks, block) view takes the noise of its row's flat position alone",
-           S + "prepare/sr_noise.py", "weyl = weyl + index.view(", "weyl = index.view(",
-           ("tests/prepare/test_stochastic_rounding.py",)),
+           S + "step/sr_noise.py", "weyl = weyl + index.view(", "weyl = index.view(",
+           ("tests/step/test_stochastic_rounding.py",)),
     Mutant("plan-foreach-per-parameter", "torch's foreach step planned as its for-loop (the GPU default missed)",
            S + "observe/memory_plan.py", "    if foreach:  # the denominators' list",
            "    if False:  # the denominators' list",
@@ -493,7 +494,7 @@ MUTANTS = (
            "        if self.device.type",
            ("tests/test_peak_memory.py",)),
     Mutant("in-backward-accumulates", "a second backward before step() steps the parameters again",
-           S + "prepare/step_in_backward.py", "        if id(p) in self.stepped:", "        if False:",
+           S + "step/step_in_backward.py", "        if id(p) in self.stepped:", "        if False:",
            IN_BACKWARD_TESTS),
     Mutant("fused-state-seed-offset", "the compiled step's last block rounds with the first block's noise",
            S + "optim/fused_adam.py", "seed = seed_at(offset) if", "seed = seed_at(0) if", FUSED_STATE_TESTS),
@@ -525,21 +526,21 @@ MUTANTS = (
            "const __m128i pa = _mm_or_si128(_mm_and_si128(a, even), _mm_slli_epi16(_mm_srli_epi16(a, 8), 4));",
            CPU_ADAM_TESTS),
     Mutant("sliced-noise-from-start", "each slice of a weight rounds stochastically with the tensor's first noise",
-           S + "prepare/low_bit_state.py", "0 if seed is None else moved(seed, first),", "0 if seed is None else seed,",
+           S + "step/low_bit_state.py", "0 if seed is None else moved(seed, first),", "0 if seed is None else seed,",
            SLICED_TESTS),
     Mutant("sliced-eager-noise-from-start", "without the CPU kernel, each slice rounds with the tensor's first noise",
-           S + "prepare/low_bit_state.py", "precision, capacity, writeback, where, first)",
+           S + "step/low_bit_state.py", "precision, capacity, writeback, where, first)",
            "precision, capacity, writeback, where, 0)", SLICED_TESTS),
     Mutant("sliced-step-not-counted", "a weight stepped in slices never counts its step",
-           S + "prepare/low_bit_state.py", '    optimizer.state[p]["step"] += 1', "    pass", SLICED_TESTS),
+           S + "step/low_bit_state.py", '    optimizer.state[p]["step"] += 1', "    pass", SLICED_TESTS),
     Mutant("sliced-kept-dropped", "a layer called twice steps only its last call's gradient",
-           S + "prepare/sliced_gradients.py", "                    part = self.kept[rows] + part",
+           S + "step/sliced_gradients.py", "                    part = self.kept[rows] + part",
            "                    pass", SLICED_TESTS),
     Mutant("sliced-clip-skipped", "slices of a weight are stepped unclipped",
-           S + "prepare/sliced_gradients.py", "                    part.mul_(scale.to(part.device))",
+           S + "step/sliced_gradients.py", "                    part.mul_(scale.to(part.device))",
            "                    pass", SLICED_TESTS),
     Mutant("sliced-input-grad-after-step", "the input's gradient is computed with the weight already stepped",
-           S + "prepare/sliced_gradients.py", _BEFORE_STEP, "        layer.backward(grad2, x2)\n"
+           S + "step/sliced_gradients.py", _BEFORE_STEP, "        layer.backward(grad2, x2)\n"
            + _BEFORE_STEP.removesuffix("        layer.backward(grad2, x2)\n"), SLICED_TESTS),
     Mutant("plan-slices-ignored", "memory_plan counts a sliced weight's whole gradient in flight",
            S + "observe/memory_plan.py", "            made = sliced.get(id(p), numel)", "            made = numel",
@@ -563,9 +564,9 @@ MUTANTS = (
            "        for (; i < last; ++i) { const float v = static_cast<float>(x[i]); sum += v * v; }", "",
            CPU_ADAM_TESTS),
     Mutant("kahan-compensation-dropped", "the Kahan write forgets what rounding dropped",
-           S + "prepare/kahan.py", "    comp.copy_(s - p.float())", "    comp.zero_()", KAHAN_TESTS),
+           S + "step/kahan.py", "    comp.copy_(s - p.float())", "    comp.zero_()", KAHAN_TESTS),
     Mutant("kahan-cast-elided", "the fused Kahan kernel rounds with a cast inductor elides (the compensation stays 0)",
-           S + "prepare/kahan.py", "    rounded = bf16_nearest(s)", "    rounded = s.to(torch.bfloat16).float()",
+           S + "step/kahan.py", "    rounded = bf16_nearest(s)", "    rounded = s.to(torch.bfloat16).float()",
            KAHAN_TESTS),
     Mutant("plan-step-count-left-out", "memory_plan leaves Adam's step counts out of the optimizer state",
            S + "observe/memory_plan.py", "    step = 4  # a 0-dim fp32 tensor", "    step = 0",

@@ -39,9 +39,9 @@ from mixprec._src.policy.policy import NORM_TYPES, ModuleRule, OpCategory, Polic
 from mixprec._src.prepare.config import Level, PrepareConfig
 from mixprec._src.prepare.memory import MemoryReport, memory_report, state_bytes
 from mixprec._src.prepare.prepare import export_fp32, master_params, prepare
-from mixprec._src.prepare.sr_noise import stochastic_round
-from mixprec._src.prepare.step_in_backward import grad_norm
 from mixprec._src.scaling.scaler import GradScaler, ScalerEvent, ScalerStats
+from mixprec._src.step.sr_noise import stochastic_round
+from mixprec._src.step.step_in_backward import grad_norm
 from mixprec._src.tune.recipe import Applied, Measurement, Recipe, Tolerance
 from mixprec._src.tune.search import tune
 

@@ -222,7 +222,7 @@ def test_what_cannot_keep_bf16_moments_is_refused_with_what_to_do() -> None:
 def test_the_chunks_a_step_is_taken_in_do_not_change_a_bit(level: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The step reads a chunk of values at a time; each element keeps the noise of its place in the whole tensor,
     so the chunk size changes nothing (the 256x256 weight: one chunk, or 64 of 1024 values)."""
-    from mixprec._src.prepare import bf16_state
+    from mixprec._src.step import bf16_state
 
     data, runs = state_data(3), []
     for chunk in (bf16_state.CHUNK, 1024):

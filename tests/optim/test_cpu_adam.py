@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from mixprec._src.optim import adam, cpu_adam, fused_adam
-from mixprec._src.prepare import kahan
-from mixprec._src.prepare.sr_noise import moved, seed_tensor, sr_bits
+from mixprec._src.step import kahan
+from mixprec._src.step.sr_noise import moved, seed_tensor, sr_bits
 
 pytestmark = pytest.mark.skipif(not cpu_adam.available("8bit", torch.zeros(2), torch.zeros(2)),
                                 reason="no C++ toolchain here")  # fmt: skip

@@ -11,7 +11,7 @@ import torch
 
 from helpers import requires_cuda
 from mixprec._src.optim import adam, fused_adam, moments
-from mixprec._src.prepare.sr_noise import moved, seed_tensor, sr_bits
+from mixprec._src.step.sr_noise import moved, seed_tensor, sr_bits
 
 pytestmark = pytest.mark.skipif(not fused_adam.available(), reason="inductor does not compile here")
 

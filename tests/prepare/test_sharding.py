@@ -242,7 +242,7 @@ def _shard_rounding(world: int) -> list[torch.Tensor]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from mixprec._src.prepare import sr_noise
+    from mixprec._src.step import sr_noise
 
     whole = torch.randn(7, 5, generator=torch.Generator().manual_seed(3))  # 7 rows: uneven shards
     seed = sr_noise.tensor_seed(11, 1, 0)

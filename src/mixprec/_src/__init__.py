@@ -46,7 +46,7 @@ MOVED = {
     "fp8_all_gather": "fp8.all_gather",
     "layer_precision": "layers.precision", "guard": "layers.guard", "layer_plan": "layers.plan",
     "prepare_config": "prepare.config", "master_weights": "prepare.prepare",
-    "stochastic_rounding": "prepare.stochastic_rounding", "memory": "prepare.memory",
+    "stochastic_rounding": "step.stochastic_rounding", "memory": "prepare.memory",
     "diagnostics": "observe.diagnostics", "diagnostic_report": "observe.report",
     "fp8_diagnostics": "observe.fp8_diagnostics", "monitor": "observe.monitor",
     "recipe": "tune.recipe",

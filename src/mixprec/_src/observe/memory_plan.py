@@ -29,8 +29,9 @@ from mixprec._src.amp.autocast import autocast
 from mixprec._src.observe.backward_timeline import BackwardTimeline, peak, storage_key
 from mixprec._src.optim import cpu_adam, fused_adam, moments
 from mixprec._src.policy.policy import default_policy
-from mixprec._src.prepare import bf16_state, kept, low_bit_state, sliced_gradients, step_in_backward
+from mixprec._src.prepare import kept
 from mixprec._src.prepare.config import Level, PrepareConfig
+from mixprec._src.step import bf16_state, low_bit_state, sliced_gradients, step_in_backward
 
 __all__ = ["MemoryPlan", "memory_plan"]
 
@@ -232,7 +233,7 @@ def memory_plan(
 def _sliced(model: nn.Module, optimizer: torch.optim.Optimizer | None, config: PrepareConfig,
             world: int) -> dict[int, int]:  # fmt: skip
     """id(weight) -> the values of its gradient alive at once, where prepare will make it a slice at a time
-    (``prepare.sliced_gradients``: the step in backward with quantized Adam(W) state, one process, not O2)."""
+    (``step.sliced_gradients``: the step in backward with quantized Adam(W) state, one process, not O2)."""
     if not config.step_in_backward or world > 1 or config.level is Level.O2 or config.optimizer_state == "fp32":
         return {}
     if config.fp8 is not None:  # converted layers keep their forward and whole gradients: all counted whole

@@ -454,7 +454,7 @@ _BF16_SOURCE = r"""
 #include <cstdint>
 #include <cstring>
 
-// Adam(W) with bf16 moments rounded stochastically (prepare.bf16_state): adam.adam_update's arithmetic, operation
+// Adam(W) with bf16 moments rounded stochastically (step.bf16_state): adam.adam_update's arithmetic, operation
 // for operation (the quantized kernel's), each moment written with sr_noise.sr_bits' noise of its own seed
 namespace {
 constexpr int32_t WEYL = -1640531535;

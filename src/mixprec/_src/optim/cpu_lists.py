@@ -2,7 +2,7 @@
 with quantized or bf16 moments.
 
 ``prepare``'s bf16-sr and bf16-kahan levels step each bf16 weight with a compiled fused kernel
-(``prepare.sr_kernel.adam_sr_update``, ``prepare.kahan.adam_kahan_update``): one call a parameter, each with
+(``step.sr_kernel.adam_sr_update``, ``step.kahan.adam_kahan_update``): one call a parameter, each with
 its Python overhead and its own small tensors (views, a seed). Here one C++ call steps a whole list: a table of
 the tensors' addresses, sizes and seeds, split into chunks of 4096 values that OpenMP shares out across the
 list (a small tensor is not a thread's whole turn), each chunk read and written once. The arithmetic is the
@@ -362,7 +362,7 @@ _SGD_BF16_STATE = r"""
 #include <cstring>
 #include <vector>
 
-// SGD with a bf16 momentum buffer rounded stochastically (prepare.bf16_state.sgd_step): optim.sgd.sgd_update's
+// SGD with a bf16 momentum buffer rounded stochastically (step.bf16_state.sgd_step): optim.sgd.sgd_update's
 // arithmetic (ATen's add with alpha: one fused multiply-add), the buffer written with its own seed's noise
 namespace {
 constexpr int32_t WEYL = -1640531535;

@@ -29,7 +29,7 @@ __all__ = [
 
 #: State precision -> (bits, block size): torchao's formats (fp8: e4m3 values, ``AdamWFp8``'s).
 FORMATS = {"8bit": (8, 256), "4bit": (4, 128), "fp8": (8, 256)}
-#: bf16 state: the moments as bf16 tensors, stochastically rounded (``prepare.bf16_state``)
+#: bf16 state: the moments as bf16 tensors, stochastically rounded (``step.bf16_state``)
 BF16 = "bf16"
 #: What ``PrepareConfig.optimizer_state`` takes: the state as the level keeps it, in bf16, or quantized.
 STATE_PRECISIONS = ("fp32", BF16, *FORMATS)

@@ -50,15 +50,18 @@ from mixprec._src.fp8 import all_gather as fp8_all_gather
 from mixprec._src.fp8 import conversion as fp8_conversion
 from mixprec._src.fp8.config import Fp8Config
 from mixprec._src.fp8.linear import Fp8Scaling
-from mixprec._src.optim import moments
 from mixprec._src.policy.policy import NORM_TYPES, ModuleFilter, Policy, default_policy
-from mixprec._src.prepare import kahan, kept, low_bit_state, o2_copies, sr_noise, stochastic_rounding
-from mixprec._src.prepare import step_in_backward as in_backward
+from mixprec._src.prepare import kept, o2_copies
 from mixprec._src.prepare.config import Level, PrepareConfig
+from mixprec._src.step import kahan, low_bit_state, stochastic_rounding
+from mixprec._src.step import plan as step_plan
+from mixprec._src.step import step_in_backward as in_backward
 
 __all__ = ["export_fp32", "master_params", "prepare", "Prepared", "prepared_state"]
 
 _ATTR = "_mixprec"  # where prepare keeps its state, on the model and on the optimizer
+#: how each level writes its low-precision weights (the others: to nearest)
+_WRITES = {Level.BF16_SR: "stochastic", Level.BF16_KAHAN: "kahan"}
 
 
 @dataclasses.dataclass
@@ -77,6 +80,7 @@ class Prepared:
     checked: bool = False  # the first forward looked for FSDP2 units added since
     told_outer: bool = False  # a forward inside an autocast region of another dtype was told of, once
     fused: bool = False  # bf16-sr: Adam(W) steps the bf16 weights with the compiled fused kernel
+    step: step_plan.StepPlan | None = None  # what the optimizer's step does (None: a pickle of an older version)
     on_modules: list[Any] = dataclasses.field(default_factory=list)  # the handles of hooks on the model's modules
 
     @property
@@ -206,8 +210,6 @@ def prepare(
     # Registered first, so it runs before any other step hook (bf16-sr's, the user's).
     check = functools.partial(_check_still_ours, model, state, _Fingerprint())
     state.handles.append(optimizer.register_step_pre_hook(check))
-    if config.clip_grad_norm is not None and not config.step_in_backward:  # before bf16-sr's widening
-        in_backward.clip_before_step(optimizer, config.clip_grad_norm, state.handles)
     kept.keep_in_fp32(kept_modules, device_type, state.handles)
     layers = None
     if config.fp8 is not None:
@@ -220,26 +222,15 @@ def prepare(
 
     if level is not Level.O1:
         _lower(model, optimizer, state)
-    if level.bf16_weights:
-        _narrow_state(optimizer, state.lowp_params, dtype)
-    if level is Level.BF16_SR:
-        seed = sr_noise.draw_seed(sharding.process_group(model) if sharded else None)
-        stochastic_rounding.add_counters(optimizer, seed, state.handles)
-        state.fused = stochastic_rounding.install(optimizer, state.lowp_params, state.handles)
-    elif config.optimizer_state == "bf16":  # the bf16 moments round stochastically, the weights do not
-        seed = sr_noise.draw_seed(sharding.process_group(model) if sharded else None)
-        stochastic_rounding.add_counters(optimizer, seed, state.handles)
-    else:  # the keys every level's checkpoint holds; nothing rounds stochastically here
-        stochastic_rounding.add_counters(optimizer, 0, state.handles)
-    if level is Level.BF16_KAHAN:
-        state.fused = kahan.install(optimizer, state.lowp_params, state.handles)
-    if config.optimizer_state != "fp32":
-        writeback = {Level.BF16_SR: "stochastic", Level.BF16_KAHAN: "kahan"}.get(level, "nearest")
-        low_bit_state.install(optimizer, config.optimizer_state, state.handles, writeback)
     if layers is not None and layers.config.all_gather:  # on the shards as _lower left them
         fp8_all_gather.install(model, layers)
-    if config.step_in_backward:  # after every change to the optimizer's step: it steps with all of them
-        in_backward.install(model, optimizer, config.clip_grad_norm, state.handles, slices=level is not Level.O2)
+    # The optimizer's step, planned once from the config and installed in one place (step/plan.py).
+    state.step = step_plan.StepPlan.of(optimizer, write=_WRITES.get(level, "nearest"), state=config.optimizer_state,
+                                       in_backward=config.step_in_backward, clip=config.clip_grad_norm,
+                                       bf16_weights=level.bf16_weights)  # fmt: skip
+    state.fused = step_plan.install(state.step, model, optimizer, state.lowp_params, state.handles,
+                                    group=sharding.process_group(model) if sharded else None,
+                                    slices=level is not Level.O2)  # fmt: skip
 
     # Bound to the model (a deep copy rebinds them to the copy). _call_impl runs before every
     # module hook, FSDP2's included: the place to refuse a model sharded after prepare.
@@ -293,20 +284,6 @@ def _lower(model: nn.Module, optimizer: torch.optim.Optimizer, state: Prepared) 
             if buffer is not None and buffer.is_floating_point() and buffer.dtype is not dtype:
                 module._buffers[name] = buffer.to(dtype)
                 state.buffers.append((module, name))
-
-
-def _narrow_state(optimizer: torch.optim.Optimizer, params: list[nn.Parameter], dtype: torch.dtype) -> None:
-    """The optimizer state the bf16 weights already have (a warm-up step, a checkpoint loaded before prepare)
-    stored in ``dtype`` too, as the state these levels create (and as exactly as a bf16 run's saved state
-    reloads): else it stays fp32, the memory the level saves is lost and the run drifts from one that
-    started prepared."""
-    for param in params:
-        state = optimizer.state.get(param)
-        if state is not None and moments.is_quantized(state):  # codes and fp32 scales stay as stored
-            continue
-        for key, value in (state or {}).items():
-            if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() > 0 and key != "step":
-                state[key] = value.to(dtype)  # type: ignore[index]
 
 
 def export_fp32(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> nn.Module:

@@ -19,8 +19,8 @@ from torch import nn
 
 from mixprec._src.dtypes import short_name
 from mixprec._src.observe.memory_plan import memory_plan
-from mixprec._src.prepare import low_bit_state
-from mixprec._src.prepare import step_in_backward as in_backward
+from mixprec._src.step import low_bit_state
+from mixprec._src.step import step_in_backward as in_backward
 from mixprec._src.tune.recipe import Recipe
 
 __all__ = ["VARIANTS", "Fit", "parse_bytes"]

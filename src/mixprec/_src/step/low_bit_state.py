@@ -28,9 +28,9 @@ import torch
 
 from mixprec._src import sharding
 from mixprec._src.optim import adam, cpu_adam, cpu_lists, fused_adam, moments, sgd
-from mixprec._src.prepare import bf16_state, kahan
-from mixprec._src.prepare.sr_noise import moved, seed_tensor, shard_seed, sr_bits, tensor_seed
-from mixprec._src.prepare.stochastic_rounding import SEED_KEY, STEP_KEY, HostCounts, Restore, positions, step_eagerly
+from mixprec._src.step import bf16_state, kahan
+from mixprec._src.step.sr_noise import moved, seed_tensor, shard_seed, sr_bits, tensor_seed
+from mixprec._src.step.stochastic_rounding import SEED_KEY, STEP_KEY, HostCounts, Restore, positions, step_eagerly
 
 __all__ = ["check", "count_step", "install", "restore_fp32", "slice_block", "slice_stepper", "sliced"]
 

@@ -13,7 +13,7 @@ from torch import nn
 
 import mixprec
 from helpers import bitwise_equal, init_process_group, requires_cuda, spawn
-from mixprec._src.prepare import step_in_backward
+from mixprec._src.step import step_in_backward
 
 
 def _model(seed: int = 0) -> nn.Module:

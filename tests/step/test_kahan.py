@@ -11,7 +11,7 @@ from torch import nn
 
 import mixprec
 from helpers import bitwise_equal
-from mixprec._src.prepare import kahan
+from mixprec._src.step import kahan
 
 
 def test_the_write_carries_what_rounding_drops() -> None:
@@ -105,7 +105,7 @@ def test_compensation_is_state_and_a_resumed_run_continues_bit_for_bit(optimizer
 def test_the_fused_adam_kernel_is_torchs_step_with_the_compensated_write(decoupled: bool) -> None:
     """The kernel (compiled, as prepare runs it) against torch's Adam(W) stepping an fp32 copy from the same
     state, written back by kahan.write: the weight within one bf16 step, the compensation within its own."""
-    from mixprec._src.prepare.sr_kernel import adam_scalars
+    from mixprec._src.step.sr_kernel import adam_scalars
 
     g = torch.Generator().manual_seed(0)
     p, grad, m, c = (torch.randn(4096, generator=g).mul(0.1).to(torch.bfloat16) for _ in range(4))

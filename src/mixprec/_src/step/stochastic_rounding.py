@@ -22,8 +22,8 @@ import torch
 
 from mixprec._src import dispatch_modes, sharding
 from mixprec._src.optim import cpu_lists
-from mixprec._src.prepare.sr_kernel import adam_scalars, adam_sr_update, compiled_kernel, fused_supported
-from mixprec._src.prepare.sr_noise import seed_tensor, shard_seed, sr_bits, tensor_seed
+from mixprec._src.step.sr_kernel import adam_scalars, adam_sr_update, compiled_kernel, fused_supported
+from mixprec._src.step.sr_noise import seed_tensor, shard_seed, sr_bits, tensor_seed
 
 __all__ = [
     "SEED_KEY",

@@ -12,7 +12,7 @@ from typing import Any, cast
 
 import torch
 
-from mixprec._src.prepare.sr_noise import sr_bits
+from mixprec._src.step.sr_noise import sr_bits
 
 __all__ = ["adam_scalars", "adam_sr_update", "compiled_kernel", "fused_supported"]
 

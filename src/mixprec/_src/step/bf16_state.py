@@ -28,7 +28,7 @@ import torch
 
 from mixprec._src import sharding
 from mixprec._src.optim import adam, cpu_adam, fused_adam, moments, sgd
-from mixprec._src.prepare.sr_noise import moved, seed_tensor, shard_seed, sr_bits, tensor_seed
+from mixprec._src.step.sr_noise import moved, seed_tensor, shard_seed, sr_bits, tensor_seed
 
 __all__ = [
     "CHUNK",

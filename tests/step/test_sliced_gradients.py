@@ -18,7 +18,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 import mixprec
 from helpers import bitwise_equal
-from mixprec._src.prepare import low_bit_state, sliced_gradients, step_in_backward
+from mixprec._src.step import low_bit_state, sliced_gradients, step_in_backward
 
 SMALL = 1024  # values a slice holds in these tests: 8 rows of a 128-wide weight (4 blocks of 256 values)
 
@@ -245,7 +245,7 @@ def test_activation_checkpointing(reentrant: bool, monkeypatch: pytest.MonkeyPat
 
 
 def test_clipping_scales_each_slice(monkeypatch: pytest.MonkeyPatch) -> None:
-    from mixprec._src.prepare import step_in_backward
+    from mixprec._src.step import step_in_backward
 
     results = []
     for whole in (False, True):

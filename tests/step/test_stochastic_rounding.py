@@ -14,7 +14,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import mixprec
 from helpers import bitwise_equal, one_step, regression_data, regression_model, requires_cuda
-from mixprec._src.prepare import sr_kernel, sr_noise
+from mixprec._src.step import sr_kernel, sr_noise
 
 
 def test_stochastic_rounding_is_unbiased() -> None:

@@ -23,9 +23,9 @@ import torch
 from mixprec._src import sharding
 from mixprec._src.numerics import bf16_nearest
 from mixprec._src.optim import cpu_lists
-from mixprec._src.prepare import stochastic_rounding
-from mixprec._src.prepare.sr_kernel import adam_scalars, fused_supported
-from mixprec._src.prepare.stochastic_rounding import PerTensor, install_fused_adam, step_eagerly
+from mixprec._src.step import stochastic_rounding
+from mixprec._src.step.sr_kernel import adam_scalars, fused_supported
+from mixprec._src.step.stochastic_rounding import PerTensor, install_fused_adam, step_eagerly
 
 __all__ = ["COMP_KEY", "adam_kahan_update", "compensation", "install", "write"]
 

@@ -41,7 +41,7 @@ import torch
 
 from mixprec._src import sharding
 from mixprec._src.optim import cpu_adam, moments
-from mixprec._src.prepare.stochastic_rounding import finisher, fixed_positions
+from mixprec._src.step.stochastic_rounding import finisher, fixed_positions
 
 __all__ = [
     "KEY",
@@ -228,7 +228,7 @@ def install(model: torch.nn.Module, optimizer: torch.optim.Optimizer, max_norm: 
         handles.append(optimizer.register_step_pre_hook(stepper.step_waiting))
     handles.append(optimizer.register_step_post_hook(stepper.finish))
     if slices and group is None:  # FSDP2 reduce-scatters whole gradients: its weights are stepped whole
-        from mixprec._src.prepare import sliced_gradients  # it imports the optimizer-state step, as prepare does
+        from mixprec._src.step import sliced_gradients  # it imports the optimizer-state step, which imports this
 
         sliced_gradients.install(model, optimizer, stepper, handles)
     if max_norm is not None:

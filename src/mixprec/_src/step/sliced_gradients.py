@@ -38,8 +38,8 @@ from torch import nn
 
 from mixprec._src import sharding
 from mixprec._src.gemms import attention, kinds, sites
-from mixprec._src.prepare import low_bit_state
-from mixprec._src.prepare.stochastic_rounding import fixed_positions
+from mixprec._src.step import low_bit_state
+from mixprec._src.step.stochastic_rounding import fixed_positions
 
 __all__ = ["SLICE", "alive", "install", "is_sliced", "slice_rows", "sliceable_weights"]
 
