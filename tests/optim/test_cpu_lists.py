@@ -359,3 +359,37 @@ def test_sgd_with_bf16_momentum_steps_in_one_call_as_each_alone(
         assert listed_opt.state[a].keys() == alone_opt.state[b].keys(), name
         for key, value in listed_opt.state[a].items():
             assert torch.equal(value, alone_opt.state[b][key]), f"{name} {key}"
+
+
+@pytest.mark.parametrize("state", ["8bit", "4bit", "fp8"])
+@pytest.mark.parametrize("level", ["O2", "bf16-sr", "bf16-kahan"])
+def test_sgd_with_a_quantized_momentum_steps_in_one_call_as_each_alone(
+    level: str, state: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """optimizer_state 8bit/4bit/fp8 with torch's SGD (Nesterov and weight decay in one group, dampening in the
+    other): a group's large weights in one call, weights, codes, scales and compensations bit for bit as the eager
+    step of each made them."""
+
+    def run(lists: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
+        if not lists:
+            monkeypatch.setattr(cpu_lists, "sgd_quantized_builds", lambda *_: False)
+        model = _state_model()
+        opt = torch.optim.SGD([{"params": list(model[:2].parameters()), "momentum": 0.9, "nesterov": True,
+                                "weight_decay": 0.01},
+                               {"params": list(model[3:].parameters()), "momentum": 0.8, "dampening": 0.1}],
+                              lr=0.05)  # fmt: skip
+        model, opt = mixprec.prepare(model, opt, level=level, optimizer_state=state)
+        g = torch.Generator().manual_seed(4)
+        for _ in range(3):
+            opt.zero_grad(set_to_none=True)
+            nn.functional.mse_loss(model(torch.randn(8, 64, generator=g)), torch.randn(8, 8, generator=g)).backward()
+            opt.step()
+        monkeypatch.undo()
+        return model, opt
+
+    (listed, listed_opt), (alone, alone_opt) = run(True), run(False)
+    for (name, a), b in zip(listed.named_parameters(), alone.parameters(), strict=True):
+        assert torch.equal(a, b), name
+        assert listed_opt.state[a].keys() == alone_opt.state[b].keys(), name
+        for key, value in listed_opt.state[a].items():
+            assert torch.equal(value, alone_opt.state[b][key]), f"{name} {key}"

@@ -341,8 +341,8 @@ def _step_temporaries(p: torch.Tensor, numel: int, stored: int, optimizer: torch
     if config.optimizer_state != "fp32" and native and adam:
         # cpu_adam's kernel reads and writes in place; the group's weights go in one call: a table row each
         return _LIST_ROW[config.optimizer_state], 0, "cpu-list"
-    if config.optimizer_state == moments.BF16 and native and type(optimizer) is torch.optim.SGD:
-        return _LIST_ROW["sgd-bf16"], 0, "cpu-list-sgd"  # the same, with SGD's bf16 momentum
+    if config.optimizer_state != "fp32" and native and type(optimizer) is torch.optim.SGD:  # the same, with SGD's
+        return _LIST_ROW["sgd-bf16" if config.optimizer_state == moments.BF16 else "sgd-quantized"], 0, "cpu-list-sgd"
     if config.optimizer_state == moments.BF16 and p.numel() >= moments.MIN_NUMEL:
         # a chunk at a time: its fp32 copies (of a bf16 weight and gradient too) and the update's arrays, and a
         # 0-dim seed; measured
@@ -365,9 +365,17 @@ def _step_temporaries(p: torch.Tensor, numel: int, stored: int, optimizer: torch
 #: bytes of the scalars a CPU list step (``optim/cpu_lists.py``) holds beside its table: seven fp32 values for the
 #: state precisions' (``fused_adam.step_scalars``), nine for bf16-sr's and bf16-kahan's Adam, four for SGD's; and
 #: of a row of the table (int64 addresses, sizes and seeds: ten a row for quantized moments, nine for bf16 ones,
-#: eight for SGD's bf16 momentum, seven for bf16 weights with their own state); measured
+#: eight for SGD's bf16 momentum, nine for its quantized one, seven for bf16 weights with their own state); measured
 _LIST_SCALARS = {"cpu-list": 7 * 4, "cpu-list-adam": 9 * 4, "cpu-list-sgd": 4 * 4}
-_LIST_ROW = {"8bit": 10 * 8, "4bit": 10 * 8, "fp8": 10 * 8, "bf16": 9 * 8, "weights": 7 * 8, "sgd-bf16": 8 * 8}
+_LIST_ROW = {
+    "8bit": 10 * 8,
+    "4bit": 10 * 8,
+    "fp8": 10 * 8,
+    "bf16": 9 * 8,
+    "weights": 7 * 8,
+    "sgd-bf16": 8 * 8,
+    "sgd-quantized": 9 * 8,
+}
 
 
 def _torch_temporaries(optimizer: torch.optim.Optimizer, group: dict[str, Any], p: torch.Tensor,

@@ -129,8 +129,12 @@ def _listed(optimizer: torch.optim.Optimizer, p: torch.Tensor, local_p: torch.Te
     if not (fused_adam.NATIVE and local_p.is_contiguous() and local_g.is_contiguous()) or not local_p.is_cpu:
         return False
     state = optimizer.state[p]
+    if momentum and precision != moments.BF16:  # a quantized buffer
+        if not cpu_lists.sgd_quantized_builds(precision, local_p.dtype, local_g.dtype):
+            return False
+        return moments.is_quantized(state) or "momentum_buffer" not in state  # an fp32 one: the eager step casts it
     if momentum:
-        if precision != moments.BF16 or not cpu_adam.bf16_builds(local_p.dtype, local_g.dtype):
+        if not cpu_adam.bf16_builds(local_p.dtype, local_g.dtype):
             return False  # the chunked step where cpu_adam's kernels are not built
         if not cpu_lists.sgd_bf16_state_builds(local_p.dtype, local_g.dtype):
             return False
@@ -156,16 +160,23 @@ def _step_lists(optimizer: torch.optim.Optimizer, listed: list[tuple[torch.Tenso
     params = [p for p, _, _ in listed]
     states = [optimizer.state[p] for p in params]
     momentum = isinstance(optimizer, torch.optim.SGD)
-    started = [bf16_state.ready_sgd(state, p) for p, state in zip(params, states, strict=True)] if momentum else []
+    if momentum and precision == moments.BF16:
+        started = [bf16_state.ready_sgd(state, p) for p, state in zip(params, states, strict=True)]
+    elif momentum:
+        started = [_ready_quantized_buffer(state, p, precision) for p, state in zip(params, states, strict=True)]
     lists: dict[tuple[Any, ...], list[tuple[Any, ...]]] = {}
-    for i, ((p, local_p, local_g), state, count) in enumerate(zip(listed, states, counts.advance(params, states),
+    uncounted = momentum and precision != moments.BF16  # SGD's quantized buffer keeps no step count
+    steps = [0.0] * len(params) if uncounted else counts.advance(params, states)
+    for i, ((p, local_p, local_g), state, count) in enumerate(zip(listed, states, steps,
                                                                   strict=True)):  # fmt: skip
         low = local_p.dtype is torch.bfloat16
         seed = _seed(group, where, p, 0) if low and writeback == "stochastic" else None
         comp = sharding.local(kahan.compensation(state, p)) if low and writeback == "kahan" else None
         mode = cpu_adam.rounding_mode(stochastic=seed is not None, compensated=comp is not None)
         row: tuple[Any, ...]
-        if momentum:
+        if momentum and precision != moments.BF16:
+            row = (local_p, local_g, state, comp, 0 if seed is None else seed, started[i])
+        elif momentum:
             (name,) = bf16_state.NAMES["sgd"]
             moment_seed = bf16_state.seed_of(int(group[SEED_KEY]), where[id(p)], p)
             row = (local_p, local_g, sharding.local(state[name]), comp, 0 if seed is None else seed,
@@ -179,14 +190,26 @@ def _step_lists(optimizer: torch.optim.Optimizer, listed: list[tuple[torch.Tenso
             row = (local_p, local_g, state, comp, 0 if seed is None else seed)
         lists.setdefault((count, local_p.dtype, local_g.dtype, mode), []).append(row)
     for (count, _, _, mode), rows in lists.items():
-        if momentum:
+        if momentum and precision == moments.BF16:
             cpu_lists.sgd_bf16_state_step(rows, group, mode)
+            continue
+        if momentum:
+            cpu_lists.sgd_quantized_step(precision, rows, group, mode)
             continue
         scalars = fused_adam.step_scalars(group, torch.tensor(count), decoupled, rows[0][0].device)
         if precision == moments.BF16:
             cpu_lists.bf16_state_step(rows, scalars, decoupled, mode)
         else:
             cpu_lists.quantized_step(precision, rows, scalars, decoupled, mode)
+
+
+def _ready_quantized_buffer(state: dict[str, Any], p: torch.Tensor, precision: str) -> bool:
+    """SGD's quantized momentum buffer ready for a list step (its codes and scales made where it is the first step:
+    the buffer is then the gradient; no step count, as the eager step keeps none); whether the buffer had started."""
+    if moments.is_quantized(state):
+        return True
+    moments.zeros(state, "momentum_buffer", sharding.local(p).device, precision, _capacity(p))
+    return False
 
 
 def _bf16_step(optimizer: torch.optim.Optimizer, p: torch.Tensor, local_p: torch.Tensor, local_g: torch.Tensor,
