@@ -51,5 +51,6 @@ def test_a_plan_that_cannot_be_is_refused() -> None:
 
 def test_the_plan_says_which_kernel_steps_what() -> None:
     said = StepPlan(write="stochastic", state="8bit", optimizer="sgd", bf16_weights=True, in_backward=True).kernels()
-    assert "8bit state eagerly" in said and "in backward" in said
+    assert "8bit state in one call a param group" in said and "in backward" in said
+    assert "on fp32 copies" in StepPlan(write="kahan", optimizer="other", bf16_weights=True).kernels()
     assert "after backward" in StepPlan(optimizer="adam").kernels()

@@ -11,7 +11,7 @@ A :class:`StepPlan` is the step's four choices, as data:
 
 :func:`install` puts it on the optimizer. Which kernel steps what follows from the plan
 (:meth:`StepPlan.kernels` says it in words): on the CPU a param group's weights go in one call of
-``optim.cpu_lists`` (Adam(W) and SGD, every write rule and state precision but SGD's quantized momentum);
+``optim.cpu_lists`` (Adam(W) and SGD, every write rule and state precision);
 elsewhere a compiled kernel a weight; an optimizer mixprec has no kernel for steps fp32 copies with its own code.
 Everything is installed inside the optimizer's own ``step`` (its ``_init_group``, which ``step`` calls once
 per param group), so its hooks, profiler label and LR schedulers stay, in this order, each stage handing the
@@ -89,10 +89,8 @@ class StepPlan:
         """Which kernel steps what, in words (on the CPU; elsewhere a compiled kernel a weight stands for a list)."""
         parts = []
         lists = cpu_lists.available()
-        if self.state != "fp32":
-            quantized_sgd = self.optimizer == "sgd" and self.state != moments.BF16
-            how = "eagerly, a weight at a time" if quantized_sgd or self.optimizer == "other" else (
-                "in one call a param group" if lists else "a weight at a time")  # fmt: skip
+        if self.state != "fp32":  # Adam(W) and SGD only (prepare refuses the others)
+            how = "in one call a param group" if lists else "a weight at a time"
             parts.append(f"weights of 4096 values or more with {self.state} state {how}")
         if self.bf16_weights and self.write != "nearest":
             how = "in one call a param group" if lists and self.optimizer != "other" else "on fp32 copies"
