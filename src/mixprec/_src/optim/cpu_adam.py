@@ -344,9 +344,13 @@ inline VecF vec_lerp(const VecF& start, const VecF& end, float weight) {
 }
 
 // sr_noise.sr_bits at flat positions pos, pos + 1, ... (the seed's): fp32 bits with 16 low zeros (exact in bf16)
+// (pos + lane) * W + seed == lane * W + (pos * W + seed) in 32-bit wrapping arithmetic: one broadcast a vector, the
+// lanes' multiples of W made once
 inline VecF vec_sr(const VecF& x, int64_t pos, int64_t seed) {
-    const VecI index = VecI::arange(static_cast<int32_t>(pos), 1);
-    const VecI noise = ((index * VecI(WEYL) + VecI(static_cast<int32_t>(seed))) >> VecI(16)) & VecI(0xFFFF);
+    static const VecI lanes = VecI::arange(0, 1) * VecI(WEYL);
+    const int32_t start = static_cast<int32_t>(static_cast<uint32_t>(pos) * static_cast<uint32_t>(WEYL)
+                                               + static_cast<uint32_t>(seed));
+    const VecI noise = ((lanes + VecI(start)) >> VecI(16)) & VecI(0xFFFF);
     return at::vec::cast<float>((at::vec::cast<int32_t>(x) + noise) & VecI(-(1 << 16)));
 }
 inline float sr(float x, int64_t pos, int64_t seed) {
