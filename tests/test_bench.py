@@ -526,3 +526,19 @@ def test_the_memory_table_gives_bytes_the_largest_model_and_the_loss(capsys: pyt
     report = json.loads((tmp_path / "report.json").read_text())
     loss = report["workloads"]["transformer"]["bf16-sr-8bit-ib"]["final_loss"]
     assert rows["bf16-sr-8bit-ib"][3].startswith(f"{loss:.4f}") and rows["fp32"][3].endswith("(+0.00%)")
+
+
+def test_the_step_cost_table_counts_and_times_each_recipe() -> None:
+    """mixprec bench --step-cost's rows: torch.amp's ratio is 1 by construction, a fused AdamW's step is a couple of
+    ops whatever the blocks, bf16-sr's step reads nothing."""
+    from mixprec.bench import step_cost
+
+    recipes = [r for r in step_cost.RECIPES if r.name in ("torch-amp", "bf16-sr")]
+    rows = step_cost.measure(recipes, ["adamw-fused"], steps=2)
+    by_name = {r.recipe: r for r in rows}
+    assert set(by_name) == {"torch-amp", "bf16-sr"}
+    assert by_name["torch-amp"].vs_torch_amp == 1.0 and by_name["torch-amp"].ops == (2, 2)
+    assert by_name["bf16-sr"].ops[0] == by_name["bf16-sr"].ops[1] and by_name["bf16-sr"].host_reads == 0
+    assert all(r.step_ms > r.opt_step_ms > 0 for r in rows)
+    cells = step_cost.table_rows(rows)
+    assert len(cells) == 2 and all(len(c) == len(step_cost.HEADER) for c in cells)

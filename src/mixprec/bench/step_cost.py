@@ -25,7 +25,7 @@ import functools
 import statistics
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +36,21 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import mixprec
 from mixprec.bench.workloads import TinyLM
 
-__all__ = ["HEADER", "OPTIMIZERS", "RECIPES", "Recipe", "Row", "count_ops", "host_reads", "measure", "table_rows"]
+__all__ = [
+    "COMPILED_HEADER",
+    "HEADER",
+    "OPTIMIZERS",
+    "RECIPES",
+    "CompiledRow",
+    "Recipe",
+    "Row",
+    "compiled_table_rows",
+    "count_ops",
+    "host_reads",
+    "measure",
+    "measure_compiled",
+    "table_rows",
+]
 
 #: the forms of the user's optimizer: ``name -> (class, keyword arguments)``
 OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
@@ -221,6 +235,68 @@ def measure(recipes: Iterable[Recipe] = RECIPES, optimizers: Iterable[str] = tup
             rows.append(Row(name, optimizer, ops_pair, reads, 1e3 * median, 1e3 * statistics.median(inner[name]),
                             None if base is None else base / median))  # fmt: skip
     return rows
+
+
+#: the compiled table's columns
+COMPILED_HEADER = ("recipe", "compiled step ms", "vs compiled torch-amp", "vs itself eager")
+
+
+@dataclasses.dataclass
+class CompiledRow:
+    recipe: str
+    step_ms: float
+    vs_torch_amp: float | None
+    vs_eager: float
+
+
+def measure_compiled(recipes: Iterable[Recipe] = RECIPES, size: str = "tiny", steps: int = 20,
+                     progress: Callable[[str], None] | None = None) -> tuple[list[CompiledRow], int]:  # fmt: skip
+    """Whole training steps with ``torch.compile(model)`` (inductor; the optimizer's step eager, as each recipe
+    steps it), fused AdamW, against compiled torch.amp and the same recipe eager, interleaved; and the graphs
+    dynamo compiled during the timed steps (recompiles: 0 when every recipe holds its graph). Compiling takes
+    tens of seconds a recipe on a CPU."""
+    dim, batch_size, seq, blocks = _SIZES[size]
+    batch = _batch(batch_size, seq)
+    recipes = tuple(r for r in recipes if not r.step_in_backward)  # its hooks run eagerly inside backward anyway
+    runs: dict[str, tuple[Recipe, nn.Module, torch.optim.Optimizer, nn.Module, torch.optim.Optimizer]] = {}
+    for recipe in recipes:
+        if progress is not None:
+            progress(f"compiling {recipe.name}")
+        eager_model, eager_opt = recipe.build(blocks, dim, "adamw-fused")
+        model, opt = recipe.build(blocks, dim, "adamw-fused")
+        compiled = cast(nn.Module, torch.compile(model))
+        for _ in range(2):
+            _train_step(compiled, opt, recipe, batch)
+            _train_step(eager_model, eager_opt, recipe, batch)
+        runs[recipe.name] = (recipe, compiled, opt, eager_model, eager_opt)
+    timed: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in runs}
+    before = _frames()
+    for i in range(steps):
+        if progress is not None:
+            progress(f"compiled: timing, step {i + 1} of {steps}")
+        order = list(runs.values()) if i % 2 == 0 else list(reversed(runs.values()))
+        for recipe, compiled, opt, eager_model, eager_opt in order:
+            for which, (m, o) in enumerate(((compiled, opt), (eager_model, eager_opt))):
+                start = time.perf_counter()
+                _train_step(m, o, recipe, batch)
+                timed[recipe.name][which].append(time.perf_counter() - start)
+    base = statistics.median(timed["torch-amp"][0]) if "torch-amp" in timed else None
+    rows = [CompiledRow(name, 1e3 * statistics.median(c), None if base is None else base / statistics.median(c),
+                        statistics.median(e) / statistics.median(c)) for name, (c, e) in timed.items()]  # fmt: skip
+    return rows, _frames() - before
+
+
+def _frames() -> int:
+    """Graphs dynamo has compiled so far in this process."""
+    from torch._dynamo.utils import counters
+
+    return int(sum(counters["stats"].get(key, 0) for key in ("unique_graphs",)))
+
+
+def compiled_table_rows(rows: Iterable[CompiledRow]) -> list[tuple[str, ...]]:
+    """The compiled rows as the cells of :data:`COMPILED_HEADER`."""
+    return [(r.recipe, f"{r.step_ms:.2f}", "" if r.vs_torch_amp is None else f"{r.vs_torch_amp:.2f}x",
+             f"{r.vs_eager:.2f}x") for r in rows]  # fmt: skip
 
 
 def table_rows(rows: Iterable[Row]) -> list[tuple[str, ...]]:

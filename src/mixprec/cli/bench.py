@@ -155,6 +155,22 @@ def run_step_cost(args: argparse.Namespace, size: str) -> int:
         print("mixprec bench: interrupted; nothing measured", file=sys.stderr)
         return 130
     print("\n".join(markdown_table(step_cost.HEADER, step_cost.table_rows(rows))), flush=True)
+    if args.compile:
+        try:
+            if args.quiet or not sys.stderr.isatty():
+                compiled, recompiles = step_cost.measure_compiled(recipes, size=cost_size, steps=steps)
+            else:
+                with console.status("compiling") as status:
+                    compiled, recompiles = step_cost.measure_compiled(
+                        recipes, size=cost_size, steps=steps, progress=lambda what: status.update(what)
+                    )
+        except KeyboardInterrupt:
+            print("mixprec bench: interrupted; the compiled table not measured", file=sys.stderr)
+            return 130
+        print(f"\ncompiled (torch.compile(model), inductor; fused AdamW; {recompiles} graphs compiled during the "
+              "timed steps)", flush=True)  # fmt: skip
+        print("\n".join(markdown_table(step_cost.COMPILED_HEADER, step_cost.compiled_table_rows(compiled))),
+              flush=True)  # fmt: skip
     return 0
 
 
