@@ -43,7 +43,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_monitor.py
 
 # On a CUDA machine: the CUDA tests, the bench eager and compiled, the fp8 GEMM table and the kernel counts, in one
-# report (mixprec-gpu-check/report.md and .json); each piece has a time limit, 9 minutes in all. Refused without CUDA.
+# report (mixprec-gpu-check/report.md and .json); each piece has a time limit, 11 minutes in all. Refused without CUDA.
 gpu-check: $(STAMP)
 	$(BIN)/python tools/gpu_check.py --out mixprec-gpu-check
 

@@ -83,7 +83,8 @@ def test_report_on_the_cpu_with_tiny_sizes(tmp_path: pathlib.Path) -> None:
     assert code == 0, (tmp_path / "bench.log").read_text() + (tmp_path / "fp8-gemm.log").read_text()
     data = json.loads((tmp_path / "report.json").read_text())
     assert {name: piece["status"] for name, piece in data["pieces"].items()} == {
-        "tests": "not run", "bench": "ok", "bench-compile": "not run", "fp8-gemm": "ok"}  # fmt: skip
+        "tests": "not run", "bench": "ok", "bench-compile": "not run", "fp8-gemm": "ok",
+        "step-cost": "not run"}  # fmt: skip
     assert set(data["bench"]["workloads"]["mlp"]) == {"torch-amp", "mixprec"}
     assert [(row["m"], row["k"], row["n"]) for row in data["fp8_gemm"]["gemm"]] == [(64, 64, 64)]
     assert set(data["fp8_gemm"]["gemm"][0]["ms"]) == {"bf16", "tensorwise"}
@@ -111,3 +112,5 @@ def test_every_piece_on_the_cpu(tmp_path: pathlib.Path) -> None:
     text = (tmp_path / "report.md").read_text()
     assert "### Compiled" in text and "| mlp | O1 |" in text and "### Kernels per fp8 linear" in text
     assert "0 passed, 0 failed" in text and "skipped: needs a CUDA GPU" in text
+    assert any(row.startswith("| bf16-sr | adamw-fused |") for row in data["step_cost"])
+    assert "## What a step costs" in text and "| bf16-sr | adamw-fused |" in text

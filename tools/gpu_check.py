@@ -1,7 +1,7 @@
 """``make gpu-check``: what this project tests and measures only on a CUDA GPU, in one run and one report.
 
 Four pieces, each a process of its own with a time limit (one that fails or runs over leaves the
-others' results; the limits and the grace a piece gets after its Ctrl-C add up to 9 minutes):
+others' results; the limits and the grace a piece gets after its Ctrl-C add up to 11 minutes):
 
 * ``tests``: the tests skipped without CUDA (``pytest -m cuda``: ``tests/helpers.py``'s
   ``requires_cuda`` marks them), with their pass/fail counts and failures;
@@ -42,9 +42,9 @@ import torch
 from mixprec.bench import runner
 
 ROOT = Path(__file__).resolve().parent.parent
-PIECES = ("tests", "bench", "bench-compile", "fp8-gemm")
-LIMITS = {"tests": 180, "bench": 60, "bench-compile": 180, "fp8-gemm": 60}  # seconds; 480 in all
-GRACE = {"bench-compile": 30}  # seconds after the Ctrl-C, to write what finished (10 for the others): 540 in all
+PIECES = ("tests", "bench", "bench-compile", "fp8-gemm", "step-cost")
+LIMITS = {"tests": 180, "bench": 60, "bench-compile": 180, "fp8-gemm": 60, "step-cost": 90}  # seconds; 570 in all
+GRACE = {"bench-compile": 30}  # seconds after the Ctrl-C, to write what finished (10 for the others): 640 in all
 EAGER_MODES = "fp32,torch-amp,mixprec,mixprec-cl,O1,O2,bf16-sr,bf16-pure"
 COMPILE_MODES = ",".join(runner.COMPILE_MODES)
 
@@ -90,11 +90,14 @@ def commands(args: argparse.Namespace, out: Path) -> dict[str, list[str]]:
     fp8 += ["--recipes", args.fp8_recipes] if args.fp8_recipes else []
     fp8 += ["--steps", str(args.steps)] if args.steps else []
     tests = [python, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "--continue-on-collection-errors"]
+    step_cost = [python, "-m", "mixprec.cli", "bench", "--step-cost", "--size", "tiny", "--device", args.device,
+                 "--quiet", *(["--steps", str(args.steps)] if args.steps else [])]  # fmt: skip
     return {
         "tests": [*tests, "--junitxml", str(out / "tests.xml"), *cuda_test_files()],
         "bench": [*bench, "--modes", args.modes, "--out", str(out / "bench")],
         "bench-compile": [*compiled, "--out", str(out / "bench-compile")],
         "fp8-gemm": [*fp8, "--json", str(out / "fp8-gemm.json")],
+        "step-cost": step_cost,  # its table is in its log
     }
 
 
@@ -212,6 +215,7 @@ def write_report(out: Path, pieces: dict[str, Piece], device: str, seconds: floa
         "bench": _json(out / "bench" / "report.json"),
         "bench_compile": _json(out / "bench-compile" / "report.json"),
         "fp8_gemm": _json(out / "fp8-gemm.json"),
+        "step_cost": _table_lines(out / "step-cost.log"),
     }
     (out / "report.json").write_text(json.dumps(data, indent=2) + "\n")
     lines = ["# mixprec gpu-check", "", f"Device: {data['device']}; torch {data['torch']}; took {seconds:.0f} s.", "",
@@ -245,8 +249,16 @@ def write_report(out: Path, pieces: dict[str, Piece], device: str, seconds: floa
     if data["fp8_gemm"] and not device.startswith("cuda"):
         lines += ["", "fp8 GEMMs are emulated in fp32 on a CPU (torch._scaled_mm): these times say nothing about "
                   "fp8 speed on a GPU."]  # fmt: skip
+    lines += ["", "## What a step costs (`mixprec bench --step-cost --size tiny`)", ""]
+    lines += data["step_cost"] or ["Not run." if pieces["step-cost"].status == "not run" else
+                                   "No table: see step-cost.log."]  # fmt: skip
     (out / "report.md").write_text("\n".join(lines).rstrip() + "\n")
     return data
+
+
+def _table_lines(path: Path) -> list[str]:
+    """The Markdown table rows a piece printed into its log (none where it did not run)."""
+    return [line for line in path.read_text().splitlines() if line.startswith("|")] if path.exists() else []
 
 
 def parser() -> argparse.ArgumentParser:

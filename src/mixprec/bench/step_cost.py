@@ -70,9 +70,10 @@ class Recipe:
     optimizer_state: str = "fp32"
     step_in_backward: bool = False
 
-    def build(self, blocks: int, dim: int, optimizer: str) -> tuple[nn.Module, torch.optim.Optimizer]:
+    def build(self, blocks: int, dim: int, optimizer: str,
+              device: torch.device | str = "cpu") -> tuple[nn.Module, torch.optim.Optimizer]:  # fmt: skip
         torch.manual_seed(0)
-        model: nn.Module = TinyLM(256, dim, blocks, heads=max(1, dim // 16))
+        model: nn.Module = TinyLM(256, dim, blocks, heads=max(1, dim // 16)).to(device)
         kind, options = OPTIMIZERS[optimizer]
         opt = kind(model.parameters(), **options)
         if self.level is not None:
@@ -114,9 +115,9 @@ HEADER = ("recipe", "optimizer", "step ops (2 -> 8 blocks)", "host reads", "step
 _SIZES = {"tiny": (64, 4, 32, 4), "default": (256, 8, 128, 4)}  # width, batch, sequence, blocks timed
 
 
-def _batch(batch: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _batch(batch: int, seq: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, 256, (batch, seq + 1), generator=g)
+    tokens = torch.randint(0, 256, (batch, seq + 1), generator=g).to(device)
     return tokens[:, :-1], tokens[:, 1:]
 
 
@@ -124,18 +125,26 @@ def _forward_backward(model: nn.Module, opt: torch.optim.Optimizer, recipe: Reci
                       batch: tuple[torch.Tensor, torch.Tensor]) -> None:  # fmt: skip
     inputs, targets = batch
     opt.zero_grad(set_to_none=True)
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=recipe.level is None):
+    with torch.autocast(inputs.device.type, dtype=torch.bfloat16, enabled=recipe.level is None):
         logits = model(inputs)
     F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()).backward()  # type: ignore[no-untyped-call]
 
 
 def _train_step(model: nn.Module, opt: torch.optim.Optimizer, recipe: Recipe,
                 batch: tuple[torch.Tensor, torch.Tensor]) -> float:  # fmt: skip
-    """One training step; the seconds ``optimizer.step()`` took."""
+    """One training step; the seconds ``optimizer.step()`` took (on a GPU, waited for: a benchmark's sync, not
+    the step's)."""
     _forward_backward(model, opt, recipe, batch)
+    _wait(batch[0])
     start = time.perf_counter()
     opt.step()
+    _wait(batch[0])
     return time.perf_counter() - start
+
+
+def _wait(t: torch.Tensor) -> None:
+    if t.is_cuda:
+        torch.cuda.synchronize(t.device)
 
 
 def _is_counted(event: Any) -> bool:
@@ -194,10 +203,11 @@ def host_reads(step: Callable[[], Any], opt: torch.optim.Optimizer) -> int:
 
 
 def measure(recipes: Iterable[Recipe] = RECIPES, optimizers: Iterable[str] = tuple(OPTIMIZERS), size: str = "tiny",
-            steps: int = 20, progress: Callable[[str], None] | None = None) -> list[Row]:  # fmt: skip
+            steps: int = 20, progress: Callable[[str], None] | None = None,
+            device: torch.device | str = "cpu") -> list[Row]:  # fmt: skip
     """The step-cost rows: every recipe with every optimizer form (SGD only where its state precision applies)."""
     dim, batch_size, seq, blocks = _SIZES[size]
-    batch = _batch(batch_size, seq)
+    batch = _batch(batch_size, seq, device)
     recipes = tuple(recipes)
     rows: list[Row] = []
     for optimizer in optimizers:
@@ -208,7 +218,7 @@ def measure(recipes: Iterable[Recipe] = RECIPES, optimizers: Iterable[str] = tup
                 progress(f"{optimizer}: counting {recipe.name}")
             ops = []
             for n in (2, 8):
-                model, opt = recipe.build(n, dim, optimizer)
+                model, opt = recipe.build(n, dim, optimizer, device)
                 for _ in range(2):  # state made, kernels compiled
                     _train_step(model, opt, recipe, batch)
                 _forward_backward(model, opt, recipe, batch)
@@ -216,7 +226,7 @@ def measure(recipes: Iterable[Recipe] = RECIPES, optimizers: Iterable[str] = tup
                 if n == 8:
                     reads = host_reads(functools.partial(_train_step, model, opt, recipe, batch), opt)
             counts[recipe.name] = ((ops[0], ops[1]), reads)
-        runs = {r.name: (r, *r.build(blocks, dim, optimizer)) for r in chosen}
+        runs = {r.name: (r, *r.build(blocks, dim, optimizer, device)) for r in chosen}
         whole: dict[str, list[float]] = {name: [] for name in runs}
         inner: dict[str, list[float]] = {name: [] for name in runs}
         for i in range(steps + 3):
@@ -225,7 +235,7 @@ def measure(recipes: Iterable[Recipe] = RECIPES, optimizers: Iterable[str] = tup
             order = list(runs.values()) if i % 2 == 0 else list(reversed(runs.values()))
             for recipe, model, opt in order:
                 start = time.perf_counter()
-                opt_s = _train_step(model, opt, recipe, batch)
+                opt_s = _train_step(model, opt, recipe, batch)  # waited for at its end
                 if i >= 3:
                     whole[recipe.name].append(time.perf_counter() - start)
                     inner[recipe.name].append(opt_s)
@@ -250,20 +260,21 @@ class CompiledRow:
 
 
 def measure_compiled(recipes: Iterable[Recipe] = RECIPES, size: str = "tiny", steps: int = 20,
-                     progress: Callable[[str], None] | None = None) -> tuple[list[CompiledRow], int]:  # fmt: skip
+                     progress: Callable[[str], None] | None = None,
+                     device: torch.device | str = "cpu") -> tuple[list[CompiledRow], int]:  # fmt: skip
     """Whole training steps with ``torch.compile(model)`` (inductor; the optimizer's step eager, as each recipe
     steps it), fused AdamW, against compiled torch.amp and the same recipe eager, interleaved; and the graphs
     dynamo compiled during the timed steps (recompiles: 0 when every recipe holds its graph). Compiling takes
     tens of seconds a recipe on a CPU."""
     dim, batch_size, seq, blocks = _SIZES[size]
-    batch = _batch(batch_size, seq)
+    batch = _batch(batch_size, seq, device)
     recipes = tuple(r for r in recipes if not r.step_in_backward)  # its hooks run eagerly inside backward anyway
     runs: dict[str, tuple[Recipe, nn.Module, torch.optim.Optimizer, nn.Module, torch.optim.Optimizer]] = {}
     for recipe in recipes:
         if progress is not None:
             progress(f"compiling {recipe.name}")
-        eager_model, eager_opt = recipe.build(blocks, dim, "adamw-fused")
-        model, opt = recipe.build(blocks, dim, "adamw-fused")
+        eager_model, eager_opt = recipe.build(blocks, dim, "adamw-fused", device)
+        model, opt = recipe.build(blocks, dim, "adamw-fused", device)
         compiled = cast(nn.Module, torch.compile(model))
         for _ in range(2):
             _train_step(compiled, opt, recipe, batch)

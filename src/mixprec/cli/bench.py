@@ -136,20 +136,25 @@ def run_step_cost(args: argparse.Namespace, size: str) -> int:
     from rich.console import Console
 
     from mixprec.bench import step_cost
+    from mixprec.bench.devices import resolve_device
     from mixprec.bench.tables import markdown_table
 
     cost_size = "default" if size == "default" else "tiny"
     recipes = step_cost.RECIPES
+    try:
+        device = resolve_device(args.device)
+    except ValueError as exc:
+        return common.refuse(str(exc))
     print(f"mixprec bench --step-cost: {len(recipes)} recipes x {len(step_cost.OPTIMIZERS)} optimizers, size "
-          f"{cost_size}, cpu, torch {torch.__version__}", flush=True)  # fmt: skip
+          f"{cost_size}, {device.type}, torch {torch.__version__}", flush=True)  # fmt: skip
     console = Console(stderr=True)
     steps = args.steps or 20
     try:
         if args.quiet or not sys.stderr.isatty():
-            rows = step_cost.measure(recipes, size=cost_size, steps=steps)
+            rows = step_cost.measure(recipes, size=cost_size, steps=steps, device=device)
         else:
             with console.status("measuring") as status:
-                rows = step_cost.measure(recipes, size=cost_size, steps=steps,
+                rows = step_cost.measure(recipes, size=cost_size, steps=steps, device=device,
                                          progress=lambda what: status.update(what))  # fmt: skip
     except KeyboardInterrupt:
         print("mixprec bench: interrupted; nothing measured", file=sys.stderr)
@@ -158,11 +163,11 @@ def run_step_cost(args: argparse.Namespace, size: str) -> int:
     if args.compile:
         try:
             if args.quiet or not sys.stderr.isatty():
-                compiled, recompiles = step_cost.measure_compiled(recipes, size=cost_size, steps=steps)
+                compiled, recompiles = step_cost.measure_compiled(recipes, size=cost_size, steps=steps, device=device)
             else:
                 with console.status("compiling") as status:
                     compiled, recompiles = step_cost.measure_compiled(
-                        recipes, size=cost_size, steps=steps, progress=lambda what: status.update(what)
+                        recipes, size=cost_size, steps=steps, device=device, progress=lambda what: status.update(what)
                     )
         except KeyboardInterrupt:
             print("mixprec bench: interrupted; the compiled table not measured", file=sys.stderr)

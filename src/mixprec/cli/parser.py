@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="instead of training the workloads, print what a training step costs at each level and "
                        "optimizer-state precision, with each form of AdamW and with SGD: optimizer.step()'s ops at 2 "
                        "and 8 blocks of a small transformer, host reads in a whole step, step time against torch.amp "
-                       "(--size tiny or quick: width 64, overhead-bound; default: width 256); on the CPU; with "
+                       "(--size tiny or quick: width 64, overhead-bound; default: width 256), on --device; with "
                        "--compile also the compiled step of each recipe against compiled torch.amp")  # fmt: skip
     bench.add_argument("--fp8-kernels", action=argparse.BooleanOptionalAction, default=True,
                        help="with --compile: count inductor's kernels per fp8 linear, mixprec against torchao "
