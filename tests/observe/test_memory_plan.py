@@ -422,3 +422,16 @@ def test_a_quantized_states_list_step_makes_what_the_plan_says(make: str, level:
     with _NewTensors(known) as made:
         optimizer.step()
     assert plan.transient == made.peak, (plan.transient, made.peak)
+
+
+def test_a_meta_model_is_planned_as_on_the_cpu_with_the_step_in_backward() -> None:
+    """The docs' promise, with the step in backward at a bf16 level (a bf16 gradient's norm read where it lies):
+    the same bytes from a model built on the meta device as from the same model on the CPU."""
+    plans = {}
+    for device in ("cpu", "meta"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(1024, 1536), nn.GELU(), nn.Linear(1536, 1024)).to(device)
+        config = mixprec.PrepareConfig(level="bf16-sr", step_in_backward=True)
+        plans[device] = mixprec.memory_plan(model, torch.optim.AdamW(model.parameters()), config)
+    assert plans["meta"].gradients_in_flight == plans["cpu"].gradients_in_flight
+    assert plans["meta"].gradients == plans["cpu"].gradients

@@ -436,3 +436,43 @@ def test_when_the_default_is_fastest_no_other_recipe_is_called_chosen() -> None:
                                  1.02, [], None)  # fmt: skip
     assert recipe.name == "bf16 O1"
     assert not any("simpler: chosen" in n for n in recipe.notes), recipe.notes
+
+
+def test_a_trial_and_a_reference_of_different_lengths_are_judged_on_the_steps_both_ran() -> None:
+    """On a slow or loaded machine a trial and its fp32 reference end a round with different numbers of losses:
+    judge compares the steps both ran, and one with none in common is not judged (no traceback)."""
+    from types import SimpleNamespace
+
+    from mixprec._src.tune.trial import judge
+
+    grad, update = torch.ones(4), torch.ones(4)
+    tol = mixprec.Tolerance()
+    ref = SimpleNamespace(losses=[2.0, 1.0], grad=grad, update=update)
+    close = SimpleNamespace(losses=[2.0, 1.0, 0.5], grad=grad, update=update)
+    err, gcos, ucos, why = judge(close, ref, tol)  # type: ignore[arg-type]
+    assert (err, why) == (0.0, "") and gcos == pytest.approx(1.0) and ucos == pytest.approx(1.0)
+    far = SimpleNamespace(losses=[4.0], grad=grad, update=update)
+    assert judge(far, ref, tol)[0] == 1.0  # type: ignore[arg-type]
+    none = SimpleNamespace(losses=[1.0], grad=grad, update=update)
+    unfinished = SimpleNamespace(losses=[], grad=None, update=None)
+    assert judge(none, unfinished, tol)[3].startswith("not judged")  # type: ignore[arg-type]
+
+
+def test_a_round_whose_fp32_reference_did_not_finish_reports_its_trials_as_not_measured() -> None:
+    """The crash a new user met in make demo (zip() of a trial's losses and a shorter reference's): the trial is
+    reported, not raised."""
+    from types import SimpleNamespace
+
+    from mixprec._src.tune.rounds import Search
+
+    def trial(name: str, losses: list[float]) -> Any:
+        return SimpleNamespace(name=name, recipe=None, failed="", stopped="", checked=len(losses) == 3, times=[0.01],
+                               losses=losses, grad=torch.ones(2), update=torch.ones(2), median_s=lambda: 0.01,
+                               noise=lambda default: None)  # fmt: skip
+
+    search = Search(nn.Linear(2, 2), None, None, None, torch.device("cpu"), mixprec.Tolerance(), 0.0, None)  # type: ignore[arg-type]
+    search.ref = trial("fp32", [1.0])
+    candidate = trial("bf16", [1.0, 0.9, 0.8])
+    search.record(candidate, candidate, 0.01)  # type: ignore[arg-type]
+    result = search.results["bf16"]
+    assert result.status == "not measured" and "fp32 reference did not finish" in result.reason

@@ -213,8 +213,9 @@ def memory_plan(
                              _foreach_peak(lists, type(optimizer) is torch.optim.SGD))  # fmt: skip
     if config.step_in_backward:
         # a low-precision gradient's norm is taken a chunk at a time in fp32, but where it lies on the CPU (mixprec's
-        # kernel) and on a GPU (CUDA's norm kernel casts as it reads: measured, make gpu-check)
-        if in_flight < largest * 4 and largest_on not in ("cpu", "cuda"):
+        # kernel) and on a GPU (CUDA's norm kernel casts as it reads: measured, make gpu-check); a model on the meta
+        # device is planned as on the CPU
+        if in_flight < largest * 4 and largest_on not in ("cpu", "cuda", "meta"):
             in_flight += min(largest, step_in_backward.NORM_CHUNK) * 4
         grads, in_flight = 0, in_flight + waiting
     activations = checkpointed = backward = None

@@ -112,12 +112,16 @@ def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def judge(trial: Trial, ref: Trial, tol: Tolerance) -> tuple[float | None, float | None, float | None, str]:
-    """(loss error, gradient cosine, update cosine, why rejected or "")."""
+    """(loss error, gradient cosine, update cosine, why rejected or ""); the losses of the steps both ran are
+    compared (a trial and its reference can end with different numbers on a slow or loaded machine), and a
+    trial with none in common, or without a reference's gradient and update, is not judged (its reason says so)."""
     for i, value in enumerate(trial.losses):
         if not math.isfinite(value):
             return None, None, None, f"loss is {value} at step {i + 1}"
-    err = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(trial.losses, ref.losses, strict=True))
-    assert trial.grad is not None and ref.grad is not None and trial.update is not None and ref.update is not None
+    both = min(len(trial.losses), len(ref.losses))
+    if not both or trial.grad is None or ref.grad is None or trial.update is None or ref.update is None:
+        return None, None, None, "not judged: it and the fp32 reference have no finished steps in common"
+    err = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(trial.losses[:both], ref.losses[:both], strict=True))
     if not bool(torch.isfinite(trial.grad).all()):
         return err, None, None, "non-finite gradients at step 1"
     gcos, ucos = _cosine(trial.grad, ref.grad), _cosine(trial.update, ref.update)
