@@ -285,11 +285,17 @@ def test_the_bf16_states_temporaries_are_what_its_step_makes(make: str, level: s
     if not kernel:
         monkeypatch.setattr(cpu_adam, "bf16_builds", lambda *_: False)
         monkeypatch.setattr(cpu_adam, "bf16_expected", lambda: False)
+    _assert_the_state_steps_temporaries_are_planned(make, level, "bf16")
+
+
+def _assert_the_state_steps_temporaries_are_planned(make: str, level: str, state_precision: str) -> None:
+    """A step of a three-linear model with ``state_precision`` state after two: the most bytes it makes and frees,
+    measured tensor by tensor, are the plan's transient bytes."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 512, bias=False), nn.Linear(512, 1024, bias=False),
                           nn.Linear(1024, 8, bias=False))  # fmt: skip
     optimizer = OPTIMIZERS[make](model.parameters())
-    config = mixprec.PrepareConfig(level=level, optimizer_state="bf16")
+    config = mixprec.PrepareConfig(level=level, optimizer_state=state_precision)
     plan = mixprec.memory_plan(model, optimizer, config)
     mixprec.prepare(model, optimizer, config)
     x = torch.randn(4, 64)
@@ -401,27 +407,7 @@ def test_a_model_on_the_meta_device_plans_as_on_the_cpu() -> None:
 def test_a_quantized_states_list_step_makes_what_the_plan_says(make: str, level: str) -> None:
     """optimizer_state="8bit" on the CPU: Adam(W)'s and SGD's large weights in one call of the list kernels (in
     place: their scalars and table alone), measured tensor by tensor."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 512, bias=False), nn.Linear(512, 1024, bias=False),
-                          nn.Linear(1024, 8, bias=False))  # fmt: skip
-    optimizer = OPTIMIZERS[make](model.parameters())
-    config = mixprec.PrepareConfig(level=level, optimizer_state="8bit")
-    plan = mixprec.memory_plan(model, optimizer, config)
-    mixprec.prepare(model, optimizer, config)
-    x = torch.randn(4, 64)
-    for _ in range(3):
-        optimizer.zero_grad()
-        model(x).float().square().mean().backward()
-        if _ < 2:
-            optimizer.step()
-    state = prepared_state(model)
-    copies = [] if state is None or state.copies is None else list(state.copies.copies.values())
-    tensors = [*model.parameters(), *(p for g in optimizer.param_groups for p in g["params"])]
-    known = [*tensors, *(p.grad for p in tensors if p.grad is not None), *copies,
-             *(v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor))]  # fmt: skip
-    with _NewTensors(known) as made:
-        optimizer.step()
-    assert plan.transient == made.peak, (plan.transient, made.peak)
+    _assert_the_state_steps_temporaries_are_planned(make, level, "8bit")
 
 
 def test_a_meta_model_is_planned_as_on_the_cpu_with_the_step_in_backward() -> None:

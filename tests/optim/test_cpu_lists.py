@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -222,20 +223,36 @@ def _state_model() -> nn.Module:
     return nn.Sequential(nn.Linear(64, 128), nn.LayerNorm(128), nn.GELU(), nn.Linear(128, 96), nn.Linear(96, 8))
 
 
-def _train_state(level: str, state: str, lists: bool, monkeypatch: pytest.MonkeyPatch, steps: int = 3):  # type: ignore[no-untyped-def]
-    if not lists:
-        monkeypatch.setattr(cpu_lists, "lists_build", lambda *_: False)
-    model = _state_model()
-    opt = torch.optim.AdamW([{"params": list(model[:2].parameters()), "lr": 1e-2, "weight_decay": 0.2},
-                             {"params": list(model[3:].parameters()), "lr": 3e-3}], fused=True)  # fmt: skip
-    model, opt = mixprec.prepare(model, opt, level=level, optimizer_state=state)
-    g = torch.Generator().manual_seed(1)
-    for _ in range(steps):
-        opt.zero_grad(set_to_none=True)
-        nn.functional.mse_loss(model(torch.randn(8, 64, generator=g)), torch.randn(8, 8, generator=g)).backward()
-        opt.step()
-    monkeypatch.undo()
-    return model, opt
+def _listed_as_alone(switch: str, level: str, make_opt: Callable[[nn.Module], torch.optim.Optimizer], seed: int,
+                     monkeypatch: pytest.MonkeyPatch, **options: Any) -> None:  # fmt: skip
+    """Three steps of ``_state_model`` prepared at ``level`` (``options``) with the list kernels, then with
+    ``cpu_lists.<switch>`` saying its kernel does not build (the per-tensor step): weights, state keys and every
+    state tensor bit for bit."""
+    runs = []
+    for lists in (True, False):
+        if not lists:
+            monkeypatch.setattr(cpu_lists, switch, lambda *_: False)
+        model = _state_model()
+        model, opt = mixprec.prepare(model, make_opt(model), level=level, **options)
+        g = torch.Generator().manual_seed(seed)
+        for _ in range(3):
+            opt.zero_grad(set_to_none=True)
+            nn.functional.mse_loss(model(torch.randn(8, 64, generator=g)), torch.randn(8, 8, generator=g)).backward()
+            opt.step()
+        monkeypatch.undo()
+        runs.append((model, opt))
+    (listed, listed_opt), (alone, alone_opt) = runs
+    for (name, a), b in zip(listed.named_parameters(), alone.parameters(), strict=True):
+        assert torch.equal(a, b), name
+        assert listed_opt.state[a].keys() == alone_opt.state[b].keys(), name
+        for key, value in listed_opt.state[a].items():
+            assert torch.equal(value, alone_opt.state[b][key]), f"{name} {key}"
+
+
+def _sgd(first: dict[str, Any], second: dict[str, Any]) -> Callable[[nn.Module], torch.optim.Optimizer]:
+    """torch's SGD over ``_state_model``'s two halves, each group with its own options."""
+    return lambda model: torch.optim.SGD([{"params": list(model[:2].parameters()), **first},
+                                          {"params": list(model[3:].parameters()), **second}], lr=0.05)  # fmt: skip
 
 
 @pytest.mark.parametrize("state", ["bf16", "8bit", "4bit", "fp8"])
@@ -245,12 +262,12 @@ def test_a_state_precisions_list_steps_bitwise_as_each_weight_alone(
 ) -> None:
     """Quantized and bf16 moments: a group's large weights in one call, as cpu_adam's kernel stepped each (two
     groups of their own lr and decay): weights, codes, scales, moments and compensations bit for bit."""
-    listed, listed_opt = _train_state(level, state, True, monkeypatch)
-    alone, alone_opt = _train_state(level, state, False, monkeypatch)
-    for (name, a), b in zip(listed.named_parameters(), alone.parameters(), strict=True):
-        assert torch.equal(a, b), name
-        for key, value in listed_opt.state[a].items():
-            assert torch.equal(value, alone_opt.state[b][key]), f"{name} {key}"
+
+    def adamw(model: nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.AdamW([{"params": list(model[:2].parameters()), "lr": 1e-2, "weight_decay": 0.2},
+                                  {"params": list(model[3:].parameters()), "lr": 3e-3}], fused=True)  # fmt: skip
+
+    _listed_as_alone("lists_build", level, adamw, 1, monkeypatch, optimizer_state=state)
 
 
 @pytest.mark.parametrize("state", ["bf16", "8bit"])
@@ -286,28 +303,7 @@ def test_sgd_steps_its_bf16_weights_in_one_call_as_on_fp32_copies(
     bf16 weights, their momentum buffers and compensations bit for bit as the optimizer's own step on fp32 copies
     wrote them."""
 
-    def run(lists: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
-        if not lists:
-            monkeypatch.setattr(cpu_lists, "sgd_available", lambda: False)
-        model = _state_model()
-        first, second = options
-        opt = torch.optim.SGD([{"params": list(model[:2].parameters()), **first},
-                               {"params": list(model[3:].parameters()), **second}], lr=0.05)  # fmt: skip
-        model, opt = mixprec.prepare(model, opt, level=level)
-        g = torch.Generator().manual_seed(2)
-        for _ in range(3):
-            opt.zero_grad(set_to_none=True)
-            nn.functional.mse_loss(model(torch.randn(8, 64, generator=g)), torch.randn(8, 8, generator=g)).backward()
-            opt.step()
-        monkeypatch.undo()
-        return model, opt
-
-    (listed, listed_opt), (alone, alone_opt) = run(True), run(False)
-    for (name, a), b in zip(listed.named_parameters(), alone.parameters(), strict=True):
-        assert torch.equal(a, b), name
-        assert listed_opt.state[a].keys() == alone_opt.state[b].keys(), name
-        for key, value in listed_opt.state[a].items():
-            assert torch.equal(value, alone_opt.state[b][key]), f"{name} {key}"
+    _listed_as_alone("sgd_available", level, _sgd(*options), 2, monkeypatch)
 
 
 @pytest.mark.parametrize("level", ["bf16-sr", "bf16-kahan"])
@@ -337,28 +333,7 @@ def test_sgd_with_bf16_momentum_steps_in_one_call_as_each_alone(
     """optimizer_state="bf16" with torch's SGD: a group's large weights in one call, their weights, buffers (each
     rounded with its own noise) and compensations bit for bit as the per-tensor step on fp32 chunks made them."""
 
-    def run(lists: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
-        if not lists:
-            monkeypatch.setattr(cpu_lists, "sgd_bf16_state_builds", lambda *_: False)
-        model = _state_model()
-        first, second = options
-        opt = torch.optim.SGD([{"params": list(model[:2].parameters()), **first},
-                               {"params": list(model[3:].parameters()), **second}], lr=0.05)  # fmt: skip
-        model, opt = mixprec.prepare(model, opt, level=level, optimizer_state="bf16")
-        g = torch.Generator().manual_seed(3)
-        for _ in range(3):
-            opt.zero_grad(set_to_none=True)
-            nn.functional.mse_loss(model(torch.randn(8, 64, generator=g)), torch.randn(8, 8, generator=g)).backward()
-            opt.step()
-        monkeypatch.undo()
-        return model, opt
-
-    (listed, listed_opt), (alone, alone_opt) = run(True), run(False)
-    for (name, a), b in zip(listed.named_parameters(), alone.parameters(), strict=True):
-        assert torch.equal(a, b), name
-        assert listed_opt.state[a].keys() == alone_opt.state[b].keys(), name
-        for key, value in listed_opt.state[a].items():
-            assert torch.equal(value, alone_opt.state[b][key]), f"{name} {key}"
+    _listed_as_alone("sgd_bf16_state_builds", level, _sgd(*options), 3, monkeypatch, optimizer_state="bf16")
 
 
 @pytest.mark.parametrize("state", ["8bit", "4bit", "fp8"])
@@ -370,26 +345,11 @@ def test_sgd_with_a_quantized_momentum_steps_in_one_call_as_each_alone(
     other): a group's large weights in one call, weights, codes, scales and compensations bit for bit as the eager
     step of each made them."""
 
-    def run(lists: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
-        if not lists:
-            monkeypatch.setattr(cpu_lists, "sgd_quantized_builds", lambda *_: False)
-        model = _state_model()
-        opt = torch.optim.SGD([{"params": list(model[:2].parameters()), "momentum": 0.9, "nesterov": True,
-                                "weight_decay": 0.01},
-                               {"params": list(model[3:].parameters()), "momentum": 0.8, "dampening": 0.1}],
-                              lr=0.05)  # fmt: skip
-        model, opt = mixprec.prepare(model, opt, level=level, optimizer_state=state)
-        g = torch.Generator().manual_seed(4)
-        for _ in range(3):
-            opt.zero_grad(set_to_none=True)
-            nn.functional.mse_loss(model(torch.randn(8, 64, generator=g)), torch.randn(8, 8, generator=g)).backward()
-            opt.step()
-        monkeypatch.undo()
-        return model, opt
-
-    (listed, listed_opt), (alone, alone_opt) = run(True), run(False)
-    for (name, a), b in zip(listed.named_parameters(), alone.parameters(), strict=True):
-        assert torch.equal(a, b), name
-        assert listed_opt.state[a].keys() == alone_opt.state[b].keys(), name
-        for key, value in listed_opt.state[a].items():
-            assert torch.equal(value, alone_opt.state[b][key]), f"{name} {key}"
+    _listed_as_alone(
+        "sgd_quantized_builds",
+        level,
+        _sgd({"momentum": 0.9, "nesterov": True, "weight_decay": 0.01}, {"momentum": 0.8, "dampening": 0.1}),
+        4,
+        monkeypatch,
+        optimizer_state=state,
+    )

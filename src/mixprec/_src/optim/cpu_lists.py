@@ -41,7 +41,9 @@ __all__ = [
     "takes",
 ]
 
-_SOURCE = r"""
+#: what the chunked list kernels share: the includes, bf16-sr's constants, cpu_adam's helpers, and the loop that
+#: shares every tensor's chunks of CHUNK values out across the cores (a small tensor is not a thread's whole turn)
+_PRELUDE = r"""
 #include <torch/csrc/inductor/cpp_prefix.h>
 #include <algorithm>
 #include <cmath>
@@ -54,6 +56,27 @@ constexpr int32_t WEYL = -1640531535;
 constexpr int64_t CHUNK = 4096;
 using BF16 = c10::BFloat16;
 %(helpers)s
+
+// body(row, first, last) for each chunk [first, last) of each of the n rows of table (width columns, the tensor's
+// number of values in column numel_at)
+template <typename Body>
+inline void over_chunks(const int64_t* table, int64_t n, int64_t width, int64_t numel_at, const Body& body) {
+    std::vector<int64_t> starts(n + 1, 0);  // each tensor's first chunk in the list's
+    for (int64_t i = 0; i < n; ++i) starts[i + 1] = starts[i] + (table[width * i + numel_at] + CHUNK - 1) / CHUNK;
+    const int64_t chunks = starts[n];
+    #pragma omp parallel for schedule(static)
+    for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t i = std::upper_bound(starts.begin(), starts.end(), c) - starts.begin() - 1;
+        const int64_t* row = table + width * i;
+        const int64_t first = (c - starts[i]) * CHUNK;
+        body(row, first, std::min(first + CHUNK, row[numel_at]));
+    }
+}
+"""
+
+_SOURCE = (
+    _PRELUDE
+    + r"""
 
 // sr_kernel.adam_sr_update / kahan.adam_kahan_update on values [first, last) of one tensor: s holds their nine
 // scalars (decay, l2, beta1, 1 - beta1, beta2, 1 - beta2, lr / bias correction 1, 1 / sqrt(bias correction 2), eps)
@@ -118,41 +141,44 @@ inline void update(BF16* p, const BF16* g, BF16* m, BF16* v, BF16* comp, int64_t
 
 // table: n rows of (weight, gradient, exp_avg, exp_avg_sq, compensation or 0, numel, seed)
 extern "C" void kernel(const int64_t* table, int64_t n, const float* s, int64_t rounding) {
-    std::vector<int64_t> starts(n + 1, 0);  // each tensor's first chunk in the list's
-    for (int64_t i = 0; i < n; ++i) starts[i + 1] = starts[i] + (table[7 * i + 5] + CHUNK - 1) / CHUNK;
-    const int64_t chunks = starts[n];
-    #pragma omp parallel for schedule(static)
-    for (int64_t c = 0; c < chunks; ++c) {
-        const int64_t i = std::upper_bound(starts.begin(), starts.end(), c) - starts.begin() - 1;
-        const int64_t* row = table + 7 * i;
-        const int64_t first = (c - starts[i]) * CHUNK, last = std::min(first + CHUNK, row[5]);
+    over_chunks(table, n, 7, 5, [&](const int64_t* row, int64_t first, int64_t last) {
         update(reinterpret_cast<BF16*>(row[0]), reinterpret_cast<const BF16*>(row[1]), reinterpret_cast<BF16*>(row[2]),
                reinterpret_cast<BF16*>(row[3]), reinterpret_cast<BF16*>(row[4]), first, last, s, rounding, row[6]);
-    }
+    });
 }
 """
-_failed = False
+)
+_failed: set[tuple[Any, ...]] = set()  # the kernels that did not build in this process
+
+
+def _load(argtypes: list[str], source: str) -> Any:
+    """``source``'s ``kernel`` built with inductor's toolchain for this CPU (from its cache on disk after the first
+    time), as cpu_adam's kernels are: no floating-point contraction."""
+    from torch._inductor.codecache import CppPythonBindingsCodeCache
+
+    return CppPythonBindingsCodeCache.load_pybinding(argtypes, source, extra_flags=("-ffp-contract=off",))
+
+
+def _builds(key: tuple[Any, ...], build: Any, *args: Any) -> bool:
+    """Whether ``build(*args)`` builds its kernel here (once per process and ``key``; a failure is remembered)."""
+    if key in _failed:
+        return False
+    try:
+        build(*args)
+    except Exception:  # no C++ toolchain, an unsupported platform
+        _failed.add(key)
+        return False
+    return True
 
 
 @functools.cache
 def _compiled() -> Any:
-    from torch._inductor.codecache import CppPythonBindingsCodeCache
-
-    return CppPythonBindingsCodeCache.load_pybinding(["const int64_t*", "int64_t", "const float*", "int64_t"],
-                                                     _SOURCE % {"helpers": _HELPERS},
-                                                     extra_flags=("-ffp-contract=off",))  # fmt: skip
+    return _load(["const int64_t*", "int64_t", "const float*", "int64_t"], _SOURCE % {"helpers": _HELPERS})
 
 
 def available() -> bool:
     """Whether the kernel runs here (compiled at the first call, once per process; a failure is remembered)."""
-    global _failed
-    if _failed:
-        return False
-    try:
-        _compiled()
-    except Exception:  # no C++ toolchain, an unsupported platform
-        _failed = True
-    return not _failed
+    return _builds(("adam",), _compiled)
 
 
 def takes(*tensors: torch.Tensor) -> bool:
@@ -207,45 +233,37 @@ extern "C" void kernel(const int64_t* table, int64_t n, const float* s, int64_t 
 _ONE = 'extern "C" void kernel('
 
 
-@functools.cache
-def _quantized(fmt: str, p_dtype: torch.dtype, g_dtype: torch.dtype) -> Any:
-    from torch._inductor.codecache import CppPythonBindingsCodeCache
-
+def _quantized_values(fmt: str, p_dtype: torch.dtype, g_dtype: torch.dtype) -> dict[str, Any]:
+    """What cpu_adam's quantized source is formatted with for a format and the weight's and gradient's dtypes."""
     bits, block = moments.FORMATS[fmt]
     fp8 = fmt == "fp8"
-    values = {"bits": bits, "block": block, "unsigned_zero": int(not fp8 and q.codebook(bits, False)[0] == 0),
-              "fp8": int(fp8), "p_type": _CTYPES[p_dtype], "g_type": _CTYPES[g_dtype], "helpers": _HELPERS}  # fmt: skip
+    return {"bits": bits, "block": block, "unsigned_zero": int(not fp8 and q.codebook(bits, False)[0] == 0),
+            "fp8": int(fp8), "p_type": _CTYPES[p_dtype], "g_type": _CTYPES[g_dtype], "helpers": _HELPERS}  # fmt: skip
+
+
+@functools.cache
+def _quantized(fmt: str, p_dtype: torch.dtype, g_dtype: torch.dtype) -> Any:
+    values = _quantized_values(fmt, p_dtype, g_dtype)
     source = (_QUANTIZED_SOURCE % values).replace(_ONE, "static void one_tensor(") + _QUANTIZED_LIST % values
-    argtypes = ["const int64_t*", "int64_t", "const float*", "const int32_t*", "const float*", "const int32_t*",
-                "const float*"] + ["int64_t"] * 4  # fmt: skip
-    return CppPythonBindingsCodeCache.load_pybinding(argtypes, source, extra_flags=("-ffp-contract=off",))
+    return _load(["const int64_t*", "int64_t", "const float*", "const int32_t*", "const float*", "const int32_t*",
+                  "const float*"] + ["int64_t"] * 4, source)  # fmt: skip
 
 
 @functools.cache
 def _bf16_state(p_dtype: torch.dtype, g_dtype: torch.dtype) -> Any:
-    from torch._inductor.codecache import CppPythonBindingsCodeCache
-
     values = {"p_type": _CTYPES[p_dtype], "g_type": _CTYPES[g_dtype], "helpers": _HELPERS}
     source = (_BF16_SOURCE % values).replace(_ONE, "static void one_tensor(") + _BF16_LIST % values
-    argtypes = ["const int64_t*", "int64_t", "const float*", "int64_t", "int64_t"]
-    return CppPythonBindingsCodeCache.load_pybinding(argtypes, source, extra_flags=("-ffp-contract=off",))
-
-
-_lists_failed: set[tuple[Any, ...]] = set()
+    return _load(["const int64_t*", "int64_t", "const float*", "int64_t", "int64_t"], source)
 
 
 def lists_build(kind: str, p_dtype: torch.dtype, g_dtype: torch.dtype) -> bool:
     """Whether the list kernel of ``kind`` (a quantized format, or ``"bf16"`` moments) builds here for these dtypes
     (once per process; a failure is remembered)."""
-    key = (kind, p_dtype, g_dtype)
-    if key in _lists_failed or p_dtype not in _CTYPES or g_dtype not in _CTYPES:
+    if p_dtype not in _CTYPES or g_dtype not in _CTYPES:
         return False
-    try:
-        _bf16_state(p_dtype, g_dtype) if kind == moments.BF16 else _quantized(kind, p_dtype, g_dtype)
-    except Exception:  # no C++ toolchain, an unsupported platform
-        _lists_failed.add(key)
-        return False
-    return True
+    if kind == moments.BF16:
+        return _builds((kind, p_dtype, g_dtype), _bf16_state, p_dtype, g_dtype)
+    return _builds((kind, p_dtype, g_dtype), _quantized, kind, p_dtype, g_dtype)
 
 
 def _pointer(t: torch.Tensor | None) -> int:
@@ -279,19 +297,9 @@ def bf16_state_step(rows: list[tuple[Any, ...]], scalars: torch.Tensor, decouple
     kernel(table, len(rows), scalars.contiguous(), int(decoupled), rounding)
 
 
-_SGD_SOURCE = r"""
-#include <torch/csrc/inductor/cpp_prefix.h>
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <vector>
-
-namespace {
-constexpr int32_t WEYL = -1640531535;
-constexpr int64_t CHUNK = 4096;
-using BF16 = c10::BFloat16;
-%(helpers)s
+_SGD_SOURCE = (
+    _PRELUDE
+    + r"""
 
 // torch.optim.SGD's for-loop step on fp32 copies, as ATen computes it (add with alpha is one fused multiply-add, in
 // its vector loop and its tail alike; mul rounds), the momentum buffer stored back to nearest; s: weight decay,
@@ -330,43 +338,34 @@ inline void sgd(BF16* p, const BF16* g, BF16* buf, BF16* comp, int64_t first, in
 
 // table: n rows of (weight, gradient, momentum buffer or 0, compensation or 0, numel, seed, buffer started)
 extern "C" void kernel(const int64_t* table, int64_t n, const float* s, int64_t flags, int64_t rounding) {
-    std::vector<int64_t> starts(n + 1, 0);
-    for (int64_t i = 0; i < n; ++i) starts[i + 1] = starts[i] + (table[7 * i + 4] + CHUNK - 1) / CHUNK;
-    const int64_t chunks = starts[n];
-    #pragma omp parallel for schedule(static)
-    for (int64_t c = 0; c < chunks; ++c) {
-        const int64_t i = std::upper_bound(starts.begin(), starts.end(), c) - starts.begin() - 1;
-        const int64_t* row = table + 7 * i;
-        const int64_t first = (c - starts[i]) * CHUNK, last = std::min(first + CHUNK, row[4]);
+    over_chunks(table, n, 7, 4, [&](const int64_t* row, int64_t first, int64_t last) {
         sgd(reinterpret_cast<BF16*>(row[0]), reinterpret_cast<const BF16*>(row[1]), reinterpret_cast<BF16*>(row[2]),
             reinterpret_cast<BF16*>(row[3]), first, last, s, flags, row[6] != 0, rounding, row[5]);
-    }
+    });
 }
 """
+)
 #: the SGD kernel's flags
 NESTEROV, MAXIMIZE, MOMENTUM = 1, 2, 4
-_sgd_failed = False
 
 
 @functools.cache
 def _sgd() -> Any:
-    from torch._inductor.codecache import CppPythonBindingsCodeCache
-
-    argtypes = ["const int64_t*", "int64_t", "const float*", "int64_t", "int64_t"]
-    return CppPythonBindingsCodeCache.load_pybinding(argtypes, _SGD_SOURCE % {"helpers": _HELPERS},
-                                                     extra_flags=("-ffp-contract=off",))  # fmt: skip
+    return _load(
+        ["const int64_t*", "int64_t", "const float*", "int64_t", "int64_t"], _SGD_SOURCE % {"helpers": _HELPERS}
+    )
 
 
 def sgd_available() -> bool:
     """Whether :func:`sgd_step` runs here (its kernel compiled once per process; a failure is remembered)."""
-    global _sgd_failed
-    if _sgd_failed:
-        return False
-    try:
-        _sgd()
-    except Exception:  # no C++ toolchain, an unsupported platform
-        _sgd_failed = True
-    return not _sgd_failed
+    return _builds(("sgd",), _sgd)
+
+
+def _sgd_scalars(group: dict[str, Any]) -> torch.Tensor:
+    """The SGD kernels' scalars: weight decay, momentum, 1 - dampening, -lr (torch hands each to ATen as a double,
+    which its fp32 kernels narrow to fp32)."""
+    return torch.tensor([float(group["weight_decay"]), float(group["momentum"]), 1.0 - float(group["dampening"]),
+                         -float(group["lr"])], dtype=torch.float32)  # fmt: skip
 
 
 def sgd_step(rows: list[tuple[Any, ...]], group: dict[str, Any], rounding: int) -> None:
@@ -377,29 +376,17 @@ def sgd_step(rows: list[tuple[Any, ...]], group: dict[str, Any], rounding: int) 
     momentum = float(group["momentum"])
     flags = (NESTEROV * bool(group.get("nesterov")) | MAXIMIZE * bool(group.get("maximize"))
              | MOMENTUM * (momentum != 0))  # fmt: skip
-    # torch hands each scalar to ATen as a double, which its fp32 kernels narrow to fp32
-    scalars = torch.tensor([float(group["weight_decay"]), momentum, 1.0 - float(group["dampening"]),
-                            -float(group["lr"])], dtype=torch.float32)  # fmt: skip
+    scalars = _sgd_scalars(group)
     table = torch.tensor([[p.data_ptr(), g.data_ptr(), _pointer(b), _pointer(c), p.numel(), seed, int(started)]
                           for p, g, b, c, seed, started in rows], dtype=torch.int64)  # fmt: skip
     _sgd()(table, len(rows), scalars, flags, rounding)
 
 
-_SGD_BF16_STATE = r"""
-#include <torch/csrc/inductor/cpp_prefix.h>
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <vector>
-
+_SGD_BF16_STATE = (
+    _PRELUDE
+    + r"""
 // SGD with a bf16 momentum buffer rounded stochastically (step.bf16_state.sgd_step): optim.sgd.sgd_update's
 // arithmetic (ATen's add with alpha: one fused multiply-add), the buffer written with its own seed's noise
-namespace {
-constexpr int32_t WEYL = -1640531535;
-constexpr int64_t CHUNK = 4096;
-using BF16 = c10::BFloat16;
-%(helpers)s
 
 // s: weight decay, momentum, 1 - dampening, -lr; nesterov
 inline void sgd(%(p_type)s* p, const %(g_type)s* g, BF16* buf, BF16* comp, int64_t first, int64_t last, const float* s,
@@ -429,42 +416,27 @@ inline void sgd(%(p_type)s* p, const %(g_type)s* g, BF16* buf, BF16* comp, int64
 
 // table: n rows of (weight, gradient, momentum buffer, compensation or 0, numel, seed, buffer's seed, started)
 extern "C" void kernel(const int64_t* table, int64_t n, const float* s, int64_t nesterov, int64_t rounding) {
-    std::vector<int64_t> starts(n + 1, 0);
-    for (int64_t i = 0; i < n; ++i) starts[i + 1] = starts[i] + (table[8 * i + 4] + CHUNK - 1) / CHUNK;
-    const int64_t chunks = starts[n];
-    #pragma omp parallel for schedule(static)
-    for (int64_t c = 0; c < chunks; ++c) {
-        const int64_t i = std::upper_bound(starts.begin(), starts.end(), c) - starts.begin() - 1;
-        const int64_t* row = table + 8 * i;
-        const int64_t first = (c - starts[i]) * CHUNK, last = std::min(first + CHUNK, row[4]);
+    over_chunks(table, n, 8, 4, [&](const int64_t* row, int64_t first, int64_t last) {
         sgd(reinterpret_cast<%(p_type)s*>(row[0]), reinterpret_cast<const %(g_type)s*>(row[1]),
             reinterpret_cast<BF16*>(row[2]), reinterpret_cast<BF16*>(row[3]), first, last, s, nesterov != 0,
             row[7] != 0, rounding, row[5], row[6]);
-    }
+    });
 }
 """
+)
 
 
 @functools.cache
 def _sgd_bf16_state(p_dtype: torch.dtype, g_dtype: torch.dtype) -> Any:
-    from torch._inductor.codecache import CppPythonBindingsCodeCache
-
     source = _SGD_BF16_STATE % {"p_type": _CTYPES[p_dtype], "g_type": _CTYPES[g_dtype], "helpers": _HELPERS}
-    argtypes = ["const int64_t*", "int64_t", "const float*", "int64_t", "int64_t"]
-    return CppPythonBindingsCodeCache.load_pybinding(argtypes, source, extra_flags=("-ffp-contract=off",))
+    return _load(["const int64_t*", "int64_t", "const float*", "int64_t", "int64_t"], source)
 
 
 def sgd_bf16_state_builds(p_dtype: torch.dtype, g_dtype: torch.dtype) -> bool:
     """Whether :func:`sgd_bf16_state_step`'s kernel for these dtypes builds here (once; a failure is remembered)."""
-    key = ("sgd-bf16", p_dtype, g_dtype)
-    if key in _lists_failed or p_dtype not in _CTYPES or g_dtype not in _CTYPES:
+    if p_dtype not in _CTYPES or g_dtype not in _CTYPES:
         return False
-    try:
-        _sgd_bf16_state(p_dtype, g_dtype)
-    except Exception:  # no C++ toolchain, an unsupported platform
-        _lists_failed.add(key)
-        return False
-    return True
+    return _builds(("sgd-bf16", p_dtype, g_dtype), _sgd_bf16_state, p_dtype, g_dtype)
 
 
 def sgd_bf16_state_step(rows: list[tuple[Any, ...]], group: dict[str, Any], rounding: int) -> None:
@@ -473,8 +445,7 @@ def sgd_bf16_state_step(rows: list[tuple[Any, ...]], group: dict[str, Any], roun
     with ``group``'s options, in one call, bit for bit; ``rounding``: the weight's write (:data:`NEAREST` for fp32
     weights)."""
     kernel = _sgd_bf16_state(rows[0][0].dtype, rows[0][1].dtype)
-    scalars = torch.tensor([float(group["weight_decay"]), float(group["momentum"]), 1.0 - float(group["dampening"]),
-                            -float(group["lr"])], dtype=torch.float32)  # fmt: skip
+    scalars = _sgd_scalars(group)
     table = torch.tensor([[p.data_ptr(), g.data_ptr(), b.data_ptr(), _pointer(c), p.numel(), seed, b_seed,
                            int(started)] for p, g, b, c, seed, b_seed, started in rows], dtype=torch.int64)  # fmt: skip
     kernel(table, len(rows), scalars, int(bool(group["nesterov"])), rounding)
@@ -559,29 +530,18 @@ extern "C" void kernel(const int64_t* table, int64_t n, const float* q_table, co
 
 @functools.cache
 def _sgd_quantized(fmt: str, p_dtype: torch.dtype, g_dtype: torch.dtype) -> Any:
-    from torch._inductor.codecache import CppPythonBindingsCodeCache
-
-    bits, block = moments.FORMATS[fmt]
-    fp8 = fmt == "fp8"
-    values = {"bits": bits, "block": block, "unsigned_zero": int(not fp8 and q.codebook(bits, False)[0] == 0),
-              "fp8": int(fp8), "p_type": _CTYPES[p_dtype], "g_type": _CTYPES[g_dtype], "helpers": _HELPERS}  # fmt: skip
+    values = _quantized_values(fmt, p_dtype, g_dtype)
     source = (_QUANTIZED_SOURCE % values).replace(_ONE, "static void one_tensor(") + _SGD_QUANTIZED % values
-    argtypes = ["const int64_t*", "int64_t", "const float*", "const int32_t*", "const float*"] + ["int64_t"] * 3
-    return CppPythonBindingsCodeCache.load_pybinding(argtypes, source, extra_flags=("-ffp-contract=off",))
+    return _load(["const int64_t*", "int64_t", "const float*", "const int32_t*", "const float*"] + ["int64_t"] * 3,
+                 source)  # fmt: skip
 
 
 def sgd_quantized_builds(fmt: str, p_dtype: torch.dtype, g_dtype: torch.dtype) -> bool:
     """Whether :func:`sgd_quantized_step`'s kernel builds here for this format and these dtypes (once; a failure is
     remembered)."""
-    key = ("sgd", fmt, p_dtype, g_dtype)
-    if key in _lists_failed or fmt not in moments.FORMATS or p_dtype not in _CTYPES or g_dtype not in _CTYPES:
+    if fmt not in moments.FORMATS or p_dtype not in _CTYPES or g_dtype not in _CTYPES:
         return False
-    try:
-        _sgd_quantized(fmt, p_dtype, g_dtype)
-    except Exception:  # no C++ toolchain, an unsupported platform
-        _lists_failed.add(key)
-        return False
-    return True
+    return _builds(("sgd", fmt, p_dtype, g_dtype), _sgd_quantized, fmt, p_dtype, g_dtype)
 
 
 def sgd_quantized_step(fmt: str, rows: list[tuple[Any, ...]], group: dict[str, Any], rounding: int) -> None:
