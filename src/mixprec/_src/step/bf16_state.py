@@ -124,7 +124,7 @@ def adam_step(p: torch.Tensor, local_p: torch.Tensor, local_g: torch.Tensor, sta
     gradient) with its moments in bf16 in ``state``: on the CPU ``cpu_adam``'s kernel (one pass, no copies),
     elsewhere a chunk at a time on fp32 copies (the same arithmetic and noise)."""
     names = NAMES["adam"]
-    _ready(state, p, names, first_zero=True)
+    ready_adam(state, p)
     state["step"] += 1
     step = state["step"]
     held = [sharding.local(state[name]) for name in names]
@@ -157,12 +157,7 @@ def sgd_step(p: torch.Tensor, local_p: torch.Tensor, local_g: torch.Tensor, stat
              group: dict[str, Any], seed: Callable[[str, int], int], writeback: Writeback) -> None:  # fmt: skip
     """One SGD-with-momentum step of ``p`` with its momentum buffer in bf16 in ``state``."""
     (name,) = NAMES["sgd"]
-    _ready(state, p, (name,), first_zero=False)
-    if name not in state:  # the first step: the buffer is the gradient, made here
-        state[name] = torch.zeros_like(p, dtype=torch.bfloat16)
-        started = False
-    else:
-        started = True
+    started = ready_sgd(state, p)
     state["step"] += 1
     held = sharding.local(state[name])
     flat = local_p.is_contiguous() and held.is_contiguous()

@@ -3,10 +3,11 @@ in bf16 (``"bf16"``: ``bf16_state``).
 
 The optimizer's own ``step`` stays (its hooks, LR schedulers' wrappers); its ``_init_group``, which
 ``step`` calls once per param group, is overridden on this optimizer: it steps each parameter of at
-least ``optim.moments.MIN_NUMEL`` values with quantized state (``optim.adam.adam_step``,
-``optim.sgd.sgd_step``: one parameter's fp32 copies at a time) and hands the rest (biases, norms)
-to the optimizer's own. ``step`` runs eagerly in a compiled training step (one graph
-break), as bf16-sr's does. :func:`mixprec.export_fp32` puts fp32 moments back.
+least ``optim.moments.MIN_NUMEL`` values with quantized or bf16 state (on the CPU a param group's in one call of
+``optim.cpu_lists``; elsewhere ``optim.fused_adam``'s compiled graph, ``optim.adam.adam_step`` and
+``optim.sgd.sgd_step`` a parameter at a time) and hands the rest (biases, norms) to the optimizer's own.
+``step`` runs eagerly in a compiled training step (one graph break), as bf16-sr's does.
+:func:`mixprec.export_fp32` puts fp32 moments back.
 
 Under FSDP2 each rank steps its shard and quantizes it in blocks of its own (a block never spans
 two ranks' shards), making room for the largest shard's values (FSDP2 shards dim 0, the first rank
