@@ -30,10 +30,10 @@ from typing import Any, cast
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import mixprec
+from mixprec._src import profiling
 from mixprec.bench.workloads import TinyLM
 
 __all__ = [
@@ -155,8 +155,7 @@ def _is_counted(event: Any) -> bool:
 def count_ops(step: Callable[[], Any]) -> int:
     """The ops ``step()`` dispatches: aten ops called outside another aten op, and each compiled graph or mixprec
     CPU kernel as one (under the profiler: nothing runs another way)."""
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        step()
+    prof = profiling.profiled(step)
     counted = 0
     for event in prof.events():
         if not _is_counted(event):

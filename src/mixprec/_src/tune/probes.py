@@ -7,36 +7,18 @@ convolution weights. Everything here syncs with the device: it times work.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import sys
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
-from mixprec._src import timing
+from mixprec._src import profiling, timing
 from mixprec._src.tune.trial import Trial
 
 __all__ = ["COLD_SLOW", "first_step_s", "has_conv_weights", "matmul_slowdown", "profile"]
 
 COLD_SLOW = 10.0  # ... or this much slower on its first (cold) step than the first round's: an emulated dtype
-
-
-@contextlib.contextmanager
-def _quiet_stderr() -> Iterator[None]:
-    """File descriptor 2 sent to /dev/null (C++ writes there directly, past ``sys.stderr``)."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    try:
-        with open(os.devnull, "w") as devnull:
-            os.dup2(devnull.fileno(), 2)
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
 
 
 def profile(trial: Trial, lower: frozenset[str]) -> dict[str, float]:
@@ -45,17 +27,7 @@ def profile(trial: Trial, lower: frozenset[str]) -> dict[str, float]:
     Backward work is attributed to the forward op through the autograd sequence number the
     profiler records on both (the op whose outermost ancestor on ``lower`` created the node).
     """
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if trial.device.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    prof: Any = torch.profiler.profile(activities=activities)
-    with _quiet_stderr():  # the profiler's C++ side prints start/stop lines on the process's stderr
-        prof.__enter__()
-    try:
-        trial.step()
-    finally:
-        with _quiet_stderr():
-            prof.__exit__(None, None, None)
+    prof = profiling.profiled(trial.step, cuda=trial.device.type == "cuda")
     events = prof.events() or []
     backward = "autograd::engine::evaluate_function: "
     on_device = trial.device.type == "cuda"
