@@ -229,12 +229,12 @@ def test_trainer_level(tmp_path: Any) -> None:
     trainer, losses = _trainer_run(tmp_path, MixprecTrainer, {"bf16": True}, level="O2")
     block = trainer.model.transformer.h[0]
     seen = {}
-    for name in ("attn.c_attn", "ln_1"):  # what the forward computes with
-        block.get_submodule(name).register_forward_pre_hook(
-            lambda m, a, name=name: seen.__setitem__(name, (m.weight.dtype, a[0].dtype))
-        )
+    block.attn.c_attn.register_forward_pre_hook(  # what the projection computes with
+        lambda m, a: seen.__setitem__("attn.c_attn", (m.weight.dtype, a[0].dtype))
+    )
+    block.ln_1.register_forward_hook(lambda m, a, out: seen.__setitem__("ln_1", (m.weight.dtype, out.dtype)))
     trainer.model(torch.randint(0, 10, (1, 4), device=trainer.model.device))
-    # the norm runs in fp32 (weight and input); the projection with its bf16 copy, on the norm's fp32 output
+    # the norm computes in fp32 (its weight and output); the projection with its bf16 copy, on the norm's output
     assert seen == {"attn.c_attn": (torch.bfloat16, torch.float32), "ln_1": (torch.float32, torch.float32)}
     masters = trainer.optimizer.optimizer.param_groups[0]["params"]
     assert all(p.dtype is torch.float32 for p in masters)

@@ -65,6 +65,7 @@ FUSED_STATE_TESTS = ("tests/optim/test_fused_adam.py",)
 CPU_ADAM_TESTS = ("tests/optim/test_cpu_adam.py",)
 IN_BACKWARD_TESTS = ("tests/step/test_step_in_backward.py",)
 SLICED_TESTS = ("tests/step/test_sliced_gradients.py",)
+KEPT_TESTS = ("tests/prepare/test_kept_and_copies.py",)
 _BEFORE_STEP = """        grad_x = grad_bias = None
         if ctx.needs_input_grad[0]:  # with the weight as the forward used it, before its step
             grad_x = (grad2.mm(w.t()) if layer.transposed else grad2.mm(w)).view(x.shape)
@@ -249,9 +250,22 @@ MUTANTS = (
            "    return casting.cast_floating((args, kwargs), torch.float32, device_type)",
            "    return args, kwargs", PREPARE_TESTS),
     Mutant("o2-grad-lost", "O2's low-precision copy passes no gradient to the fp32 parameter",
-           S + "prepare/o2_copies.py", "        return grad.to(ctx.master_dtype), None",
-           "        return None, None",
+           S + "prepare/o2_copies.py", "    return widen.view_as(widen)  # recorded", "    return held  # recorded",
            PREPARE_TESTS),
+    Mutant("o2-sparse-grad-lost", "O2's copy of a sparse embedding passes no gradient to the fp32 parameter",
+           S + "prepare/o2_copies.py", "        return grad.to(ctx.master_dtype), None",
+           "        return None, None", KEPT_TESTS),
+    Mutant("o2-uses-summed-wide", "O2 sums a weight's uses' gradients in fp32, where the copy's dtype did before",
+           S + "prepare/o2_copies.py", "    return widen.view_as(widen)  # recorded", "    return widen  # recorded",
+           KEPT_TESTS),
+    Mutant("kept-own-forward-not-fp32", "a torch norm kept by its own forward computes on its bf16 input",
+           S + "prepare/kept.py", "        return input.float()", "        return input", KEPT_TESTS),
+    Mutant("kept-own-forward-ignores-policy", "a norm whose op the policy lowers is kept without the hooks",
+           S + "prepare/kept.py", "(None, OpCategory.FP32) else None", "(None, OpCategory.FP32) else forward",
+           KEPT_TESTS),
+    Mutant("kept-fused-path-on", "in evaluation torch's fused encoder path skips a kept norm's own forward",
+           S + "prepare/prepare.py", "    fused_paths.keep_layers_called(model)  # a kept norm",
+           "    pass  # a kept norm", KEPT_TESTS),
     Mutant("o2-copies-stale", "O2's copies are not refreshed after optimizer.step()",
            S + "prepare/prepare.py",
            "            state.handles.append(optimizer.register_step_post_hook(lambda *_: copies.stale()))",

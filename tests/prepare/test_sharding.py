@@ -127,13 +127,15 @@ def _full(model: nn.Module) -> list[torch.Tensor]:
 
 
 def _seen(model: nn.Module) -> dict[str, Any]:
-    """What the forward computes with, per module: the weight's dtype and the input's, recorded by hooks."""
+    """What the forward computes with, per module, recorded by hooks: the weight's dtype and the input's (a
+    norm's output's: a kept norm casts its input inside its forward)."""
     seen: dict[str, Any] = {}
     layer = model.blocks.layers[0]  # type: ignore[union-attr,index]
-    for name, module in (("norm", layer.norm1), ("linear", layer.linear1), ("head", model.head)):
+    for name, module in (("linear", layer.linear1), ("head", model.head)):
         module.register_forward_pre_hook(
             lambda m, a, name=name: seen.setdefault(name, (m.weight.dtype, a[0].dtype)) and None
         )
+    layer.norm1.register_forward_hook(lambda m, a, out: seen.setdefault("norm", (m.weight.dtype, out.dtype)) and None)
     return seen
 
 

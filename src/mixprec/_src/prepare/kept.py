@@ -1,5 +1,7 @@
 """Modules kept in fp32 at every level: hooks on each kept module turn autocast off inside it and cast its
-floating inputs to fp32.
+floating inputs to fp32. torch's own norm layers whose forward is one op the policy leaves in fp32
+(``nn.LayerNorm``, ``nn.GroupNorm``, ``nn.RMSNorm``) get a forward of their own instead, the same op on
+fp32 inputs: the same numbers without two hooks a call.
 
 The hooks belong to the module, so they run wherever the module runs (a checkpoint's recompute,
 FSDP2, a copy of the model) and read only torch's own autocast state; under ``torch.compile``
@@ -15,13 +17,15 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from mixprec._src import casting
+from mixprec._src import bound_forward, casting
 from mixprec._src.amp import compiled_backward, region
+from mixprec._src.policy.policy import OpCategory, Policy
 from mixprec._src.prepare.config import PrepareConfig
 
-__all__ = ["keep_in_fp32", "outermost", "param_ids"]
+__all__ = ["OwnForward", "keep_in_fp32", "outermost", "param_ids"]
 
 
 def outermost(model: nn.Module, config: PrepareConfig) -> list[nn.Module]:
@@ -87,14 +91,72 @@ def _leave(device_type: str, module: nn.Module, args: tuple[Any, ...], output: A
     _keep_exit(device_type)
 
 
-def keep_in_fp32(modules: Iterable[nn.Module], device_type: str, handles: list[Any]) -> None:
-    """Hooks on each kept module: autocast off inside it, floating inputs cast to fp32.
+def _fp32_input(device_type: str, input: torch.Tensor) -> torch.Tensor:
+    """The input a kept module's hooks would give it: cast to fp32 where autocast is on (eligible tensors)."""
+    if torch.compiler.is_compiling():
+        compiled_backward.backward_like_eager()
+    if torch.is_autocast_enabled(device_type) and casting.eligible(input, device_type):
+        return input.float()
+    return input
 
-    The hooks belong to the module, so they run wherever the module runs: in a checkpoint's
+
+def _layer_norm(device_type: str, module: nn.LayerNorm, input: torch.Tensor) -> torch.Tensor:
+    input = _fp32_input(device_type, input)
+    return F.layer_norm(input, module.normalized_shape, module.weight, module.bias, module.eps)
+
+
+def _group_norm(device_type: str, module: nn.GroupNorm, input: torch.Tensor) -> torch.Tensor:
+    return F.group_norm(_fp32_input(device_type, input), module.num_groups, module.weight, module.bias, module.eps)
+
+
+def _rms_norm(device_type: str, module: nn.RMSNorm, input: torch.Tensor) -> torch.Tensor:
+    return F.rms_norm(_fp32_input(device_type, input), module.normalized_shape, module.weight, module.eps)
+
+
+# torch's norm layers whose forward is one functional call: the call's ATen op and the same call on fp32 inputs
+_OWN_FORWARDS: dict[type[nn.Module], tuple[str, Any]] = {
+    nn.LayerNorm: ("layer_norm", _layer_norm),
+    nn.GroupNorm: ("group_norm", _group_norm),
+    nn.RMSNorm: ("rms_norm", _rms_norm),
+}
+
+
+class OwnForward:
+    """The handle of a kept module's own forward: ``remove()`` gives the module its class's forward back."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def remove(self) -> None:
+        self.module.__dict__.pop("forward", None)
+
+
+def _own_forward(module: nn.Module, policy: Policy) -> Any:
+    """The forward that keeps ``module`` in fp32 without hooks, or ``None`` where only the hooks keep it right:
+    a subclass (its forward may differ), a forward of its own already, or a policy that runs the op in low
+    precision or has module rules (the hooks turn autocast off inside the module; this forward does not)."""
+    found = _OWN_FORWARDS.get(type(module))
+    if found is None or "forward" in module.__dict__ or policy.module_rules:
+        return None
+    op, forward = found
+    return forward if policy.category_of(op) in (None, OpCategory.FP32) else None
+
+
+def keep_in_fp32(modules: Iterable[nn.Module], device_type: str, handles: list[Any],
+                 policy: Policy | None = None) -> None:  # fmt: skip
+    """Keep each module in fp32: autocast off inside it, floating inputs cast to fp32.
+
+    What keeps it belongs to the module, so it runs wherever the module runs: in a checkpoint's
     recompute, under FSDP2, in a copy of the model (``copy.deepcopy``, ``torch.save``); torch's own
-    autocast state is all they read.
+    autocast state is all it reads. torch's norm layers get a forward of their own where ``policy`` (the
+    prepared forward's) leaves their op in fp32: fp32 inputs, the same op, no hooks; the rest get hooks.
     """
     enter, leave = functools.partial(_enter, device_type), functools.partial(_leave, device_type)
     for module in modules:
+        own = None if policy is None else _own_forward(module, policy)
+        if own is not None:
+            bound_forward.bind(module, functools.partial(own, device_type))
+            handles.append(OwnForward(module))
+            continue
         handles.append(module.register_forward_pre_hook(enter, with_kwargs=True, prepend=True))
         handles.append(module.register_forward_hook(leave, always_call=True))

@@ -83,8 +83,9 @@ class ComputeCopies:
 class _FromCopy(torch.autograd.Function):
     """The low-precision copy as the forward's weight; its gradient goes to the fp32 parameter, widened.
 
-    Written with ``forward(ctx, ...)``, not ``setup_context``: with ``setup_context`` every ``apply`` binds its
-    arguments through ``inspect.signature`` (about 50 us a call, a call per parameter per forward)."""
+    The route for tensor subclasses (a ``DTensor`` master): a Python call a parameter in the forward and in
+    the backward. Written with ``forward(ctx, ...)``, not ``setup_context``: with ``setup_context`` every
+    ``apply`` binds its arguments through ``inspect.signature``."""
 
     @staticmethod
     def forward(ctx: Any, master: torch.Tensor, held: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
@@ -96,8 +97,24 @@ class _FromCopy(torch.autograd.Function):
         return grad.to(ctx.master_dtype), None
 
 
-def _from_copy(master: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
-    return cast(torch.Tensor, _FromCopy.apply(master, held))  # type: ignore[no-untyped-call]
+def _from_copy(master: torch.Tensor, held: torch.Tensor, sparse: bool = False) -> torch.Tensor:
+    """``held``'s values with ``master``'s autograd history.
+
+    A view of a view of the master whose data is the copy: their backwards are views' (C++, no Python call).
+    The outer one sums the gradients of the weight's uses in the copy's dtype (as :class:`_FromCopy` and a
+    cached autocast cast do); autograd's engine casts that sum to the master's dtype on its way into the
+    inner one, recorded before its data was swapped, and the master's own accumulator takes it, so the
+    master's hooks (DDP's reducer, a step in backward) fire as for any parameter.
+    The view shares the master's version counter: a step or a write into the master between this forward
+    and its backward is reported by autograd, as it would be for the master itself. Three C++ calls, no
+    kernel. Where the gradient is sparse (``nn.Embedding(sparse=True)``: a view's backward reshapes) or the
+    master a tensor subclass, the copy goes through :class:`_FromCopy`.
+    """
+    if sparse or (type(master) is not nn.Parameter and type(master) is not torch.Tensor):
+        return cast(torch.Tensor, _FromCopy.apply(master, held))  # type: ignore[no-untyped-call]
+    widen = master.view_as(master)  # its backward's input was recorded in the master's dtype: the engine widens
+    widen.data = held
+    return widen.view_as(widen)  # recorded in the copy's dtype: the uses' gradients are summed in it, as before
 
 
 class _Swap:
@@ -108,6 +125,7 @@ class _Swap:
         self.copies = copies
         self.depth = 0  # a module may call itself inside its own forward: swap once
         self.rnn = isinstance(module, nn.RNNBase)  # RNNs read weights from a list made when they are set
+        self.sparse = bool(getattr(module, "sparse", False))  # nn.Embedding(sparse=True), EmbeddingBag
 
     def enter(self, module: nn.Module, args: Any) -> None:
         self.depth += 1
@@ -127,7 +145,7 @@ class _Swap:
                 continue
             held = self.copies.of(master)  # type: ignore[arg-type]
             need_grad = grad and master.requires_grad  # type: ignore[union-attr]
-            module._parameters[name] = _from_copy(master, held) if need_grad else held  # type: ignore[arg-type,assignment]
+            module._parameters[name] = _from_copy(master, held, self.sparse) if need_grad else held  # type: ignore[arg-type,assignment]
         if self.rnn:
             module._init_flat_weights()  # type: ignore[operator]
 

@@ -50,6 +50,7 @@ from mixprec._src.fp8 import all_gather as fp8_all_gather
 from mixprec._src.fp8 import conversion as fp8_conversion
 from mixprec._src.fp8.config import Fp8Config
 from mixprec._src.fp8.linear import Fp8Scaling
+from mixprec._src.gemms import fused_paths
 from mixprec._src.policy.policy import NORM_TYPES, ModuleFilter, Policy, default_policy
 from mixprec._src.prepare import kept, o2_copies
 from mixprec._src.prepare.config import Level, PrepareConfig
@@ -210,7 +211,9 @@ def prepare(
     # Registered first, so it runs before any other step hook (bf16-sr's, the user's).
     check = functools.partial(_check_still_ours, model, state, _Fingerprint())
     state.handles.append(optimizer.register_step_pre_hook(check))
-    kept.keep_in_fp32(kept_modules, device_type, state.handles)
+    policy = config.policy if config.policy is not None else default_policy(device_type)
+    kept.keep_in_fp32(kept_modules, device_type, state.handles, policy)
+    fused_paths.keep_layers_called(model)  # a kept norm with a forward of its own is still called in evaluation
     layers = None
     if config.fp8 is not None:
         inside_kept = {id(m) for k in kept_modules for m in k.modules()}
@@ -240,7 +243,9 @@ def prepare(
     # the handles a pickled model keeps (Prepared.__getstate__): those of the hooks on its own modules
     hook_dicts = {id(d) for m in model.modules() for d in vars(m).values() if isinstance(d, dict)}
     state.on_modules = [
-        h for h in state.handles if isinstance(h, RemovableHandle) and id(h.hooks_dict_ref()) in hook_dicts
+        h
+        for h in state.handles
+        if (isinstance(h, RemovableHandle) and id(h.hooks_dict_ref()) in hook_dicts) or isinstance(h, kept.OwnForward)
     ]
     model.__dict__[_ATTR] = optimizer.__dict__[_ATTR] = state
     return model, optimizer

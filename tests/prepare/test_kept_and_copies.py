@@ -1,0 +1,159 @@
+"""How prepare keeps norms in fp32 and routes O2's gradients, on the paths that cost no Python call.
+
+torch's norm layers get a forward of their own (fp32 inputs, the same op) instead of the two hooks other
+kept modules get; O2's copies reach the masters' gradients through a view (C++ backward) instead of an
+autograd Function. Both must give the numbers of the paths they replace, bit for bit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import mixprec
+from helpers import bitwise_equal
+from mixprec._src.prepare import o2_copies
+
+
+class _LayerNorm(nn.LayerNorm):  # a subclass: kept by the hooks
+    pass
+
+
+class _GroupNorm(nn.GroupNorm):
+    pass
+
+
+class _RMSNorm(nn.RMSNorm):
+    pass
+
+
+NORMS = {
+    "layer": (lambda: nn.LayerNorm(16), lambda: _LayerNorm(16)),
+    "group": (lambda: nn.GroupNorm(4, 16), lambda: _GroupNorm(4, 16)),
+    "rms": (lambda: nn.RMSNorm(16), lambda: _RMSNorm(16)),
+}
+
+
+def _net(norm: nn.Module) -> nn.Module:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 16), norm, nn.Linear(16, 4))
+    with torch.no_grad():  # a norm's weight that is not all ones, so a wrong weight shows
+        for p in norm.parameters():
+            p.uniform_(0.5, 1.5)
+    return net
+
+
+def _run(net: nn.Module, level: str) -> tuple[list[torch.Tensor], nn.Module]:
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    net, opt = mixprec.prepare(net, opt, level=level)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    out = net(x)
+    out.square().sum().backward()
+    return [out.detach(), x.grad, *(p.grad for p in net.parameters())], net
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "bf16-pure"])
+@pytest.mark.parametrize("kind", list(NORMS))
+def test_a_torch_norm_kept_by_its_own_forward_computes_as_the_hooks_do(kind: str, level: str) -> None:
+    own, hooked = NORMS[kind]
+    ours, net = _run(_net(own()), level)
+    theirs, other = _run(_net(hooked()), level)
+    assert "forward" in net[1].__dict__ and not net[1]._forward_pre_hooks  # the path under test
+    assert "forward" not in other[1].__dict__ and other[1]._forward_pre_hooks
+    assert bitwise_equal(ours, theirs)
+    seen = []
+    net[1].register_forward_hook(lambda m, a, out: seen.append((a[0].dtype, out.dtype)))
+    net(torch.randn(2, 16))
+    assert seen == [(torch.bfloat16, torch.float32)]  # the linear's bf16 output in, fp32 out
+
+
+def test_a_policy_that_lowers_the_norms_op_keeps_it_with_hooks() -> None:
+    # inside a kept module autocast is off: only the hooks do that; the own forward would run the op in bf16
+    policy = mixprec.builtin_policy("cpu").add("lower", "layer_norm")
+    net = _net(nn.LayerNorm(16))
+    net, _ = mixprec.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1), level="O1", policy=policy)
+    assert "forward" not in net[1].__dict__
+    seen = []
+    net[1].register_forward_hook(lambda m, a, out: seen.append(out.dtype))
+    net(torch.randn(2, 16))
+    assert seen == [torch.float32]
+
+
+def test_a_kept_norm_with_a_forward_of_its_own_is_undone_by_export() -> None:
+    net = _net(nn.LayerNorm(16))
+    net, opt = mixprec.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1), level="O2")
+    mixprec.export_fp32(net, opt)
+    assert not any("forward" in m.__dict__ for m in net.modules())
+
+
+def test_eval_keeps_the_encoders_fused_path_off_where_a_norm_has_its_own_forward(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # torch's fused encoder path would run the norms in the kernel's precision, skipping their forward
+    fused = torch._transformer_encoder_layer_fwd
+    calls: list[int] = []
+    monkeypatch.setattr(torch, "_transformer_encoder_layer_fwd", lambda *a, **k: calls.append(1) or fused(*a, **k))
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+    enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval()
+    with torch.no_grad():
+        enc(torch.randn(2, 5, 16))
+    assert calls  # the probe sees the fused path where nothing stops it
+    calls.clear()
+    enc, _ = mixprec.prepare(enc, torch.optim.SGD(enc.parameters(), lr=0.1), level="O1")
+    assert "forward" in enc.layers[0].norm1.__dict__
+    with torch.no_grad():
+        enc(torch.randn(2, 5, 16))
+    assert not calls
+
+
+# ----- O2: the gradient through the copy -------------------------------------------------------
+
+
+def _o2_grads(route: object) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    master = torch.randn(6, 5, requires_grad=True)
+    held = master.detach().to(torch.bfloat16)
+    x = torch.randn(3, 5, dtype=torch.bfloat16)
+    weight = route(master, held)  # type: ignore[operator]
+    assert weight.dtype is torch.bfloat16 and torch.equal(weight, held)
+    (F.linear(x, weight).float().square().sum() + F.linear(x, weight).float().sum()).backward()  # used twice
+    return [master.grad]
+
+
+def test_o2_copies_view_route_gives_the_functions_gradient_in_cxx() -> None:
+    assert bitwise_equal(_o2_grads(o2_copies._from_copy), _o2_grads(o2_copies._FromCopy.apply))
+    master = torch.randn(4, 4, requires_grad=True)
+    weight = o2_copies._from_copy(master, master.detach().to(torch.bfloat16))
+    assert type(weight.grad_fn).__name__ == "ViewBackward0"  # no Python call in backward
+    assert master.grad is None and _o2_grads(o2_copies._from_copy)[0].dtype is torch.float32
+
+
+def test_o2_masters_own_hooks_fire_during_backward() -> None:
+    # what DDP's reducer and a step in backward rely on: each master's gradient is accumulated by autograd
+    net = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+    net, _ = mixprec.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1), level="O2")
+    fired: list[torch.dtype] = []
+    for p in net.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: fired.append(p.grad.dtype))
+    net(torch.randn(3, 8)).sum().backward()
+    assert fired == [torch.float32] * 4
+
+
+def test_o2_a_master_written_between_forward_and_backward_is_reported() -> None:
+    net = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    net, _ = mixprec.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1), level="O2")
+    out = net(torch.randn(3, 8)).sum()
+    with torch.no_grad():
+        net[2].weight.add_(1.0)  # what the backward would read is no longer what the forward computed with
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.backward()
+
+
+def test_o2_a_sparse_embedding_takes_the_function_route() -> None:
+    net = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2))
+    net, _ = mixprec.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1), level="O2")
+    net(torch.tensor([[1, 2, 3]])).sum().backward()
+    assert net[0].weight.grad.is_sparse and net[0].weight.grad.dtype is torch.float32
