@@ -157,3 +157,121 @@ def test_o2_a_sparse_embedding_takes_the_function_route() -> None:
     net, _ = mixprec.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1), level="O2")
     net(torch.tensor([[1, 2, 3]])).sum().backward()
     assert net[0].weight.grad.is_sparse and net[0].weight.grad.dtype is torch.float32
+
+
+# ----- norms of libraries mixprec does not import ------------------------------------------------
+
+
+class LlamaRMSNorm(nn.Module):  # Hugging Face's, as written there
+    def __init__(self, size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight, self.variance_epsilon = nn.Parameter(torch.ones(size)), eps
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        dtype = hidden.dtype
+        hidden = hidden.to(torch.float32)
+        hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * hidden.to(dtype)
+
+
+class T5LayerNorm(LlamaRMSNorm):
+    pass
+
+
+class GemmaRMSNorm(LlamaRMSNorm):  # Hugging Face's: its output in its input's dtype
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        x = hidden.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return (x * (1.0 + self.weight.float())).type_as(hidden)
+
+
+class RmsNorm2d(LlamaRMSNorm):  # timm's
+    pass
+
+
+class MambaRMSNormGated(LlamaRMSNorm):
+    pass
+
+
+class FusedLayerNorm(nn.Module):  # apex's
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(4))
+
+
+class AdaLayerNorm(nn.Module):  # a modulation block named like a norm, with a projection inside
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear, self.norm = nn.Linear(4, 8), nn.LayerNorm(4, elementwise_affine=False)
+
+
+class Normalizer(nn.Module):
+    pass
+
+
+@pytest.mark.parametrize(("cls", "norm"), [(LlamaRMSNorm, True), (T5LayerNorm, True), (RmsNorm2d, True),
+                                           (MambaRMSNormGated, True), (FusedLayerNorm, True), (AdaLayerNorm, False),
+                                           (Normalizer, False), (nn.Linear, False)])  # fmt: skip
+def test_norms_of_other_libraries_are_recognised_by_class_name(cls: type[nn.Module], norm: bool) -> None:
+    from mixprec._src.policy.policy import named_like_a_norm
+
+    module = cls(4) if cls in (LlamaRMSNorm, T5LayerNorm, RmsNorm2d, MambaRMSNormGated) else (
+        nn.Linear(4, 4) if cls is nn.Linear else cls())  # fmt: skip
+    assert named_like_a_norm(module) is norm
+
+
+@pytest.mark.parametrize("level", ["O2", "bf16-sr", "bf16-pure"])
+def test_a_norm_of_another_library_is_kept_in_fp32_by_default(level: str) -> None:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 16), LlamaRMSNorm(16), nn.Linear(16, 16), nn.Linear(16, 4))
+    net, opt = mixprec.prepare(net, torch.optim.AdamW(net.parameters(), lr=1e-2), level=level,
+                               fp8=mixprec.Fp8Config(convert_head=True))  # fmt: skip
+    assert net[1].weight.dtype is torch.float32 and net[1]._forward_pre_hooks  # kept, by the hooks
+    assert all(p.dtype is (torch.bfloat16 if level != "O2" else torch.float32) for p in net[3].parameters())
+    seen = []
+    net[1].register_forward_hook(lambda m, a, out: seen.append(out.dtype))
+    F.mse_loss(net(torch.randn(8, 16)), torch.randn(8, 4)).backward()
+    opt.step()
+    assert seen == [torch.float32] and net[1].weight.grad.dtype is torch.float32
+    layers = mixprec.fp8_layers(net)
+    assert layers is not None and layers.kept == [("1", "LlamaRMSNorm")]
+    assert "kept in fp32: 1 module(s): LlamaRMSNorm x1" in str(layers)
+
+
+def test_a_config_built_llama_keeps_its_rms_norms_in_fp32() -> None:
+    transformers = pytest.importorskip("transformers")
+    size = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    config = transformers.LlamaConfig(**size, num_key_value_heads=2, max_position_embeddings=16)
+    model = transformers.LlamaForCausalLM(config)
+    model, opt = mixprec.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3), level="bf16-sr")
+    norms = {n: m for n, m in model.named_modules() if type(m).__name__ == "LlamaRMSNorm"}
+    assert len(norms) == 5  # two a layer and the final one
+    kept = {id(p) for m in norms.values() for p in m.parameters()}
+    assert all((p.dtype is torch.float32) == (id(p) in kept) for p in model.parameters())
+    model(torch.randint(0, 64, (2, 8)), labels=torch.randint(0, 64, (2, 8))).loss.backward()
+    opt.step()
+    assert all(opt.state[p]["exp_avg"].dtype is torch.float32 for m in norms.values() for p in m.parameters())
+
+
+def test_a_policy_keeping_norms_recognises_another_librarys_under_fullgraph_compile() -> None:
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 16), GemmaRMSNorm(16))  # kept: fp32 in, fp32 out; else bf16 out
+    policy = mixprec.get_policy("cpu").keep_modules(mixprec.NORM_TYPES)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        with mixprec.autocast("cpu", dtype=torch.bfloat16, policy=policy):
+            return net(x)  # type: ignore[no-any-return]
+
+    x = torch.randn(2, 16)
+    eager = forward(x)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(forward, fullgraph=True, backend=counter)
+    for _ in range(2):
+        got = compiled(x)
+        assert got.dtype is torch.float32 and bitwise_equal(got, eager)
+    assert counter.frame_count == 1
+    with mixprec.autocast("cpu", policy=policy):  # an eager region with rules removes the global module hooks
+        pass

@@ -15,9 +15,11 @@ histories, so every rank holds the same scaling state (a checkpoint saves it onc
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import warnings
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -60,6 +62,8 @@ class Fp8Layers:
         skipped: ``(qualified name, reason)`` of each GEMM layer left in its dtype, and of each module
             holding a GEMM's weight that is not a layer (``gemms.sites.left_out``).
         flops_per_row: per layer (converted or skipped), its GEMM's FLOPs per row (token): ``2 * in * out``.
+        kept: ``(qualified name, class name)`` of each module the prepare config keeps in fp32 (the norms, by
+            default: torch's and, by class name, other libraries'), whose GEMMs stay out of fp8.
     """
 
     config: Fp8Config
@@ -67,6 +71,7 @@ class Fp8Layers:
     skipped: list[tuple[str, str]]
     modules: dict[str, nn.Module] = dataclasses.field(repr=False, default_factory=dict)
     flops_per_row: dict[str, int] = dataclasses.field(repr=False, default_factory=dict)
+    kept: list[tuple[str, str]] = dataclasses.field(default_factory=list)
 
     def share(self) -> float:
         """The converted layers' share of the layers' GEMM FLOPs per row (each layer seeing every token once).
@@ -82,6 +87,10 @@ class Fp8Layers:
             + (f"; {self.share():.1%} of the GEMM FLOPs per token" if self.flops_per_row else "")
         ]
         lines += [f"  {name or '<model>'}: {reason}" for name, reason in self.skipped]
+        if self.kept:
+            classes = collections.Counter(cls for _, cls in self.kept)
+            lines.append(f"kept in fp32: {len(self.kept)} module(s): "
+                         + ", ".join(f"{cls} x{n}" for cls, n in classes.items()))  # fmt: skip
         return "\n".join(lines)
 
     def scalings(self) -> list[tuple[str, Fp8Scaling]]:
@@ -133,8 +142,10 @@ def check_device(model: nn.Module, config: Fp8Config) -> None:
         )
 
 
-def convert(model: nn.Module, config: Fp8Config, kept: set[int]) -> Fp8Layers:
-    """Give the chosen GEMM layers of ``model`` an fp8 forward (in place); ``kept``: ids of modules kept in fp32.
+def convert(model: nn.Module, config: Fp8Config, kept: set[int],
+            kept_names: Iterable[tuple[str, str]] = ()) -> Fp8Layers:  # fmt: skip
+    """Give the chosen GEMM layers of ``model`` an fp8 forward (in place); ``kept``: ids of modules kept in fp32
+    (``kept_names``: the outermost of them, named for the report).
 
     Routes the model's attentions (``gemms.attention``) so their projections are layers; a module kept in
     fp32 keeps what it holds (its attention's in-projection included).
@@ -143,7 +154,7 @@ def convert(model: nn.Module, config: Fp8Config, kept: set[int]) -> Fp8Layers:
     found = sites.gemm_layers(model)
     kept = kept | {id(m) for _, m, _ in found if id(getattr(m, "owner", None)) in kept}
     head = head_of(model, found)
-    layers = Fp8Layers(config, [], [])
+    layers = Fp8Layers(config, [], [], kept=list(kept_names))
     for name, module, _ in found:
         layers.flops_per_row[name] = kinds.flops_per_row(module)
         if is_converted(module):  # given its own fp8 recipe before (mixprec.set_layer_precision): it keeps it

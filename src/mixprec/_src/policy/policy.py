@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import re
 import textwrap
 from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType
@@ -50,6 +51,7 @@ __all__ = [
     "builtin_policy",
     "default_policy",
     "format_policy",
+    "named_like_a_norm",
     "ModuleFilter",
     "ModuleRule",
     "OpCategory",
@@ -77,7 +79,9 @@ class OpCategory(NamedEnum):
         return "op category", "categories"
 
 
-#: Norm layers, the usual modules to keep in fp32.
+#: Norm layers, the usual modules to keep in fp32. A rule with all of them (``norm`` in a policy's string
+#: form, prepare's default) also matches the norms of libraries mixprec does not import, by class name
+#: (:func:`named_like_a_norm`).
 NORM_TYPES: tuple[type[nn.Module], ...] = (
     nn.modules.batchnorm._NormBase,
     nn.LayerNorm,
@@ -85,6 +89,32 @@ NORM_TYPES: tuple[type[nn.Module], ...] = (
     nn.LocalResponseNorm,
     *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()),
 )
+
+# Hugging Face's LlamaRMSNorm, MistralRMSNorm, Qwen2RMSNorm, GemmaRMSNorm, T5LayerNorm, MambaRMSNormGated;
+# timm's RmsNorm, RmsNorm2d, LayerNorm2d, BatchNormAct2d; apex's FusedLayerNorm, FusedRMSNorm, MixedFusedRMSNorm.
+_NORM_NAME = re.compile(r"(rms|layer|group|batch|instance)_?norm(act)?(\d*d)?(gated)?$", re.IGNORECASE)
+
+
+_NORM_CLASSES: dict[type, bool] = {}
+
+
+@torch._dynamo.assume_constant_result  # type: ignore[untyped-decorator]  # Dynamo cannot trace re
+def _norm_class(cls: type) -> bool:
+    found = _NORM_CLASSES.get(cls)
+    if found is None:
+        mro = (k for k in cls.__mro__ if k is not nn.Module and k is not object)
+        found = _NORM_CLASSES[cls] = any(_NORM_NAME.search(k.__name__) for k in mro)
+    return found
+
+
+def named_like_a_norm(module: nn.Module) -> bool:
+    """Whether ``module`` is a norm layer of a library mixprec does not import: its class (or a base) is named
+    like one (``...RMSNorm``, ``...LayerNorm``, ``RmsNorm2d``, ``...GroupNorm``, ``...BatchNormAct2d``, a
+    ``...Gated`` variant) and no module inside it holds parameters (a block named so, with projections
+    inside such as an adaptive norm, is not one)."""
+    if not _norm_class(type(module)):
+        return False
+    return not any(True for child in module.children() for _ in child.parameters())
 
 
 #: ``(module, qualified_name) -> bool``, as torchao's ``module_filter_fn``.
@@ -105,6 +135,8 @@ class ModuleRule:
     types: tuple[type[nn.Module], ...] = ()
     names: tuple[str, ...] = ()
     dtype: torch.dtype = torch.float32
+    # Whether the types hold every one of NORM_TYPES: then norms named like one match too.
+    _norms: bool = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # One type or one pattern may be given bare: types=nn.LayerNorm, names="head".
@@ -117,10 +149,14 @@ class ModuleRule:
                 raise TypeError(f"ModuleRule.types takes nn.Module subclasses, got {t!r}")
         if not self.types and not self.names:
             raise PolicyError("a ModuleRule needs types=(SomeModule, ...) or names=('pattern', ...)")
+        object.__setattr__(self, "_norms", all(t in self.types for t in NORM_TYPES))
 
     def matches(self, module: nn.Module, name: str) -> bool:
-        """Whether this rule applies to ``module`` called under qualified ``name``."""
-        return isinstance(module, self.types) or (bool(self.names) and _name_matches(self.names, name))
+        """Whether this rule applies to ``module`` called under qualified ``name`` (with every one of
+        :data:`NORM_TYPES` among its types, also a norm of another library: :func:`named_like_a_norm`)."""
+        if isinstance(module, self.types) or (self._norms and named_like_a_norm(module)):
+            return True
+        return bool(self.names) and _name_matches(self.names, name)
 
     def describe(self) -> str:
         """One line: what matches and the dtype, e.g. ``LayerNorm, 'head' -> fp32``."""

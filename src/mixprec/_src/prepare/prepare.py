@@ -217,7 +217,9 @@ def prepare(
     layers = None
     if config.fp8 is not None:
         inside_kept = {id(m) for k in kept_modules for m in k.modules()}
-        layers = fp8_conversion.convert(model, config.fp8, inside_kept)
+        outermost = {id(k) for k in kept_modules}
+        named = [(n, type(m).__name__) for n, m in model.named_modules() if id(m) in outermost]
+        layers = fp8_conversion.convert(model, config.fp8, inside_kept, named)
         group = sharding.process_group(model) if sharded else None
         state.handles.append(optimizer.register_step_post_hook(lambda *_: fp8_conversion.advance(layers, group)))
     # Every prepared model loads checkpoints of the same model under another fp8 recipe, or none.
