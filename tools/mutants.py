@@ -8,6 +8,7 @@ if any survives or is stale.
     python tools/mutants.py              # every mutant (a few minutes)
     python tools/mutants.py --list       # the list
     python tools/mutants.py scaler-never-skips promote-no-op
+    python tools/mutants.py --without tests/layers/test_layer_plan.py::test_x   # which only that test kills
 """
 
 from __future__ import annotations
@@ -618,11 +619,12 @@ def _copy(into: Path) -> None:
             shutil.copy2(source, into / name)
 
 
-def run(mutant: Mutant, python: str, baseline: bool = False) -> tuple[str, float]:
+def run(mutant: Mutant, python: str, baseline: bool = False, without: tuple[str, ...] = ()) -> tuple[str, float]:
     """Apply ``mutant`` to a copy of the repository and run its tests: ``("killed" | "SURVIVED" | "STALE", s)``.
 
     ``baseline``: run its tests on the unchanged copy instead (they must pass, or every mutant would
-    look killed: ``"killed"`` then means the tests are broken there).
+    look killed: ``"killed"`` then means the tests are broken there). ``without``: test ids left out (a
+    mutant that survives then was killed only by them).
     """
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="mixprec-mutant-") as tmp:
@@ -636,6 +638,7 @@ def run(mutant: Mutant, python: str, baseline: bool = False) -> tuple[str, float
             path.write_text(text.replace(mutant.old, mutant.new))
         env = {**os.environ, "PYTHONPATH": str(copy / "src")}
         command = [python, "-m", "pytest", "-q", "-x", "-m", "not slow", "-p", "no:cacheprovider", *mutant.tests]
+        command += [f"--deselect={test}" for test in without]
         result = subprocess.run(command, cwd=copy, env=env, capture_output=True, text=True)
     return ("killed" if result.returncode != 0 else "SURVIVED"), time.perf_counter() - start
 
@@ -644,6 +647,8 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("names", nargs="*", help="mutants to run (default: all)")
     parser.add_argument("--list", action="store_true", help="list the mutants and exit")
+    parser.add_argument("--without", action="append", default=[], metavar="TEST_ID",
+                        help="leave this test out (repeatable): what survives was killed only by it")  # fmt: skip
     args = parser.parse_args(argv)
     by_name = {m.name: m for m in MUTANTS}
     if args.list:
@@ -655,14 +660,17 @@ def main(argv: list[str]) -> int:
         print(f"unknown mutants: {', '.join(unknown)}; see --list", file=sys.stderr)
         return 2
     chosen = [by_name[n] for n in args.names] or list(MUTANTS)
+    without = tuple(args.without)
+    if without:  # only the mutants whose tests hold what is left out
+        chosen = [m for m in chosen if any(t.split("::")[0] in m.tests for t in without)]
     for tests in dict.fromkeys(m.tests for m in chosen):  # each test group passes unmutated, in a copy
-        outcome, _ = run(next(m for m in chosen if m.tests == tests), sys.executable, baseline=True)
+        outcome, _ = run(next(m for m in chosen if m.tests == tests), sys.executable, baseline=True, without=without)
         if outcome != "SURVIVED":
             print(f"the unmutated copy fails or lacks {', '.join(tests)}: fix that first", file=sys.stderr)
             return 1
     outcomes = []
     for mutant in chosen:
-        outcome, seconds = run(mutant, sys.executable)
+        outcome, seconds = run(mutant, sys.executable, without=without)
         outcomes.append(outcome)
         print(f"{outcome:9} {seconds:5.0f} s  {mutant.name:32} {mutant.what}", flush=True)
     killed = outcomes.count("killed")

@@ -63,9 +63,9 @@ def test_a_layers_noisy_timings_are_repeated_and_kept(monkeypatch: pytest.Monkey
 
     rng, readings = random.Random(0), [0.0]
 
-    def noisy() -> float:  # every reading adds 0-20 ms: runs of the same GEMM far apart
-        readings.append(readings[-1] + rng.uniform(0.0, 0.02))
-        return time.perf_counter() + readings[-1]
+    def noisy() -> float:  # the whole clock is fake: a run reads 1 ms and 0-20 ms of noise, on any machine
+        readings.append(readings[-1] + 0.001 + rng.uniform(0.0, 0.02))
+        return readings[-1]
 
     monkeypatch.setattr(timing, "clock", noisy)
     measured, _ = layer_plan.measure(_Net(), torch.randn(4, 4, 24), square_loss, ["bf16"], time.perf_counter() + 60)
