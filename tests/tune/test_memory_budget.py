@@ -87,3 +87,32 @@ def test_o2_gives_up_its_fp32_moments_for_bf16_ones_before_quantizing_them() -> 
     assert fit.changes(base) == {"optimizer_state": "bf16"}
     fitted = dataclasses.replace(base, optimizer_state="bf16")
     assert "the optimizer state's precision (bf16 instead of fp32)" in fit.gave_up(fitted)
+
+
+def test_memory_planning_is_not_spent_from_the_time_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    import re
+    import time
+    import types
+
+    from mixprec._src.tune import memory_fit
+    from mixprec._src.tune.rounds import Search
+
+    search = Search(nn.Linear(2, 2), None, None, _loss, torch.device("cpu"), None, 100.0, None)  # type: ignore[arg-type]
+    assert search.deadline == 100.0
+    search.fit = types.SimpleNamespace(seconds=7.5)
+    assert search.deadline == 107.5  # planning's seconds do not end the measuring
+    # and tune says how long planning took
+    plan, calls = memory_fit.memory_plan, []
+
+    def slow_plan(*args: object, **kwargs: object) -> object:
+        calls.append(1)
+        time.sleep(0.05)
+        return plan(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(memory_fit, "memory_plan", slow_plan)
+    model, batch = _mlp()
+    recipe = mixprec.tune(model, batch, _loss, budget_s=20, dtypes=("bf16",), levels=("bf16-sr",), per_layer=False,
+                          memory_budget="1GiB")  # fmt: skip
+    (note,) = [n for n in recipe.notes if n.startswith("memory planning took")]
+    seconds = float(re.findall(r"took ([0-9.]+) s", note)[0])
+    assert calls and seconds >= 0.05 * len(calls) - 0.05  # rounded to tenths

@@ -11,6 +11,7 @@ smallest peak any reaches.
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -73,13 +74,16 @@ class Fit:
                  loss_of: Callable[[Any], torch.Tensor], budget: int) -> None:  # fmt: skip
         self.model, self.optimizer, self.batch, self.loss_of, self.budget = model, optimizer, batch, loss_of, budget
         self.peaks: dict[str, int] = {}
+        self.seconds = 0.0  # spent planning: outside tune's budget_s, which is for measuring
 
     def peak(self, recipe: Recipe) -> int:
         """``recipe``'s predicted peak in bytes (cached by name)."""
         if recipe.name not in self.peaks:
+            begin = time.perf_counter()
             plan = memory_plan(self.model, self.optimizer, recipe, batch=self.batch, loss_fn=self.loss_of)
             assert plan.peak is not None
             self.peaks[recipe.name] = plan.peak
+            self.seconds += time.perf_counter() - begin
         return self.peaks[recipe.name]
 
     def fits(self, recipe: Recipe) -> bool:

@@ -41,7 +41,8 @@ class Search:
                  loss_of: Callable[[Any], torch.Tensor], device: torch.device, tol: Tolerance,
                  deadline: float, progress: Progress | None) -> None:  # fmt: skip
         self.model, self.optimizer, self.inputs, self.loss_of = model, optimizer, inputs, loss_of
-        self.device, self.tol, self.deadline, self.progress = device, tol, deadline, progress
+        self.device, self.tol, self.progress = device, tol, progress
+        self._deadline = deadline
         self.results: dict[str, Measurement] = {}
         self.recipes: dict[str, Recipe] = {}
         self.out_of_time = False
@@ -50,6 +51,11 @@ class Search:
         self.setup_s = 0.0  # the longest a candidate took to set up (a deep copy, prepare)
         self.first_step_s: dict[torch.dtype, float] = {}  # a first step's estimate, by dtype (see first_step_s)
         self.repeated = 0  # the most steps a noisy round took (0: none was repeated)
+
+    @property
+    def deadline(self) -> float:
+        """When the budget ends: ``budget_s`` of measuring, the memory planning's seconds not counted."""
+        return self._deadline + (self.fit.seconds if self.fit is not None else 0.0)
 
     def say(self, text: str) -> None:
         if self.progress is not None:

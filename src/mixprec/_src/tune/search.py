@@ -100,7 +100,8 @@ def tune(
         optimizer: the optimizer you train with (its state is copied, not stepped); default
             ``torch.optim.AdamW(model.parameters())``.
         device: where the model is; default and only valid value: the device of its parameters.
-        budget_s: seconds the search may take; it stops there and keeps the best so far.
+        budget_s: seconds the search may measure for; it stops there and keeps the best so far. Planning
+            memory for ``memory_budget`` is not counted (a note says how long it took).
         tolerance: the accuracy guard; default :class:`Tolerance`'s.
         dtypes: compute dtypes to search (fp32 counts: if it is the fastest, the recipe is fp32).
         levels: :func:`mixprec.prepare` levels to search besides O1 (always searched). bf16-pure is left
@@ -181,14 +182,19 @@ def tune(
             wanted = [short_name(d) for d in searched] + list(layer_plan.FP8_CANDIDATES)
             # dtypes whose matmuls are emulated here, with how much slower than fp32's they are
             emulated = {short_name(d): s / (3 * forward_s) for d, s in search.first_step_s.items() if forward_s > 0}
-            measured, plan_notes = layer_plan.measure(model, batch, loss_of, wanted, start + _PLAN_SHARE * budget_s,
-                                                      emulated, search.say)  # fmt: skip
+            planned_s = search.fit.seconds if search.fit is not None else 0.0  # memory planning: not the budget's
+            measured, plan_notes = layer_plan.measure(model, batch, loss_of, wanted,
+                                                      start + planned_s + _PLAN_SHARE * budget_s, emulated,
+                                                      search.say)  # fmt: skip
             notes += plan_notes
             plan = _Plan(measured, layer_sqnr_db, min_speedup) if measured else None
         recipe = _run_search(search, model, batch, loss_fn, targets, searched, search_levels, default_dtype,
                              min_speedup, notes, plan)  # fmt: skip
         if plan is not None:
             recipe = plan.attach(recipe)
+    if search.fit is not None and search.fit.seconds:
+        note = f"memory planning took {search.fit.seconds:.1f} s, outside budget_s (which is for measuring)"
+        recipe = dataclasses.replace(recipe, notes=(*recipe.notes, note))
     measured_on = f"{found.type}" + (f" ({torch.cuda.get_device_name(found)})" if found.type == "cuda" else "")
     return dataclasses.replace(recipe, measured_on=f"{measured_on}, torch {torch.__version__}",
                                tuning_s=time.perf_counter() - start)  # fmt: skip
