@@ -225,6 +225,47 @@ def test_ctrl_c_writes_what_finished(
     assert "Interrupted" in (out / "report.md").read_text()
 
 
+def test_a_workload_that_raises_loses_no_finished_work_and_is_named(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from mixprec.bench import runner
+
+    step, run_workload = runner._Run.step, runner.run_workload
+    calls: list[str] = []
+    written: list[set[str]] = []
+    from mixprec.bench import report as report_module
+
+    runner_report_write = report_module.write
+
+    def counted(workload: str, *args: Any, **kwargs: Any) -> Any:
+        calls.append(workload)
+        return run_workload(workload, *args, **kwargs)
+
+    def broken(self: Any, i: int) -> float:
+        if len(calls) == 4:  # the warm-up of both, mlp, then checkerboard's main pass raises
+            raise RuntimeError("a kernel failed")
+        return step(self, i)
+
+    def recorded(report: Any, *args: Any, **kwargs: Any) -> Any:
+        written.append(set(report.results))
+        return runner_report_write(report, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "run_workload", counted)
+    monkeypatch.setattr(runner._Run, "step", broken)
+    monkeypatch.setattr("mixprec.bench.report.write", recorded)
+    out = tmp_path / "out"
+    code = cli.main(["bench", "--size", "tiny", "--steps", "3", "--workloads", "mlp,checkerboard", "--modes",
+                     "fp32,mixprec", "--quiet", "--out", str(out)])  # fmt: skip
+    assert code == 1
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err
+    assert "workload checkerboard failed: RuntimeError: a kernel failed" in captured.err
+    report = json.loads((out / "report.json").read_text())
+    assert set(report["workloads"]) == {"mlp"} and report["failed"] == {"checkerboard": "RuntimeError: a kernel failed"}
+    assert "**checkerboard failed**: RuntimeError: a kernel failed" in (out / "report.md").read_text()
+    assert written[0] == {"mlp"}  # written as it finished, before the next workload ran
+
+
 def _bench_table(capsys: pytest.CaptureFixture[str], tmp_path: pathlib.Path, *flags: str) -> list[str]:
     """The checkerboard lines of a tiny bench: its 5 progress lines, then its 5 table rows."""
     assert cli.main(["bench", "--size", "tiny", "--steps", "3", "--workloads", "checkerboard", *flags,

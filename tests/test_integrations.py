@@ -240,11 +240,29 @@ def test_trainer_level(tmp_path: Any) -> None:
     assert all(p.dtype is torch.float32 for p in masters)
     assert {id(p) for p in masters} <= {id(p) for p in trainer.model.parameters()}  # O2's masters are the weights
     assert losses[-1] < losses[0]
-    with pytest.raises(ValueError, match="valid: O2, bf16-sr, bf16-pure"):
+    with pytest.raises(ValueError, match="valid: O1, O2, bf16-sr, bf16-pure, bf16-kahan, a mixprec.PrepareConfig"):
         MixprecTrainer(level="O3")
 
 
 @pytest.mark.filterwarnings("ignore:.*should not be instantiated:DeprecationWarning")  # Dynamo's own
+def test_trainer_takes_every_level_and_a_whole_prepare_config(tmp_path: Any) -> None:
+    pytest.importorskip("transformers")
+    import mixprec
+    from mixprec._src.optim import moments
+    from mixprec._src.prepare.prepare import prepared_state
+    from mixprec.integrations.transformers import MixprecTrainer
+
+    trainer, losses = _trainer_run(tmp_path, MixprecTrainer, {"bf16": True}, level="bf16-kahan")
+    state = prepared_state(trainer.model)
+    assert state is not None and state.level.value == "bf16-kahan" and losses[-1] < losses[0]
+    config = mixprec.PrepareConfig(level="O2", optimizer_state="8bit")
+    trainer, losses = _trainer_run(tmp_path, MixprecTrainer, {}, level=config)  # the config's bf16, no flag
+    states = trainer.optimizer.optimizer.state.values()
+    assert any(moments.is_quantized(s) for s in states) and losses[-1] < losses[0]
+    with pytest.raises(ValueError, match=r"the PrepareConfig computes in torch\.bfloat16 and the Trainer in"):
+        _trainer_run(tmp_path, MixprecTrainer, {}, level=config, precision="fp16")
+
+
 def test_trainer_with_torch_compile_trains_as_eager(tmp_path: Any) -> None:
     # Trainer(torch_compile=True), as Hugging Face users compile: the prepared model (O2, norms kept in
     # fp32) compiled by the Trainer trains bit for bit as the eager one (aot_eager: no code generator)

@@ -67,6 +67,7 @@ CPU_ADAM_TESTS = ("tests/optim/test_cpu_adam.py",)
 IN_BACKWARD_TESTS = ("tests/step/test_step_in_backward.py",)
 SLICED_TESTS = ("tests/step/test_sliced_gradients.py",)
 KEPT_TESTS = ("tests/prepare/test_kept_and_copies.py",)
+STATE_CHECKPOINT_TESTS = ("tests/step/test_state_precision_checkpoints.py",)
 _BEFORE_STEP = """        grad_x = grad_bias = None
         if ctx.needs_input_grad[0]:  # with the weight as the forward used it, before its step
             grad_x = (grad2.mm(w.t()) if layer.transposed else grad2.mm(w)).view(x.shape)
@@ -604,6 +605,15 @@ MUTANTS = (
     Mutant("plan-weights-as-activations", "memory_plan counts the weights a layer saves as activations",
            S + "observe/memory_plan.py", "if key not in weights and key not in saved:", "if key not in saved:",
            PLAN_MEMORY_TESTS),
+    Mutant("state-layout-unchecked", "codes of another state precision are read in the run's layout (4-bit as 8-bit)",
+           S + "optim/moments.py", "    dtype, codes_len, scales_len = _layout(precision, capacity)\n",
+           "    return\n    dtype, codes_len, scales_len = _layout(precision, capacity)\n", STATE_CHECKPOINT_TESTS),
+    Mutant("quantized-checkpoint-into-fp32", "a quantized checkpoint loads into an fp32-state run as codes, no moments",
+           S + "step/plan.py", "        low_bit_state.dequantize_on_load(optimizer, handles)", "        pass",
+           STATE_CHECKPOINT_TESTS),
+    Mutant("bench-failure-loses-work", "a workload that raises ends mixprec bench with nothing written",
+           "src/mixprec/bench/runner.py", "            except Exception as exc:  # the finished workloads stand",
+           "            except KeyboardInterrupt as exc:  # the finished workloads stand", ("tests/test_bench.py",)),
     Mutant("tune-planning-spends-the-budget", "tune's memory planning is spent from budget_s, leaving no time",
            S + "tune/rounds.py", "return self._deadline + (self.fit.seconds if self.fit is not None else 0.0)",
            "return self._deadline", MEMORY_BUDGET_TESTS),

@@ -62,6 +62,9 @@ def test_a_config_checks_itself_and_is_not_mixed_with_options() -> None:
         mixprec.PrepareConfig(level="O3")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="keep_filter must be a callable"):
         mixprec.PrepareConfig(keep_filter="head")  # type: ignore[arg-type]
+    for word in ("no", "false", 0):  # a string that reads as true is not taken as a switch
+        with pytest.raises(TypeError, match="step_in_backward takes True or False"):
+            mixprec.PrepareConfig(step_in_backward=word)  # type: ignore[arg-type]
     model = regression_model()
     with pytest.raises(TypeError, match="a PrepareConfig or options, not both"):
         mixprec.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), mixprec.PrepareConfig(), keep_names="2")

@@ -476,3 +476,32 @@ def test_a_round_whose_fp32_reference_did_not_finish_reports_its_trials_as_not_m
     search.record(candidate, candidate, 0.01)  # type: ignore[arg-type]
     result = search.results["bf16"]
     assert result.status == "not measured" and "fp32 reference did not finish" in result.reason
+
+
+def test_a_row_stopped_early_and_one_over_the_memory_budget_say_so_without_contradiction() -> None:
+    """A candidate stopped to save the budget names the figure it was stopped at as the default's first steps' (the
+    column divides by all of them); one over the memory budget says so with its bytes, the fp32 reference too."""
+    from types import SimpleNamespace
+
+    from mixprec._src.tune.rounds import SLOW, Search
+
+    def trial(name: str, seconds: list[float]) -> Any:
+        return SimpleNamespace(name=name, recipe=SimpleNamespace(name=name), failed="", stopped="", checked=True,
+                               times=seconds, losses=[1.0, 0.9, 0.8], grad=torch.ones(2), update=torch.ones(2),
+                               median_s=lambda: sorted(seconds)[len(seconds) // 2],
+                               noise=lambda default: None)  # fmt: skip
+
+    search = Search(nn.Linear(2, 2), None, None, None, torch.device("cpu"), mixprec.Tolerance(), 0.0, None)  # type: ignore[arg-type]
+    default, slow = trial("bf16", [0.01, 0.01, 0.01]), trial("fp16", [SLOW * 0.02] * 3)
+    search.ref = trial("fp32", [0.02] * 3)
+    search._stop_slow(default, [default, slow])  # type: ignore[arg-type]
+    assert slow.stopped == "0.33x torch.amp's default's first 3 steps"
+    search.record(slow, default, 0.01)  # type: ignore[arg-type]
+    assert search.results["fp16"].reason == f"stopped early to save the budget: it ran at {slow.stopped}"
+    search.fit = SimpleNamespace(
+        fits=lambda recipe: recipe.name != "fp32", describe=lambda r: f"{r.name} needs 2.51 MiB"
+    )
+    search.record(search.ref, default, 0.01)  # type: ignore[arg-type]
+    assert (
+        search.results["fp32"].reason == "the fp32 reference; over the memory budget: fp32 needs 2.51 MiB, never chosen"
+    )

@@ -221,6 +221,8 @@ def markdown(report: BenchReport) -> str:
         done = len(report.results)
         lines += [f"**Interrupted** (Ctrl-C): {done} of {len(cfg.workloads)} workloads finished; only they are shown.",
                   ""]  # fmt: skip
+    for workload, error in report.failed.items():
+        lines += [f"**{workload} failed**: {error}", ""]
     lines += markdown_table(HEADER, table_rows(report))
     lines += [
         "",

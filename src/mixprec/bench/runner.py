@@ -156,6 +156,7 @@ class BenchReport:
     seconds: float
     interrupted: bool = False  # stopped early (Ctrl-C): ``results`` holds the workloads that finished
     fp8_kernels: dict[str, Any] | None = None  # kernels.count_fp8_kernels (with compile and count_fp8_kernels)
+    failed: dict[str, str] = dataclasses.field(default_factory=dict)  # workload -> the error that stopped it
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON report: ``{"device", "dtype", "torch", "workloads": {name: {mode: {...}}}, ...}``."""
@@ -168,6 +169,7 @@ class BenchReport:
             "config": dataclasses.asdict(self.config),
             "seconds": self.seconds,
             "interrupted": self.interrupted,
+            "failed": self.failed,
             "workloads": {w: {m: r.to_dict() for m, r in modes.items()} for w, modes in self.results.items()},
             "fp8_kernels": self.fp8_kernels,
         }
@@ -343,8 +345,12 @@ def run_workload(workload: str, modes: list[Mode], config: BenchConfig, device: 
 
 
 def run(config: BenchConfig, progress: Progress | None = None,
-        on_result: Callable[[str, str, ModeResult], None] | None = None) -> BenchReport:  # fmt: skip
-    """Run ``config``; ``progress`` hears every step of every mode, ``on_result`` every finished mode.
+        on_result: Callable[[str, str, ModeResult], None] | None = None,
+        on_workload: Callable[[BenchReport], None] | None = None) -> BenchReport:  # fmt: skip
+    """Run ``config``; ``progress`` hears every step of every mode, ``on_result`` every finished mode,
+    ``on_workload`` the report so far after each workload (to write it: finished work is never lost).
+
+    A workload that raises is recorded in the report's ``failed`` (its error) and the next one runs.
 
     Raises:
         BenchInterrupted: Ctrl-C (a ``KeyboardInterrupt``) after at least one workload finished; its
@@ -363,12 +369,13 @@ def run(config: BenchConfig, progress: Progress | None = None,
     results: dict[str, dict[str, ModeResult]] = {}
     images: dict[str, dict[str, torch.Tensor]] = {}
     kernels: dict[str, Any] | None = None
+    failed: dict[str, str] = {}
 
     def report(interrupted: bool) -> BenchReport:
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
         return BenchReport(device.type, name, {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype],
                            torch.__version__, mixprec.__version__, config, results, images,
-                           time.perf_counter() - start, interrupted, kernels)  # fmt: skip
+                           time.perf_counter() - start, interrupted, kernels, dict(failed))  # fmt: skip
 
     try:
         if config.compile and config.count_fp8_kernels:  # first: it also pays inductor's one-time start-up
@@ -376,10 +383,16 @@ def run(config: BenchConfig, progress: Progress | None = None,
 
             kernels = count_fp8_kernels(device)
         for workload in config.workloads:
-            results[workload], found = run_workload(workload, _modes_for(workload, config, dtype), config, device,
-                                                    dtype, progress, on_result)  # fmt: skip
+            try:
+                results[workload], found = run_workload(workload, _modes_for(workload, config, dtype), config,
+                                                        device, dtype, progress, on_result)  # fmt: skip
+            except Exception as exc:  # the finished workloads stand; this one is reported with its error
+                failed[workload] = f"{type(exc).__name__}: {exc}"
+                found = None
             if found:
                 images[workload] = found
+            if on_workload is not None:
+                on_workload(report(False))
     except KeyboardInterrupt as exc:
         if not results:
             raise

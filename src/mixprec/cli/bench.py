@@ -63,9 +63,13 @@ def run(args: argparse.Namespace) -> int:
         extra += f", compiled in {r.compile_s:.0f} s, {r.recompiles} recompiles" if r.compiled else ""
         return f"{workload:13} {mode:13} {r.steps_per_s:8.2f} steps/s{extra}, final loss {r.final_loss:.4f}"
 
+    def on_workload(so_far: Any) -> None:  # each finished workload written at once: a later failure loses nothing
+        if so_far.results:
+            report_module.write(so_far, args.out, args.json)
+
     try:
         if args.quiet or not sys.stdout.isatty():  # progress bars are for a terminal, not a log
-            report = run(config, on_result=lambda w, m, r: print(line(w, m, r), flush=True))
+            report = run(config, on_result=lambda w, m, r: print(line(w, m, r), flush=True), on_workload=on_workload)
         else:
             columns = (TextColumn("{task.description:28}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
             with Progress(*columns, console=console, transient=True) as progress:
@@ -79,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
                     progress.console.print(line(workload, mode, r), soft_wrap=True)
                     progress.advance(overall)
 
-                report = run(config, progress=on_step, on_result=on_result)
+                report = run(config, progress=on_step, on_result=on_result, on_workload=on_workload)
     except BenchInterrupted as exc:
         report = exc.report
         finished = ", ".join(report.results)
@@ -88,6 +92,11 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("mixprec bench: interrupted before any workload finished; nothing written", file=sys.stderr)
         return 130
+    for workload, error in report.failed.items():
+        print(f"mixprec bench: workload {workload} failed: {error}", file=sys.stderr, flush=True)
+    if not report.results:
+        print("mixprec bench: no workload finished; nothing written", file=sys.stderr)
+        return 1
     text = report_module.text_table(report)
     # A rich table squeezes cells to fit ("mixpr…", "0.24…"): plain text in logs and narrow terminals.
     n_columns = len(report_module.HEADER)
@@ -112,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
     if "png" not in paths:
         print(report_module.PLOT_SKIPPED.format(name="bench.png"), file=sys.stderr)
     print("wrote " + ", ".join(str(p) for p in paths.values()) + f" in {report.seconds:.0f} s")
-    return 130 if report.interrupted else 0  # 128 + SIGINT, as a shell reports a Ctrl-C
+    return 130 if report.interrupted else 1 if report.failed else 0  # 130: 128 + SIGINT, as a shell reports Ctrl-C
 
 
 def _memory_table(args: argparse.Namespace, report: Any, size: str) -> str:

@@ -11,9 +11,11 @@ with ``mixed_precision="no"``):
   or measures the gradients, and skips steps whose gradients hold inf/NaN (the learning-rate
   schedule does not advance on a skipped step, as with Accelerate). This holds on a CPU too,
   where ``Trainer(fp16=True)`` quietly trains in fp32;
-* ``level="O2"``, ``"bf16-sr"`` or ``"bf16-pure"`` applies :func:`mixprec.prepare` to the model
-  and the optimizer when the Trainer creates the optimizer; a prepared model runs its forward
-  under autocast itself (with its norm layers in fp32), so ``policy`` does not apply.
+* ``level=`` (any level of :func:`mixprec.prepare`: ``"O1"``, ``"O2"``, ``"bf16-sr"``, ``"bf16-kahan"``,
+  ``"bf16-pure"``, or a whole :class:`mixprec.PrepareConfig`: quantized optimizer state, fp8, the step in
+  backward) applies :func:`mixprec.prepare` to the model and the optimizer when the Trainer creates the
+  optimizer; a prepared model runs its forward under autocast itself (with its norm layers in fp32), so
+  ``policy`` does not apply.
 
 With the built-in policy and no level, the numbers equal ``Trainer``'s own bf16 AMP bit for bit
 (tested on CPU). Not covered: DeepSpeed and FSDP (their own mixed precision), and a custom
@@ -31,7 +33,7 @@ from transformers import Trainer
 import mixprec
 
 PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16}
-LEVELS = ("O2", "bf16-sr", "bf16-pure")
+LEVELS = tuple(level.value for level in mixprec.Level)
 
 
 class MixprecTrainer(Trainer):  # type: ignore[misc]
@@ -43,12 +45,14 @@ class MixprecTrainer(Trainer):  # type: ignore[misc]
             ``fp16=True``), else fp32 (no level) or bf16 (with a level).
         policy: the autocast policy (a name, a string such as ``"keep=norm"``, or a
             :class:`mixprec.Policy`); default: the device's built-in one.
-        level: ``"O2"``, ``"bf16-sr"`` or ``"bf16-pure"`` to keep the weights in low precision.
+        level: a level of :func:`mixprec.prepare` (``"O2"``, ``"bf16-sr"``, ...) or a
+            :class:`mixprec.PrepareConfig` (every option prepare takes; its dtype is the precision unless
+            ``precision`` or the arguments say otherwise, which then must agree).
         scaler: the GradScaler for fp16 (default: a new :class:`mixprec.GradScaler`).
 
     Raises:
-        ValueError: an unknown precision or level (the message lists the valid ones), or a level
-            the precision does not allow (the bf16 levels with fp16).
+        ValueError: an unknown precision or level (the message lists the valid ones), a level
+            the precision does not allow (the bf16 levels with fp16), or a config of another precision.
     """
 
     def __init__(
@@ -56,15 +60,18 @@ class MixprecTrainer(Trainer):  # type: ignore[misc]
         *args: Any,
         precision: str | None = None,
         policy: mixprec.Policy | str | None = None,
-        level: str | None = None,
+        level: str | mixprec.PrepareConfig | None = None,
         scaler: mixprec.GradScaler | None = None,
         **kwargs: Any,
     ) -> None:
         if precision is not None and precision not in PRECISIONS:
             raise ValueError(f"unknown precision {precision!r} for MixprecTrainer; valid: {', '.join(PRECISIONS)}")
+        self.mixprec_config = level if isinstance(level, mixprec.PrepareConfig) else None
+        if self.mixprec_config is not None:
+            level = self.mixprec_config.level.value  # type: ignore[attr-defined]
         if level is not None and level not in LEVELS:
-            raise ValueError(f"unknown level {level!r} for MixprecTrainer; valid: {', '.join(LEVELS)} "
-                             "(or none: autocast only)")  # fmt: skip
+            raise ValueError(f"unknown level {level!r} for MixprecTrainer; valid: {', '.join(LEVELS)}, a "
+                             "mixprec.PrepareConfig (or none: autocast only)")  # fmt: skip
         self.mixprec_level = level
         self.mixprec_policy = policy
         self._mixprec_precision = precision
@@ -72,7 +79,13 @@ class MixprecTrainer(Trainer):  # type: ignore[misc]
         super().__init__(*args, **kwargs)
 
     def create_accelerator_and_postprocess(self) -> None:
-        if self.mixprec_level in ("bf16-sr", "bf16-pure") and self.mixprec_dtype is not torch.bfloat16:
+        bf16_weights = self.mixprec_level is not None and mixprec.Level.from_name(self.mixprec_level).bf16_weights
+        config = self.mixprec_config
+        if config is not None and self.mixprec_dtype is not config.dtype:
+            raise ValueError(f"the PrepareConfig computes in {config.dtype} and the Trainer in "
+                             f"{self.mixprec_dtype}: make them agree (TrainingArguments' bf16/fp16, precision=, "
+                             "PrepareConfig(dtype=))")  # fmt: skip
+        if bf16_weights and self.mixprec_dtype is not torch.bfloat16:
             raise ValueError(f"level {self.mixprec_level!r} keeps weights in bf16: use precision='bf16' (or "
                              "TrainingArguments(bf16=True)), or level 'O2' for fp16")  # fmt: skip
         super().create_accelerator_and_postprocess()
@@ -88,6 +101,8 @@ class MixprecTrainer(Trainer):  # type: ignore[misc]
     def mixprec_dtype(self) -> torch.dtype | None:
         """The low precision trained in, or ``None`` for fp32."""
         name = self._mixprec_precision
+        if name is None and not self.args.fp16 and not self.args.bf16 and self.mixprec_config is not None:
+            return self.mixprec_config.dtype  # type: ignore[no-any-return]
         if name is None:
             name = "fp16" if self.args.fp16 else "bf16" if (self.args.bf16 or self.mixprec_level) else None
         return None if name is None else PRECISIONS[name]
@@ -116,7 +131,9 @@ class MixprecTrainer(Trainer):  # type: ignore[misc]
         if creating and self.mixprec_level is not None:
             target: Any = self.model if model is None else model
             dtype = self.mixprec_dtype or torch.bfloat16
-            _, optimizer = mixprec.prepare(target, optimizer, level=self.mixprec_level, dtype=dtype)
+            config = self.mixprec_config or mixprec.PrepareConfig(level=mixprec.Level.from_name(self.mixprec_level),
+                                                                  dtype=dtype)  # fmt: skip
+            _, optimizer = mixprec.prepare(target, optimizer, config)
             self.optimizer = optimizer
         return optimizer
 

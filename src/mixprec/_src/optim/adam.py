@@ -37,8 +37,10 @@ Write = Callable[[torch.Tensor, torch.Tensor], None]
 
 def quantized_moments(state: dict[str, Any], p: torch.Tensor, precision: str, capacity: int) -> None:
     """``state``'s moments quantized (in place): zeros for a new one; fp32 moments (a checkpoint of an
-    fp32-state run) quantized, their tensors dropped."""
+    fp32-state run) quantized, their tensors dropped; codes of another precision or layout (a checkpoint of
+    another state precision) dequantized and quantized again (``moments.conform``)."""
     if moments.is_quantized(state):
+        moments.conform(state, precision, p.numel(), capacity)
         return
     for name in _MOMENTS:
         moment = state.pop(name, None)

@@ -18,6 +18,7 @@ __all__ = [
     "FORMATS",
     "MIN_NUMEL",
     "STATE_PRECISIONS",
+    "conform",
     "fp32_state",
     "is_quantized",
     "load",
@@ -74,11 +75,58 @@ def zeros(state: dict[str, Any], name: str, device: torch.device, precision: str
 
 def saved_precision(state: dict[str, Any], name: str) -> str:
     """The precision ``name`` was stored at: fp8 codes are e4m3; 8 bits hold a block's 256 values in 256
-    bytes, 4 bits its 128 in 64 (a checkpoint of another precision is read as it was written)."""
-    codes = state[f"{name}_codes"]
-    if codes.dtype == q.FP8:
+    bytes, 4 bits its 128 in 64 (a checkpoint of another precision is read as it was written).
+
+    Raises:
+        ValueError: codes and scales of no format (a checkpoint of something else).
+    """
+    codes, scale = state[f"{name}_codes"], state.get(f"{name}_scale")
+    if scale is None or scale.numel() == 0 or not scale.is_floating_point():
+        raise ValueError(f"optimizer state {name!r} has codes but no scales: not a state mixprec quantized")
+    ratio, rest = divmod(codes.numel(), scale.numel())
+    if codes.dtype == q.FP8 and not rest and ratio == FORMATS["fp8"][1]:
         return "fp8"
-    return "8bit" if codes.numel() // state[f"{name}_scale"].numel() == FORMATS["8bit"][1] else "4bit"
+    if codes.dtype == torch.uint8 and not rest and ratio == FORMATS["8bit"][1]:
+        return "8bit"
+    if codes.dtype == torch.uint8 and not rest and ratio == FORMATS["4bit"][1] * FORMATS["4bit"][0] // 8:
+        return "4bit"
+    raise ValueError(f"optimizer state {name!r}: {codes.numel()} codes of {codes.dtype} for {scale.numel()} scales "
+                     "are none of the formats (8bit, 4bit, fp8): not a state mixprec quantized")  # fmt: skip
+
+
+def _layout(precision: str, capacity: int) -> tuple[torch.dtype, int, int]:
+    """What ``store`` makes for ``capacity`` values at ``precision``: the codes' dtype and length, the scales'."""
+    bits, block = FORMATS[precision]
+    blocks = -(-capacity // block)
+    return (q.FP8 if precision == "fp8" else torch.uint8), blocks * block * bits // 8, blocks
+
+
+def conform(state: dict[str, Any], precision: str, numel: int, capacity: int) -> None:
+    """Every quantized tensor of ``state`` in ``precision``'s layout for ``capacity`` values (in place; ``numel``:
+    the parameter's, or under FSDP2 the whole parameter's, of which a shard needs at most ``capacity``).
+
+    One stored at another precision or for another room (a checkpoint of another run: 4-bit codes in an 8-bit
+    run, another sharding's padding) is dequantized and stored again, so a kernel reads codes and scales of the
+    dtype and length it expects; one already in the layout is left as it is (no copy). Host-side checks.
+
+    Raises:
+        ValueError: a tensor of no format, or holding fewer values than the parameter's ``numel``.
+    """
+    dtype, codes_len, scales_len = _layout(precision, capacity)
+    for key in [k for k in state if k.endswith("_codes")]:
+        name = key.removesuffix("_codes")
+        codes, scale = state[key], state.get(f"{name}_scale")
+        if (codes.dtype is dtype and codes.numel() == codes_len and scale is not None and scale.numel() == scales_len
+                and scale.dtype is torch.float32 and codes.is_contiguous() and scale.is_contiguous()):  # fmt: skip
+            continue
+        saved = saved_precision(state, name)
+        held = min(state[f"{name}_scale"].numel() * FORMATS[saved][1], capacity)
+        if held < min(numel, capacity):
+            raise ValueError(f"optimizer state {name!r} holds {held} values and its parameter (or this rank's shard "
+                             f"of it) {min(numel, capacity)}: a checkpoint of another model or sharding")  # fmt: skip
+        values = load(state, name, torch.Size([held]))
+        del state[key], state[f"{name}_scale"]
+        store(state, name, values, precision, capacity)
 
 
 def load(state: dict[str, Any], name: str, shape: torch.Size) -> torch.Tensor:

@@ -110,6 +110,8 @@ class PrepareConfig:
             if not isinstance(self.clip_grad_norm, (int, float)) or not 0 < self.clip_grad_norm < float("inf"):
                 raise ValueError(f"clip_grad_norm must be a positive finite number, not {self.clip_grad_norm!r}")
             object.__setattr__(self, "clip_grad_norm", float(self.clip_grad_norm))
+        if not isinstance(self.step_in_backward, bool):  # "no" or "false" would read as true
+            raise TypeError(f"step_in_backward takes True or False, not {self.step_in_backward!r}")
         if self.step_in_backward and dtype is torch.float16:
             raise ValueError("step_in_backward=True steps each parameter during backward, before a GradScaler "
                              "could see every gradient, so a step with inf/NaN gradients could not be skipped: "

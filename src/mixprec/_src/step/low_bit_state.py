@@ -33,7 +33,16 @@ from mixprec._src.step import bf16_state, kahan
 from mixprec._src.step.sr_noise import moved, seed_tensor, shard_seed, sr_bits, tensor_seed
 from mixprec._src.step.stochastic_rounding import SEED_KEY, STEP_KEY, HostCounts, Restore, positions, step_eagerly
 
-__all__ = ["check", "count_step", "install", "restore_fp32", "slice_block", "slice_stepper", "sliced"]
+__all__ = [
+    "check",
+    "count_step",
+    "dequantize_on_load",
+    "install",
+    "restore_fp32",
+    "slice_block",
+    "slice_stepper",
+    "sliced",
+]
 
 
 def check(optimizer: torch.optim.Optimizer, precision: str) -> None:
@@ -208,6 +217,7 @@ def _ready_quantized_buffer(state: dict[str, Any], p: torch.Tensor, precision: s
     """SGD's quantized momentum buffer ready for a list step (its codes and scales made where it is the first step:
     the buffer is then the gradient; no step count, as the eager step keeps none); whether the buffer had started."""
     if moments.is_quantized(state):
+        moments.conform(state, precision, sharding.local(p).numel(), _capacity(p))
         return True
     moments.zeros(state, "momentum_buffer", sharding.local(p).device, precision, _capacity(p))
     return False
@@ -399,10 +409,27 @@ def _sharded_codes(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any])
     return {**state_dict, "state": state}
 
 
-def _keep_codes_on_load(optimizer: torch.optim.Optimizer, handles: list[Any]) -> None:
+def dequantize_on_load(optimizer: torch.optim.Optimizer, handles: list[Any]) -> None:
+    """An optimizer whose state is kept as the level keeps it (``optimizer_state="fp32"``) loads a checkpoint of
+    quantized state as its moments dequantized, in its parameter's dtype (as ``load_state_dict`` casts any state):
+    torch's step would otherwise find codes and no moments (``KeyError: 'exp_avg'``)."""
+
+    def widened(state: dict[str, Any], param: torch.Tensor) -> None:
+        local = sharding.local(param)
+        moments.fp32_state(state, local.shape)
+        for key, value in state.items():
+            if key != "step" and isinstance(value, torch.Tensor) and value.is_floating_point():
+                state[key] = value.to(local.dtype)
+
+    _keep_codes_on_load(optimizer, handles, widened)
+
+
+def _keep_codes_on_load(optimizer: torch.optim.Optimizer, handles: list[Any],
+                        then: Callable[[dict[str, Any], torch.Tensor], None] | None = None) -> None:  # fmt: skip
     """``load_state_dict`` casts every state tensor but ``step`` to its parameter's dtype (uint8 codes and fp32
     scales would become floats, bf16 at the bf16 levels): the codes and scales are set aside before the
-    load and put back after it, as saved (the checkpoint's own dict is not changed)."""
+    load and put back after it, as saved (the checkpoint's own dict is not changed); ``then(state, param)``
+    after, for each state that had them."""
     aside: dict[Any, dict[str, torch.Tensor]] = {}
     owners: dict[Any, torch.Tensor] = {}
 
@@ -422,6 +449,8 @@ def _keep_codes_on_load(optimizer: torch.optim.Optimizer, handles: list[Any]) ->
         for index, tensors in aside.items():
             param = owners[index]
             opt.state[param].update({k: sharding.local(v).to(param.device) for k, v in tensors.items()})
+            if then is not None:
+                then(opt.state[param], param)
         aside.clear()
 
     handles.append(optimizer.register_load_state_dict_pre_hook(before))  # type: ignore[arg-type]

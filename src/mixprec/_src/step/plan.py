@@ -135,6 +135,8 @@ def install(plan: StepPlan, model: torch.nn.Module, optimizer: torch.optim.Optim
         fused = kahan.install(optimizer, lowp, handles)
     if plan.state != "fp32":  # wraps the write rule's step: it takes the large weights, hands it the rest
         low_bit_state.install(optimizer, plan.state, handles, plan.write if plan.bf16_weights else "nearest")
+    else:  # a checkpoint of quantized state loads as the level's moments
+        low_bit_state.dequantize_on_load(optimizer, handles)
     if plan.in_backward:  # after every change to the optimizer's step: it steps with all of them
         in_backward.install(model, optimizer, plan.clip, handles, slices=slices)
     return fused

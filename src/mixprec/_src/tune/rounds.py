@@ -168,7 +168,8 @@ class Search:
             if len(t.times) == 1 and self.cold_s is not None and t.times[0] > max(COLD_SLOW * self.cold_s, 1.0):
                 t.stopped = f"{self.cold_s / t.times[0]:.2f}x torch.amp's default on the first step"
             elif t.checked and base is not None and mine is not None and mine > SLOW * base:
-                t.stopped = f"{base / mine:.2f}x torch.amp's default"
+                # the default runs on: its median then is not the one the table's column divides by
+                t.stopped = f"{base / mine:.2f}x torch.amp's default's first {len(default.times)} steps"
 
     def record(self, t: Trial, default: Trial, base: float | None) -> None:
         mine = t.median_s()
@@ -190,7 +191,8 @@ class Search:
             return
         assert self.ref is not None
         if t is self.ref:
-            self.results[t.name] = Measurement(t.name, "passed", ms, vs, 0.0, 1.0, 1.0, "the fp32 reference", noise)
+            why = self._budget(t, "the fp32 reference")
+            self.results[t.name] = Measurement(t.name, "passed", ms, vs, 0.0, 1.0, 1.0, why, noise)
             return
         if not self.ref.checked:  # a slow or loaded machine: fp32 did not finish its accuracy steps in the round
             why = "the fp32 reference did not finish its accuracy steps"
@@ -199,8 +201,15 @@ class Search:
         err, gcos, ucos, why = judge(t, self.ref, self.tol)
         status = "rejected" if why else "passed"
         if not why and t.stopped:  # checked and timed: it passed, and was stopped only to save the budget
-            why = f"slower: {t.stopped} (stopped early)"
-        self.results[t.name] = Measurement(t.name, status, ms, vs, err, gcos, ucos, why, noise)
+            why = f"stopped early to save the budget: it ran at {t.stopped}"
+        self.results[t.name] = Measurement(t.name, status, ms, vs, err, gcos, ucos, self._budget(t, why), noise)
+
+    def _budget(self, t: Trial, why: str) -> str:
+        """``why``, and where ``t`` is over the memory budget, that (with its bytes): it is never chosen."""
+        if self.fit is None or self.fit.fits(t.recipe):
+            return why
+        over = f"over the memory budget: {self.fit.describe(t.recipe)}, never chosen"
+        return f"{why}; {over}" if why else over
 
     def final_round(
         self, default_recipe: Recipe, dtypes: list[torch.dtype], min_speedup: float, notes: list[str]
