@@ -265,7 +265,11 @@ def test_matrix_compiles_whole_and_trains_as_eager(model: str, level: str, fp8: 
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:fp8 was asked for but no layer was converted:UserWarning")
 @pytest.mark.filterwarnings("ignore:bf16 and fp16 are mixed in the scheduler node:UserWarning")  # inductor's note
-@pytest.mark.parametrize(("model", "fp8"), [(model, None) for model in MODELS] + [("llama", "delayed")])
+@pytest.mark.parametrize(
+    ("model", "fp8"),
+    [(model, None) for model in MODELS]
+    + [("llama", "delayed"), ("gpt2", "tensorwise"), ("gpt2", "delayed"), ("bert", "tensorwise")],
+)
 def test_matrix_under_inductor_trains_within_tolerance(model: str, fp8: str | None) -> None:
     options = {} if fp8 is None else {"fp8": fp8}
     eager = _train(_case(model), "O2", None, **options)

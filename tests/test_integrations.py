@@ -240,7 +240,7 @@ def test_trainer_level(tmp_path: Any) -> None:
     assert all(p.dtype is torch.float32 for p in masters)
     assert {id(p) for p in masters} <= {id(p) for p in trainer.model.parameters()}  # O2's masters are the weights
     assert losses[-1] < losses[0]
-    with pytest.raises(ValueError, match="valid: O1, O2, bf16-sr, bf16-pure, bf16-kahan, a mixprec.PrepareConfig"):
+    with pytest.raises(ValueError, match=r"valid: O1, O2, bf16-sr, bf16-pure, bf16-kahan, a mixprec\.PrepareConfig"):
         MixprecTrainer(level="O3")
 
 
