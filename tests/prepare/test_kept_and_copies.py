@@ -238,19 +238,41 @@ def test_a_norm_of_another_library_is_kept_in_fp32_by_default(level: str) -> Non
     assert "kept in fp32: 1 module(s): LlamaRMSNorm x1" in str(layers)
 
 
-def test_a_config_built_llama_keeps_its_rms_norms_in_fp32() -> None:
+def _hf(name: str) -> tuple[nn.Module, str, int]:
+    """A config-built model (no download), its norm class, and how many it has."""
     transformers = pytest.importorskip("transformers")
     size = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
-    config = transformers.LlamaConfig(**size, num_key_value_heads=2, max_position_embeddings=16)
-    model = transformers.LlamaForCausalLM(config)
-    model, opt = mixprec.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3), level="bf16-sr")
-    norms = {n: m for n, m in model.named_modules() if type(m).__name__ == "LlamaRMSNorm"}
-    assert len(norms) == 5  # two a layer and the final one
+    if name == "t5":
+        config = transformers.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                                       decoder_start_token_id=0, dropout_rate=0.0)  # fmt: skip
+        return transformers.T5ForConditionalGeneration(config), "T5LayerNorm", 2 * 2 + 3 * 2 + 2
+    classes = {"llama": ("LlamaConfig", "LlamaForCausalLM", "LlamaRMSNorm"),
+               "mistral": ("MistralConfig", "MistralForCausalLM", "MistralRMSNorm"),
+               "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", "Qwen2RMSNorm")}  # fmt: skip
+    config_class, model_class, norm = classes[name]
+    config = getattr(transformers, config_class)(**size, num_key_value_heads=2, max_position_embeddings=16)
+    return getattr(transformers, model_class)(config), norm, 2 * 2 + 1
+
+
+@pytest.mark.parametrize("level", ["O2", "bf16-sr", "bf16-kahan"])
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "t5"])
+def test_a_config_built_models_norms_are_kept_in_fp32(name: str, level: str) -> None:
+    torch.manual_seed(0)
+    model, norm, count = _hf(name)
+    model, opt = mixprec.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3), level=level)
+    norms = {n: m for n, m in model.named_modules() if type(m).__name__ == norm}
+    assert len(norms) == count
     kept = {id(p) for m in norms.values() for p in m.parameters()}
-    assert all((p.dtype is torch.float32) == (id(p) in kept) for p in model.parameters())
-    model(torch.randint(0, 64, (2, 8)), labels=torch.randint(0, 64, (2, 8))).loss.backward()
+    low = torch.float32 if level == "O2" else torch.bfloat16
+    assert all(p.dtype is (torch.float32 if id(p) in kept else low) for p in model.parameters())
+    tokens = torch.randint(0, 64, (2, 8))
+    extra = {"decoder_input_ids": tokens} if name == "t5" else {}
+    model(tokens, labels=tokens, **extra).loss.backward()
     opt.step()
-    assert all(opt.state[p]["exp_avg"].dtype is torch.float32 for m in norms.values() for p in m.parameters())
+    for m in norms.values():  # weights, gradients and state in fp32
+        for p in m.parameters():
+            assert p.dtype is p.grad.dtype is torch.float32
+            assert all(v.dtype is torch.float32 for k, v in opt.state[p].items() if k != "step" and v.dim())
 
 
 def test_a_policy_keeping_norms_recognises_another_librarys_under_fullgraph_compile() -> None:
