@@ -653,6 +653,8 @@ def run(mutant: Mutant, python: str, baseline: bool = False, without: tuple[str,
         command = [python, "-m", "pytest", "-q", "-x", "-m", "not slow", "-p", "no:cacheprovider", *mutant.tests]
         command += [f"--deselect={test}" for test in without]
         result = subprocess.run(command, cwd=copy, env=env, capture_output=True, text=True)
+    if baseline and result.returncode != 0:  # what failed unmutated: the tests to fix first
+        print(result.stdout[-3000:], file=sys.stderr)
     return ("killed" if result.returncode != 0 else "SURVIVED"), time.perf_counter() - start
 
 
