@@ -222,7 +222,7 @@ MUTANTS = (
            "        if False:\n            self._events.skipped(",
            SCALER_TESTS),
     Mutant("prepare-drops-norm-rule", "prepare keeps no module in fp32",
-           S + "prepare/prepare.py", "    kept.keep_in_fp32(kept_modules, device_type, state.handles)\n", "",
+           S + "prepare/prepare.py", "    kept.keep_in_fp32(kept_modules, device_type, state.handles, policy)\n", "",
            PREPARE_TESTS),
     Mutant("edits-are-no-ops", "a policy's edits register no kernels",
            S + "amp/dispatch.py", "    if device_type not in AUTOCAST_KEYS:\n        return ()",
@@ -679,7 +679,11 @@ def main(argv: list[str]) -> int:
     if without:  # only the mutants whose tests hold what is left out
         chosen = [m for m in chosen if any(t.split("::")[0] in m.tests for t in without)]
     for tests in dict.fromkeys(m.tests for m in chosen):  # each test group passes unmutated, in a copy
-        outcome, _ = run(next(m for m in chosen if m.tests == tests), sys.executable, baseline=True, without=without)
+        first = next(m for m in chosen if m.tests == tests)
+        outcome, _ = run(first, sys.executable, baseline=True, without=without)
+        if outcome == "STALE":
+            print(f"mutant {first.name} is stale: its text is not in {first.path} once", file=sys.stderr)
+            return 1
         if outcome != "SURVIVED":
             print(f"the unmutated copy fails or lacks {', '.join(tests)}: fix that first", file=sys.stderr)
             return 1

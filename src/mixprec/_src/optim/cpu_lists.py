@@ -550,8 +550,7 @@ def sgd_quantized_step(fmt: str, rows: list[tuple[Any, ...]], group: dict[str, A
     with ``group``'s options, in one call, bit for bit."""
     kernel = _sgd_quantized(fmt, rows[0][0].dtype, rows[0][1].dtype)
     signed_table, signed_lookup, _, _ = cpu_adam._tables(fmt)
-    scalars = torch.tensor([float(group["weight_decay"]), float(group["momentum"]), 1.0 - float(group["dampening"]),
-                            -float(group["lr"])], dtype=torch.float32)  # fmt: skip
+    scalars = _sgd_scalars(group)
     table = torch.tensor([[p.data_ptr(), g.data_ptr(), _pointer(c), st["momentum_buffer_codes"].data_ptr(),
                            st["momentum_buffer_scale"].data_ptr(), p.numel(), st["momentum_buffer_scale"].numel(),
                            seed, int(started)] for p, g, st, c, seed, started in rows], dtype=torch.int64)  # fmt: skip
