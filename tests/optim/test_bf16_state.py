@@ -306,3 +306,19 @@ def _torch_sqrt_is_correctly_rounded() -> bool:
     vector paths it is not (seen on an AMD EPYC with AVX-512: a fifth of random values an ulp off)."""
     x = torch.rand(1 << 14, generator=torch.Generator().manual_seed(0)) * 1e-6
     return torch.equal(x.sqrt(), x.double().sqrt().float())
+
+
+def test_the_per_weight_bf16_momentum_starts_from_the_gradient_whatever_the_dampening() -> None:
+    # torch's SGD starts its buffer as the gradient itself; dampening applies from the second step on. A
+    # weight that is not contiguous takes the per-weight step (bf16_state.sgd_step), not the group's list.
+    torch.manual_seed(0)
+    layer = nn.Linear(128, 64, bias=False)
+    layer.weight = nn.Parameter(torch.randn(128, 64).t())
+    assert not layer.weight.is_contiguous() and layer.weight.numel() >= moments.MIN_NUMEL
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1, momentum=0.9, dampening=0.5)
+    layer, opt = mixprec.prepare(layer, opt, level="bf16-sr", optimizer_state="bf16")
+    layer(torch.randn(8, 128)).square().sum().backward()
+    grad = layer.weight.grad.float().clone()
+    opt.step()
+    buffer = opt.state[layer.weight]["momentum_buffer"].float()
+    torch.testing.assert_close(buffer, grad, rtol=1e-2, atol=1e-3)  # not half of it

@@ -102,3 +102,18 @@ def test_sgd_without_momentum_has_no_state_to_quantize() -> None:
     model = nn.Linear(64, 64)
     with pytest.raises(ValueError, match=r"SGD's momentum buffer .* no momentum \(no state to quantize\)"):
         mixprec.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), "O1", optimizer_state="8bit")
+
+
+def test_sgd_update_is_torchs_sgd_step_with_nesterov_bit_for_bit() -> None:
+    from mixprec._src.optim import sgd
+
+    g = torch.Generator().manual_seed(0)
+    p, grad, buf = (torch.randn(300, generator=g) for _ in range(3))
+    group = {"lr": 0.1, "momentum": 0.9, "dampening": 0.0, "weight_decay": 0.01, "nesterov": True}
+    new_buf, new_p = sgd.sgd_update(p, grad, buf, group)
+    ref = nn.Parameter(p.clone())
+    ref.grad = grad.clone()
+    opt = torch.optim.SGD([ref], lr=0.1, momentum=0.9, weight_decay=0.01, nesterov=True, foreach=False)
+    opt.state[ref]["momentum_buffer"] = buf.clone()
+    opt.step()
+    assert torch.equal(new_p, ref.detach()) and torch.equal(new_buf, opt.state[ref]["momentum_buffer"])
