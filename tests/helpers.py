@@ -5,7 +5,11 @@ Fixtures live in conftest.py; everything a test imports lives here (``from helpe
 
 from __future__ import annotations
 
+import importlib.util
+import pathlib
+import sys
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any, TypeVar
 
 import pytest
@@ -16,6 +20,21 @@ from torch import nn
 import mixprec
 
 _T = TypeVar("_T")
+
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def load_script(path: str) -> ModuleType:
+    """A script of the repository that is not a package module (``tools/mutants.py``, ``benchmarks/...``),
+    imported by its path; registered in ``sys.modules`` under its file name (its dataclasses look it up)."""
+    name = pathlib.Path(path).stem
+    spec = importlib.util.spec_from_file_location(name, ROOT / path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def requires_cuda(test: _T) -> _T:

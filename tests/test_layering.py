@@ -3,27 +3,17 @@ import cycle, no private name across subsystems; and each rule catches its breac
 
 from __future__ import annotations
 
-import importlib.util
 import pathlib
 import shutil
-import sys
-from types import ModuleType
 
 import pytest
+
+from helpers import load_script
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-def _layering() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("layering", ROOT / "tools" / "layering.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["layering"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-layering = _layering()
+layering = load_script("tools/layering.py")
 
 
 def test_the_house_keeps_its_layers() -> None:

@@ -9,19 +9,13 @@ whose fp8 layers learn nothing ends far above.
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+
+from helpers import load_script
 
 pytestmark = pytest.mark.slow
 
-_spec = importlib.util.spec_from_file_location(
-    "fp8_convergence", Path(__file__).resolve().parents[2] / "benchmarks" / "fp8_convergence.py"
-)
-assert _spec is not None and _spec.loader is not None
-convergence = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(convergence)
+convergence = load_script("benchmarks/fp8_convergence.py")
 
 STEPS = 300
 

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import math
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,15 +12,10 @@ import torch
 from torch import nn
 
 import mixprec
-from helpers import bitwise_equal
+from helpers import bitwise_equal, load_script
 from mixprec._src.layers.ladder import LADDER
 
-_spec = importlib.util.spec_from_file_location(
-    "guard_outlier", Path(__file__).resolve().parents[2] / "benchmarks" / "guard_outlier.py"
-)
-assert _spec is not None and _spec.loader is not None
-scenario = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(scenario)
+scenario = load_script("benchmarks/guard_outlier.py")
 OUTLIER_AT, STEPS, _Run, _net = scenario.OUTLIER_AT, scenario.STEPS, scenario.Run, scenario.make_model
 
 

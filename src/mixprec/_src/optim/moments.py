@@ -66,10 +66,8 @@ def store(state: dict[str, Any], name: str, value: torch.Tensor, precision: str,
 
 def zeros(state: dict[str, Any], name: str, device: torch.device, precision: str, capacity: int) -> None:
     """``name`` as torchao starts a state: every code 0 and every scale 0 (a zero scale makes any entry 0)."""
-    bits, block = FORMATS[precision]
-    blocks = -(-capacity // block)
-    dtype = q.FP8 if precision == "fp8" else torch.uint8
-    state[f"{name}_codes"] = torch.zeros(blocks * block * bits // 8, dtype=dtype, device=device)
+    dtype, codes_len, blocks = _layout(precision, capacity)
+    state[f"{name}_codes"] = torch.zeros(codes_len, dtype=dtype, device=device)
     state[f"{name}_scale"] = torch.zeros(blocks, device=device)
 
 
@@ -119,7 +117,7 @@ def conform(state: dict[str, Any], precision: str, numel: int, capacity: int) ->
         if (codes.dtype is dtype and codes.numel() == codes_len and scale is not None and scale.numel() == scales_len
                 and scale.dtype is torch.float32 and codes.is_contiguous() and scale.is_contiguous()):  # fmt: skip
             continue
-        saved = saved_precision(state, name)
+        saved = saved_precision(state, name)  # raises where the scales are missing
         held = min(state[f"{name}_scale"].numel() * FORMATS[saved][1], capacity)
         if held < min(numel, capacity):
             raise ValueError(f"optimizer state {name!r} holds {held} values and its parameter (or this rank's shard "

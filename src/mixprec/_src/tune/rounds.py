@@ -53,9 +53,14 @@ class Search:
         self.repeated = 0  # the most steps a noisy round took (0: none was repeated)
 
     @property
+    def planning_s(self) -> float:
+        """Seconds spent planning memory for the budget (``fit``): not the measuring budget's."""
+        return self.fit.seconds if self.fit is not None else 0.0
+
+    @property
     def deadline(self) -> float:
         """When the budget ends: ``budget_s`` of measuring, the memory planning's seconds not counted."""
-        return self._deadline + (self.fit.seconds if self.fit is not None else 0.0)
+        return self._deadline + self.planning_s
 
     def say(self, text: str) -> None:
         if self.progress is not None:

@@ -182,9 +182,8 @@ def tune(
             wanted = [short_name(d) for d in searched] + list(layer_plan.FP8_CANDIDATES)
             # dtypes whose matmuls are emulated here, with how much slower than fp32's they are
             emulated = {short_name(d): s / (3 * forward_s) for d, s in search.first_step_s.items() if forward_s > 0}
-            planned_s = search.fit.seconds if search.fit is not None else 0.0  # memory planning: not the budget's
             measured, plan_notes = layer_plan.measure(model, batch, loss_of, wanted,
-                                                      start + planned_s + _PLAN_SHARE * budget_s, emulated,
+                                                      start + search.planning_s + _PLAN_SHARE * budget_s, emulated,
                                                       search.say)  # fmt: skip
             notes += plan_notes
             plan = _Plan(measured, layer_sqnr_db, min_speedup) if measured else None
@@ -192,8 +191,8 @@ def tune(
                              min_speedup, notes, plan)  # fmt: skip
         if plan is not None:
             recipe = plan.attach(recipe)
-    if search.fit is not None and search.fit.seconds:
-        note = f"memory planning took {search.fit.seconds:.1f} s, outside budget_s (which is for measuring)"
+    if search.planning_s:
+        note = f"memory planning took {search.planning_s:.1f} s, outside budget_s (which is for measuring)"
         recipe = dataclasses.replace(recipe, notes=(*recipe.notes, note))
     measured_on = f"{found.type}" + (f" ({torch.cuda.get_device_name(found)})" if found.type == "cuda" else "")
     return dataclasses.replace(recipe, measured_on=f"{measured_on}, torch {torch.__version__}",
