@@ -448,7 +448,7 @@ MUTANTS = (
            S + "fp8/gemm.py", "    if power_of_two:  #", "    if False:  #", FP8_TESTS),
     # --- what a new user met -------------------------------------------------------------------------------
     Mutant("plan-fp16-unscaled", "the per-layer plan scores fp16 without the loss scale it trains behind",
-           S + "layers/plan.py", 'fp16_scale if p == "fp16" else 1.0', "1.0", LAYER_TESTS),
+           S + "layers/plan.py", "fp16_scale if p is LayerPrecision.FP16 else 1.0", "1.0", LAYER_TESTS),
     Mutant("plan-ignores-noise", "a layer moves for a speed-up within its timings' noise",
            S + "layers/plan.py", "need = max(min_speedup, 1.0 + m.noise)", "need = min_speedup",
            LAYER_TESTS),

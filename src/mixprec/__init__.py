@@ -26,7 +26,7 @@ from mixprec._src.fp8.conversion import Fp8Layers, fp8_layers
 from mixprec._src.layers.guard import Guard
 from mixprec._src.layers.ladder import GuardThresholds, LayerMove
 from mixprec._src.layers.plan import LayerChoice
-from mixprec._src.layers.precision import layer_precision, set_layer_precision
+from mixprec._src.layers.precision import LayerPrecision, layer_precision, set_layer_precision
 from mixprec._src.layout import to_channels_last
 from mixprec._src.observe.diagnostics import diagnose
 from mixprec._src.observe.memory_plan import MemoryPlan, memory_plan
@@ -36,7 +36,7 @@ from mixprec._src.observe.report import DiagnosticReport
 from mixprec._src.op_names import op_name
 from mixprec._src.policy.grammar import get_policy
 from mixprec._src.policy.policy import NORM_TYPES, ModuleRule, OpCategory, Policy, builtin_policy, default_policy
-from mixprec._src.prepare.config import Level, PrepareConfig
+from mixprec._src.prepare.config import Level, PrepareConfig, StatePrecision
 from mixprec._src.prepare.memory import MemoryReport, memory_report, state_bytes
 from mixprec._src.prepare.prepare import export_fp32, master_params, prepare
 from mixprec._src.scaling.scaler import GradScaler, ScalerEvent, ScalerStats
@@ -66,6 +66,7 @@ __all__ = [
     "Incident",
     "LayerChoice",
     "LayerMove",
+    "LayerPrecision",
     "Level",
     "Measurement",
     "MemoryPlan",
@@ -79,6 +80,7 @@ __all__ = [
     "Recipe",
     "ScalerEvent",
     "ScalerStats",
+    "StatePrecision",
     "Tolerance",
     "__version__",
     "autocast",

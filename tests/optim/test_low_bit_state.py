@@ -221,7 +221,9 @@ def test_what_cannot_keep_quantized_moments_is_refused_with_what_to_do() -> None
         mixprec.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), "O1", optimizer_state="8bit")
     with pytest.raises(ValueError, match="AdamW with amsgrad: use one of them"):
         mixprec.prepare(model, torch.optim.AdamW(model.parameters(), amsgrad=True), "O1", optimizer_state="4bit")
-    with pytest.raises(ValueError, match="unknown optimizer_state '2bit'; valid: fp32, bf16, 8bit, 4bit, fp8"):
+    with pytest.raises(
+        ValueError, match=r"unknown optimizer_state '2bit'; valid optimizer states: fp32, bf16, 8bit, 4bit"
+    ):
         mixprec.PrepareConfig("O1", optimizer_state="2bit")
     assert str(mixprec.PrepareConfig("O2", optimizer_state="4bit")).endswith("state=4bit")
 

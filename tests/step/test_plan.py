@@ -45,7 +45,7 @@ def test_the_optimizer_kind_is_read_from_its_class() -> None:
 def test_a_plan_that_cannot_be_is_refused() -> None:
     with pytest.raises(ValueError, match="writes its weights"):
         StepPlan(write="truncate")
-    with pytest.raises(ValueError, match="optimizer state is one of"):
+    with pytest.raises(ValueError, match="unknown optimizer_state"):
         StepPlan(state="2bit")
 
 

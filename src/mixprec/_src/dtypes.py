@@ -13,7 +13,17 @@ E = TypeVar("E", bound="NamedEnum")
 
 
 class NamedEnum(str, enum.Enum):
-    """A user-facing choice: ``from_name`` parses its value, the error lists the valid ones."""
+    """A user-facing choice: ``from_name`` parses its value, the error lists the valid ones.
+
+    A member is its value as a string (``Level.O2 == "O2"``, ``f"{Level.O2}"`` is ``"O2"``, JSON writes
+    ``"O2"``), so strings stay accepted wherever a choice is taken and printed as users type them.
+    """
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
 
     @classmethod
     def _what(cls) -> tuple[str, str]:

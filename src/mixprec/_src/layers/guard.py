@@ -42,6 +42,7 @@ from mixprec._src.layers import probes
 from mixprec._src.layers.ladder import GuardThresholds, LayerMove
 from mixprec._src.layers.precision import (
     FP8_PREFIX,
+    LayerPrecision,
     layer_precision,
     set_layer_precision,
 )
@@ -272,7 +273,7 @@ class Guard:
                 which = "input" if row[BWD_ORIGIN] > 0 else "weight"
                 found[index] = ("nonfinite_backward", f"{which} gradient inf/NaN from a finite output gradient at "
                                                       f"loss scale {scale_used:g}")  # fmt: skip
-            elif seen == "fp16" and math.isfinite(row[OUT]) and row[OUT] > th.fp16_margin * FP16_MAX:
+            elif seen == LayerPrecision.FP16 and math.isfinite(row[OUT]) and row[OUT] > th.fp16_margin * FP16_MAX:
                 found[index] = (
                     "fp16_overflow",
                     f"output amax {row[OUT]:.4g} > {th.fp16_margin:g} x {FP16_MAX:g}",

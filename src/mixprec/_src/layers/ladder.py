@@ -11,20 +11,20 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from mixprec._src.layers.precision import FP8_PREFIX, PRECISIONS, parse_precision
+from mixprec._src.layers.precision import LayerPrecision as P
+from mixprec._src.layers.precision import parse_precision
 
 __all__ = ["LADDER", "GuardThresholds", "LayerMove"]
 
 #: The default ladder: where a layer goes when it fails in its precision.
-LADDER: dict[str, str] = {
-    "fp8-delayed": "fp8-tensorwise",
-    "fp8-tensorwise": "fp8-rowwise",
-    "fp8-rowwise": "bf16",
-    "fp8-rowwise_with_gw_hp": "bf16",
-    "fp16": "bf16",
-    "bf16": "fp32",
+LADDER: dict[P, P] = {
+    P.FP8_DELAYED: P.FP8_TENSORWISE,
+    P.FP8_TENSORWISE: P.FP8_ROWWISE,
+    P.FP8_ROWWISE: P.BF16,
+    P.FP8_ROWWISE_WITH_GW_HP: P.BF16,
+    P.FP16: P.BF16,
+    P.BF16: P.FP32,
 }
-RUNG = {**{p: 0 for p in PRECISIONS if p.startswith(FP8_PREFIX)}, "fp16": 1, "bf16": 1, "fp32": 2}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +51,7 @@ class GuardThresholds:
     flushed: float = 0.5
     amax_jump: float = 100.0
     warmup: int = 10
-    ladder: Mapping[str, str] = dataclasses.field(default_factory=lambda: dict(LADDER))
+    ladder: Mapping[Any, Any] = dataclasses.field(default_factory=lambda: dict(LADDER))
 
     def __post_init__(self) -> None:
         if not (isinstance(self.patience, int) and not isinstance(self.patience, bool) and self.patience >= 1):
@@ -63,9 +63,9 @@ class GuardThresholds:
             value = getattr(self, field)
             if not (isinstance(value, (int, float)) and low < value <= high):
                 raise ValueError(f"{field} must be a number in ({low:g}, {high:g}], got {value!r}")
-        ladder = {parse_precision(a): parse_precision(b) for a, b in dict(self.ladder).items()}
+        ladder = {parse_precision(a): parse_precision(b) for a, b in self.ladder.items()}
         for a, b in ladder.items():
-            if b == "fp8-delayed" or RUNG[b] < RUNG[a] or a == "fp32":
+            if b is P.FP8_DELAYED or b.rung < a.rung or a is P.FP32:
                 raise ValueError(f"the ladder moves {a} down to {b}; a rung goes up: fp8 -> 16 bits -> fp32, and "
                                  "never to fp8-delayed (a whole-model recipe)")  # fmt: skip
         for start in ladder:  # fp16 and bf16 are one rung: a ladder may go either way, not both

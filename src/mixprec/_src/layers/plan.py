@@ -40,7 +40,7 @@ from mixprec._src.fp8.config import Fp8Config, Fp8Recipe
 from mixprec._src.gemms import flops, kinds, sites
 from mixprec._src.layers.precision import (
     DELAYED_PER_LAYER,
-    FP8_PREFIX,
+    LayerPrecision,
     fp8_recipe_of,
     layer_of,
     parse_precision,
@@ -61,7 +61,7 @@ __all__ = [
 ]
 
 #: The fp8 recipes the planner considers (delayed scaling needs prepare's step hook: a whole-model choice).
-FP8_CANDIDATES = (FP8_PREFIX + Fp8Recipe.TENSORWISE.value, FP8_PREFIX + Fp8Recipe.ROWWISE.value)
+FP8_CANDIDATES = (LayerPrecision.FP8_TENSORWISE, LayerPrecision.FP8_ROWWISE)
 _REPS = 3  # timed repetitions per layer and precision (after one warm-up): the fastest counts
 _MAX_REPS = 8  # ... repeated up to this many while the fastest two of a precision differ by over timing.NOISY
 # An untimed (emulated) fp8 run of a layer past this many times its fp32 run is not the emulation the SQNR table
@@ -92,7 +92,7 @@ class LayerChoice:
     shape: str
     ms: tuple[tuple[str, float], ...] = ()
     sqnr_db: tuple[tuple[str, float], ...] = ()
-    choice: str = "fp32"
+    choice: LayerPrecision = LayerPrecision.FP32
     reason: str = ""
     default: str = ""
     noise: float = 0.0
@@ -216,7 +216,7 @@ class _Run:
     def __init__(self, captured: _Captured, precision: str, loss_scale: float = 1.0) -> None:
         self.holder = nn.Module()
         self.holder.layer = copy.deepcopy(captured.module)
-        if precision != "fp32":
+        if precision is not LayerPrecision.FP32:
             set_layer_precision(self.holder, "layer", precision)
         self.captured = captured
         self.loss_scale = loss_scale  # a power of two: scaling and unscaling are exact but for range
@@ -258,9 +258,9 @@ class Measured:
 
     name: str
     shape: str
-    ms: dict[str, float]
-    sqnr_db: dict[str, float]
-    not_measured: dict[str, str]
+    ms: dict[LayerPrecision, float]
+    sqnr_db: dict[LayerPrecision, float]
+    not_measured: dict[LayerPrecision, str]
     noise: float = 0.0
 
 
@@ -279,14 +279,14 @@ def measure(model: nn.Module, batch: Any, loss_of: Callable[[Any], torch.Tensor]
     """
     device = next(model.parameters()).device
     notes: list[str] = []
-    wanted = list(dict.fromkeys(["fp32", *(parse_precision(p) for p in precisions)]))
+    wanted = list(dict.fromkeys([LayerPrecision.FP32, *(parse_precision(p) for p in precisions)]))
     untimed = set()  # run once for their SQNR (the emulation computes what the hardware would), not timed
-    if any(p.startswith(FP8_PREFIX) for p in wanted) and not device_has_fp8(device):
-        untimed = {p for p in wanted if p.startswith(FP8_PREFIX)}
+    if any(p.fp8_recipe for p in wanted) and not device_has_fp8(device):
+        untimed = {p for p in wanted if p.fp8_recipe}
         notes.append(f"no layer in fp8: fp8 GEMMs are emulated on {device.type} (torch._scaled_mm in fp32), "
                      "so fp8 could only be slower; a GPU of compute capability 8.9+ has them (the table "
                      "shows fp8's SQNR per layer, the same there)")  # fmt: skip
-    slow = {p: s for p, s in (emulated or {}).items() if p in wanted and p != "fp32"}
+    slow = {parse_precision(p): s for p, s in (emulated or {}).items() if p in wanted and p != LayerPrecision.FP32}
     if slow:
         wanted = [p for p in wanted if p not in slow]
         notes.append("per-layer plan: not run in " + ", ".join(f"{p} (a matmul {s:.0f}x slower than fp32: emulated)"
@@ -294,12 +294,12 @@ def measure(model: nn.Module, batch: Any, loss_of: Callable[[Any], torch.Tensor]
     captured, largest_gradient, reach = _capture(model, batch, loss_of)
     notes.append(reach)
     fp16_scale = settled_loss_scale(largest_gradient)
-    if "fp16" in wanted:
+    if LayerPrecision.FP16 in wanted:
         notes.append(f"per-layer plan: fp16 measured behind a loss scale of 2**{int(math.log2(fp16_scale))}, what "
                      f"a GradScaler trains this model at (largest gradient {largest_gradient:.3g})")  # fmt: skip
     head = fp8_conversion.head_of(model, sites.gemm_layers(model, route=False))
     out: list[Measured] = []
-    dropped: set[str] = set()  # untimed precisions whose emulation here is too slow to run for its SQNR
+    dropped: set[LayerPrecision] = set()  # untimed precisions whose emulation here is too slow to run for its SQNR
     for name, c in captured.items():
         if time.perf_counter() > deadline:
             notes.append(f"the budget ran out after {len(out)} of {len(captured)} layers: the others keep the "
@@ -312,16 +312,16 @@ def measure(model: nn.Module, batch: Any, loss_of: Callable[[Any], torch.Tensor]
             {},
             {p: f"emulated here (a matmul {s:.0f}x slower than fp32)" for p, s in slow.items()},
         )
-        runs: dict[str, _Run] = {}
+        runs: dict[LayerPrecision, _Run] = {}
         for p in wanted:
-            why = _fp8_reason(c.module, name, head) if p.startswith(FP8_PREFIX) else None
+            why = _fp8_reason(c.module, name, head) if p.fp8_recipe else None
             if why is not None:
                 entry.not_measured[p] = why.split(" (")[0].split(", which")[0]  # the rule, without its advice
                 continue
             if p in dropped:
                 entry.not_measured[p] = _SLOW_REASON
                 continue
-            runs[p] = _Run(c, p, fp16_scale if p == "fp16" else 1.0)
+            runs[p] = _Run(c, p, fp16_scale if p is LayerPrecision.FP16 else 1.0)
         if progress is not None:
             progress(f"  layer {name} ({entry.shape}): {', '.join(runs)}")
         for p, run in list(runs.items()):
@@ -330,9 +330,9 @@ def measure(model: nn.Module, batch: Any, loss_of: Callable[[Any], torch.Tensor]
                 entry.not_measured[p] = _SLOW_REASON
                 continue
             seconds = run()  # warm-up
-            if p in untimed and seconds > max(_SLOW_EMULATION * runs["fp32"].times[0], _SLOW_FLOOR_S):
+            if p in untimed and seconds > max(_SLOW_EMULATION * runs[LayerPrecision.FP32].times[0], _SLOW_FLOOR_S):
                 dropped |= untimed
-                ratio = seconds / runs["fp32"].times[0]
+                ratio = seconds / runs[LayerPrecision.FP32].times[0]
                 notes.append(f"per-layer plan: fp8's SQNR not measured from layer {name} on: its {p} GEMMs took "
                              f"{seconds:.2g} s, {ratio:.0f}x its fp32 run (the emulation is about 2x), and one "
                              "such GEMM of a larger layer could take the whole budget")  # fmt: skip
@@ -345,19 +345,19 @@ def measure(model: nn.Module, batch: Any, loss_of: Callable[[Any], torch.Tensor]
                     run()
             rep += 1
         entry.noise = _noise(timed)
-        reference = runs["fp32"].result
+        reference = runs[LayerPrecision.FP32].result
         for p, run in runs.items():
             if p in untimed:
                 entry.not_measured[p] = f"fp8 GEMMs emulated on {c.x.device.type}"
             else:
                 entry.ms[p] = min(run.times[1:] or run.times) * 1e3  # a shared machine's load only adds time
-            if p != "fp32":
+            if p is not LayerPrecision.FP32:
                 entry.sqnr_db[p] = min(sqnr(a, b) for a, b in zip(run.result, reference, strict=True))
         out.append(entry)
     return out, notes
 
 
-def _noise(runs: Mapping[str, _Run]) -> float:
+def _noise(runs: Mapping[LayerPrecision, _Run]) -> float:
     """The worst precision's :func:`timing.fastest_noise` over its timed runs (after the warm-up)."""
     return max((n for run in runs.values() if (n := timing.fastest_noise(run.times[1:])) is not None), default=0.0)
 
@@ -369,15 +369,15 @@ def choose(measured: Sequence[Measured], default: str | Callable[[Measured], str
     choices = []
     recipe_default = default
     for m in measured:
-        default = recipe_default(m) if callable(recipe_default) else recipe_default
+        default = parse_precision(recipe_default(m) if callable(recipe_default) else recipe_default)
         allowed, why_not = {}, []
         for p, ms in m.ms.items():
             quality = m.sqnr_db.get(p, math.inf)
             if quality < floor_db:
                 why_not.append(f"{p} {quality:.1f} dB < {floor_db:g} dB")
                 continue
-            if p.startswith(FP8_PREFIX):
-                high = m.ms.get("bf16", m.ms.get(default))
+            if LayerPrecision.from_name(p).fp8_recipe:
+                high = m.ms.get(LayerPrecision.BF16, m.ms.get(default))
                 if not fp8_allowed or (high is not None and ms >= high):
                     why_not.append(f"{p} not faster than bf16 ({ms:.3f} vs {high:.3f} ms)" if high else p)
                     continue
@@ -403,8 +403,18 @@ def choose(measured: Sequence[Measured], default: str | Callable[[Measured], str
         for p, why in m.not_measured.items():
             unmeasured.setdefault(("not timed" if p in m.sqnr_db else "not measured", why), []).append(p)
         reason += "".join(f"; {', '.join(ps)} {what}: {why}" for (what, why), ps in unmeasured.items())
-        choices.append(LayerChoice(m.name, m.shape, tuple(m.ms.items()), tuple(m.sqnr_db.items()), choice, reason,
-                                   default, m.noise))  # fmt: skip
+        choices.append(
+            LayerChoice(
+                m.name,
+                m.shape,
+                tuple(m.ms.items()),
+                tuple(m.sqnr_db.items()),
+                parse_precision(choice),
+                reason,
+                default,
+                m.noise,
+            )
+        )
     return tuple(choices)
 
 

@@ -25,7 +25,7 @@ from torch import nn
 
 from mixprec._src import bound_forward
 from mixprec._src.amp import compiled_backward
-from mixprec._src.dtypes import parse_dtype, short_name
+from mixprec._src.dtypes import NamedEnum, parse_dtype, short_name
 from mixprec._src.fp8 import conversion as fp8_conversion
 from mixprec._src.fp8.config import Fp8Config, Fp8Recipe
 from mixprec._src.gemms import kinds, sites
@@ -33,6 +33,7 @@ from mixprec._src.gemms import kinds, sites
 __all__ = [
     "DELAYED_PER_LAYER",
     "FP8_PREFIX",
+    "LayerPrecision",
     "PRECISIONS",
     "fp8_recipe_of",
     "is_layer",
@@ -43,34 +44,71 @@ __all__ = [
 ]
 
 FP8_PREFIX = "fp8-"
-#: Every precision a layer can be given, from the least precise to the most.
-PRECISIONS = (
-    *(FP8_PREFIX + r.value for r in (Fp8Recipe.DELAYED, Fp8Recipe.TENSORWISE, Fp8Recipe.ROWWISE,
-                                     Fp8Recipe.ROWWISE_WITH_GW_HP)),
-    "fp16",
-    "bf16",
-    "fp32",
-)  # fmt: skip
 _DTYPE = "_mixprec_layer_dtype"  # a dtype override, in the layer's __dict__
 
 
-def parse_precision(value: str | torch.dtype) -> str:
-    """A layer precision's canonical name: ``"fp8-tensorwise"``, ``"bf16"``; dtypes and their names accepted.
+class LayerPrecision(NamedEnum):
+    """What one GEMM layer computes in: an fp8 recipe (``"fp8-<recipe>"``) or a dtype; least precise first.
+
+    A member is equal to its name (``LayerPrecision.BF16``, ``"bf16"``); :meth:`from_name` also takes dtypes and
+    their names (``torch.bfloat16``, ``"bfloat16"``)."""
+
+    FP8_DELAYED = "fp8-delayed"
+    FP8_TENSORWISE = "fp8-tensorwise"
+    FP8_ROWWISE = "fp8-rowwise"
+    FP8_ROWWISE_WITH_GW_HP = "fp8-rowwise_with_gw_hp"
+    FP16 = "fp16"
+    BF16 = "bf16"
+    FP32 = "fp32"
+
+    @property
+    def fp8_recipe(self) -> Fp8Recipe | None:
+        """The fp8 recipe of an ``fp8-<recipe>`` precision, else ``None``."""
+        return Fp8Recipe(self.value[len(FP8_PREFIX) :]) if self.value.startswith(FP8_PREFIX) else None
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        """The dtype of a dtype precision, else ``None`` (fp8)."""
+        return None if self.fp8_recipe is not None else parse_dtype(self.value)
+
+    @property
+    def rung(self) -> int:
+        """Its rung on the guard's ladder: 0 fp8, 1 the 16-bit dtypes, 2 fp32."""
+        return 0 if self.fp8_recipe is not None else 2 if self is LayerPrecision.FP32 else 1
+
+    @classmethod
+    def from_name(cls, name: str | torch.dtype) -> LayerPrecision:  # type: ignore[override]
+        """``"fp8-tensorwise"``, ``"bf16"``, ``torch.bfloat16``, ``"bfloat16"`` -> the member.
+
+        Raises:
+            ValueError: not a precision; the message lists them.
+        """
+        if isinstance(name, cls):
+            return name
+        if isinstance(name, str) and name.startswith(FP8_PREFIX):
+            return cls(FP8_PREFIX + Fp8Recipe.from_name(name[len(FP8_PREFIX) :]).value)
+        try:
+            return cls(short_name(parse_dtype(name, what="layer precision")))
+        except (TypeError, ValueError):
+            raise ValueError(f"unknown layer precision {name!r}; valid: {', '.join(cls)}") from None
+
+
+#: Every precision a layer can be given, from the least precise to the most.
+PRECISIONS = tuple(LayerPrecision)
+
+
+def parse_precision(value: str | torch.dtype) -> LayerPrecision:
+    """A layer precision's member: ``"fp8-tensorwise"``, ``"bf16"``; dtypes and their names accepted.
 
     Raises:
         ValueError: not a precision; the message lists them.
     """
-    if isinstance(value, str) and value.startswith(FP8_PREFIX):
-        return FP8_PREFIX + Fp8Recipe.from_name(value[len(FP8_PREFIX) :]).value
-    try:
-        return short_name(parse_dtype(value, what="layer precision"))
-    except (TypeError, ValueError):
-        raise ValueError(f"unknown layer precision {value!r}; valid: {', '.join(PRECISIONS)}") from None
+    return LayerPrecision.from_name(value)
 
 
 def fp8_recipe_of(precision: str) -> Fp8Recipe | None:
     """The fp8 recipe of ``"fp8-<recipe>"``, else ``None``."""
-    return Fp8Recipe.from_name(precision[len(FP8_PREFIX) :]) if precision.startswith(FP8_PREFIX) else None
+    return LayerPrecision.from_name(precision).fp8_recipe
 
 
 def is_layer(module: nn.Module) -> bool:
@@ -79,14 +117,14 @@ def is_layer(module: nn.Module) -> bool:
     return kinds.kind_of(module) is not None
 
 
-def layer_precision(model: nn.Module, name: str) -> str | None:
+def layer_precision(model: nn.Module, name: str) -> LayerPrecision | None:
     """The precision set on layer ``name`` (an fp8 recipe or a dtype override), or ``None``: the region's."""
     module = model.get_submodule(name)
     scaling = fp8_conversion.scaling_of(module)
     if scaling is not None:
-        return FP8_PREFIX + scaling.config.recipe.value
+        return LayerPrecision(FP8_PREFIX + scaling.config.recipe.value)
     dtype = module.__dict__.get(_DTYPE)
-    return None if dtype is None else short_name(dtype)
+    return None if dtype is None else LayerPrecision.from_name(dtype)
 
 
 def set_layer_precision(model: nn.Module, name: str, precision: str | torch.dtype | None) -> None:
@@ -113,7 +151,7 @@ def set_layer_precision(model: nn.Module, name: str, precision: str | torch.dtyp
         module.__dict__.pop(_DTYPE, None)
         module.__dict__.pop("forward", None)
         return
-    module.__dict__[_DTYPE] = parse_dtype(canonical)
+    module.__dict__[_DTYPE] = canonical.dtype
     bound_forward.bind(module, _dtype_forward)
     sites.settle(model)
 

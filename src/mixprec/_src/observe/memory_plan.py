@@ -235,7 +235,7 @@ def _sliced(model: nn.Module, optimizer: torch.optim.Optimizer | None, config: P
             world: int) -> dict[int, int]:  # fmt: skip
     """id(weight) -> the values of its gradient alive at once, where prepare will make it a slice at a time
     (``step.sliced_gradients``: the step in backward with quantized Adam(W) state, one process, not O2)."""
-    if not config.step_in_backward or world > 1 or config.level is Level.O2 or config.optimizer_state == "fp32":
+    if not config.step_in_backward or world > 1 or config.level is Level.O2 or not config.optimizer_state.own:
         return {}
     if config.fp8 is not None:  # converted layers keep their forward and whole gradients: all counted whole
         return {}
@@ -306,7 +306,7 @@ def _state_bytes(p: torch.Tensor, numel: int, stored: int, optimizer: torch.opti
         return 0
     kind = type(optimizer)
     comp = numel * 2 if config.level is Level.BF16_KAHAN and low else 0
-    own = config.optimizer_state != "fp32" and p.numel() >= moments.MIN_NUMEL  # mixprec's step keeps its state
+    own = config.optimizer_state.own and p.numel() >= moments.MIN_NUMEL  # mixprec's step keeps its state
     bf16 = own and config.optimizer_state == moments.BF16
     step = 4  # a 0-dim fp32 tensor
     if kind in (torch.optim.Adam, torch.optim.AdamW):
@@ -339,17 +339,17 @@ def _step_temporaries(p: torch.Tensor, numel: int, stored: int, optimizer: torch
     adam = type(optimizer) in (torch.optim.Adam, torch.optim.AdamW)
     on_cpu = p.device.type in ("cpu", "meta")
     native = on_cpu and fused_adam.NATIVE and cpu_adam.bf16_expected() and p.numel() >= moments.MIN_NUMEL
-    if config.optimizer_state != "fp32" and native and adam:
+    if config.optimizer_state.own and native and adam:
         # cpu_adam's kernel reads and writes in place; the group's weights go in one call: a table row each
         return _LIST_ROW[config.optimizer_state], 0, "cpu-list"
-    if config.optimizer_state != "fp32" and native and type(optimizer) is torch.optim.SGD:  # the same, with SGD's
+    if config.optimizer_state.own and native and type(optimizer) is torch.optim.SGD:  # the same, with SGD's
         return _LIST_ROW["sgd-bf16" if config.optimizer_state == moments.BF16 else "sgd-quantized"], 0, "cpu-list-sgd"
     if config.optimizer_state == moments.BF16 and p.numel() >= moments.MIN_NUMEL:
         # a chunk at a time: its fp32 copies (of a bf16 weight and gradient too) and the update's arrays, and a
         # 0-dim seed; measured
         arrays = (10 if adam else 8) + (2 if config.level.bf16_weights and low else 0)
         return arrays * 4 * min(numel, bf16_state.CHUNK) + 4, 0, ""
-    if config.optimizer_state != "fp32" and p.numel() >= moments.MIN_NUMEL:
+    if config.optimizer_state.own and p.numel() >= moments.MIN_NUMEL:
         return (0 if adam else 3 * numel * 4), 0, ""  # the compiled kernel in chunks; SGD's eager fp32 copies
     bf16_step = config.level in (Level.BF16_SR, Level.BF16_KAHAN) and low
     sgd = type(optimizer) is torch.optim.SGD and not (group.get("fused") or group.get("differentiable"))

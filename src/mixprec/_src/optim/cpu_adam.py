@@ -23,6 +23,7 @@ import torch
 
 from mixprec._src.optim import moments
 from mixprec._src.optim import quantize as q
+from mixprec._src.optim.state_precision import StatePrecision
 
 __all__ = [
     "adam_step",
@@ -396,7 +397,7 @@ def _compiled(fmt: str, p_dtype: torch.dtype, g_dtype: torch.dtype) -> Any:
     from torch._inductor.codecache import CppPythonBindingsCodeCache
 
     bits, block = moments.FORMATS[fmt]
-    fp8 = fmt == "fp8"
+    fp8 = fmt == StatePrecision.FP8
     source = _SOURCE % {"bits": bits, "block": block, "unsigned_zero": int(not fp8 and q.codebook(bits, False)[0] == 0),
                         "fp8": int(fp8), "p_type": _CTYPES[p_dtype], "g_type": _CTYPES[g_dtype],
                         "helpers": _HELPERS}  # fmt: skip
@@ -426,7 +427,7 @@ def available(fmt: str, p: torch.Tensor, grad: torch.Tensor) -> bool:
 
 @functools.cache
 def _tables(fmt: str) -> tuple[torch.Tensor, ...]:
-    if fmt == "fp8":  # e4m3 codes are their own values: no codebook, no lookup (the kernel reads neither)
+    if fmt == StatePrecision.FP8:  # e4m3 codes are their own values: no codebook, no lookup (the kernel reads neither)
         empty = torch.zeros(2)
         return empty, empty.int(), empty, empty.int()
     bits = moments.FORMATS[fmt][0]
@@ -522,7 +523,7 @@ def bf16_available(p: torch.Tensor, grad: torch.Tensor, *state: torch.Tensor) ->
 def bf16_expected() -> bool:
     """Whether a bf16-state step on the CPU is expected to take :func:`bf16_adam_step` (no kernel of it failed to
     build in this process); compiles nothing."""
-    return not any(key[0] == "bf16" for key in _failed)
+    return not any(key[0] == StatePrecision.BF16 for key in _failed)
 
 
 def bf16_builds(p_dtype: torch.dtype, g_dtype: torch.dtype) -> bool:

@@ -28,6 +28,7 @@ from mixprec._src.optim import cpu_adam, moments
 from mixprec._src.optim import quantize as q
 from mixprec._src.optim.cpu_adam import _BF16_SOURCE, _CTYPES, _HELPERS, KAHAN, NEAREST, STOCHASTIC
 from mixprec._src.optim.cpu_adam import _SOURCE as _QUANTIZED_SOURCE
+from mixprec._src.optim.state_precision import StatePrecision
 
 __all__ = [
     "KAHAN",
@@ -236,7 +237,7 @@ _ONE = 'extern "C" void kernel('
 def _quantized_values(fmt: str, p_dtype: torch.dtype, g_dtype: torch.dtype) -> dict[str, Any]:
     """What cpu_adam's quantized source is formatted with for a format and the weight's and gradient's dtypes."""
     bits, block = moments.FORMATS[fmt]
-    fp8 = fmt == "fp8"
+    fp8 = fmt == StatePrecision.FP8
     return {"bits": bits, "block": block, "unsigned_zero": int(not fp8 and q.codebook(bits, False)[0] == 0),
             "fp8": int(fp8), "p_type": _CTYPES[p_dtype], "g_type": _CTYPES[g_dtype], "helpers": _HELPERS}  # fmt: skip
 

@@ -25,6 +25,7 @@ from mixprec._src.numerics import bf16_nearest
 from mixprec._src.optim import cpu_adam, moments
 from mixprec._src.optim import quantize as q
 from mixprec._src.optim.adam import quantized_moments
+from mixprec._src.optim.state_precision import StatePrecision
 
 __all__ = ["adam_step", "available", "runs", "step_scalars"]
 
@@ -33,16 +34,16 @@ Rounding = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def _dequantize(codes: torch.Tensor, scale: torch.Tensor, table: torch.Tensor, fmt: str) -> torch.Tensor:
-    if fmt == "fp8":
+    if fmt == StatePrecision.FP8:
         return codes.float() * scale[:, None]
-    if fmt == "4bit":
+    if fmt == StatePrecision.INT4:
         codes = torch.stack([codes >> 4, codes & 0b1111], dim=-1).view(codes.shape[0], -1)
     return table[codes.int()] * scale[:, None]
 
 
 def _quantize(x: torch.Tensor, fmt: str, signed: bool, lookup: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = x.abs().amax(dim=1).clamp(min=1e-12)
-    if fmt == "fp8":
+    if fmt == StatePrecision.FP8:
         scale = scale / torch.finfo(q.FP8).max
         scaled = x / scale[:, None]
         if not signed:  # e4m3's smallest positive value for a positive second moment that would round to 0
@@ -51,10 +52,10 @@ def _quantize(x: torch.Tensor, fmt: str, signed: bool, lookup: torch.Tensor) -> 
         return scaled.to(q.FP8), scale
     scaled = x / scale[:, None]
     codes = q.lookup_codes(scaled, lookup)
-    if not signed and fmt == "8bit":  # the codebook's zero is not a positive second moment's code
+    if not signed and fmt == StatePrecision.INT8:  # the codebook's zero is not a positive second moment's code
         codes = torch.where((scaled > 0) & (codes == 0), 1, codes)
     codes = codes.to(torch.uint8)
-    if fmt == "4bit":
+    if fmt == StatePrecision.INT4:
         codes = (codes[:, ::2] << 4) | codes[:, 1::2]
     return codes, scale
 
@@ -135,7 +136,7 @@ def _probe(compiled: Callable[..., None]) -> None:
 
 @functools.cache
 def _lookups(fmt: str, device: torch.device) -> list[torch.Tensor]:
-    if fmt == "fp8":
+    if fmt == StatePrecision.FP8:
         empty = torch.zeros(2, device=device)
         return [empty, empty.int()] * 2
     bits = moments.FORMATS[fmt][0]

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from mixprec._src.optim import quantize as q
+from mixprec._src.optim.state_precision import StatePrecision
 
 __all__ = [
     "BF16",
@@ -28,12 +29,12 @@ __all__ = [
     "zeros",
 ]
 
-#: State precision -> (bits, block size): torchao's formats (fp8: e4m3 values, ``AdamWFp8``'s).
-FORMATS = {"8bit": (8, 256), "4bit": (4, 128), "fp8": (8, 256)}
+#: Quantized state precision -> (bits, block size): torchao's formats (fp8: e4m3 values, ``AdamWFp8``'s).
+FORMATS: dict[str, tuple[int, int]] = {p: (p.bits, p.block) for p in StatePrecision if p.quantized}
 #: bf16 state: the moments as bf16 tensors, stochastically rounded (``step.bf16_state``)
-BF16 = "bf16"
+BF16 = StatePrecision.BF16
 #: What ``PrepareConfig.optimizer_state`` takes: the state as the level keeps it, in bf16, or quantized.
-STATE_PRECISIONS = ("fp32", BF16, *FORMATS)
+STATE_PRECISIONS = tuple(StatePrecision)
 #: Parameters with fewer values keep their state as the level keeps it (torchao's threshold).
 MIN_NUMEL = 4096
 _UNSIGNED = ("exp_avg_sq",)
@@ -55,7 +56,9 @@ def store(state: dict[str, Any], name: str, value: torch.Tensor, precision: str,
     if capacity > value.numel():  # zeros up to the room every rank's shard of this parameter takes
         value = torch.cat([value.reshape(-1), value.new_zeros(capacity - value.numel())])
     sign = signed(name)
-    packed = q.quantize_fp8(value, block, sign) if precision == "fp8" else q.quantize(value, bits, sign, block)
+    packed = (
+        q.quantize_fp8(value, block, sign) if precision == StatePrecision.FP8 else q.quantize(value, bits, sign, block)
+    )
     codes, scale = state.get(f"{name}_codes"), state.get(f"{name}_scale")
     if codes is not None and codes.shape == packed.codes.shape and scale is not None:
         codes.copy_(packed.codes)  # in place: the storage a checkpoint or a view refers to stays
@@ -82,12 +85,13 @@ def saved_precision(state: dict[str, Any], name: str) -> str:
     if scale is None or scale.numel() == 0 or not scale.is_floating_point():
         raise ValueError(f"optimizer state {name!r} has codes but no scales: not a state mixprec quantized")
     ratio, rest = divmod(codes.numel(), scale.numel())
-    if codes.dtype == q.FP8 and not rest and ratio == FORMATS["fp8"][1]:
-        return "fp8"
-    if codes.dtype == torch.uint8 and not rest and ratio == FORMATS["8bit"][1]:
-        return "8bit"
-    if codes.dtype == torch.uint8 and not rest and ratio == FORMATS["4bit"][1] * FORMATS["4bit"][0] // 8:
-        return "4bit"
+    fp8, int8, int4 = StatePrecision.FP8, StatePrecision.INT8, StatePrecision.INT4
+    if codes.dtype == q.FP8 and not rest and ratio == fp8.block:
+        return fp8
+    if codes.dtype == torch.uint8 and not rest and ratio == int8.block:
+        return int8
+    if codes.dtype == torch.uint8 and not rest and ratio == int4.block * int4.bits // 8:
+        return int4
     raise ValueError(f"optimizer state {name!r}: {codes.numel()} codes of {codes.dtype} for {scale.numel()} scales "
                      "are none of the formats (8bit, 4bit, fp8): not a state mixprec quantized")  # fmt: skip
 
@@ -96,7 +100,7 @@ def _layout(precision: str, capacity: int) -> tuple[torch.dtype, int, int]:
     """What ``store`` makes for ``capacity`` values at ``precision``: the codes' dtype and length, the scales'."""
     bits, block = FORMATS[precision]
     blocks = -(-capacity // block)
-    return (q.FP8 if precision == "fp8" else torch.uint8), blocks * block * bits // 8, blocks
+    return (q.FP8 if precision == StatePrecision.FP8 else torch.uint8), blocks * block * bits // 8, blocks
 
 
 def conform(state: dict[str, Any], precision: str, numel: int, capacity: int) -> None:

@@ -9,18 +9,21 @@ fields: the one place a model's conversion is described.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 from torch import nn
 
 from mixprec._src.dtypes import LOW_PRECISION, NamedEnum, parse_dtype, short_name
 from mixprec._src.fp8.config import Fp8Config, as_fp8_config
-from mixprec._src.optim.moments import STATE_PRECISIONS
+from mixprec._src.optim.state_precision import StatePrecision
 from mixprec._src.policy.grammar import get_policy
 from mixprec._src.policy.policy import NORM_TYPES, ModuleFilter, ModuleRule, Policy, rule_items
 
-__all__ = ["Level", "PrepareConfig"]
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+__all__ = ["Level", "PrepareConfig", "PrepareOptions", "StatePrecision"]
 
 
 class Level(NamedEnum):
@@ -80,7 +83,7 @@ class PrepareConfig:
     output_dtype: torch.dtype | None = torch.float32
     policy: Policy | None = None
     fp8: Fp8Config | None = None
-    optimizer_state: str = "fp32"
+    optimizer_state: StatePrecision = StatePrecision.FP32
     step_in_backward: bool = False
     clip_grad_norm: float | None = None
     # What keep_types and keep_names match, built once in __post_init__.
@@ -104,8 +107,13 @@ class PrepareConfig:
         if self.policy is not None:
             object.__setattr__(self, "policy", get_policy(self.policy))
         object.__setattr__(self, "fp8", as_fp8_config(self.fp8))  # type: ignore[arg-type]
-        if self.optimizer_state not in STATE_PRECISIONS:
-            raise ValueError(f"unknown optimizer_state {self.optimizer_state!r}; valid: {', '.join(STATE_PRECISIONS)}")
+        if not isinstance(self.optimizer_state, str):
+            raise TypeError(
+                f"optimizer_state takes a name such as 'bf16' or a StatePrecision, not {self.optimizer_state!r}"
+            )
+        object.__setattr__(self, "optimizer_state", StatePrecision.from_name(self.optimizer_state))
+        if any(not isinstance(name, str) for name in self.keep_names):
+            raise TypeError(f"keep_names takes qualified-name globs (strings), not {self.keep_names!r}")
         if self.clip_grad_norm is not None:
             if not isinstance(self.clip_grad_norm, (int, float)) or not 0 < self.clip_grad_norm < float("inf"):
                 raise ValueError(f"clip_grad_norm must be a positive finite number, not {self.clip_grad_norm!r}")
@@ -121,6 +129,27 @@ class PrepareConfig:
             raise TypeError("keep_filter must be a callable (module, qualified_name) -> bool")
         rule = ModuleRule(self.keep_types, self.keep_names) if (self.keep_types or self.keep_names) else None
         object.__setattr__(self, "_rule", rule)  # checks the types are modules
+
+    @classmethod
+    def of(cls, level: Level | str = Level.O2, **options: Any) -> PrepareConfig:
+        """The config of ``prepare(model, optimizer, level, **options)``: the options by keyword, each field's
+        default where not given.
+
+        Raises:
+            TypeError: an option that is not a field (the message lists them), or a value of the wrong type.
+        """
+        unknown = sorted(set(options) - set(OPTIONS))
+        if unknown:
+            raise TypeError(f"unknown option(s) {', '.join(unknown)}; prepare takes {', '.join(OPTIONS)}")
+        return cls(level=Level.from_name(level), **options)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """A pickle of an older version (choices stored as strings) loads with its choices parsed."""
+        self.__dict__.update(state)
+        if isinstance(state.get("optimizer_state"), str):
+            object.__setattr__(self, "optimizer_state", StatePrecision.from_name(state["optimizer_state"]))
+        if isinstance(state.get("level"), str):
+            object.__setattr__(self, "level", Level.from_name(state["level"]))
 
     def keeps(self, module: nn.Module, name: str) -> bool:
         """Whether ``module``, called ``name`` in the model, is kept in fp32."""
@@ -139,10 +168,29 @@ class PrepareConfig:
             parts.append(f"policy={self.policy}")
         if self.fp8 is not None:
             parts.append(str(self.fp8))
-        if self.optimizer_state != "fp32":
+        if self.optimizer_state.own:
             parts.append(f"state={self.optimizer_state}")
         if self.step_in_backward:
             parts.append("step-in-backward")
         if self.clip_grad_norm is not None:
             parts.append(f"clip={self.clip_grad_norm:g}")
         return ", ".join(parts)
+
+
+#: The options ``prepare`` takes beside ``level``: :class:`PrepareConfig`'s fields, in order.
+OPTIONS = tuple(f.name for f in dataclasses.fields(PrepareConfig) if f.init and f.name != "level")
+
+
+class PrepareOptions(TypedDict, total=False):
+    """``prepare``'s keyword options beside ``level`` and ``dtype``, for type checkers (:class:`PrepareConfig`'s
+    fields describe each)."""
+
+    keep_types: type[nn.Module] | Iterable[type[nn.Module]]
+    keep_names: str | Iterable[str]
+    keep_filter: ModuleFilter | None
+    output_dtype: torch.dtype | str | None
+    policy: Policy | str | None
+    fp8: Fp8Config | str | None
+    optimizer_state: StatePrecision | str
+    step_in_backward: bool
+    clip_grad_norm: float | None

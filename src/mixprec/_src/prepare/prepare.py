@@ -35,8 +35,8 @@ import os
 import sys
 import types
 import warnings
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -48,12 +48,16 @@ from mixprec._src.dtypes import short_name
 from mixprec._src.errors import PrepareOrderError
 from mixprec._src.fp8 import all_gather as fp8_all_gather
 from mixprec._src.fp8 import conversion as fp8_conversion
-from mixprec._src.fp8.config import Fp8Config
 from mixprec._src.fp8.linear import Fp8Scaling
 from mixprec._src.gemms import fused_paths
-from mixprec._src.policy.policy import NORM_TYPES, ModuleFilter, Policy, default_policy
+from mixprec._src.policy.policy import default_policy
 from mixprec._src.prepare import kept, o2_copies
 from mixprec._src.prepare.config import Level, PrepareConfig
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from mixprec._src.prepare.config import PrepareOptions
 from mixprec._src.step import kahan, low_bit_state, stochastic_rounding
 from mixprec._src.step import plan as step_plan
 from mixprec._src.step import step_in_backward as in_backward
@@ -119,17 +123,8 @@ def prepare(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     level: Level | str | PrepareConfig = Level.O2,
-    dtype: torch.dtype | str = torch.bfloat16,
-    *,
-    keep_types: type[nn.Module] | Iterable[type[nn.Module]] = NORM_TYPES,
-    keep_names: str | Iterable[str] = (),
-    keep_filter: ModuleFilter | None = None,
-    output_dtype: torch.dtype | None = torch.float32,
-    policy: Policy | str | None = None,
-    fp8: Fp8Config | str | None = None,
-    optimizer_state: str = "fp32",
-    step_in_backward: bool = False,
-    clip_grad_norm: float | None = None,
+    dtype: torch.dtype | str | None = None,
+    **options: Unpack[PrepareOptions],
 ) -> tuple[nn.Module, torch.optim.Optimizer]:
     """Put ``model`` and ``optimizer`` at a precision level; returns them (changed in place).
 
@@ -145,7 +140,9 @@ def prepare(
             model was moved (and sharded).
         level: ``"O1"``, ``"O2"``, ``"bf16-sr"``, ``"bf16-kahan"`` or ``"bf16-pure"``, or a whole
             :class:`PrepareConfig` (then give no other option).
-        dtype: the low precision (bf16 or fp16; the bf16 levels need bf16).
+        dtype: the low precision (bf16 or fp16; the bf16 levels need bf16); bf16 where not given.
+        options: :class:`PrepareConfig`'s other fields, by keyword:
+
         keep_types, keep_names: modules kept in fp32, by type or qualified-name glob.
         keep_filter: ``(module, qualified_name) -> bool``; modules it accepts are kept in fp32 too.
         output_dtype: floating outputs of the model's forward are cast to this (``None``: as computed).
@@ -167,19 +164,15 @@ def prepare(
         ValueError: a model not in fp32, an optimizer holding tensors that are not this model's
             parameters or holding one twice, a prepared model, a model wrapped in DDP or the older
             FSDP, a sharded model that already ran a forward, a bad level or dtype.
-        TypeError: a PrepareConfig together with other options.
+        TypeError: a PrepareConfig together with other options, an unknown option, an option of the wrong type.
     """
     if isinstance(level, PrepareConfig):
-        given = (dtype is not torch.bfloat16, keep_types is not NORM_TYPES, keep_names != (), keep_filter is not None,
-                 output_dtype is not torch.float32, policy is not None, fp8 is not None,
-                 optimizer_state != "fp32", step_in_backward, clip_grad_norm is not None)  # fmt: skip
-        if any(given):
+        if dtype is not None or options:
             raise TypeError("prepare takes a PrepareConfig or options, not both; put the options in the config "
                             "(dataclasses.replace(config, ...))")  # fmt: skip
         config = level
     else:
-        config = PrepareConfig(level, dtype, keep_types, keep_names, keep_filter, output_dtype, policy, fp8,  # type: ignore[arg-type]
-                               optimizer_state, step_in_backward, clip_grad_norm)  # fmt: skip
+        config = PrepareConfig.of(level, **({"dtype": dtype} if dtype is not None else {}), **options)
     level, dtype = config.level, config.dtype
     if level in (Level.O2, Level.BF16_SR, Level.BF16_KAHAN) and isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError(

@@ -29,6 +29,7 @@ import torch
 
 from mixprec._src import sharding
 from mixprec._src.optim import adam, cpu_adam, cpu_lists, fused_adam, moments, sgd
+from mixprec._src.optim.state_precision import StatePrecision
 from mixprec._src.step import bf16_state, kahan
 from mixprec._src.step.sr_noise import moved, seed_tensor, shard_seed, sr_bits, tensor_seed
 from mixprec._src.step.stochastic_rounding import SEED_KEY, STEP_KEY, HostCounts, Restore, positions, step_eagerly
@@ -45,10 +46,10 @@ __all__ = [
 ]
 
 
-def check(optimizer: torch.optim.Optimizer, precision: str) -> None:
+def check(optimizer: torch.optim.Optimizer, precision: StatePrecision | str) -> None:
     """Raise where ``optimizer`` cannot keep its state at ``precision``, or one of its parameters is sharded
     otherwise than FSDP2's dim 0 (before anything is installed)."""
-    if precision == "fp32":
+    if not StatePrecision.from_name(precision).own:
         return
     if precision != moments.BF16:  # bf16 moments are kept elementwise: any sharding
         _check_sharding(optimizer)

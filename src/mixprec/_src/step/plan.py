@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from mixprec._src.optim import cpu_lists, moments
+from mixprec._src.optim.state_precision import StatePrecision
 from mixprec._src.step import kahan, low_bit_state, sr_noise, stochastic_rounding
 from mixprec._src.step import step_in_backward as in_backward
 
@@ -58,7 +59,7 @@ class StepPlan:
     """
 
     write: str = "nearest"
-    state: str = "fp32"
+    state: StatePrecision = StatePrecision.FP32
     in_backward: bool = False
     optimizer: str = "other"
     clip: float | None = None
@@ -67,9 +68,7 @@ class StepPlan:
     def __post_init__(self) -> None:
         if self.write not in WRITES:
             raise ValueError(f"a step writes its weights {', '.join(map(repr, WRITES))}; not {self.write!r}")
-        if self.state not in moments.STATE_PRECISIONS:
-            raise ValueError(f"optimizer state is one of {', '.join(map(repr, moments.STATE_PRECISIONS))}; "
-                             f"not {self.state!r}")  # fmt: skip
+        object.__setattr__(self, "state", StatePrecision.from_name(self.state))
 
     @classmethod
     def of(cls, optimizer: torch.optim.Optimizer, **choices: Any) -> StepPlan:
@@ -89,7 +88,7 @@ class StepPlan:
         """Which kernel steps what, in words (on the CPU; elsewhere a compiled kernel a weight stands for a list)."""
         parts = []
         lists = cpu_lists.available()
-        if self.state != "fp32":  # Adam(W) and SGD only (prepare refuses the others)
+        if self.state.own:  # Adam(W) and SGD only (prepare refuses the others)
             how = "in one call a param group" if lists else "a weight at a time"
             parts.append(f"weights of 4096 values or more with {self.state} state {how}")
         if self.bf16_weights and self.write != "nearest":
@@ -133,7 +132,7 @@ def install(plan: StepPlan, model: torch.nn.Module, optimizer: torch.optim.Optim
         fused = stochastic_rounding.install(optimizer, lowp, handles)
     elif plan.bf16_weights and plan.write == "kahan":
         fused = kahan.install(optimizer, lowp, handles)
-    if plan.state != "fp32":  # wraps the write rule's step: it takes the large weights, hands it the rest
+    if plan.state.own:  # wraps the write rule's step: it takes the large weights, hands it the rest
         low_bit_state.install(optimizer, plan.state, handles, plan.write if plan.bf16_weights else "nearest")
     else:  # a checkpoint of quantized state loads as the level's moments
         low_bit_state.dequantize_on_load(optimizer, handles)

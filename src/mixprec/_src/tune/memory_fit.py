@@ -108,7 +108,7 @@ class Fit:
                 if dtype is torch.float16:
                     return False
                 in_backward.check(self.optimizer)
-            if variant.get("optimizer_state", "fp32") != "fp32":
+            if "optimizer_state" in variant:
                 low_bit_state.check(self.optimizer, variant["optimizer_state"])
         except ValueError:
             return False
@@ -141,9 +141,9 @@ class Fit:
         lost = []
         if recipe.step_in_backward:
             lost.append("gradient accumulation (each backward steps the parameters)")
-        if recipe.optimizer_state != "fp32":
+        if recipe.optimizer_state.own:
             lost.append(f"the optimizer state's precision ({recipe.optimizer_state} instead of "
-                        f"{'bf16' if recipe.level.startswith('bf16') else 'fp32'})")  # fmt: skip
+                        f"{'bf16' if recipe.level.bf16_weights else 'fp32'})")  # fmt: skip
         if not lost:
             return ""
         return (f"memory budget {_mib(self.budget)}: {recipe.name} needs {_mib(self.peak(recipe))}; to fit it gave "

@@ -25,10 +25,11 @@ from mixprec._src.dtypes import parse_dtype, short_name
 from mixprec._src.fp8.config import Fp8Recipe, as_fp8_config
 from mixprec._src.layers import plan as layer_plan
 from mixprec._src.layers.plan import LayerChoice
+from mixprec._src.layers.precision import LayerPrecision
 from mixprec._src.layout import to_channels_last
 from mixprec._src.op_names import op_name
 from mixprec._src.policy.policy import Policy, default_policy
-from mixprec._src.prepare.config import Level, PrepareConfig
+from mixprec._src.prepare.config import Level, PrepareConfig, StatePrecision
 from mixprec._src.prepare.prepare import prepare, prepared_state
 from mixprec._src.scaling.scaler import GradScaler
 from mixprec._src.tune import tables
@@ -114,10 +115,10 @@ class Recipe:
     fp32_ops: tuple[str, ...] = ()
     keep_fp32: tuple[str, ...] = ()
     layout: str = "contiguous"
-    level: str = "O1"
+    level: Level = Level.O1
     compile: bool = False
     fp8: str | None = None
-    optimizer_state: str = "fp32"
+    optimizer_state: StatePrecision = StatePrecision.FP32
     step_in_backward: bool = False
     layers: tuple[LayerChoice, ...] = ()
     loss_scale: float = 2.0**16
@@ -131,7 +132,8 @@ class Recipe:
         object.__setattr__(self, "dtype", parse_dtype(self.dtype, what="recipe dtype"))
         object.__setattr__(self, "fp32_ops", tuple(sorted({op_name(o) for o in self.fp32_ops})))
         object.__setattr__(self, "keep_fp32", tuple(self.keep_fp32))
-        object.__setattr__(self, "level", Level.from_name(self.level).value)
+        object.__setattr__(self, "level", Level.from_name(self.level))
+        object.__setattr__(self, "optimizer_state", StatePrecision.from_name(self.optimizer_state))
         object.__setattr__(self, "measurements", tuple(self.measurements))
         object.__setattr__(self, "notes", tuple(self.notes))
         layers = tuple(c if isinstance(c, LayerChoice) else LayerChoice(**c) for c in self.layers)
@@ -149,16 +151,16 @@ class Recipe:
                 raise ValueError("fp8 linears train beside a low-precision recipe; use dtype bf16 (or fp16) with fp8")
         if self.layout not in LAYOUTS:
             raise ValueError(f"unknown layout {self.layout!r}; valid: {', '.join(LAYOUTS)}")
-        if self.dtype is torch.float32 and (self.level != "O1" or self.fp32_ops or self.keep_fp32):
+        if self.dtype is torch.float32 and (self.level is not Level.O1 or self.fp32_ops or self.keep_fp32):
             raise ValueError("an fp32 recipe has no level, op moves or kept modules; use level 'O1' and none")
-        if self.level != "O1" and self.fp32_ops:
+        if self.level is not Level.O1 and self.fp32_ops:
             raise ValueError(
                 f"level {self.level!r} runs the forward under prepare()'s own autocast region with the built-in "
                 "policy, so op moves (fp32_ops) apply with level 'O1' only"
             )
-        if Level.from_name(self.level).bf16_weights and self.dtype is not torch.bfloat16:
+        if self.level.bf16_weights and self.dtype is not torch.bfloat16:
             raise ValueError(f"level {self.level!r} needs dtype bf16")
-        if (self.optimizer_state != "fp32" or self.step_in_backward) and self.dtype is torch.float32:
+        if (self.optimizer_state.own or self.step_in_backward) and self.dtype is torch.float32:
             raise ValueError("optimizer_state and step_in_backward go through mixprec.prepare: use a low-precision "
                              "dtype with them")  # fmt: skip
 
@@ -167,7 +169,7 @@ class Recipe:
         """One line, e.g. ``bf16 O1 +fp32[scaled_dot_product_attention] channels_last``."""
         parts = [short_name(self.dtype)]
         if self.dtype is not torch.float32:
-            parts.append(self.level)
+            parts.append(self.level.value)
         if self.fp32_ops:
             parts.append(f"+fp32[{', '.join(self.fp32_ops)}]")
         if self.keep_fp32:
@@ -176,7 +178,7 @@ class Recipe:
             parts.append(self.layout)
         if self.fp8 is not None:
             parts.append(f"fp8[{self.fp8}]")
-        if self.optimizer_state != "fp32":
+        if self.optimizer_state.own:
             parts.append(f"state[{self.optimizer_state}]")
         if self.step_in_backward:
             parts.append("step-in-backward")
@@ -193,7 +195,7 @@ class Recipe:
         """The layers the per-layer plan gives another precision than the rest of the recipe would."""
         return tuple(c for c in self.layers if c.moved)
 
-    def layer_default(self, name: str, shape: str = "") -> str:
+    def layer_default(self, name: str, shape: str = "") -> LayerPrecision:
         """The precision this recipe gives layer ``name`` without a plan: fp32 where it keeps the layer (or a
         module holding it) in fp32 or moves its op (``shape``'s first word: ``linear``, ``conv2d``) to fp32,
         else its dtype."""
@@ -201,13 +203,13 @@ class Recipe:
         holders = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
         kept = any(fnmatch.fnmatchcase(h, pattern) for h in holders for pattern in self.keep_fp32)
         op = shape.split(" ", 1)[0]
-        return "fp32" if kept or (op and op in self.fp32_ops) else short_name(self.dtype)
+        return LayerPrecision.FP32 if kept or (op and op in self.fp32_ops) else LayerPrecision.from_name(self.dtype)
 
     @property
     def is_torch_default(self) -> bool:
         """Whether this is plain ``torch.autocast`` at this dtype: torch's op lists, nothing else."""
         return (
-            self.level == "O1"
+            self.level is Level.O1
             and not self.fp32_ops
             and not self.keep_fp32
             and self.layout == "contiguous"
@@ -234,7 +236,7 @@ class Recipe:
         """
         if self.dtype is torch.float32:
             raise ValueError("an fp32 recipe prepares nothing; apply it, or train the model as it is")
-        level = Level.from_name(self.level)
+        level = self.level
         policy = self.policy(device_type) if level is Level.O1 else None  # O1: prepare's region is the recipe's
         return PrepareConfig(level=level, dtype=self.dtype, keep_names=self.keep_fp32, policy=policy,
                              fp8=as_fp8_config(self.fp8), optimizer_state=self.optimizer_state,
@@ -245,10 +247,10 @@ class Recipe:
         # compiled, the region goes inside the model's forward (prepare's): a graph traced inside an eager
         # region with an edited policy could not follow a later change of it, and is refused
         return self.dtype is not torch.float32 and (
-            self.level != "O1"
+            self.level is not Level.O1
             or self.fp8 is not None
             or self.compile
-            or self.optimizer_state != "fp32"
+            or self.optimizer_state.own
             or self.step_in_backward
         )
 

@@ -54,6 +54,7 @@ from torch import nn
 from mixprec._src import input_checks, timing
 from mixprec._src.dtypes import parse_dtype, short_name
 from mixprec._src.layers import plan as layer_plan
+from mixprec._src.layers.precision import parse_precision
 from mixprec._src.observe.diagnostics import diagnose
 from mixprec._src.policy.policy import default_policy
 from mixprec._src.prepare.config import Level
@@ -169,7 +170,7 @@ def tune(
     notes: list[str] = ["torch.compile is not searched: compiling takes longer than a tuning budget"]
     if memory_budget is not None:
         search.fit = memory_fit.Fit(model, optimizer, batch, loss_of, memory_fit.parse_bytes(memory_budget))
-        bases = [Recipe(dtype=d, level=lv) for d in searched if d is not torch.float32
+        bases = [Recipe(dtype=d, level=Level.from_name(lv)) for d in searched if d is not torch.float32
                  for lv in ("O1", *search_levels) if d is torch.bfloat16 or lv in ("O1", "O2")]  # fmt: skip
         if torch.float32 in searched:
             bases.append(Recipe(dtype=torch.float32))
@@ -234,9 +235,14 @@ class _Plan:
                    f"{', '.join(self.outcome)}, the best of each dtype then")  # fmt: skip
         else:
             why = "the budget ran out before round 4 raced it"
-        kept = tuple(c if not c.moved else dataclasses.replace(
-                         c, choice=c.default, reason=f"{c.choice} measured best, not applied; {c.reason}")
-                     for c in choices)  # fmt: skip
+        kept = tuple(
+            c
+            if not c.moved
+            else dataclasses.replace(
+                c, choice=parse_precision(c.default), reason=f"{c.choice} measured best, not applied; {c.reason}"
+            )
+            for c in choices
+        )
         return dataclasses.replace(recipe, layers=kept, notes=(*recipe.notes, f"per-layer plan not applied: {why}"))
 
 
