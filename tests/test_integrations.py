@@ -249,7 +249,7 @@ def test_trainer_takes_every_level_and_a_whole_prepare_config(tmp_path: Any) -> 
     pytest.importorskip("transformers")
     import mixprec
     from mixprec._src.optim import moments
-    from mixprec._src.prepare.prepare import prepared_state
+    from mixprec._src.prepare.levels import prepared_state
     from mixprec.integrations.transformers import MixprecTrainer
 
     trainer, losses = _trainer_run(tmp_path, MixprecTrainer, {"bf16": True}, level="bf16-kahan")

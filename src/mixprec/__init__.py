@@ -35,10 +35,10 @@ from mixprec._src.observe.reach import GemmReach, gemm_reach
 from mixprec._src.observe.report import DiagnosticReport
 from mixprec._src.op_names import op_name
 from mixprec._src.policy.grammar import get_policy
-from mixprec._src.policy.policy import NORM_TYPES, ModuleRule, OpCategory, Policy, builtin_policy, default_policy
+from mixprec._src.policy.rules import NORM_TYPES, ModuleRule, OpCategory, Policy, builtin_policy, default_policy
 from mixprec._src.prepare.config import Level, PrepareConfig, StatePrecision
+from mixprec._src.prepare.levels import export_fp32, master_params, prepare
 from mixprec._src.prepare.memory import MemoryReport, memory_report, state_bytes
-from mixprec._src.prepare.prepare import export_fp32, master_params, prepare
 from mixprec._src.scaling.scaler import GradScaler, ScalerEvent, ScalerStats
 from mixprec._src.step.sr_noise import stochastic_round
 from mixprec._src.step.step_in_backward import grad_norm

@@ -15,7 +15,7 @@ from torch.utils._pytree import tree_leaves
 
 import mixprec
 from helpers import requires_cuda
-from mixprec._src.prepare.prepare import prepared_state
+from mixprec._src.prepare.levels import prepared_state
 from mixprec.bench.workloads import WORKLOADS
 
 RECIPES = [

@@ -15,7 +15,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import mixprec
 from mixprec._src.optim import cpu_lists
-from mixprec._src.prepare.prepare import prepared_state
+from mixprec._src.prepare.levels import prepared_state
 from mixprec._src.step import kahan, sr_kernel, stochastic_rounding
 from mixprec.bench import step_cost
 from mixprec.bench.workloads import TinyLM

@@ -213,7 +213,7 @@ class Normalizer(nn.Module):
                                            (MambaRMSNormGated, True), (FusedLayerNorm, True), (AdaLayerNorm, False),
                                            (Normalizer, False), (nn.Linear, False)])  # fmt: skip
 def test_norms_of_other_libraries_are_recognised_by_class_name(cls: type[nn.Module], norm: bool) -> None:
-    from mixprec._src.policy.policy import named_like_a_norm
+    from mixprec._src.policy.rules import named_like_a_norm
 
     module = cls(4) if cls in (LlamaRMSNorm, T5LayerNorm, RmsNorm2d, MambaRMSNormGated) else (
         nn.Linear(4, 4) if cls is nn.Linear else cls())  # fmt: skip

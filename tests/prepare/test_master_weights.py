@@ -14,7 +14,7 @@ from torch import nn
 
 import mixprec
 from helpers import HostSyncs, bitwise_equal, one_step, regression_data, regression_model, weights_seen
-from mixprec._src.prepare.prepare import prepared_state
+from mixprec._src.prepare.levels import prepared_state
 
 
 def _train(level: str | None, steps: int = 150, lr: float = 3e-3, dtype: torch.dtype = torch.bfloat16,

@@ -12,7 +12,7 @@ from torch import nn
 
 import mixprec
 from helpers import ROOT, bitwise_equal, regression_data, regression_model, weights_seen
-from mixprec._src.prepare.prepare import prepared_state
+from mixprec._src.prepare.levels import prepared_state
 
 
 @pytest.mark.parametrize("level", ["O1", "O2", "bf16-sr", "bf16-pure"])

@@ -15,7 +15,7 @@ from torch import nn
 
 import mixprec
 from mixprec._src.prepare.kept import OwnForward
-from mixprec._src.prepare.prepare import prepared_state
+from mixprec._src.prepare.levels import prepared_state
 
 OPTIONS: dict[str, dict[str, Any]] = {
     "plain": {},

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import mixprec
-from mixprec._src.prepare.prepare import prepared_state
+from mixprec._src.prepare.levels import prepared_state
 from mixprec._src.step.plan import StepPlan
 
 

@@ -25,7 +25,7 @@ from accelerate import Accelerator
 from accelerate.utils import convert_outputs_to_fp32
 
 from mixprec._src.amp.autocast import autocast
-from mixprec._src.policy.policy import Policy
+from mixprec._src.policy.rules import Policy
 from mixprec._src.scaling.scaler import GradScaler
 
 

@@ -16,8 +16,8 @@ import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 
 from mixprec._src.amp.autocast import autocast
-from mixprec._src.policy.policy import Policy
-from mixprec._src.prepare.prepare import prepare
+from mixprec._src.policy.rules import Policy
+from mixprec._src.prepare.levels import prepare
 from mixprec._src.scaling.scaler import GradScaler
 
 PRECISIONS = ("bf16-mixed", "16-mixed", "O2", "bf16-sr", "bf16-pure")

@@ -31,7 +31,7 @@ from mixprec._src.amp.thread_state import state as _state
 from mixprec._src.dtypes import parse_dtype
 from mixprec._src.policy import interning
 from mixprec._src.policy.grammar import get_policy
-from mixprec._src.policy.policy import Policy, default_policy
+from mixprec._src.policy.rules import Policy, default_policy
 
 F = TypeVar("F", bound=Callable[..., Any])
 

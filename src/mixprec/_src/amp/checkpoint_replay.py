@@ -17,7 +17,7 @@ from typing import Any
 
 from mixprec._src.amp import region
 from mixprec._src.amp.thread_state import state as _state
-from mixprec._src.policy.policy import Policy
+from mixprec._src.policy.rules import Policy
 
 __all__ = ["Snapshot", "checkpoint_context", "replay", "snapshot"]
 

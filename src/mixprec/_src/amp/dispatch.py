@@ -33,7 +33,7 @@ from mixprec._src.amp.thread_state import ThreadState, state
 from mixprec._src.casting import eligible
 from mixprec._src.errors import CheckpointReplayError
 from mixprec._src.op_names import PYTHON_OPS
-from mixprec._src.policy.policy import OpCategory, Policy, default_policy
+from mixprec._src.policy.rules import OpCategory, Policy, default_policy
 
 __all__ = [
     "AUTOCAST_KEYS",

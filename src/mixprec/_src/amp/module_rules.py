@@ -20,7 +20,7 @@ from torch import nn
 from mixprec._src.amp import thread_state
 from mixprec._src.amp.thread_state import state as _state
 from mixprec._src.policy import interning
-from mixprec._src.policy.policy import ModuleRule, Policy
+from mixprec._src.policy.rules import ModuleRule, Policy
 
 __all__ = ["CompiledWrapper", "OptimizedModule", "match_rule", "policies_in_force", "qualified_name"]
 

@@ -24,7 +24,7 @@ from mixprec._src import casting
 from mixprec._src.amp import compiled_backward, dispatch, module_rules, thread_state
 from mixprec._src.amp.thread_state import state as _state
 from mixprec._src.policy import interning
-from mixprec._src.policy.policy import Policy, default_policy
+from mixprec._src.policy.rules import Policy, default_policy
 
 __all__ = ["enter_traced", "exit_traced", "needs_kernels", "pop", "pop_to", "push",
            "unwind_on_failed_trace"]  # fmt: skip

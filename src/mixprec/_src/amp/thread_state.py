@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from mixprec._src.policy.policy import Policy
+from mixprec._src.policy.rules import Policy
 
 __all__ = ["OpenRegion", "ThreadState", "state"]
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from mixprec._src.dtypes import NamedEnum
-from mixprec._src.policy.policy import ModuleFilter
+from mixprec._src.policy.rules import ModuleFilter
 
 __all__ = [
     "E4M3",

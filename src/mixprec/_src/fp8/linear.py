@@ -29,7 +29,7 @@ from mixprec._src.amp.autocast import get_autocast_policy
 from mixprec._src.fp8 import gemm as fp8_gemm
 from mixprec._src.fp8.config import AmaxAlgo, Fp8Config
 from mixprec._src.gemms import kinds
-from mixprec._src.policy.policy import OpCategory
+from mixprec._src.policy.rules import OpCategory
 
 __all__ = ["ROLES", "CastStats", "compute_dtype", "fp8_forward", "Fp8Scaling", "scale_from_history"]
 

@@ -34,7 +34,7 @@ from mixprec._src.input_checks import LossFn
 from mixprec._src.observe import fp8_diagnostics
 from mixprec._src.observe.report import DiagnosticReport, ModuleReport, NonFinite, TensorStats
 from mixprec._src.policy.grammar import get_policy
-from mixprec._src.policy.policy import ModuleRule, Policy, default_policy
+from mixprec._src.policy.rules import ModuleRule, Policy, default_policy
 
 __all__ = ["diagnose"]
 

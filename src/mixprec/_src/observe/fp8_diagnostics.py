@@ -23,8 +23,8 @@ from mixprec._src.gemms import kinds
 from mixprec._src.input_checks import LossFn
 from mixprec._src.numerics import sqnr
 from mixprec._src.observe.report import Fp8LayerReport
-from mixprec._src.policy.policy import Policy
-from mixprec._src.prepare.prepare import prepared_state
+from mixprec._src.policy.rules import Policy
+from mixprec._src.prepare.levels import prepared_state
 
 __all__ = ["cast_stats", "fp8_layer_reports", "set_recording"]
 

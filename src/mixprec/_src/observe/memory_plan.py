@@ -28,7 +28,7 @@ from mixprec._src import casting
 from mixprec._src.amp.autocast import autocast
 from mixprec._src.observe.backward_timeline import BackwardTimeline, peak, storage_key
 from mixprec._src.optim import cpu_adam, fused_adam, moments
-from mixprec._src.policy.policy import default_policy
+from mixprec._src.policy.rules import default_policy
 from mixprec._src.prepare import kept
 from mixprec._src.prepare.config import Level, PrepareConfig
 from mixprec._src.step import bf16_state, low_bit_state, sliced_gradients, step_in_backward

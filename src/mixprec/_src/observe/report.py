@@ -17,7 +17,7 @@ import torch
 from mixprec._src.dtypes import parse_dtype, short_name
 from mixprec._src.observe import reporting
 from mixprec._src.policy.grammar import get_policy
-from mixprec._src.policy.policy import ModuleRule, Policy
+from mixprec._src.policy.rules import ModuleRule, Policy
 
 __all__ = ["DiagnosticReport", "Fp8LayerReport", "ModuleReport", "NonFinite", "TensorStats"]
 

@@ -7,15 +7,10 @@ May import: the base modules only.
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
-_SUBMODULES = frozenset({"op_tables", "policy", "grammar", "interning"})
+from mixprec._src import _compat
 
 
 def __getattr__(name: str) -> Any:
-    # This package replaced the flat module ``mixprec._src.policy``: pickles made by earlier versions name its
-    # classes here (``mixprec._src.policy.ModuleRule``).
-    if name in _SUBMODULES or name.startswith("__"):
-        raise AttributeError(name)
-    return getattr(importlib.import_module(f"{__name__}.policy"), name)
+    return _compat.forward("policy", name)  # the flat module this package replaced: its old names, with a warning

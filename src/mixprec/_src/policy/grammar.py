@@ -34,7 +34,7 @@ from torch import nn
 from mixprec._src.dtypes import parse_dtype
 from mixprec._src.errors import PolicyError
 from mixprec._src.op_names import op_name
-from mixprec._src.policy.policy import BUILTINS, NORM_TYPES, ModuleRule, Policy, default_policy
+from mixprec._src.policy.rules import BUILTINS, NORM_TYPES, ModuleRule, Policy, default_policy
 
 __all__ = ["get_policy"]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from mixprec._src.policy.policy import Policy
+    from mixprec._src.policy.rules import Policy
 
 __all__ = ["canonical", "policy_for", "token_for"]
 

@@ -18,7 +18,7 @@ from mixprec._src.dtypes import LOW_PRECISION, NamedEnum, parse_dtype, short_nam
 from mixprec._src.fp8.config import Fp8Config, as_fp8_config
 from mixprec._src.optim.state_precision import StatePrecision
 from mixprec._src.policy.grammar import get_policy
-from mixprec._src.policy.policy import NORM_TYPES, ModuleFilter, ModuleRule, Policy, rule_items
+from mixprec._src.policy.rules import NORM_TYPES, ModuleFilter, ModuleRule, Policy, rule_items
 
 if TYPE_CHECKING:
     from collections.abc import Iterable

@@ -22,7 +22,7 @@ from torch import nn
 
 from mixprec._src import bound_forward, casting
 from mixprec._src.amp import compiled_backward, region
-from mixprec._src.policy.policy import OpCategory, Policy
+from mixprec._src.policy.rules import OpCategory, Policy
 from mixprec._src.prepare.config import PrepareConfig
 
 __all__ = ["OwnForward", "keep_in_fp32", "outermost", "param_ids"]

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from mixprec._src import sharding
-from mixprec._src.prepare.prepare import prepared_state
+from mixprec._src.prepare.levels import prepared_state
 
 __all__ = ["MemoryReport", "memory_report"]
 

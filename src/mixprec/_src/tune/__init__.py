@@ -8,14 +8,10 @@ May import: every other subsystem (it is the top one).
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
-_SUBMODULES = frozenset({"recipe", "search", "tables"})
+from mixprec._src import _compat
 
 
 def __getattr__(name: str) -> Any:
-    # This package replaced the flat module ``mixprec._src.tune``: old references name its contents here.
-    if name in _SUBMODULES or name.startswith("__"):
-        raise AttributeError(name)
-    return getattr(importlib.import_module(f"{__name__}.search"), name)
+    return _compat.forward("tune", name)  # the flat module this package replaced: its old names, with a warning

@@ -28,9 +28,9 @@ from mixprec._src.layers.plan import LayerChoice
 from mixprec._src.layers.precision import LayerPrecision
 from mixprec._src.layout import to_channels_last
 from mixprec._src.op_names import op_name
-from mixprec._src.policy.policy import Policy, default_policy
+from mixprec._src.policy.rules import Policy, default_policy
 from mixprec._src.prepare.config import Level, PrepareConfig, StatePrecision
-from mixprec._src.prepare.prepare import prepare, prepared_state
+from mixprec._src.prepare.levels import prepare, prepared_state
 from mixprec._src.scaling.scaler import GradScaler
 from mixprec._src.tune import tables
 

@@ -56,9 +56,9 @@ from mixprec._src.dtypes import parse_dtype, short_name
 from mixprec._src.layers import plan as layer_plan
 from mixprec._src.layers.precision import parse_precision
 from mixprec._src.observe.diagnostics import diagnose
-from mixprec._src.policy.policy import default_policy
+from mixprec._src.policy.rules import default_policy
 from mixprec._src.prepare.config import Level
-from mixprec._src.prepare.prepare import prepared_state
+from mixprec._src.prepare.levels import prepared_state
 from mixprec._src.tune import memory_fit, probes
 from mixprec._src.tune.recipe import Recipe, Tolerance
 from mixprec._src.tune.rounds import Progress, Search, changes

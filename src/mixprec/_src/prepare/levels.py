@@ -45,13 +45,12 @@ from torch.utils.hooks import RemovableHandle
 from mixprec._src import bound_forward, casting, input_checks, sharding
 from mixprec._src.amp.autocast import autocast
 from mixprec._src.dtypes import short_name
-from mixprec._src.errors import PrepareOrderError
 from mixprec._src.fp8 import all_gather as fp8_all_gather
 from mixprec._src.fp8 import conversion as fp8_conversion
 from mixprec._src.fp8.linear import Fp8Scaling
 from mixprec._src.gemms import fused_paths
-from mixprec._src.policy.policy import default_policy
-from mixprec._src.prepare import kept, o2_copies
+from mixprec._src.policy.rules import default_policy
+from mixprec._src.prepare import checks, kept, o2_copies
 from mixprec._src.prepare.config import Level, PrepareConfig
 
 if TYPE_CHECKING:
@@ -179,7 +178,7 @@ def prepare(
             f"LBFGS re-evaluates the model inside step(), and level {level.value!r} updates the low-precision "
             "weights only after step(); use level 'O1' or 'bf16-pure' with LBFGS"
         )
-    _check_wrapping(model)
+    checks.check_wrapping(model)
     if prepared_state(model) is not None:
         raise ValueError("this model was already prepared; call mixprec.export_fp32(model) first to prepare it anew")
     sharded = bool(sharding.fsdp_modules(model))
@@ -189,7 +188,7 @@ def prepare(
             "in; call mixprec.prepare(model, optimizer, ...) after fully_shard and building the optimizer, before "
             "the first forward"
         )
-    _check(model, optimizer, sharded)
+    checks.check_model_and_optimizer(model, optimizer, sharded)
     low_bit_state.check(optimizer, config.optimizer_state)
     if config.step_in_backward:
         in_backward.check(optimizer)
@@ -202,7 +201,7 @@ def prepare(
     kept_modules = kept.outermost(model, config)
     state = Prepared(config, device_type, model.forward, [], [], kept_modules, [], sharded=sharded)
     # Registered first, so it runs before any other step hook (bf16-sr's, the user's).
-    check = functools.partial(_check_still_ours, model, state, _Fingerprint())
+    check = functools.partial(checks.check_still_ours, model, state, checks.Fingerprint())
     state.handles.append(optimizer.register_step_pre_hook(check))
     policy = config.policy if config.policy is not None else default_policy(device_type)
     kept.keep_in_fp32(kept_modules, device_type, state.handles, policy)
@@ -328,56 +327,13 @@ def export_fp32(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
     return model
 
 
-# ----- checks --------------------------------------------------------------------------------
-
-
-def _check_wrapping(model: nn.Module) -> None:
-    if sharding.uses_fsdp1(model):
-        raise ValueError(
-            "this model is wrapped in FullyShardedDataParallel (FSDP1), whose flat parameters mixprec.prepare "
-            "cannot set up; use FSDP2 instead: torch.distributed.fsdp.fully_shard(module) on each block and on the "
-            "model, build the optimizer, then mixprec.prepare(model, optimizer, level=...)"
-        )
-    if isinstance(model, nn.parallel.DistributedDataParallel):
-        raise ValueError(
-            "prepare the module before wrapping it in DistributedDataParallel: "
-            "model, opt = mixprec.prepare(model, opt, level=...); model = DDP(model)"
-        )
-
-
-def _check(model: nn.Module, optimizer: torch.optim.Optimizer, sharded: bool) -> None:
-    low = [(n, p.dtype) for n, p in model.named_parameters() if p.is_floating_point() and p.dtype is not torch.float32]
-    if low:
-        raise ValueError(
-            f"prepare() needs an fp32 model to make exact fp32 masters, but {low[0][0]!r} is {low[0][1]}; "
-            "call prepare() on the fp32 model instead of converting it first"
-        )
-    model_params = {id(p) for p in model.parameters()}
-    seen: set[int] = set()
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if id(p) not in model_params:
-                if sharded:
-                    raise ValueError(
-                        "the optimizer holds a tensor that is not a parameter of this model: fully_shard replaces each "
-                        "parameter with a sharded one, so build the optimizer from model.parameters() after fully_shard"
-                    )
-                raise ValueError(
-                    "the optimizer holds a tensor that is not a parameter of this model (was the optimizer created "
-                    "before the model was moved or copied?); create it from model.parameters() after moving the model"
-                )
-            if id(p) in seen:
-                raise ValueError("a parameter appears in two optimizer param groups; give each parameter one group")
-            seen.add(id(p))
-
-
 def _prepared_forward(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """A prepared model's forward: the original under the level's autocast region, outputs cast."""
     state = model.__dict__[_ATTR]
     if not torch.compiler.is_compiling():
         if not state.checked:  # compiled: the optimizer's step checks it
             state.checked = True
-            _check_not_sharded_since(model, state)
+            checks.check_not_sharded_since(model, state)
         if not state.told_outer:
             _tell_outer_autocast(state)
     policy = state.config.policy if state.config.policy is not None else default_policy(state.device_type)
@@ -417,58 +373,8 @@ _NOT_THE_CALLER = (os.path.dirname(os.path.dirname(__file__)), os.path.dirname(n
 def _prepared_call(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
     state = prepared_state(model)
     if state is not None and not state.sharded and sharding.is_fsdp_module(model):
-        _check_not_sharded_since(model, state)
+        checks.check_not_sharded_since(model, state)
     return type(model)._call_impl(model, *args, **kwargs)  # type: ignore[no-untyped-call]
-
-
-def _check_not_sharded_since(model: nn.Module, state: Prepared) -> None:
-    if not state.sharded and sharding.fsdp_modules(model):
-        raise PrepareOrderError(
-            "fully_shard was applied after mixprec.prepare, which set the model and optimizer up unsharded (a "
-            "prepared optimizer would step tensors the model no longer uses); the order is: fully_shard, build the "
-            "optimizer, then mixprec.prepare(model, optimizer, level=...)"
-        )
-
-
-class _Fingerprint:
-    """The model's modules' classes, its parameters where they sit and the tensors the optimizer steps, as a
-    check last found them: while they are the same, the next check has nothing to walk (a walk of the model's
-    modules and parameters at every step cost a tenth of a millisecond on a small model)."""
-
-    def __init__(self) -> None:
-        self.classes: list[tuple[nn.Module, type]] = []
-        self.slots: list[tuple[dict[str, Any], str, Any]] = []
-        self.stepped: list[int] = []
-
-    @staticmethod
-    def _stepped(optimizer: torch.optim.Optimizer) -> list[int]:
-        return [id(p) for group in optimizer.param_groups for p in group["params"]]
-
-    def same(self, optimizer: torch.optim.Optimizer) -> bool:
-        # fully_shard changes a module's class; load_state_dict(assign=True) and to_empty replace parameters
-        return (self._stepped(optimizer) == self.stepped and all(type(m) is c for m, c in self.classes)
-                and all(d.get(n) is p for d, n, p in self.slots))  # fmt: skip
-
-    def take(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        modules = list(model.modules())
-        self.classes = [(m, type(m)) for m in modules]
-        self.slots = [(m._parameters, n, p) for m in modules for n, p in m._parameters.items() if p is not None]
-        self.stepped = self._stepped(optimizer)
-
-
-def _check_still_ours(model: nn.Module, state: Prepared, seen: _Fingerprint, optimizer: torch.optim.Optimizer,
-                      *_: Any) -> None:  # fmt: skip
-    """Before each step: the optimizer still steps the model's parameters (a host-side check, no sync)."""
-    if seen.same(optimizer):
-        return
-    _check_not_sharded_since(model, state)
-    if not input_checks.holds_only_parameters_of(optimizer, model):
-        raise PrepareOrderError(
-            "the prepared optimizer steps tensors that are no longer this model's parameters (they were replaced "
-            "after mixprec.prepare: fully_shard, load_state_dict(assign=True), to_empty); set the model up first, "
-            "then build the optimizer and call mixprec.prepare"
-        )
-    seen.take(model, optimizer)
 
 
 def _convert(param: nn.Parameter, dtype: torch.dtype) -> None:
