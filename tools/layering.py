@@ -83,7 +83,7 @@ def check(src: pathlib.Path = SRC, layers: tuple[str, ...] = LAYERS) -> list[str
             private = [n for n in names if n.startswith("_") and not n.startswith("__")]
             if private and theirs != mine:
                 problems.append(f"{where}: {module} imports private {', '.join(private)} from {theirs} ({target})")
-            if not typing_only and target in graph and target != module:
+            if target in graph and target != module:  # type-only imports too: no circle of any kind
                 graph[module].add(target)
     problems += [f"import cycle: {' -> '.join(cycle)}" for cycle in _cycles(graph)]
     return problems

@@ -65,6 +65,8 @@ MOVED = {
     # names that repeated their package's
     "prepare.prepare": "prepare.levels",
     "policy.policy": "policy.rules",
+    # folded into the module of what they served
+    "observe.reporting": "observe.report",
 }
 
 #: A package that replaced the flat module of its name -> the modules whose names its old pickles look up on it.

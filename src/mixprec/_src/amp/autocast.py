@@ -29,9 +29,8 @@ import torch
 from mixprec._src.amp import dispatch, region
 from mixprec._src.amp.thread_state import state as _state
 from mixprec._src.dtypes import parse_dtype
-from mixprec._src.policy import interning
 from mixprec._src.policy.grammar import get_policy
-from mixprec._src.policy.rules import Policy, default_policy
+from mixprec._src.policy.rules import POLICIES, Policy, default_policy
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -96,7 +95,7 @@ class autocast:  # noqa: N801 - the name torch.autocast users type
         resolved = default_policy(device_type) if policy is None else get_policy(policy, device_type)
         compiling = torch.compiler.is_compiling()
         if not compiling:
-            resolved = interning.canonical(resolved)
+            resolved = POLICIES.canonical(resolved)
         if dtype is not None:
             # names are parsed here; a torch.dtype goes to torch as is (it warns and disables
             # autocast for one it cannot compute in, e.g. fp32 in the `dtype=amp_dtype` pattern)

@@ -19,8 +19,7 @@ from torch import nn
 
 from mixprec._src.amp import thread_state
 from mixprec._src.amp.thread_state import state as _state
-from mixprec._src.policy import interning
-from mixprec._src.policy.rules import ModuleRule, Policy
+from mixprec._src.policy.rules import POLICIES, ModuleRule, Policy
 
 __all__ = ["CompiledWrapper", "OptimizedModule", "match_rule", "policies_in_force", "qualified_name"]
 
@@ -78,4 +77,4 @@ def _traced_policy_tokens() -> tuple[tuple[str, str], ...]:
 def policies_in_force(st: thread_state.ThreadState) -> dict[str, Policy]:
     if not torch.compiler.is_compiling():
         return st.policy
-    return {**st.policy, **{d: interning.policy_for(token) for d, token in _traced_policy_tokens()}}
+    return {**st.policy, **{d: POLICIES.value_for(token) for d, token in _traced_policy_tokens()}}

@@ -23,8 +23,7 @@ from torch import nn
 from mixprec._src import casting
 from mixprec._src.amp import compiled_backward, dispatch, module_rules, thread_state
 from mixprec._src.amp.thread_state import state as _state
-from mixprec._src.policy import interning
-from mixprec._src.policy.rules import Policy, default_policy
+from mixprec._src.policy.rules import POLICIES, Policy, default_policy
 
 __all__ = ["enter_traced", "exit_traced", "needs_kernels", "pop", "pop_to", "push",
            "unwind_on_failed_trace"]  # fmt: skip
@@ -120,7 +119,7 @@ def enter_traced(device_type: str, dtype: torch.dtype, enabled: bool, cache_enab
     compiled_backward.backward_like_eager()
     torch_ctx = _UNMANAGED(device_type, dtype, enabled, cache_enabled)
     torch_ctx.__enter__()  # type: ignore[no-untyped-call]
-    push(device_type, interning.policy_for(token), torch_ctx, traced=True)
+    push(device_type, POLICIES.value_for(token), torch_ctx, traced=True)
 
 
 @torch.fx.node.has_side_effect

@@ -1,45 +1,49 @@
-"""One object and one name per distinct policy, for torch.compile.
+"""One object and one name per distinct value, for torch.compile: :class:`Interner`.
 
-torch.compile guards on the policy object a graph was traced with, and a traced
-region refers to its policy by a constant. :func:`canonical` hands out one object per
-distinct policy, so a policy rebuilt every step reuses the graph; :func:`token_for`
-gives each distinct policy a string (a graph constant) and :func:`policy_for` maps it back.
+torch.compile guards on the policy object a graph was traced with, and a traced region refers to its
+policy by a constant. :meth:`Interner.canonical` hands out one object per distinct value, so a policy
+rebuilt every step reuses the graph; :meth:`Interner.token_for` gives each distinct value a string (a
+graph constant) and :meth:`Interner.value_for` maps it back. ``policy.rules`` keeps the policies' one.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Hashable
+from typing import Generic, TypeVar
 
-if TYPE_CHECKING:
-    from mixprec._src.policy.rules import Policy
+__all__ = ["Interner"]
 
-__all__ = ["canonical", "policy_for", "token_for"]
-
-_TOKENS: dict[Policy, str] = {}
-_BY_TOKEN: dict[str, Policy] = {}
-_CANONICAL: dict[Policy, Policy] = {}
+T = TypeVar("T", bound=Hashable)
+_MOST = 1024  # canonical values kept: a program building endless distinct policies does not grow forever
 
 
-def token_for(policy: Policy) -> str:
-    """The token of ``policy``: equal policies share one.
+class Interner(Generic[T]):
+    """Tokens and canonical objects of hashable values; host-side dictionaries only."""
 
-    A string, not an int: Dynamo would make an int that changes between calls a symbolic size.
-    """
-    token = _TOKENS.setdefault(policy, f"policy{len(_TOKENS)}")
-    _BY_TOKEN.setdefault(token, policy)
-    return token
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self._tokens: dict[T, str] = {}
+        self._by_token: dict[str, T] = {}
+        self._canonical: dict[T, T] = {}
 
+    def token_for(self, value: T) -> str:
+        """The token of ``value``: equal values share one.
 
-def policy_for(token: str) -> Policy:
-    """The first policy given ``token``."""
-    return _BY_TOKEN[token]
+        A string, not an int: Dynamo would make an int that changes between calls a symbolic size.
+        """
+        token = self._tokens.setdefault(value, f"{self.prefix}{len(self._tokens)}")
+        self._by_token.setdefault(token, value)
+        return token
 
+    def value_for(self, token: str) -> T:
+        """The first value given ``token``."""
+        return self._by_token[token]
 
-def canonical(policy: Policy) -> Policy:
-    """The first-seen policy equal to ``policy``."""
-    found = _CANONICAL.get(policy)
-    if found is None:
-        if len(_CANONICAL) >= 1024:  # a program building endless distinct policies: do not grow forever
-            _CANONICAL.clear()
-        found = _CANONICAL[policy] = policy
-    return found
+    def canonical(self, value: T) -> T:
+        """The first-seen value equal to ``value``."""
+        found = self._canonical.get(value)
+        if found is None:
+            if len(self._canonical) >= _MOST:
+                self._canonical.clear()
+            found = self._canonical[value] = value
+        return found

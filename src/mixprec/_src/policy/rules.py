@@ -48,6 +48,7 @@ __all__ = [
     "BUILTINS",
     "EDITED",
     "NORM_TYPES",
+    "POLICIES",
     "builtin_policy",
     "default_policy",
     "format_policy",
@@ -233,7 +234,7 @@ class Policy:
         object.__setattr__(self, "_hash", hash((self.lower, self.fp32, self.fp32_set_dtype, self.promote,
                                                 frozenset(self.banned.items()), self.compute_dtype,
                                                 self.output_dtype, self.module_rules)))  # fmt: skip
-        object.__setattr__(self, "_token", interning.token_for(self))
+        object.__setattr__(self, "_token", POLICIES.token_for(self))
 
     def __hash__(self) -> int:
         return self._hash
@@ -346,6 +347,9 @@ class Policy:
 
 
 #: What a policy edited with :meth:`Policy.add`, ``remove`` or ``keep_modules`` adds to its name.
+#: One object and one token per distinct policy (see ``interning``).
+POLICIES: interning.Interner[Policy] = interning.Interner("policy")
+
 EDITED = " (edited)"
 #: The error text of an op banned without a hint.
 BANNED_HINT = "this op is banned by the active mixprec policy"

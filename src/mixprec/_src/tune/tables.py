@@ -7,14 +7,32 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
+
+import torch
 
 from mixprec._src.dtypes import short_name
+from mixprec._src.layers.plan import LayerChoice
 from mixprec._src.layers.precision import PRECISIONS
+from mixprec._src.tune.measurement import Measurement
 
-if TYPE_CHECKING:  # types only: recipe imports this module to print itself
-    from mixprec._src.layers.plan import LayerChoice
-    from mixprec._src.tune.recipe import Measurement, Recipe
+
+class Recipe(Protocol):
+    """What a recipe's table reads of :class:`mixprec.Recipe` (which prints itself with this module)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def dtype(self) -> torch.dtype: ...
+    @property
+    def measurements(self) -> tuple[Measurement, ...]: ...
+    @property
+    def notes(self) -> tuple[str, ...]: ...
+    @property
+    def layers(self) -> tuple[LayerChoice, ...]: ...
+    @property
+    def is_torch_default(self) -> bool: ...
+
 
 __all__ = ["layer_table", "line", "recipe_table"]
 
