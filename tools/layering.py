@@ -75,7 +75,7 @@ def check(src: pathlib.Path = SRC, layers: tuple[str, ...] = LAYERS) -> list[str
         if mine not in rank:
             problems.append(f"{module}: subsystem {mine!r} is not in the layering {layers}")
             continue
-        for target, names, line, typing_only in imports(path, modules):
+        for target, names, line, _typing_only in imports(path, modules):
             theirs = subsystem(files[target], src) if target in files else "base"
             where = f"{path.relative_to(src.parent.parent.parent)}:{line}"
             if theirs in rank and rank[theirs] > rank[mine] and target != PACKAGE:

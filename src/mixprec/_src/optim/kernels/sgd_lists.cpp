@@ -1,0 +1,45 @@
+// sgd_lists.cpp: C++ for optim/cpu_lists.py, which builds it with inductor's toolchain.
+
+
+// torch.optim.SGD's for-loop step on fp32 copies, as ATen computes it (add with alpha is one fused multiply-add, in
+// its vector loop and its tail alike; mul rounds), the momentum buffer stored back to nearest; s: weight decay,
+// momentum, 1 - dampening, -lr; flags: 1 nesterov, 2 maximize, 4 momentum
+inline void sgd(BF16* p, const BF16* g, BF16* buf, BF16* comp, int64_t first, int64_t last, const float* s,
+                int64_t flags, bool started, int64_t rounding, int64_t seed) {
+    const bool nesterov = flags & 1, maximize = flags & 2, momentum = flags & 4;
+    const VecF wd(s[0]), m(s[1]), damp(s[2]), neg_lr(s[3]);
+    int64_t k = first;
+    for (; k + VecF::size() <= last; k += VecF::size()) {
+        const VecF pk = load_float(p + k);
+        VecF gk = load_float(g + k);
+        if (maximize) gk = gk.neg();
+        if (s[0] != 0.0f) gk = at::vec::fmadd(pk, wd, gk);
+        if (momentum) {
+            const VecF b = started ? at::vec::fmadd(gk, damp, load_float(buf + k) * m) : gk;
+            store_vec(buf + k, b);
+            gk = nesterov ? at::vec::fmadd(b, m, gk) : b;
+        }
+        write_vec(p, comp, k, at::vec::fmadd(gk, neg_lr, pk), rounding, seed);
+    }
+    for (; k < last; ++k) {
+        const float pk = to_float(p[k]);
+        float gk = to_float(g[k]);
+        if (maximize) gk = -gk;
+        if (s[0] != 0.0f) gk = std::fma(pk, s[0], gk);
+        if (momentum) {
+            const float b = started ? std::fma(gk, s[2], to_float(buf[k]) * s[1]) : gk;
+            store(buf + k, b);
+            gk = nesterov ? std::fma(b, s[1], gk) : b;
+        }
+        write_one(p, comp, k, std::fma(gk, s[3], pk), pk, rounding, seed);
+    }
+}
+}  // namespace
+
+// table: n rows of (weight, gradient, momentum buffer or 0, compensation or 0, numel, seed, buffer started)
+extern "C" void kernel(const int64_t* table, int64_t n, const float* s, int64_t flags, int64_t rounding) {
+    over_chunks(table, n, 7, 4, [&](const int64_t* row, int64_t first, int64_t last) {
+        sgd(reinterpret_cast<BF16*>(row[0]), reinterpret_cast<const BF16*>(row[1]), reinterpret_cast<BF16*>(row[2]),
+            reinterpret_cast<BF16*>(row[3]), first, last, s, flags, row[6] != 0, rounding, row[5]);
+    });
+}

@@ -1,0 +1,32 @@
+// square_norm.cpp: C++ for optim/cpu_adam.py, which fills its named percent fields and builds it with inductor's toolchain.
+
+#include <torch/csrc/inductor/cpp_prefix.h>
+#include <vector>
+
+// the sum of squares of n low-precision values in fp32: fixed chunks (so the sum is the same whatever the
+// threads), each summed in vector lanes, the lanes and then the chunks added in order
+extern "C" void kernel(const %(x_type)s* x, float* out, int64_t n) {
+    using VecF = at::vec::Vectorized<float>;
+    constexpr int64_t CHUNK = 1 << 16;
+    const int64_t chunks = (n + CHUNK - 1) / CHUNK;
+    std::vector<float> partial(chunks);
+    #pragma omp parallel for schedule(static)
+    for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t first = c * CHUNK, last = first + CHUNK < n ? first + CHUNK : n;
+        VecF acc(0.0f);
+        int64_t i = first;
+        for (; i + VecF::size() <= last; i += VecF::size()) {
+            const VecF v = at::vec::convert<float>(at::vec::Vectorized<%(x_type)s>::loadu(x + i, VecF::size()));
+            acc = at::vec::fmadd(v, v, acc);
+        }
+        alignas(64) float lanes[VecF::size()];
+        acc.store(lanes);
+        float sum = 0.0f;
+        for (int64_t j = 0; j < VecF::size(); ++j) sum += lanes[j];
+        for (; i < last; ++i) { const float v = static_cast<float>(x[i]); sum += v * v; }
+        partial[c] = sum;
+    }
+    float total = 0.0f;
+    for (int64_t c = 0; c < chunks; ++c) total += partial[c];
+    out[0] = total;
+}

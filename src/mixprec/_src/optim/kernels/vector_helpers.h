@@ -1,0 +1,68 @@
+// vector_helpers.h: C++ for optim/cpu_adam.py, which builds it with inductor's toolchain.
+using VecF = at::vec::Vectorized<float>;
+using VecI = at::vec::Vectorized<int32_t>;
+
+inline int32_t bits_of(float x) { int32_t r; std::memcpy(&r, &x, 4); return r; }
+inline float from_bits(int32_t r) { float x; std::memcpy(&x, &r, 4); return x; }
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+inline void store(float* p, float x) { *p = x; }
+inline void store(c10::BFloat16* p, float x) { *p = c10::BFloat16(x); }  // round to nearest even, as copy_
+
+// ATen's lerp (its vectorized form): one fused multiply-add
+inline float lerp(float start, float end, float weight) {
+    return std::abs(weight) < 0.5f ? std::fma(weight, end - start, start) : std::fma(weight - 1.0f, end - start, end);
+}
+
+inline VecF load_float(const float* x) { return VecF::loadu(x); }
+inline VecF load_float(const c10::BFloat16* x) {
+    return at::vec::convert<float>(at::vec::Vectorized<c10::BFloat16>::loadu(x, VecF::size()));
+}
+inline void store_vec(float* p, const VecF& x) { x.store(p); }
+inline void store_vec(c10::BFloat16* p, const VecF& x) { at::vec::convert<c10::BFloat16>(x).store(p, VecF::size()); }
+inline VecF vec_lerp(const VecF& start, const VecF& end, float weight) {
+    return std::abs(weight) < 0.5f ? at::vec::fmadd(VecF(weight), end - start, start)
+                                   : at::vec::fmadd(VecF(weight - 1.0f), end - start, end);
+}
+
+// sr_noise.sr_bits at flat positions pos, pos + 1, ... (the seed's): fp32 bits with 16 low zeros (exact in bf16)
+// (pos + lane) * W + seed == lane * W + (pos * W + seed) in 32-bit wrapping arithmetic: one broadcast a vector, the
+// lanes' multiples of W made once
+inline VecF vec_sr(const VecF& x, int64_t pos, int64_t seed) {
+    static const VecI lanes = VecI::arange(0, 1) * VecI(WEYL);
+    const int32_t start = static_cast<int32_t>(static_cast<uint32_t>(pos) * static_cast<uint32_t>(WEYL)
+                                               + static_cast<uint32_t>(seed));
+    const VecI noise = ((lanes + VecI(start)) >> VecI(16)) & VecI(0xFFFF);
+    return at::vec::cast<float>((at::vec::cast<int32_t>(x) + noise) & VecI(-(1 << 16)));
+}
+inline float sr(float x, int64_t pos, int64_t seed) {
+    const int32_t noise = ((int32_t)((uint32_t)pos * (uint32_t)WEYL + (uint32_t)seed) >> 16) & 0xFFFF;
+    return from_bits((int32_t)((uint32_t)bits_of(x) + (uint32_t)noise) & -(1 << 16));
+}
+
+// the new weights at k, ..., written as rounding says: to nearest (0), bf16-sr's noise (1), kahan.write (2)
+template <typename P>
+inline void write_vec(P* p, c10::BFloat16* comp, int64_t k, const VecF& next, int64_t rounding, int64_t seed) {
+    if (rounding == 1) {
+        store_vec(p + k, vec_sr(next, k, seed));
+    } else if (rounding == 2) {
+        const VecF w = load_float(p + k);
+        const VecF sum = w + ((next - w) + load_float(comp + k));
+        store_vec(p + k, sum);
+        store_vec(comp + k, sum - load_float(p + k));
+    } else {
+        store_vec(p + k, next);
+    }
+}
+template <typename P>
+inline void write_one(P* p, c10::BFloat16* comp, int64_t k, float next, float w, int64_t rounding, int64_t seed) {
+    if (rounding == 1) {
+        store(p + k, sr(next, k, seed));
+    } else if (rounding == 2) {
+        const float sum = w + ((next - w) + static_cast<float>(comp[k]));
+        store(p + k, sum);
+        comp[k] = c10::BFloat16(sum - to_float(p[k]));
+    } else {
+        store(p + k, next);
+    }
+}
