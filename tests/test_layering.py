@@ -3,6 +3,7 @@ import cycle, no private name across subsystems; and each rule catches its breac
 
 from __future__ import annotations
 
+import ast
 import pathlib
 import shutil
 
@@ -82,3 +83,13 @@ def test_every_module_declares_its_public_names() -> None:
         if path.name != "__init__.py" and "__all__" not in names:
             missing.append(str(path.relative_to(layering.SRC)))
     assert missing == []
+
+
+def test_no_module_is_long_without_saying_why() -> None:
+    """A module over 450 lines says why in its docstring (``Long because ...``), or is split along its seams."""
+    long = {}
+    for path in sorted((ROOT / "src" / "mixprec").rglob("*.py")):
+        text = path.read_text()
+        if text.count("\n") > 450 and "Long because" not in (ast.get_docstring(ast.parse(text)) or ""):
+            long[path.relative_to(ROOT / "src").as_posix()] = text.count("\n")
+    assert long == {}

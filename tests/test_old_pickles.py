@@ -64,6 +64,12 @@ def test_every_old_path_imports_its_module_and_warns_once_there() -> None:
     with pytest.warns(DeprecationWarning, match="mixprec._src.policy.ModuleRule moved to mixprec._src.policy.rules"):
         from mixprec._src.policy import ModuleRule  # an old pickle's global on the package that replaced policy.py
     assert ModuleRule is mixprec.ModuleRule
+    for module, names in _compat.RENAMED.items():  # names that moved out of a module older pickles hold
+        for old, new in names.items():
+            with pytest.warns(DeprecationWarning, match=f"{module}.{old} moved to mixprec._src.{new};"):
+                found = getattr(importlib.import_module(f"mixprec._src.{module}"), old)
+            where, _, name = new.rpartition(".")
+            assert found is getattr(importlib.import_module(f"mixprec._src.{where}"), name)
     with pytest.raises(AttributeError):
         mixprec._src.tune.no_such_name  # noqa: B018
 

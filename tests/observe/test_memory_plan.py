@@ -315,7 +315,7 @@ def _assert_the_state_steps_temporaries_are_planned(make: str, level: str, state
 
 
 def test_torchs_default_on_a_gpu_is_planned_as_its_foreach_step(monkeypatch: pytest.MonkeyPatch) -> None:
-    from mixprec._src.observe import memory_plan as planning
+    from mixprec._src.observe import param_bytes as planning
 
     model = nn.Sequential(nn.Linear(64, 256), nn.Linear(256, 128))
     plans = {}

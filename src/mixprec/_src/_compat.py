@@ -19,7 +19,7 @@ import warnings
 from types import ModuleType
 from typing import Any
 
-__all__ = ["MOVED", "PACKAGES", "REMOVED_IN", "forward", "install"]
+__all__ = ["MOVED", "PACKAGES", "REMOVED_IN", "RENAMED", "forward", "install"]
 
 PACKAGE = "mixprec._src"
 #: The version in which the old paths below stop working.
@@ -70,7 +70,14 @@ MOVED = {
 }
 
 #: A package that replaced the flat module of its name -> the modules whose names its old pickles look up on it.
-PACKAGES = {"policy": ("policy.rules",), "tune": ("tune.search",)}
+PACKAGES = {"policy": ("policy.rules", "policy.keep"), "tune": ("tune.search",)}
+#: A module -> its old names that moved out of it (older pickles hold them) -> where each is now.
+RENAMED = {
+    "scaling.scaler": {
+        "_Iteration": "scaling.iteration.Iteration",
+        "_refresh_per_optimizer_state": "scaling.iteration.refresh_per_optimizer_state",
+    }
+}
 
 
 def _warn(old: str, new: str) -> None:
@@ -106,17 +113,22 @@ def install() -> None:
         sys.meta_path.append(_OldPaths())
 
 
-def forward(package: str, name: str) -> Any:
-    """Attribute ``name`` of old flat module ``mixprec._src.<package>`` (now a package), with a warning.
+def forward(module: str, name: str) -> Any:
+    """Old attribute ``name`` of ``mixprec._src.<module>`` (a flat module now a package, or a module a name
+    moved out of), with a warning.
 
     Raises:
-        AttributeError: no module it moved to defines ``name`` (modules and dunders are not forwarded).
+        AttributeError: no old name ``name`` there (modules and dunders are not forwarded).
     """
-    if name.startswith("__") or importlib.util.find_spec(f"{PACKAGE}.{package}.{name}") is not None:
+    if name.startswith("__") or (module in PACKAGES and importlib.util.find_spec(f"{PACKAGE}.{module}.{name}")):
         raise AttributeError(name)  # a submodule: the import system imports it
-    for moved in PACKAGES[package]:
-        module = importlib.import_module(f"{PACKAGE}.{moved}")
-        if name in vars(module) and not isinstance(vars(module)[name], ModuleType):  # a submodule imports itself
-            _warn(f"{PACKAGE}.{package}.{name}", f"{module.__name__}.{name}")
-            return getattr(module, name)
-    raise AttributeError(f"module {PACKAGE}.{package!r} has no attribute {name!r}")
+    if name in RENAMED.get(module, {}):
+        where, _, new = RENAMED[module][name].rpartition(".")
+        _warn(f"{PACKAGE}.{module}.{name}", f"{PACKAGE}.{where}.{new}")
+        return getattr(importlib.import_module(f"{PACKAGE}.{where}"), new)
+    for moved in PACKAGES.get(module, ()):
+        found = importlib.import_module(f"{PACKAGE}.{moved}")
+        if name in vars(found) and not isinstance(vars(found)[name], ModuleType):  # a submodule imports itself
+            _warn(f"{PACKAGE}.{module}.{name}", f"{found.__name__}.{name}")
+            return getattr(found, name)
+    raise AttributeError(f"module '{PACKAGE}.{module}' has no attribute {name!r}")

@@ -57,7 +57,7 @@ if TYPE_CHECKING:
     from typing_extensions import Unpack
 
     from mixprec._src.prepare.config import PrepareOptions
-from mixprec._src.step import kahan, low_bit_state, stochastic_rounding
+from mixprec._src.step import kahan, low_bit_state, state_dicts, stochastic_rounding
 from mixprec._src.step import plan as step_plan
 from mixprec._src.step import step_in_backward as in_backward
 
@@ -318,7 +318,7 @@ def export_fp32(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
                 if isinstance(value, torch.Tensor) and value.dtype is torch.bfloat16 and key != "step":
                     group_state[key] = value.float()
         stochastic_rounding.remove_counters(optimizer)
-        low_bit_state.restore_fp32(optimizer)
+        state_dicts.restore_fp32(optimizer)
         optimizer.__dict__.pop(_ATTR, None)
     fp8_conversion.revert(model)
     model.__dict__.pop("forward", None)

@@ -29,61 +29,41 @@ fused Adam, AdamW, SGD), where it does not sync. ``scale``, ``unscale_`` and
 (MegEngine style) and ``skipped`` on a fused optimizer do.
 
 The pieces live apart: the rule and its state in ``loss_scale``, unscaling and the
-cross-rank agreement in ``unscaling``, events and counters in ``scaler_events``, the
-fail-fast check in ``fail_fast``, argument checks in ``scaler_settings``. This module
-keeps torch's API and the bookkeeping of one iteration.
+cross-rank agreement in ``unscaling``, events and counters in ``events``, the fail-fast
+check in ``fail_fast``, argument checks in ``settings``, one iteration's bookkeeping in
+``iteration``, the state and torch's private members in ``torch_members``. This module
+keeps torch's public API and MegEngine's.
+
+Long because it is one class: torch.amp.GradScaler's public methods and MegEngine's, each with the
+docstring and argument checks its users read; splitting a class's public methods across modules would
+hide the API it mirrors.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import warnings
-from collections import abc, defaultdict
+from collections import abc
 from collections.abc import Iterable
 from typing import Any, overload
 
 import torch
 from torch.amp.grad_scaler import OptState
 
+from mixprec._src import _compat
 from mixprec._src.scaling import fail_fast, unscaling
 from mixprec._src.scaling import settings as scaler_settings
 from mixprec._src.scaling.events import EventLog, ScalerEvent, ScalerStats, logger
+from mixprec._src.scaling.iteration import Iteration
 from mixprec._src.scaling.loss_scale import DeviceLossScale, LossScaleRule, LossScaleState
 from mixprec._src.scaling.settings import checked
+from mixprec._src.scaling.torch_members import ScalerState
 
 __all__ = ["GradScaler", "ScalerEvent", "ScalerStats"]
 
 
-def _refresh_per_optimizer_state() -> dict[str, Any]:
-    """One optimizer's state in an iteration, in torch's layout and with torch's stage enum
-    (READY / UNSCALED / STEPPED), so code written against torch.amp.GradScaler reads it unchanged."""
-    return {"stage": OptState.READY, "found_inf_per_device": {}}
-
-
-class _Iteration:
-    """What one iteration has seen so far, from its first ``scale()`` to its ``update()``."""
-
-    def __init__(self) -> None:
-        # Torch's name and layout: code written against torch.amp.GradScaler reaches into it.
-        self.per_optimizer: defaultdict[int, dict[str, Any]] = defaultdict(_refresh_per_optimizer_state)
-        self.host_skipped: dict[int, bool] = {}  # per optimizer, read on the host by a syncing step()
-        self.manual_found: list[torch.Tensor] = []  # from unscale(), MegEngine style
-        self.manual_flags: list[bool | None] = []
-        self.failed: set[int] = set()  # optimizers whose step() raised: the iteration is abandoned
-
-    def in_progress(self) -> bool:
-        return any(s["found_inf_per_device"] for s in self.per_optimizer.values()) or bool(self.manual_found)
-
-    def found_infs(self, device: torch.device) -> list[torch.Tensor]:
-        """Every inf/NaN flag recorded, on ``device``. No sync."""
-        recorded = [f for s in self.per_optimizer.values() for f in s["found_inf_per_device"].values()]
-        return [found.to(device=device, non_blocking=True) for found in recorded + self.manual_found]
-
-    def host_flags(self) -> list[bool | None]:
-        """Overflow flags the host already read (ordinary step(), unscale()): ``None`` for a fused optimizer's."""
-        stepped = [key for key, state in self.per_optimizer.items() if state["found_inf_per_device"]]
-        return [self.host_skipped.get(key) for key in stepped] + self.manual_flags
+def __getattr__(name: str) -> Any:
+    return _compat.forward("scaling.scaler", name)  # names older pickles hold
 
 
 def _refuse_in_backward(optimizer: torch.optim.Optimizer) -> None:
@@ -95,7 +75,7 @@ def _refuse_in_backward(optimizer: torch.optim.Optimizer) -> None:
                            "step_in_backward=False")  # fmt: skip
 
 
-class GradScaler:
+class GradScaler(ScalerState):
     """Dynamic loss scaling; torch.amp.GradScaler's arguments and methods, plus more.
 
     The class is long because it is torch's whole API surface (every public method, and the
@@ -170,7 +150,7 @@ class GradScaler:
         # The state as numbers until the first scale() puts it on the loss's device.
         self._initial = LossScaleState(checked("scale", init_scale, "init_scale"), 0, self._rule.hysteresis)
         self._device_state: DeviceLossScale | None = None
-        self._iteration = _Iteration()
+        self._iteration = Iteration()
         self._last_skipped: dict[int, bool | torch.Tensor] = {}
         self._updates = 0
         self._events = EventLog(on_event, self._rule.hysteresis, checked("history", history))
@@ -201,7 +181,7 @@ class GradScaler:
         if not self._enabled:
             return outputs
         if self._iteration.failed:
-            self._iteration = _Iteration()
+            self._iteration = Iteration()
         if isinstance(outputs, torch.Tensor):
             scale = self._lazy_init(outputs.device)
             return outputs * scale.to(device=outputs.device, non_blocking=True)
@@ -320,7 +300,7 @@ class GradScaler:
         if iteration.failed:
             if new_scale is not None:
                 _set_scale(scale, new_scale)
-            self._iteration = _Iteration()
+            self._iteration = Iteration()
             return
         found_infs = iteration.found_infs(scale.device)
         host_flags = iteration.host_flags()
@@ -328,7 +308,7 @@ class GradScaler:
             _set_scale(scale, new_scale)
             if found_infs:  # a scale set by hand still counts skipped steps, for fail_after
                 device_state.count_skips(sum(found_infs[1:], found_infs[0]))
-            self._iteration = _Iteration()
+            self._iteration = Iteration()
             if found_infs:
                 self._maybe_fail_fast(host_flags)
             return
@@ -344,7 +324,7 @@ class GradScaler:
         device_state.update(self._rule, found)
         self._updates += 1
         self._events.record(self._updates, scale)
-        self._iteration = _Iteration()
+        self._iteration = Iteration()
         if all(flag is not None for flag in host_flags):
             self._events.updated(self._rule, any(host_flags), self._updates, self.get_scale)
         self._maybe_fail_fast(host_flags)
@@ -414,13 +394,13 @@ class GradScaler:
         if self._enabled:
             state["_initial"] = self._current()
             state["_device_state"] = None
-        state["_iteration"] = _Iteration()
+        del state["_iteration"]  # a fresh one after loading
         state["_last_skipped"] = {}
         state["_process_group"] = None  # groups do not pickle; pass it again after unpickling
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
+        self.__dict__.update({**state, "_iteration": Iteration()})
 
     # ----- beyond torch --------------------------------------------------------------------
 
@@ -473,7 +453,7 @@ class GradScaler:
         if not self._enabled:
             return False
         if self._iteration.failed:
-            self._iteration = _Iteration()
+            self._iteration = Iteration()
         sources = unscaling.manual_sources(params)
         # The manual style may multiply the loss's gradient by scale_factor without scale():
         # start the scale on the gradients' device then.
@@ -522,31 +502,8 @@ class GradScaler:
 
     # ----- internals -------------------------------------------------------------------
 
-    def _current(self) -> LossScaleState:
-        """The state as numbers (syncs once it lives on a device)."""
-        return self._initial if self._device_state is None else self._device_state.read()
-
-    def _skip_counts(self) -> tuple[int, int]:
-        """(skipped, consecutive skipped) iterations; one sync once the state lives on a device."""
-        if self._device_state is None:
-            return self._initial.skipped, self._initial.consecutive
-        return self._device_state.skip_counts()
-
     def _set_rule(self, **changes: Any) -> None:
         self._rule = LossScaleRule(**{**vars(self._rule), **changes})
-
-    def _lazy_init(self, device: torch.device) -> torch.Tensor:
-        if self._device_state is None:
-            self._device_state = DeviceLossScale(self._initial, device)
-            self._events.record(self._updates, self._device_state.scale)
-        return self._device_state.scale
-
-    def _require_scale(self, caller: str) -> torch.Tensor:
-        if self._device_state is None:
-            raise RuntimeError(
-                f"{caller}() was called before scale(): use scaler.scale(loss).backward() earlier in the iteration"
-            )
-        return self._device_state.scale
 
     def _maybe_fail_fast(self, host_flags: list[bool | None]) -> None:
         if self._fail_after is not None and fail_fast.due(host_flags, self._updates):
@@ -592,102 +549,6 @@ class GradScaler:
         self._last_skipped[id(optimizer)] = found_tensor > 0
         return result
 
-    def _run_optimizer_step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return optimizer.step(*args, **kwargs)
-        except BaseException:
-            # The iteration is abandoned: the next scale() starts afresh, update() becomes optional.
-            self._iteration.failed.add(id(optimizer))
-            raise
-
-    def _check_not_failed(self, optimizer: torch.optim.Optimizer, caller: str) -> None:
-        # Its gradients may be unscaled already, or its parameters half updated: no retry in this iteration.
-        if id(optimizer) in self._iteration.failed:
-            raise RuntimeError(
-                f"{caller}(): optimizer.step() raised an exception earlier in this iteration, so the iteration "
-                "was abandoned (the scale did not move). Start the next iteration: optimizer.zero_grad(), "
-                "scaler.scale(loss).backward(), scaler.step(optimizer), scaler.update(). "
-                "Calling scaler.update() after the failed step is optional."
-            )
-
-    # ----- torch.amp.GradScaler's private members, for code written against torch's -----------
-
-    @property
-    def _scale(self) -> torch.Tensor | None:
-        return None if self._device_state is None else self._device_state.scale
-
-    @property
-    def _growth_tracker(self) -> torch.Tensor | None:
-        return None if self._device_state is None else self._device_state.good
-
-    @property
-    def _init_growth_tracker(self) -> int:
-        return self._initial.good
-
-    @_init_growth_tracker.setter
-    def _init_growth_tracker(self, value: int) -> None:
-        self._initial = dataclasses.replace(self._initial, good=value)
-
-    @property
-    def _per_optimizer_states(self) -> defaultdict[int, dict[str, Any]]:
-        return self._iteration.per_optimizer
-
-    def _unscale_grads_(
-        self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool
-    ) -> dict[torch.device, torch.Tensor]:
-        """Unscale ``optimizer``'s gradients by ``inv_scale`` in place; flag inf/NaN into per-device copies
-        of ``found_inf`` (returned by device), as torch's does. Does not sync.
-
-        Raises:
-            ValueError: an fp16 gradient with ``allow_fp16=False`` (torch's rule for its own ``unscale_``).
-        """
-        with torch.no_grad():
-            return unscaling.unscale_and_check(unscaling.grads_of(optimizer, allow_fp16), inv_scale, found_inf)
-
-    def _maybe_opt_step(self, optimizer: torch.optim.Optimizer, optimizer_state: dict[str, Any],
-                        *args: Any, **kwargs: Any) -> Any:  # fmt: skip
-        """Run ``optimizer.step`` unless the recorded checks found inf/NaN. Syncs once per device."""
-        skipped = bool(sum(v.item() for v in optimizer_state["found_inf_per_device"].values()))  # the sync
-        self._iteration.host_skipped[id(optimizer)] = skipped
-        self._last_skipped[id(optimizer)] = skipped
-        if skipped:
-            self._events.skipped(_describe(optimizer), self._updates)
-            return None
-        return self._run_optimizer_step(optimizer, *args, **kwargs)
-
-    def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
-        """Check ``optimizer``'s gradients for inf/NaN without unscaling them (for optimizers that
-        unscale by themselves) and record the flags for ``step`` and ``update``. Does not sync."""
-        scale, _ = self._check_scale_growth_tracker("_check_inf_per_device")
-        dummy_inv_scale = torch.ones((), dtype=torch.float32, device=scale.device)
-        found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
-        found = unscaling.agree(self._unscale_grads_(optimizer, dummy_inv_scale, found_inf, True), self._process_group)
-        self._iteration.per_optimizer[id(optimizer)]["found_inf_per_device"] = found
-        return found
-
-    def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
-        """The inf/NaN flags recorded for ``optimizer`` in this iteration, by device. Does not sync."""
-        found: dict[torch.device, torch.Tensor] = self._iteration.per_optimizer[id(optimizer)]["found_inf_per_device"]
-        return found
-
-    def _get_scale_async(self) -> torch.Tensor | None:
-        """The scale tensor (``None`` before the first ``scale()``). Does not sync."""
-        return self._scale
-
-    def _get_growth_tracker(self) -> int:
-        """Good iterations in a row toward the next growth (0 when disabled). Syncs."""
-        if not self._enabled:
-            return 0
-        return self._initial.good if self._device_state is None else int(self._device_state.good.item())
-
-    def _check_scale_growth_tracker(self, funcname: str) -> tuple[torch.Tensor, torch.Tensor]:
-        scale = self._require_scale(funcname)
-        assert self._device_state is not None  # made with the scale
-        return scale, self._device_state.good
-
-    def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
-        self._lazy_init(dev)
-
 
 def _set_scale(scale: torch.Tensor, new_scale: float | torch.Tensor) -> None:
     """Set the scale by hand (``update(new_scale)``).
@@ -703,7 +564,3 @@ def _set_scale(scale: torch.Tensor, new_scale: float | torch.Tensor) -> None:
     if new_scale.numel() != 1 or new_scale.requires_grad:
         raise ValueError("new_scale must be a float or a 1-element tensor that does not require grad")
     scale.copy_(new_scale.reshape(()))
-
-
-def _describe(optimizer: torch.optim.Optimizer) -> str:
-    return f"{type(optimizer).__name__} at {id(optimizer):#x}"

@@ -20,7 +20,6 @@ Nothing here syncs.
 from __future__ import annotations
 
 import functools
-import math
 import types
 from collections.abc import Callable
 from typing import Any
@@ -32,14 +31,13 @@ from mixprec._src.optim import adam, cpu_adam, cpu_lists, fused_adam, moments, s
 from mixprec._src.optim.state_precision import StatePrecision
 from mixprec._src.step import bf16_state, kahan
 from mixprec._src.step.sr_noise import moved, seed_tensor, shard_seed, sr_bits, tensor_seed
+from mixprec._src.step.state_dicts import capacity, keep_codes_on_load, sharded_codes
 from mixprec._src.step.stochastic_rounding import SEED_KEY, STEP_KEY, HostCounts, Restore, positions, step_eagerly
 
 __all__ = [
     "check",
     "count_step",
-    "dequantize_on_load",
     "install",
-    "restore_fp32",
     "slice_block",
     "slice_stepper",
     "sliced",
@@ -110,9 +108,9 @@ def install(optimizer: torch.optim.Optimizer, precision: str, handles: list[Any]
                 _bf16_step(self, p, local_p, local_g, group, decoupled, momentum, writeback, where)
             elif momentum:
                 write = _writeback(self, p, local_p, group, writeback, where, 0)[2]
-                sgd.sgd_step(local_p, local_g, self.state[p], group, precision, _capacity(p), write)
+                sgd.sgd_step(local_p, local_g, self.state[p], group, precision, capacity(p), write)
             else:
-                _adam(self, p, local_p, local_g, self.state[p], group, decoupled, precision, _capacity(p), writeback,
+                _adam(self, p, local_p, local_g, self.state[p], group, decoupled, precision, capacity(p), writeback,
                       where, 0)  # fmt: skip
         if listed:
             _step_lists(self, listed, group, decoupled, precision, writeback, where, counts)
@@ -126,8 +124,8 @@ def install(optimizer: torch.optim.Optimizer, precision: str, handles: list[Any]
     handles.append(Restore(optimizer, "_init_group"))
     optimizer.__dict__[_INSTALLED] = (precision, writeback)
     handles.append(Restore(optimizer, _INSTALLED))
-    _keep_codes_on_load(optimizer, handles)  # a quantized checkpoint loads into bf16 state too
-    handles.append(optimizer.register_state_dict_post_hook(_sharded_codes))
+    keep_codes_on_load(optimizer, handles)  # a quantized checkpoint loads into bf16 state too
+    handles.append(optimizer.register_state_dict_post_hook(sharded_codes))
     if precision == moments.BF16:
         handles.append(optimizer.register_load_state_dict_post_hook(bf16_state.narrow_after_load))
 
@@ -159,7 +157,7 @@ def _listed(optimizer: torch.optim.Optimizer, p: torch.Tensor, local_p: torch.Te
         return cpu_adam.bf16_available(local_p, local_g, *(sharding.local(state[n]) for n in bf16_state.NAMES["adam"]))
     if not fused_adam.runs(precision, local_p, local_g):  # the eager step chosen (tests pin it against torchao's)
         return False
-    adam.quantized_moments(state, p, precision, _capacity(p))
+    adam.quantized_moments(state, p, precision, capacity(p))
     return cpu_adam.available(precision, local_p, local_g)
 
 
@@ -218,9 +216,9 @@ def _ready_quantized_buffer(state: dict[str, Any], p: torch.Tensor, precision: s
     """SGD's quantized momentum buffer ready for a list step (its codes and scales made where it is the first step:
     the buffer is then the gradient; no step count, as the eager step keeps none); whether the buffer had started."""
     if moments.is_quantized(state):
-        moments.conform(state, precision, sharding.local(p).numel(), _capacity(p))
+        moments.conform(state, precision, sharding.local(p).numel(), capacity(p))
         return True
-    moments.zeros(state, "momentum_buffer", sharding.local(p).device, precision, _capacity(p))
+    moments.zeros(state, "momentum_buffer", sharding.local(p).device, precision, capacity(p))
     return False
 
 
@@ -374,98 +372,4 @@ def _check_sharding(optimizer: torch.optim.Optimizer) -> None:
     for group in optimizer.param_groups:
         for p in group["params"]:
             if sharding.is_sharded(p) and p.numel() >= moments.MIN_NUMEL:
-                _capacity(p)
-
-
-def _capacity(p: torch.Tensor) -> int:
-    """Values each rank's shard of ``p`` makes room for: the first (largest) shard's under dim-0 sharding."""
-    if not sharding.is_sharded(p):
-        return p.numel()
-    placements = p.placements  # type: ignore[attr-defined]
-    if len(placements) != 1 or not placements[0].is_shard(0):
-        raise ValueError(f"quantized optimizer state needs parameters sharded on dim 0 over one mesh dimension "
-                         f"(fully_shard's default); this one is {placements}: use optimizer_state='fp32'")  # fmt: skip
-    rows = -(-p.shape[0] // p.device_mesh.size())  # type: ignore[attr-defined]
-    return int(rows * math.prod(p.shape[1:]))
-
-
-def _sharded_codes(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
-    """A state dict whose codes and scales of sharded parameters are DTensors sharded on dim 0 (each rank's
-    local ones, of one length on every rank), as DCP saves sharded state; the optimizer's own state is kept."""
-    from torch.distributed.tensor import DTensor, Shard
-
-    by_index = _params_by_index(optimizer, state_dict)
-    state = dict(state_dict["state"])
-    for index, entry in state.items():
-        param = by_index.get(index)
-        if param is None or not sharding.is_sharded(param) or not moments.is_quantized(entry):
-            continue
-        mesh = param.device_mesh  # type: ignore[attr-defined]
-        wrapped = {}
-        for key, value in entry.items():
-            if key.endswith(("_codes", "_scale")):
-                whole = torch.Size([value.shape[0] * mesh.size()])
-                wrapped[key] = DTensor.from_local(value, mesh, [Shard(0)], run_check=False, shape=whole, stride=(1,))
-        state[index] = {**entry, **wrapped}
-    return {**state_dict, "state": state}
-
-
-def dequantize_on_load(optimizer: torch.optim.Optimizer, handles: list[Any]) -> None:
-    """An optimizer whose state is kept as the level keeps it (``optimizer_state="fp32"``) loads a checkpoint of
-    quantized state as its moments dequantized, in its parameter's dtype (as ``load_state_dict`` casts any state):
-    torch's step would otherwise find codes and no moments (``KeyError: 'exp_avg'``)."""
-
-    def widened(state: dict[str, Any], param: torch.Tensor) -> None:
-        local = sharding.local(param)
-        moments.fp32_state(state, local.shape)
-        for key, value in state.items():
-            if key != "step" and isinstance(value, torch.Tensor) and value.is_floating_point():
-                state[key] = value.to(local.dtype)
-
-    _keep_codes_on_load(optimizer, handles, widened)
-
-
-def _keep_codes_on_load(optimizer: torch.optim.Optimizer, handles: list[Any],
-                        then: Callable[[dict[str, Any], torch.Tensor], None] | None = None) -> None:  # fmt: skip
-    """``load_state_dict`` casts every state tensor but ``step`` to its parameter's dtype (uint8 codes and fp32
-    scales would become floats, bf16 at the bf16 levels): the codes and scales are set aside before the
-    load and put back after it, as saved (the checkpoint's own dict is not changed); ``then(state, param)``
-    after, for each state that had them."""
-    aside: dict[Any, dict[str, torch.Tensor]] = {}
-    owners: dict[Any, torch.Tensor] = {}
-
-    def before(opt: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
-        aside.clear()
-        owners.clear()
-        owners.update(_params_by_index(opt, state_dict))
-        state = {}
-        for index, entry in state_dict["state"].items():
-            if isinstance(entry, dict) and moments.is_quantized(entry):
-                aside[index] = {k: v for k, v in entry.items() if k.endswith(("_codes", "_scale"))}
-                entry = {k: v for k, v in entry.items() if k not in aside[index]}
-            state[index] = entry
-        return {**state_dict, "state": state}
-
-    def after(opt: torch.optim.Optimizer) -> None:
-        for index, tensors in aside.items():
-            param = owners[index]
-            opt.state[param].update({k: sharding.local(v).to(param.device) for k, v in tensors.items()})
-            if then is not None:
-                then(opt.state[param], param)
-        aside.clear()
-
-    handles.append(optimizer.register_load_state_dict_pre_hook(before))  # type: ignore[arg-type]
-    handles.append(optimizer.register_load_state_dict_post_hook(after))
-
-
-def _params_by_index(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[Any, torch.Tensor]:
-    """The optimizer's parameter each index of ``state_dict`` names, as ``load_state_dict`` pairs them (in order)."""
-    order = [i for g in state_dict["param_groups"] for i in g["params"]]
-    # not strict: a state dict of another shape is load_state_dict's to refuse, with its own message
-    return dict(zip(order, (p for g in optimizer.param_groups for p in g["params"]), strict=False))
-
-
-def restore_fp32(optimizer: torch.optim.Optimizer) -> None:
-    """Every quantized state of ``optimizer`` back to fp32 moments (in place), as torch's Adam keeps them."""
-    for param, state in optimizer.state.items():
-        moments.fp32_state(state, param.shape)  # type: ignore[union-attr]
+                capacity(p)

@@ -36,7 +36,7 @@ import torch
 
 from mixprec._src.optim import cpu_lists, moments
 from mixprec._src.optim.state_precision import StatePrecision
-from mixprec._src.step import kahan, low_bit_state, sr_noise, stochastic_rounding
+from mixprec._src.step import kahan, low_bit_state, sr_noise, state_dicts, stochastic_rounding
 from mixprec._src.step import step_in_backward as in_backward
 
 __all__ = ["WRITES", "StepPlan", "install", "narrow_state"]
@@ -135,7 +135,7 @@ def install(plan: StepPlan, model: torch.nn.Module, optimizer: torch.optim.Optim
     if plan.state.own:  # wraps the write rule's step: it takes the large weights, hands it the rest
         low_bit_state.install(optimizer, plan.state, handles, plan.write if plan.bf16_weights else "nearest")
     else:  # a checkpoint of quantized state loads as the level's moments
-        low_bit_state.dequantize_on_load(optimizer, handles)
+        state_dicts.dequantize_on_load(optimizer, handles)
     if plan.in_backward:  # after every change to the optimizer's step: it steps with all of them
         in_backward.install(model, optimizer, plan.clip, handles, slices=slices)
     return fused
