@@ -3,7 +3,7 @@
 ``PrepareConfig(fp8="tensorwise")`` or ``PrepareConfig(fp8=Fp8Config("delayed", history_len=16))``;
 the recipes are torchao.float8's three (``tensorwise``, ``rowwise``, ``rowwise_with_gw_hp``) and
 Transformer Engine's delayed scaling (``delayed``), each described per GEMM operand in
-:data:`RECIPE_OPERANDS`, the one table the layer (``fp8_linear.py``) reads.
+:data:`RECIPE_OPERANDS`, the one table the layer (``fp8/linear.py``) reads.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ data: a compute dtype, op moves into fp32, modules kept in fp32, a memory layout
 Per-layer plan (``per_layer=True``, first, in at most a quarter of the budget): each GEMM layer
 (``gemms.sites``) is timed at its own shapes (forward and both backward GEMMs) in each searched dtype and,
 on devices with fp8 GEMMs, fp8 (tensorwise, rowwise), and its SQNR against fp32 measured
-(:mod:`layer_plan`). Before the final round, the best recipe of each dtype gets a plan: each layer
+(``layers/plan.py``). Before the final round, the best recipe of each dtype gets a plan: each layer
 takes the fastest precision above ``layer_sqnr_db`` (as the recipe has it unless another is
 ``min_speedup`` faster; never fp8 slower than bf16); where any layer moves, the planned recipe races
 torch.amp's default through the accuracy guard (round 4) and, if it passes, the final round. The
