@@ -23,7 +23,7 @@ import mixprec
 from helpers import sqnr, square_loss
 from mixprec._src.fp8 import conversion as fp8_conversion
 from mixprec._src.layers import plan as layer_plan
-from mixprec._src.layers.plan import LayerChoice
+from mixprec._src.layers.choice import LayerChoice
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 ROLES = ("input", "weight", "grad_output")

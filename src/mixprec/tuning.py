@@ -3,7 +3,7 @@
 its tolerance (also at the top level).
 """
 
-from mixprec._src.layers.plan import LayerChoice
+from mixprec._src.layers.choice import LayerChoice
 from mixprec._src.tune.measurement import Measurement, Tolerance
 from mixprec._src.tune.recipe import Applied, Recipe
 from mixprec._src.tune.search import tune

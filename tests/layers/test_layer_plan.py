@@ -15,8 +15,9 @@ from torch import nn
 import mixprec
 from helpers import requires_cuda, square_loss
 from mixprec import Recipe
+from mixprec._src.layers import choice as layer_choice
 from mixprec._src.layers import plan as layer_plan
-from mixprec._src.layers.plan import LayerChoice, Measured
+from mixprec._src.layers.choice import LayerChoice, Measured
 from mixprec._src.tune import tables as reporting
 
 
@@ -33,17 +34,17 @@ def test_the_fastest_precision_above_the_floor_is_chosen() -> None:
                          {"bf16": 45.0, "fp8-tensorwise": 27.0})  # fmt: skip
     bad_bf16 = _measured("outliers", {"fp32": 1.0, "bf16": 0.5}, {"bf16": 8.0})
     near = _measured("near", {"fp32": 1.0, "bf16": 0.99}, {"bf16": 45.0})
-    big, noisy, small, outliers, close = layer_plan.choose([fast_fp8, noisy_fp8, slow_fp8, bad_bf16, near],
+    big, noisy, small, outliers, close = layer_choice.choose([fast_fp8, noisy_fp8, slow_fp8, bad_bf16, near],
                                                            "bf16", 20.0, 1.02)  # fmt: skip
     assert big.choice == "fp8-tensorwise" and "fastest above 20 dB (1.88x faster than bf16)" in big.reason
     assert noisy.choice == "fp8-rowwise" and "not fp8-tensorwise 12.0 dB < 20 dB" in noisy.reason
     assert small.choice == "bf16" and "fp8-tensorwise not faster than bf16 (0.150 vs 0.100 ms)" in small.reason
     assert outliers.choice == "fp32" and "bf16 8.0 dB < 20 dB" in outliers.reason
     assert close.choice == "bf16" and close.reason.startswith("as the recipe has it")  # not 2% slower than fp32
-    assert layer_plan.choose([fast_fp8], "bf16", 20.0, 1.02, fp8_allowed=False)[0].choice == "bf16"
+    assert layer_choice.choose([fast_fp8], "bf16", 20.0, 1.02, fp8_allowed=False)[0].choice == "bf16"
     # an fp32 recipe: a layer moves to bf16 only if 1.02x faster
-    assert [c.choice for c in layer_plan.choose([near, bad_bf16], "fp32", 20.0, 1.02)] == ["fp32", "fp32"]
-    assert layer_plan.choose([_measured("x", {"fp32": 1.0, "bf16": 0.5}, {"bf16": 40.0})], "fp32", 20.0,
+    assert [c.choice for c in layer_choice.choose([near, bad_bf16], "fp32", 20.0, 1.02)] == ["fp32", "fp32"]
+    assert layer_choice.choose([_measured("x", {"fp32": 1.0, "bf16": 0.5}, {"bf16": 40.0})], "fp32", 20.0,
                              1.02)[0].choice == "bf16"  # fmt: skip
 
 
@@ -51,7 +52,7 @@ def test_the_fastest_precision_above_the_floor_is_chosen() -> None:
 def test_a_layer_faster_within_its_timing_noise_stays_as_the_recipe_has_it(noise: float, choice: str) -> None:
     m = Measured("attn.q", "linear 64->64, 512 rows", {"fp32": 2.0, "bf16": 1.08, "fp16": 1.0},
                  {"bf16": 40.0, "fp16": 50.0}, {}, noise)  # fmt: skip
-    (layer,) = layer_plan.choose([m], "bf16", 20.0, 1.02)
+    (layer,) = layer_choice.choose([m], "bf16", 20.0, 1.02)
     assert layer.choice == choice and layer.noise == noise
     assert ("fp16 measured 1.08x faster, within the timing noise ±15%" in layer.reason) == (choice == "bf16")
 
@@ -73,7 +74,7 @@ def test_a_layers_noisy_timings_are_repeated_and_kept(monkeypatch: pytest.Monkey
     assert runs > len(measured) * 2 * (1 + layer_plan._REPS)  # fp32 and bf16: a warm-up, then repeated past 3
     assert runs <= len(measured) * 2 * (1 + layer_plan._MAX_REPS)
     assert all(m.noise > timing.NOISY for m in measured)
-    assert [c.noise for c in layer_plan.choose(measured, "bf16", 20.0, 1.02)] == [m.noise for m in measured]
+    assert [c.noise for c in layer_choice.choose(measured, "bf16", 20.0, 1.02)] == [m.noise for m in measured]
 
 
 @pytest.mark.parametrize("width", [80, 100, 140])
@@ -109,7 +110,7 @@ _PRECISIONS = ("fp32", "bf16", "fp16", "fp8-tensorwise", "fp8-rowwise")
 def test_the_choice_is_allowed_fast_and_stays_put_within_noise(ms: list[float], db: list[float], default: str,
                                                                floor: float, fp8: bool) -> None:  # fmt: skip
     m = _measured("x", dict(zip(_PRECISIONS, ms, strict=True)), dict(zip(_PRECISIONS[1:], db, strict=True)))
-    (choice,) = layer_plan.choose([m], default, floor, 1.02, fp8_allowed=fp8)
+    (choice,) = layer_choice.choose([m], default, floor, 1.02, fp8_allowed=fp8)
     p = choice.choice
     assert p == "fp32" or m.sqnr_db[p] >= floor  # never below the floor
     if p.startswith("fp8"):
@@ -151,7 +152,7 @@ def test_measure_times_each_called_layer_at_its_shapes_and_skips_emulated_fp8() 
     up = measured[1]  # fp8 is not timed here, but its error is what a GPU's would be
     assert 18 < up.sqnr_db["fp8-tensorwise"] < up.sqnr_db["bf16"] and "fp8-rowwise" in up.sqnr_db
     assert up.not_measured["fp8-tensorwise"] == "fp8 GEMMs emulated on cpu"
-    choice = layer_plan.choose(measured, "bf16", 20.0, 1.02)[1]
+    choice = layer_choice.choose(measured, "bf16", 20.0, 1.02)[1]
     assert not choice.choice.startswith("fp8")
     assert "fp8-tensorwise, fp8-rowwise not timed: fp8 GEMMs emulated" in choice.reason
     _, emulated_notes = layer_plan.measure(model, x, square_loss, ["bf16"], time.perf_counter() + 60, {"bf16": 40.0})
@@ -225,7 +226,7 @@ def test_fp8_is_measured_where_the_device_has_it(monkeypatch: pytest.MonkeyPatch
     assert "not a multiple of 16" in by_name["odd"].not_measured["fp8-tensorwise"]
     assert "output head" in by_name["head"].not_measured["fp8-tensorwise"]
     assert "fp8 computes the GEMMs of linear kinds" in by_name["conv"].not_measured["fp8-rowwise"]
-    odd = layer_plan.choose(measured, "bf16", 20.0, 1.02)[2]
+    odd = layer_choice.choose(measured, "bf16", 20.0, 1.02)[2]
     assert "fp8-tensorwise, fp8-rowwise not measured: out_features 40 not a multiple of 16" in odd.reason
 
 
@@ -310,7 +311,7 @@ def test_on_a_gpu_with_fp8_the_projections_are_timed_in_fp8() -> None:
     linear1 = next(m for m in measured if m.name.endswith("linear1"))
     assert {"fp32", "bf16", "fp8-tensorwise", "fp8-rowwise"} <= set(linear1.ms), (linear1, notes)
     assert linear1.sqnr_db["fp8-tensorwise"] > 20
-    print(reporting.layer_table(layer_plan.choose(measured, "bf16", 20.0, 1.02)))  # the figures, with -s
+    print(reporting.layer_table(layer_choice.choose(measured, "bf16", 20.0, 1.02)))  # the figures, with -s
 
 
 def test_a_layer_the_recipe_keeps_in_fp32_is_fp32_by_default() -> None:
@@ -323,7 +324,7 @@ def test_a_layer_the_recipe_keeps_in_fp32_is_fp32_by_default() -> None:
     assert [c.default for c in kept.layers] == ["bf16", "fp32"] and [c.name for c in kept.moved_layers] == ["up"]
     assert Recipe.from_json(kept.to_json()) == kept
     measured = [_measured("up", {"fp32": 1.0, "bf16": 0.5}, {"bf16": 40.0})]
-    (choice,) = layer_plan.choose(measured, lambda m: ops.layer_default(m.name, "linear"), 20.0, 1.02)
+    (choice,) = layer_choice.choose(measured, lambda m: ops.layer_default(m.name, "linear"), 20.0, 1.02)
     assert choice.choice == "bf16" and choice.default == "fp32" and choice.moved
 
 

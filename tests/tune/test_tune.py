@@ -415,11 +415,11 @@ def _search_with(results: dict[str, Measurement]) -> Any:
 
 @pytest.mark.parametrize("noise, chosen", [(0.15, "bf16 O1"), (0.01, "bf16 O2")])
 def test_a_speedup_within_its_noise_keeps_torch_amps_default(noise: float, chosen: str) -> None:
-    from mixprec._src.tune import search as tune_module
+    from mixprec._src.tune import rounds as tune_rounds
 
     results = {"bf16 O1": Measurement("bf16 O1", "passed", 10.0, 1.0, noise=0.1),
                "bf16 O2": Measurement("bf16 O2", "passed", 9.26, 1.08, noise=noise)}  # fmt: skip
-    recipe = tune_module._choose(_search_with(results), "bf16 O2", Recipe(dtype=torch.bfloat16), [torch.bfloat16],
+    recipe = tune_rounds.choose(_search_with(results), "bf16 O2", Recipe(dtype=torch.bfloat16), [torch.bfloat16],
                                  1.02, [], None)  # fmt: skip
     assert recipe.name == chosen
     within = [n for n in recipe.notes if "within the noise of its measurements (±15%)" in n]
@@ -428,11 +428,11 @@ def test_a_speedup_within_its_noise_keeps_torch_amps_default(noise: float, chose
 
 
 def test_when_the_default_is_fastest_no_other_recipe_is_called_chosen() -> None:
-    from mixprec._src.tune import search as tune_module
+    from mixprec._src.tune import rounds as tune_rounds
 
     results = {"bf16 O1": Measurement("bf16 O1", "passed", 10.0, 1.0, noise=0.01),
                "bf16 O2": Measurement("bf16 O2", "passed", 10.1, 0.99, noise=0.01)}  # fmt: skip
-    recipe = tune_module._choose(_search_with(results), "bf16 O1", Recipe(dtype=torch.bfloat16), [torch.bfloat16],
+    recipe = tune_rounds.choose(_search_with(results), "bf16 O1", Recipe(dtype=torch.bfloat16), [torch.bfloat16],
                                  1.02, [], None)  # fmt: skip
     assert recipe.name == "bf16 O1"
     assert not any("simpler: chosen" in n for n in recipe.notes), recipe.notes

@@ -73,10 +73,11 @@ MOVED = {
 PACKAGES = {"policy": ("policy.rules", "policy.keep"), "tune": ("tune.search",)}
 #: A module -> its old names that moved out of it (older pickles hold them) -> where each is now.
 RENAMED = {
+    "layers.plan": {"LayerChoice": "layers.choice.LayerChoice"},
     "scaling.scaler": {
         "_Iteration": "scaling.iteration.Iteration",
         "_refresh_per_optimizer_state": "scaling.iteration.refresh_per_optimizer_state",
-    }
+    },
 }
 
 

@@ -50,7 +50,10 @@ def cast_floating(value: Any, dtype: torch.dtype, device_type: str | None = None
             new[key] = cast_floating(item, dtype, device_type)
         return new
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        fields = {f.name: cast_floating(getattr(value, f.name), dtype, device_type)
-                  for f in dataclasses.fields(value) if f.init}  # fmt: skip
+        fields = {
+            f.name: cast_floating(getattr(value, f.name), dtype, device_type)
+            for f in dataclasses.fields(value)
+            if f.init
+        }
         return dataclasses.replace(value, **fields)
     return value

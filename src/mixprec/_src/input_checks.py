@@ -35,8 +35,7 @@ def check_inputs(model: nn.Module, inputs: Any, loss_fn: LossFn | None) -> torch
     device = params[0].device
     for t in tree_flatten(inputs)[0]:
         if isinstance(t, torch.Tensor) and t.device != device:
-            raise ValueError(f"an input or target is on {t.device} but the model is on {device}; "
-                             f"move them to {device}")  # fmt: skip
+            raise ValueError(f"an input or target is on {t.device} but the model is on {device}; move them to {device}")
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError("loss_fn must be a callable taking the model's output and returning a scalar loss")
     return device
@@ -81,9 +80,11 @@ def call_model(model: nn.Module, inputs: Any) -> Any:
             return model(*inputs)
         except TypeError as exc:
             if len(inputs) == 2 and "positional argument" in str(exc):
-                raise TypeError(f"{exc}: diagnose passes a tuple of inputs to the model as positional arguments; "
-                                "for an (inputs, targets) batch call diagnose(model, inputs, loss_fn, "
-                                "targets=targets), with loss_fn(output, targets)") from exc  # fmt: skip
+                raise TypeError(
+                    f"{exc}: diagnose passes a tuple of inputs to the model as positional arguments; "
+                    "for an (inputs, targets) batch call diagnose(model, inputs, loss_fn, "
+                    "targets=targets), with loss_fn(output, targets)"
+                ) from exc
             raise
     return model(inputs)
 

@@ -18,8 +18,14 @@ __all__ = ["PYTHON_OPS", "exists", "names", "Op", "op_name"]
 Op = str | Callable[..., Any]
 
 # Python functions in torch whose ATen op has another name.
-_ALIASES = {"cross_entropy": "cross_entropy_loss", "__matmul__": "matmul", "__rmatmul__": "matmul", "__pow__": "pow",
-            "__rpow__": "pow", "__rsub__": "rsub"}  # fmt: skip
+_ALIASES = {
+    "cross_entropy": "cross_entropy_loss",
+    "__matmul__": "matmul",
+    "__rmatmul__": "matmul",
+    "__pow__": "pow",
+    "__rpow__": "pow",
+    "__rsub__": "rsub",
+}
 #: Names of Python functions made visible to policies by :func:`mixprec.op`.
 PYTHON_OPS: dict[str, Callable[..., Any]] = {}
 

@@ -213,8 +213,9 @@ def split_kept_units(model: nn.Module, kept: set[int], kept_modules: Iterable[nn
                 )
             unit.fsdp_params.remove(fp)
             # One all-gather: the whole fp32 value, sharded again by the new unit below.
-            whole = nn.Parameter(fp.sharded_param.full_tensor().detach().clone(),
-                                 requires_grad=fp.sharded_param.requires_grad)  # fmt: skip
+            whole = nn.Parameter(
+                fp.sharded_param.full_tensor().detach().clone(), requires_grad=fp.sharded_param.requires_grad
+            )
             places = [(info.module, info.param_name), *zip(info.shared_modules, info.shared_param_names, strict=True)]
             for place, name in places:
                 unsafe_setattr_param(place, name, whole)

@@ -7,13 +7,7 @@ a PNG. The CLI (``mixprec bench``) wraps it with progress bars.
 
 from mixprec.bench.devices import resolve_device, resolve_dtype
 from mixprec.bench.modes import MODES, Mode, register_mode
-from mixprec.bench.runner import (
-    BenchConfig,
-    BenchInterrupted,
-    BenchReport,
-    ModeResult,
-    run,
-)
+from mixprec.bench.runner import BenchConfig, BenchInterrupted, BenchReport, ModeResult, run
 from mixprec.bench.workloads import WORKLOADS, Workload
 
 __all__ = [

@@ -56,8 +56,14 @@ def count_code(code: str) -> dict[str, Any]:
     extern["_scaled_mm"] += len(_CPU_SCALED_MM.findall(body))
     extern = +extern  # no zero counts
     fallbacks = Counter(f"{ns}.{op}" for ns, op in _FALLBACK.findall(body))
-    return {"kernels": len(names), "launches": sum(launched.values()), "extern": dict(extern),
-            "fallbacks": dict(fallbacks), "kernel_names": names, "launches_by_kernel": launched}  # fmt: skip
+    return {
+        "kernels": len(names),
+        "launches": sum(launched.values()),
+        "extern": dict(extern),
+        "fallbacks": dict(fallbacks),
+        "kernel_names": names,
+        "launches_by_kernel": launched,
+    }
 
 
 def _model(device: torch.device, sizes: tuple[int, ...]) -> nn.Sequential:
@@ -110,8 +116,9 @@ def _error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}"
 
 
-def count_fp8_kernels(device: str | torch.device = "cpu", recipe: str = "tensorwise",
-                      sizes: tuple[int, ...] = SIZES, tokens: int = TOKENS) -> dict[str, Any]:  # fmt: skip
+def count_fp8_kernels(
+    device: str | torch.device = "cpu", recipe: str = "tensorwise", sizes: tuple[int, ...] = SIZES, tokens: int = TOKENS
+) -> dict[str, Any]:
     """Kernels inductor generates per fp8 linear, forward and backward: mixprec against torchao (see the module).
 
     Returns ``{"device", "recipe", "sizes", "tokens", "linears", "variants": {name: summary or
@@ -142,16 +149,26 @@ def count_fp8_kernels(device: str | torch.device = "cpu", recipe: str = "tensorw
             from torchao.float8 import Float8LinearConfig, convert_to_float8_training
         theirs = _model(device, sizes)
         chosen = set(converted) if converted else None
-        convert_to_float8_training(theirs, config=Float8LinearConfig.from_recipe_name(recipe),
-                                   module_filter_fn=lambda module, fqn: chosen is None or fqn in chosen)  # fmt: skip
+        convert_to_float8_training(
+            theirs,
+            config=Float8LinearConfig.from_recipe_name(recipe),
+            module_filter_fn=lambda module, fqn: chosen is None or fqn in chosen,
+        )
         variants["torchao"] = _summary(*_capture(theirs, x, autocast=True), linears)
     except ImportError as exc:
         variants["torchao"] = {"error": f"torchao is not installed ({exc.name}): pip install torchao"}
     except Exception as exc:
         variants["torchao"] = {"error": _error(exc)}
     torch._dynamo.reset()
-    return {"device": device.type, "recipe": recipe, "sizes": list(sizes), "tokens": tokens, "linears": linears,
-            "variants": variants, "mixprec_higher": mixprec_higher(variants)}  # fmt: skip
+    return {
+        "device": device.type,
+        "recipe": recipe,
+        "sizes": list(sizes),
+        "tokens": tokens,
+        "linears": linears,
+        "variants": variants,
+        "mixprec_higher": mixprec_higher(variants),
+    }
 
 
 def mixprec_higher(variants: dict[str, dict[str, Any]]) -> list[str]:

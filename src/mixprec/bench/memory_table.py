@@ -40,9 +40,13 @@ def _plan(layers: int, dim: int, tokens: torch.Tensor, config: Any) -> tuple[mix
     """The plan and the parameter count of the bench transformer with ``layers`` layers (built on meta)."""
     model = TinyLM(256, dim, layers, heads=max(1, dim // 64)).to("meta")
     optimizer = torch.optim.AdamW(model.parameters())
-    plan = mixprec.memory_plan(model, optimizer, config, batch=tokens[:, :-1],
-                               loss_fn=lambda out: torch.nn.functional.cross_entropy(
-                                   out.float().flatten(0, 1), tokens[:, 1:].flatten()))  # fmt: skip
+    plan = mixprec.memory_plan(
+        model,
+        optimizer,
+        config,
+        batch=tokens[:, :-1],
+        loss_fn=lambda out: torch.nn.functional.cross_entropy(out.float().flatten(0, 1), tokens[:, 1:].flatten()),
+    )
     return plan, sum(p.numel() for p in model.parameters())
 
 
@@ -79,6 +83,13 @@ def rows(modes: list[str], size: str, budget: int, losses: dict[str, float] | No
         fits, fitted_params = largest(config, dim, tokens, budget)
         loss = (losses or {}).get(mode)
         vs = f"{loss:.4f} ({(loss - fp32_loss) / fp32_loss:+.2%})" if loss is not None and fp32_loss else "-"
-        out.append((mode, f"{plan.state / params:.2f}", f"{(plan.peak or 0) / 2**20:.1f} MiB",
-                    f"{fits} layers, {fitted_params / 1e6:.1f}M parameters" if fits else "none", vs))  # fmt: skip
+        out.append(
+            (
+                mode,
+                f"{plan.state / params:.2f}",
+                f"{(plan.peak or 0) / 2**20:.1f} MiB",
+                f"{fits} layers, {fitted_params / 1e6:.1f}M parameters" if fits else "none",
+                vs,
+            )
+        )
     return out

@@ -100,10 +100,22 @@ def register_mode(mode: Mode) -> Mode:
 
 
 register_mode(Mode("fp32", "no mixed precision: the reference", low_precision=False))
-register_mode(Mode("torch-amp", "torch.autocast, with torch.amp.GradScaler for fp16", _torch_autocast,
-                   scaler=lambda device: torch.amp.GradScaler(device)))  # fmt: skip
-register_mode(Mode("mixprec", "mixprec.autocast, with mixprec.GradScaler for fp16", _mixprec_autocast,
-                   scaler=lambda device: mixprec.GradScaler(device)))  # fmt: skip
+register_mode(
+    Mode(
+        "torch-amp",
+        "torch.autocast, with torch.amp.GradScaler for fp16",
+        _torch_autocast,
+        scaler=lambda device: torch.amp.GradScaler(device),
+    )
+)
+register_mode(
+    Mode(
+        "mixprec",
+        "mixprec.autocast, with mixprec.GradScaler for fp16",
+        _mixprec_autocast,
+        scaler=lambda device: mixprec.GradScaler(device),
+    )
+)
 
 
 def _level(
@@ -115,18 +127,54 @@ def _level(
     return setup
 
 
-register_mode(Mode("O1", "mixprec.prepare level O1: fp32 weights, the forward under mixprec.autocast, fp32 outputs",
-                   setup=_level("O1"), scaler=lambda device: mixprec.GradScaler(device)))  # fmt: skip
-register_mode(Mode("O1-nokeep", "mixprec.prepare level O1 with keep_types=(): no module kept in fp32, as torch.amp",
-                   setup=_level("O1", keep_types=()), scaler=lambda device: mixprec.GradScaler(device)))  # fmt: skip
-register_mode(Mode("O2", "mixprec.prepare level O2: low-precision weights, fp32 masters", setup=_level("O2"),
-                   scaler=lambda device: mixprec.GradScaler(device)))  # fmt: skip
-register_mode(Mode("bf16-sr", "mixprec.prepare level bf16-sr: bf16 weights and state, stochastic rounding",
-                   setup=_level("bf16-sr"), dtypes=(torch.bfloat16,)))  # fmt: skip
-register_mode(Mode("bf16-pure", "bf16 weights and state, round-to-nearest updates (baseline)",
-                   setup=_level("bf16-pure"), dtypes=(torch.bfloat16,)))  # fmt: skip
-register_mode(Mode("bf16-kahan", "mixprec.prepare level bf16-kahan: bf16 weights and state, Kahan-compensated updates",
-                   setup=_level("bf16-kahan"), dtypes=(torch.bfloat16,)))  # fmt: skip
+register_mode(
+    Mode(
+        "O1",
+        "mixprec.prepare level O1: fp32 weights, the forward under mixprec.autocast, fp32 outputs",
+        setup=_level("O1"),
+        scaler=lambda device: mixprec.GradScaler(device),
+    )
+)
+register_mode(
+    Mode(
+        "O1-nokeep",
+        "mixprec.prepare level O1 with keep_types=(): no module kept in fp32, as torch.amp",
+        setup=_level("O1", keep_types=()),
+        scaler=lambda device: mixprec.GradScaler(device),
+    )
+)
+register_mode(
+    Mode(
+        "O2",
+        "mixprec.prepare level O2: low-precision weights, fp32 masters",
+        setup=_level("O2"),
+        scaler=lambda device: mixprec.GradScaler(device),
+    )
+)
+register_mode(
+    Mode(
+        "bf16-sr",
+        "mixprec.prepare level bf16-sr: bf16 weights and state, stochastic rounding",
+        setup=_level("bf16-sr"),
+        dtypes=(torch.bfloat16,),
+    )
+)
+register_mode(
+    Mode(
+        "bf16-pure",
+        "bf16 weights and state, round-to-nearest updates (baseline)",
+        setup=_level("bf16-pure"),
+        dtypes=(torch.bfloat16,),
+    )
+)
+register_mode(
+    Mode(
+        "bf16-kahan",
+        "mixprec.prepare level bf16-kahan: bf16 weights and state, Kahan-compensated updates",
+        setup=_level("bf16-kahan"),
+        dtypes=(torch.bfloat16,),
+    )
+)
 #: the memory recipes (docs/memory.md): bf16-sr with quantized optimizer state, and with the step in backward
 MEMORY_MODES: dict[str, dict[str, Any]] = {
     "bf16-sr-8bit": {"optimizer_state": "8bit"},
@@ -143,8 +191,13 @@ def _memory(
         # the bench's fused Adam(W) as torch's plain one: quantized state replaces its step for the large tensors
         group = optimizer.param_groups[0]
         kind: Any = type(optimizer)  # the bench's Adam or AdamW
-        plain = kind(model.parameters(), lr=group["lr"], betas=group["betas"], eps=group["eps"],
-                     weight_decay=group["weight_decay"])  # fmt: skip
+        plain = kind(
+            model.parameters(),
+            lr=group["lr"],
+            betas=group["betas"],
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+        )
         return mixprec.prepare(model, plain, level="bf16-sr", dtype=dtype, **options)
 
     return setup
@@ -152,11 +205,20 @@ def _memory(
 
 for _name, _options in MEMORY_MODES.items():
     _said = ", ".join(f"{k}={v!r}" for k, v in _options.items())
-    register_mode(Mode(_name, f"mixprec.prepare level bf16-sr with {_said}", setup=_memory(_options),
-                       dtypes=(torch.bfloat16,)))  # fmt: skip
-register_mode(Mode("mixprec-cl", "mixprec with the model and inputs in channels_last", _mixprec_autocast,
-                   scaler=lambda device: mixprec.GradScaler(device), prepare_model=to_channels_last,
-                   prepare_input=_channels_last_input, conv_only=True))  # fmt: skip
+    register_mode(
+        Mode(_name, f"mixprec.prepare level bf16-sr with {_said}", setup=_memory(_options), dtypes=(torch.bfloat16,))
+    )
+register_mode(
+    Mode(
+        "mixprec-cl",
+        "mixprec with the model and inputs in channels_last",
+        _mixprec_autocast,
+        scaler=lambda device: mixprec.GradScaler(device),
+        prepare_model=to_channels_last,
+        prepare_input=_channels_last_input,
+        conv_only=True,
+    )
+)
 
 
 def _fp8(recipe: str) -> Callable[[nn.Module, torch.optim.Optimizer, torch.dtype], tuple[nn.Module, Any]]:
@@ -167,8 +229,15 @@ def _fp8(recipe: str) -> Callable[[nn.Module, torch.optim.Optimizer, torch.dtype
 
 
 for _recipe, _name in (("tensorwise", "fp8"), ("rowwise", "fp8-rowwise"), ("delayed", "fp8-delayed")):
-    register_mode(Mode(_name, f"mixprec.prepare O1 with fp8 linears ({_recipe} scaling), bf16 elsewhere",
-                       setup=_fp8(_recipe), dtypes=(torch.bfloat16,), fp8=True))  # fmt: skip
+    register_mode(
+        Mode(
+            _name,
+            f"mixprec.prepare O1 with fp8 linears ({_recipe} scaling), bf16 elsewhere",
+            setup=_fp8(_recipe),
+            dtypes=(torch.bfloat16,),
+            fp8=True,
+        )
+    )
 
 
 def recipe_mode(recipe: Recipe, name: str = "mixprec-tuned") -> Mode:
@@ -195,10 +264,18 @@ def _tune(task: Task, optimizer: torch.optim.Optimizer, dtype: torch.dtype, budg
         return task.loss_fn(output.float(), targets)
 
     # The bench's dtype or fp32: the scaler is used exactly when the bench's dtype is fp16.
-    recipe = mixprec.tune(task.model, inputs, loss_fn, targets=targets, optimizer=optimizer, budget_s=budget_s,
-                          dtypes=(dtype, torch.float32))  # fmt: skip
+    recipe = mixprec.tune(
+        task.model,
+        inputs,
+        loss_fn,
+        targets=targets,
+        optimizer=optimizer,
+        budget_s=budget_s,
+        dtypes=(dtype, torch.float32),
+    )
     return recipe_mode(recipe)
 
 
-register_mode(Mode("mixprec-tuned", "the recipe mixprec.tune measures fastest on this machine within tolerance",
-                   resolve=_tune))  # fmt: skip
+register_mode(
+    Mode("mixprec-tuned", "the recipe mixprec.tune measures fastest on this machine within tolerance", resolve=_tune)
+)

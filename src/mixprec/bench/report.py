@@ -36,18 +36,50 @@ def table_rows(report: BenchReport) -> list[list[str]]:
         for mode, r in modes.items():
             if r.compiled:
                 continue
-            rows.append([workload, mode, f"{r.steps_per_s:.2f}", _ratio(r.speedup_vs_fp32), _ratio(r.vs_torch_amp),
-                         _mb(r.peak_mem_bytes), _mb(r.state_bytes), f"{r.final_loss:.4f}",
-                         _pct(r.loss_rel_diff_vs_fp32), _seconds(r.tuning_s)])  # fmt: skip
+            rows.append(
+                [
+                    workload,
+                    mode,
+                    f"{r.steps_per_s:.2f}",
+                    _ratio(r.speedup_vs_fp32),
+                    _ratio(r.vs_torch_amp),
+                    _mb(r.peak_mem_bytes),
+                    _mb(r.state_bytes),
+                    f"{r.final_loss:.4f}",
+                    _pct(r.loss_rel_diff_vs_fp32),
+                    _seconds(r.tuning_s),
+                ]
+            )
     return rows
 
 
-HEADER = ["workload", "mode", "steps/s", "vs fp32", "vs torch-amp", "peak mem", "state", "final loss", "loss vs fp32",
-          "tuning"]  # fmt: skip
+HEADER = [
+    "workload",
+    "mode",
+    "steps/s",
+    "vs fp32",
+    "vs torch-amp",
+    "peak mem",
+    "state",
+    "final loss",
+    "loss vs fp32",
+    "tuning",
+]
 _LEFT = ("workload", "mode")
 
-COMPILED_HEADER = ["workload", "mode", "eager steps/s", "compiled steps/s", "vs eager", "vs compiled torch-amp",
-                   "compile", "graphs", "graph breaks", "recompiles", "loss vs eager"]  # fmt: skip
+COMPILED_HEADER = [
+    "workload",
+    "mode",
+    "eager steps/s",
+    "compiled steps/s",
+    "vs eager",
+    "vs compiled torch-amp",
+    "compile",
+    "graphs",
+    "graph breaks",
+    "recompiles",
+    "loss vs eager",
+]
 
 #: The target for compiled mixprec O1 against compiled torch.autocast.
 COMPILED_TARGET = 0.97
@@ -64,18 +96,32 @@ def compiled_rows(report: BenchReport) -> list[list[str]]:
             mode = name.removesuffix("+compile")
             eager = modes.get(mode)
             compile_s = f"{r.compile_s or 0:.1f} s" + (" (cache)" if r.inductor_cache_hits else "")
-            rows.append([workload, mode, f"{eager.steps_per_s:.2f}" if eager else "", f"{r.steps_per_s:.2f}",
-                         _ratio(r.vs_eager), _ratio(r.vs_compiled_torch_amp), compile_s,
-                         str(r.graphs), str(r.graph_breaks), str(r.recompiles),
-                         _pct(r.loss_rel_diff_vs_eager)])  # fmt: skip
+            rows.append(
+                [
+                    workload,
+                    mode,
+                    f"{eager.steps_per_s:.2f}" if eager else "",
+                    f"{r.steps_per_s:.2f}",
+                    _ratio(r.vs_eager),
+                    _ratio(r.vs_compiled_torch_amp),
+                    compile_s,
+                    str(r.graphs),
+                    str(r.graph_breaks),
+                    str(r.recompiles),
+                    _pct(r.loss_rel_diff_vs_eager),
+                ]
+            )
     return rows
 
 
 def compiled_summary(report: BenchReport) -> list[str]:
     """Sentences under the compiled table: compiled mixprec O1 against the target, recompiles, eager frames."""
     lines = []
-    for mode, what in (("O1", 'prepare(level="O1")'), ("O1-nokeep", 'prepare(level="O1", keep_types=())'),
-                       ("mixprec", "mixprec.autocast")):  # fmt: skip
+    for mode, what in (
+        ("O1", 'prepare(level="O1")'),
+        ("O1-nokeep", 'prepare(level="O1", keep_types=())'),
+        ("mixprec", "mixprec.autocast"),
+    ):
         ratios: dict[str, float] = {}
         for workload, modes in report.results.items():
             ratio = modes[f"{mode}+compile"].vs_compiled_torch_amp if f"{mode}+compile" in modes else None
@@ -85,10 +131,15 @@ def compiled_summary(report: BenchReport) -> list[str]:
             continue
         low = min(ratios, key=lambda w: ratios[w])
         below = [w for w, r in ratios.items() if r < COMPILED_TARGET]
-        verdict = f"below the target of {COMPILED_TARGET:.2f}x on {', '.join(below)}" if below else (
-            f"at or above the target of {COMPILED_TARGET:.2f}x on every workload")  # fmt: skip
-        lines.append(f"Compiled {mode} (`{what}`) against compiled torch-amp: {ratios[low]:.2f}x at the lowest "
-                     f"({low}), {max(ratios.values()):.2f}x at the highest; {verdict}.")  # fmt: skip
+        verdict = (
+            f"below the target of {COMPILED_TARGET:.2f}x on {', '.join(below)}"
+            if below
+            else (f"at or above the target of {COMPILED_TARGET:.2f}x on every workload")
+        )
+        lines.append(
+            f"Compiled {mode} (`{what}`) against compiled torch-amp: {ratios[low]:.2f}x at the lowest "
+            f"({low}), {max(ratios.values()):.2f}x at the highest; {verdict}."
+        )
     compiled = [(w, m, r) for w, modes in report.results.items() for m, r in modes.items() if r.compiled]
     recompiled = [f"{w}/{m} ({r.recompiles})" for w, m, r in compiled if r.recompiles]
     lines.append("Recompiles after warm-up: " + (", ".join(recompiled) if recompiled else "none") + ".")
@@ -98,8 +149,18 @@ def compiled_summary(report: BenchReport) -> list[str]:
     return lines
 
 
-KERNELS_HEADER = ["variant", "forward kernels", "backward kernels", "kernels", "launches", "per fp8 linear",
-                  "launches per linear", "extern calls", "fallbacks", "compile"]  # fmt: skip
+KERNELS_HEADER = [
+    "variant",
+    "forward kernels",
+    "backward kernels",
+    "kernels",
+    "launches",
+    "per fp8 linear",
+    "launches per linear",
+    "extern calls",
+    "fallbacks",
+    "compile",
+]
 
 
 def kernel_rows(kernels: dict[str, Any]) -> list[list[str]]:
@@ -110,9 +171,20 @@ def kernel_rows(kernels: dict[str, Any]) -> list[list[str]]:
             rows.append([name, v["error"], *[""] * (len(KERNELS_HEADER) - 2)])
             continue
         per_graph = {g["name"]: str(g["kernels"]) for g in v["graphs"]}
-        rows.append([name, per_graph.get("forward", ""), per_graph.get("backward", ""), str(v["kernels"]),
-                     str(v["launches"]), f"{v['kernels_per_linear']:.2f}", f"{v['launches_per_linear']:.2f}",
-                     str(v["extern_calls"]), str(v["fallback_calls"]), _seconds(v["compile_s"])])  # fmt: skip
+        rows.append(
+            [
+                name,
+                per_graph.get("forward", ""),
+                per_graph.get("backward", ""),
+                str(v["kernels"]),
+                str(v["launches"]),
+                f"{v['kernels_per_linear']:.2f}",
+                f"{v['launches_per_linear']:.2f}",
+                str(v["extern_calls"]),
+                str(v["fallback_calls"]),
+                _seconds(v["compile_s"]),
+            ]
+        )
     return rows
 
 
@@ -172,8 +244,10 @@ def _higher(lines: list[str]) -> list[str]:
 
 
 #: What a CPU run of an fp8 mode measures.
-FP8_EMULATED = ("fp8 modes: fp8 GEMMs are emulated in fp32 on a CPU (torch._scaled_mm), so their steps/s say "
-                "nothing about fp8 speed on a GPU; their losses are those of real fp8 numerics")  # fmt: skip
+FP8_EMULATED = (
+    "fp8 modes: fp8 GEMMs are emulated in fp32 on a CPU (torch._scaled_mm), so their steps/s say "
+    "nothing about fp8 speed on a GPU; their losses are those of real fp8 numerics"
+)
 
 
 def fp8_emulated(report: BenchReport) -> bool:
@@ -196,13 +270,19 @@ def compiled_text(report: BenchReport) -> str:
     """The compiled table and the fp8 kernel table as aligned plain text ("" without either)."""
     parts: list[str] = []
     if rows := compiled_rows(report):
-        parts += ["compiled (torch.compile, inductor) against eager and against compiled torch-amp",
-                  *aligned(COMPILED_HEADER, rows), *compiled_summary(report)]  # fmt: skip
+        parts += [
+            "compiled (torch.compile, inductor) against eager and against compiled torch-amp",
+            *aligned(COMPILED_HEADER, rows),
+            *compiled_summary(report),
+        ]
     if report.fp8_kernels is not None:
         k = report.fp8_kernels
-        parts += [*([""] if parts else []), f"inductor kernels, forward and backward, {k['linears']} fp8 linears "
-                  f"({k['recipe']}), {k['device']}", *aligned(KERNELS_HEADER, kernel_rows(k), ("variant",)),
-                  *(f"mixprec higher: {line}" for line in k["mixprec_higher"])]  # fmt: skip
+        parts += [
+            *([""] if parts else []),
+            f"inductor kernels, forward and backward, {k['linears']} fp8 linears ({k['recipe']}), {k['device']}",
+            *aligned(KERNELS_HEADER, kernel_rows(k), ("variant",)),
+            *(f"mixprec higher: {line}" for line in k["mixprec_higher"]),
+        ]
     return "\n".join(parts)
 
 
@@ -219,8 +299,10 @@ def markdown(report: BenchReport) -> str:
     ]
     if report.interrupted:
         done = len(report.results)
-        lines += [f"**Interrupted** (Ctrl-C): {done} of {len(cfg.workloads)} workloads finished; only they are shown.",
-                  ""]  # fmt: skip
+        lines += [
+            f"**Interrupted** (Ctrl-C): {done} of {len(cfg.workloads)} workloads finished; only they are shown.",
+            "",
+        ]
     for workload, error in report.failed.items():
         lines += [f"**{workload} failed**: {error}", ""]
     lines += markdown_table(HEADER, table_rows(report))
@@ -250,8 +332,13 @@ def _recipes(report: BenchReport) -> list[str]:
     for w, m, r in found:
         lines.append(f"- {w} ({m}): `{r.recipe}`, tuned in {r.tuning_s or 0:.0f} s")
         if r.layer_plan:
-            lines += ["", "  Per-layer plan (ms: forward and both backward GEMMs at the layer's shapes):", "",
-                      *(f"      {row}" for row in r.layer_plan.splitlines()), ""]  # fmt: skip
+            lines += [
+                "",
+                "  Per-layer plan (ms: forward and both backward GEMMs at the layer's shapes):",
+                "",
+                *(f"      {row}" for row in r.layer_plan.splitlines()),
+                "",
+            ]
     return [*lines, ""]
 
 
@@ -283,8 +370,7 @@ def plot(report: BenchReport, path: pathlib.Path) -> None:
         by_mode = report.results[workload]
         ax = axes[0][column]
         for mode, r in by_mode.items():
-            ax.plot(range(1, len(r.losses) + 1), r.losses, dashes[mode], color=colours[mode], label=mode,
-                    linewidth=1.4)  # fmt: skip
+            ax.plot(range(1, len(r.losses) + 1), r.losses, dashes[mode], color=colours[mode], label=mode, linewidth=1.4)
         ax.set_title(f"{workload}: training loss")
         ax.set_xlabel("step")
         values = [v for r in by_mode.values() for v in r.losses]

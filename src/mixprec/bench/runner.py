@@ -34,6 +34,9 @@ those guards by default), so that no run takes a graph traced for a model whose 
 (``prepare`` keeps norm layers in fp32 with hooks).
 
 Every mode of a workload starts from the same seeded model and sees the same batches.
+
+Long because it is one run's whole procedure, eager and compiled: the lockstep timing, the separate memory
+runs and the loss, in the order a run takes them; the tables and plots are ``bench.report``'s.
 """
 
 from __future__ import annotations
@@ -100,8 +103,10 @@ class BenchConfig:
             raise ValueError("window must be >= 1 and warmup >= 0")
         for name in self.compile_modes or ():
             if name not in self.modes:
-                raise ValueError(f"compile mode {name!r} is not among the modes ({', '.join(self.modes)}): a compiled "
-                                 "run is compared with the same mode's eager run, so add it to the modes")  # fmt: skip
+                raise ValueError(
+                    f"compile mode {name!r} is not among the modes ({', '.join(self.modes)}): a compiled "
+                    "run is compared with the same mode's eager run, so add it to the modes"
+                )
         if not self.tune_budget_s > 0:
             raise ValueError(f"tune_budget_s must be a positive number of seconds, got {self.tune_budget_s}")
 
@@ -194,8 +199,15 @@ def make_optimizer(task: Task, params: Any) -> torch.optim.Optimizer:
 class _Run:
     """One mode's model, optimizer and scaler on one workload, stepped by the runner."""
 
-    def __init__(self, workload: str, mode: Mode, config: BenchConfig, device: torch.device, dtype: torch.dtype,
-                 compiled: bool = False):  # fmt: skip
+    def __init__(
+        self,
+        workload: str,
+        mode: Mode,
+        config: BenchConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+        compiled: bool = False,
+    ):
         self.workload, self.mode, self.config, self.device, self.dtype = workload, mode, config, device, dtype
         self.task = WORKLOADS[workload].build(config.size, device)
         self.model = mode.prepare_model(self.task.model.to(device))
@@ -248,13 +260,18 @@ def dynamo_counts() -> dict[str, int]:
     and the graphs inductor took from its on-disk cache (``cache_hits``)."""
     from torch._dynamo.utils import counters
 
-    return {"frames": counters["frames"]["total"], "ok": counters["frames"]["ok"],
-            "graphs": counters["stats"]["unique_graphs"], "breaks": sum(counters["graph_break"].values()),
-            "cache_hits": counters["inductor"]["fxgraph_cache_hit"]}  # fmt: skip
+    return {
+        "frames": counters["frames"]["total"],
+        "ok": counters["frames"]["ok"],
+        "graphs": counters["stats"]["unique_graphs"],
+        "breaks": sum(counters["graph_break"].values()),
+        "cache_hits": counters["inductor"]["fxgraph_cache_hit"],
+    }
 
 
-def measure_memory(workload: str, mode: Mode, config: BenchConfig, device: torch.device, dtype: torch.dtype,
-                   steps: int = 2) -> int | None:  # fmt: skip
+def measure_memory(
+    workload: str, mode: Mode, config: BenchConfig, device: torch.device, dtype: torch.dtype, steps: int = 2
+) -> int | None:
     """Peak memory of building the workload and training it ``steps`` steps, alone.
 
     A mode that sets the model up (the ``prepare`` levels) first trains one step of the tiny
@@ -274,10 +291,15 @@ def measure_memory(workload: str, mode: Mode, config: BenchConfig, device: torch
     return memory.peak_bytes
 
 
-def run_workload(workload: str, modes: list[Mode], config: BenchConfig, device: torch.device,
-                 dtype: torch.dtype, progress: Progress | None = None,
-                 on_result: Callable[[str, str, ModeResult], None] | None = None,
-                 ) -> tuple[dict[str, ModeResult], dict[str, torch.Tensor]]:  # fmt: skip
+def run_workload(
+    workload: str,
+    modes: list[Mode],
+    config: BenchConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    progress: Progress | None = None,
+    on_result: Callable[[str, str, ModeResult], None] | None = None,
+) -> tuple[dict[str, ModeResult], dict[str, torch.Tensor]]:
     """Train ``workload`` in every mode in lockstep: each step runs every mode, in alternating order,
     so that the machine's load drifts over all modes alike."""
     steps = config.total_steps
@@ -288,8 +310,10 @@ def run_workload(workload: str, modes: list[Mode], config: BenchConfig, device: 
             task = WORKLOADS[workload].build(config.size, device)
             task.model.to(device)
             begin = time.perf_counter()
-            modes[i] = dataclasses.replace(mode.resolve(task, make_optimizer(task, task.model.parameters()), dtype,
-                                                        config.tune_budget_s), resolve=None)  # fmt: skip
+            modes[i] = dataclasses.replace(
+                mode.resolve(task, make_optimizer(task, task.model.parameters()), dtype, config.tune_budget_s),
+                resolve=None,
+            )
             settled[mode.name] = time.perf_counter() - begin
             del task
     peaks = {mode.name: measure_memory(workload, mode, config, device, dtype) for mode in modes}
@@ -344,9 +368,12 @@ def run_workload(workload: str, modes: list[Mode], config: BenchConfig, device: 
     return results, images
 
 
-def run(config: BenchConfig, progress: Progress | None = None,
-        on_result: Callable[[str, str, ModeResult], None] | None = None,
-        on_workload: Callable[[BenchReport], None] | None = None) -> BenchReport:  # fmt: skip
+def run(
+    config: BenchConfig,
+    progress: Progress | None = None,
+    on_result: Callable[[str, str, ModeResult], None] | None = None,
+    on_workload: Callable[[BenchReport], None] | None = None,
+) -> BenchReport:
     """Run ``config``; ``progress`` hears every step of every mode, ``on_result`` every finished mode,
     ``on_workload`` the report so far after each workload (to write it: finished work is never lost).
 
@@ -362,8 +389,15 @@ def run(config: BenchConfig, progress: Progress | None = None,
     start = time.perf_counter()
     # One tiny untimed pass of every mode first: one-time costs (thread pools, kernel caches,
     # first allocations) would otherwise land in the speed and memory of whichever mode runs first.
-    warm = dataclasses.replace(config, size="tiny", steps=None, warmup=1, window=1, compile=False,
-                               tune_budget_s=min(config.tune_budget_s, 10.0))  # fmt: skip
+    warm = dataclasses.replace(
+        config,
+        size="tiny",
+        steps=None,
+        warmup=1,
+        window=1,
+        compile=False,
+        tune_budget_s=min(config.tune_budget_s, 10.0),
+    )
     for workload in config.workloads:
         run_workload(workload, _modes_for(workload, config, dtype), warm, device, dtype)
     results: dict[str, dict[str, ModeResult]] = {}
@@ -373,9 +407,20 @@ def run(config: BenchConfig, progress: Progress | None = None,
 
     def report(interrupted: bool) -> BenchReport:
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
-        return BenchReport(device.type, name, {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype],
-                           torch.__version__, mixprec.__version__, config, results, images,
-                           time.perf_counter() - start, interrupted, kernels, dict(failed))  # fmt: skip
+        return BenchReport(
+            device.type,
+            name,
+            {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype],
+            torch.__version__,
+            mixprec.__version__,
+            config,
+            results,
+            images,
+            time.perf_counter() - start,
+            interrupted,
+            kernels,
+            dict(failed),
+        )
 
     try:
         if config.compile and config.count_fp8_kernels:  # first: it also pays inductor's one-time start-up
@@ -384,8 +429,9 @@ def run(config: BenchConfig, progress: Progress | None = None,
             kernels = count_fp8_kernels(device)
         for workload in config.workloads:
             try:
-                results[workload], found = run_workload(workload, _modes_for(workload, config, dtype), config,
-                                                        device, dtype, progress, on_result)  # fmt: skip
+                results[workload], found = run_workload(
+                    workload, _modes_for(workload, config, dtype), config, device, dtype, progress, on_result
+                )
             except Exception as exc:  # the finished workloads stand; this one is reported with its error
                 failed[workload] = f"{type(exc).__name__}: {exc}"
                 found = None
@@ -413,8 +459,7 @@ def cpu_name() -> str:
 
 
 def _modes_for(workload: str, config: BenchConfig, dtype: torch.dtype) -> list[Mode]:
-    return [MODES[m] for m in config.modes
-            if MODES[m].trains(WORKLOADS[workload].conv) and dtype in MODES[m].dtypes]  # fmt: skip
+    return [MODES[m] for m in config.modes if MODES[m].trains(WORKLOADS[workload].conv) and dtype in MODES[m].dtypes]
 
 
 def _compile_stats(result: ModeResult, run: _Run, warmup: int, median_step: float) -> None:

@@ -19,6 +19,9 @@ comparison. Torch's own modes, the speed references:
 ``mixprec bench --nproc N`` spawns N processes on this machine (gloo on CPU, NCCL on CUDA, one
 GPU each). Under ``torchrun`` run ``python -m mixprec.bench.sharded`` (its ``--help`` lists the
 options): it reads the rank and world size torchrun sets, and rank 0 prints and writes the report.
+
+Long because it is one sharded run's whole procedure: the launch, every rank's lockstep steps, the one-process
+comparison and the relay of progress from the ranks, in the order a run takes them.
 """
 
 from __future__ import annotations
@@ -119,8 +122,9 @@ def _blocks(workload: str, model: nn.Module) -> list[nn.Module]:
     return []
 
 
-def _setup(mode: str, task: Task, workload: str, world: int, dtype: torch.dtype, device: torch.device,
-           ) -> tuple[nn.Module, torch.optim.Optimizer, Callable[[], Any]]:  # fmt: skip
+def _setup(
+    mode: str, task: Task, workload: str, world: int, dtype: torch.dtype, device: torch.device
+) -> tuple[nn.Module, torch.optim.Optimizer, Callable[[], Any]]:
     """The sharded (or, in one process, plain) model, its optimizer and the forward's context."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -176,8 +180,9 @@ class _ModeRun:
         self.losses.append(loss.detach().float())
 
 
-def _rank_run(config: ShardedConfig, rank: int, world: int, device: torch.device, dtype: torch.dtype,
-              progress: Progress | None) -> dict[str, dict[str, Any]]:  # fmt: skip
+def _rank_run(
+    config: ShardedConfig, rank: int, world: int, device: torch.device, dtype: torch.dtype, progress: Progress | None
+) -> dict[str, dict[str, Any]]:
     """This rank's measurements for every workload and mode."""
     out: dict[str, dict[str, Any]] = {}
     steps = config.total_steps
@@ -298,15 +303,21 @@ def run(config: ShardedConfig, progress: Progress | None = None) -> dict[str, An
         relayer = threading.Thread(target=relay, daemon=True)
         relayer.start()
         try:
-            mp.start_processes(_worker, args=(world, _free_port(), results, config, queue),  # type: ignore[attr-defined,no-untyped-call]
-                               nprocs=world, start_method="spawn", join=True)  # fmt: skip
+            mp.start_processes(  # type: ignore[attr-defined,no-untyped-call]
+                _worker,
+                args=(world, _free_port(), results, config, queue),
+                nprocs=world,
+                start_method="spawn",
+                join=True,
+            )
         finally:
             done.set()
             relayer.join()
         by_world[world] = _summarise([dict(results[r]) for r in range(world)], world, config)
     _compare_with_one_process(by_world, config.nproc)
-    return _report(config, device, {str(w): _as_dicts(found) for w, found in by_world.items()},
-                   time.perf_counter() - start)  # fmt: skip
+    return _report(
+        config, device, {str(w): _as_dicts(found) for w, found in by_world.items()}, time.perf_counter() - start
+    )
 
 
 def _compare_with_one_process(by_world: dict[int, dict[str, dict[str, ShardedResult]]], nproc: int) -> None:
@@ -361,9 +372,12 @@ def text_table(report: dict[str, Any]) -> str:
 
 
 def markdown(report: dict[str, Any]) -> str:
-    lines = [f"mixprec bench --nproc {report['config']['nproc']}: {report['device_name']}, {report['dtype']}, "
-             f"size {report['config']['size']}, torch {report['torch']}", "",
-             *markdown_table(HEADER, list(rows(report)))]  # fmt: skip
+    lines = [
+        f"mixprec bench --nproc {report['config']['nproc']}: {report['device_name']}, {report['dtype']}, "
+        f"size {report['config']['size']}, torch {report['torch']}",
+        "",
+        *markdown_table(HEADER, list(rows(report))),
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -396,9 +410,15 @@ def _torchrun(argv: list[str]) -> int:
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     local = int(os.environ.get("LOCAL_RANK", rank))
     device = torch.device("cuda", local) if torch.cuda.is_available() else torch.device("cpu")
-    config = ShardedConfig(nproc=world, workloads=tuple(args.workloads.split(",")),
-                           modes=tuple(args.modes.split(",")), size=args.size, steps=args.steps,
-                           device=device.type, dtype=args.dtype)  # fmt: skip
+    config = ShardedConfig(
+        nproc=world,
+        workloads=tuple(args.workloads.split(",")),
+        modes=tuple(args.modes.split(",")),
+        size=args.size,
+        steps=args.steps,
+        device=device.type,
+        dtype=args.dtype,
+    )
     if device.type == "cuda":
         torch.cuda.set_device(device)
     start = time.perf_counter()
@@ -423,9 +443,16 @@ def _report(config: ShardedConfig, device: torch.device, results: dict[str, Any]
     from mixprec.bench.runner import cpu_name
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
-    return {"device": device.type, "device_name": name, "dtype": config.dtype, "torch": torch.__version__,
-            "mixprec": mixprec.__version__, "config": dataclasses.asdict(config), "seconds": seconds,
-            "results": results}  # fmt: skip
+    return {
+        "device": device.type,
+        "device_name": name,
+        "dtype": config.dtype,
+        "torch": torch.__version__,
+        "mixprec": mixprec.__version__,
+        "config": dataclasses.asdict(config),
+        "seconds": seconds,
+        "results": results,
+    }
 
 
 if __name__ == "__main__":

@@ -70,15 +70,21 @@ class Recipe:
     optimizer_state: str = "fp32"
     step_in_backward: bool = False
 
-    def build(self, blocks: int, dim: int, optimizer: str,
-              device: torch.device | str = "cpu") -> tuple[nn.Module, torch.optim.Optimizer]:  # fmt: skip
+    def build(
+        self, blocks: int, dim: int, optimizer: str, device: torch.device | str = "cpu"
+    ) -> tuple[nn.Module, torch.optim.Optimizer]:
         torch.manual_seed(0)
         model: nn.Module = TinyLM(256, dim, blocks, heads=max(1, dim // 16)).to(device)
         kind, options = OPTIMIZERS[optimizer]
         opt = kind(model.parameters(), **options)
         if self.level is not None:
-            model, opt = mixprec.prepare(model, opt, level=self.level, optimizer_state=self.optimizer_state,
-                                         step_in_backward=self.step_in_backward)  # fmt: skip
+            model, opt = mixprec.prepare(
+                model,
+                opt,
+                level=self.level,
+                optimizer_state=self.optimizer_state,
+                step_in_backward=self.step_in_backward,
+            )
         return model, opt
 
 
@@ -110,8 +116,15 @@ class Row:
     vs_torch_amp: float | None = None
 
 
-HEADER = ("recipe", "optimizer", "step ops (2 -> 8 blocks)", "host reads", "step ms", "optimizer.step ms",
-          "vs torch-amp")  # fmt: skip
+HEADER = (
+    "recipe",
+    "optimizer",
+    "step ops (2 -> 8 blocks)",
+    "host reads",
+    "step ms",
+    "optimizer.step ms",
+    "vs torch-amp",
+)
 _SIZES = {"tiny": (64, 4, 32, 4), "default": (256, 8, 128, 4)}  # width, batch, sequence, blocks timed
 
 
@@ -121,8 +134,9 @@ def _batch(batch: int, seq: int, device: torch.device | str = "cpu") -> tuple[to
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def _forward_backward(model: nn.Module, opt: torch.optim.Optimizer, recipe: Recipe,
-                      batch: tuple[torch.Tensor, torch.Tensor]) -> None:  # fmt: skip
+def _forward_backward(
+    model: nn.Module, opt: torch.optim.Optimizer, recipe: Recipe, batch: tuple[torch.Tensor, torch.Tensor]
+) -> None:
     inputs, targets = batch
     opt.zero_grad(set_to_none=True)
     with torch.autocast(inputs.device.type, dtype=torch.bfloat16, enabled=recipe.level is None):
@@ -130,8 +144,9 @@ def _forward_backward(model: nn.Module, opt: torch.optim.Optimizer, recipe: Reci
     F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()).backward()  # type: ignore[no-untyped-call]
 
 
-def _train_step(model: nn.Module, opt: torch.optim.Optimizer, recipe: Recipe,
-                batch: tuple[torch.Tensor, torch.Tensor]) -> float:  # fmt: skip
+def _train_step(
+    model: nn.Module, opt: torch.optim.Optimizer, recipe: Recipe, batch: tuple[torch.Tensor, torch.Tensor]
+) -> float:
     """One training step; the seconds ``optimizer.step()`` took (on a GPU, waited for: a benchmark's sync, not
     the step's)."""
     _forward_backward(model, opt, recipe, batch)
@@ -201,9 +216,14 @@ def host_reads(step: Callable[[], Any], opt: torch.optim.Optimizer) -> int:
     return mode.reads
 
 
-def measure(recipes: Iterable[Recipe] = RECIPES, optimizers: Iterable[str] = tuple(OPTIMIZERS), size: str = "tiny",
-            steps: int = 20, progress: Callable[[str], None] | None = None,
-            device: torch.device | str = "cpu") -> list[Row]:  # fmt: skip
+def measure(
+    recipes: Iterable[Recipe] = RECIPES,
+    optimizers: Iterable[str] = tuple(OPTIMIZERS),
+    size: str = "tiny",
+    steps: int = 20,
+    progress: Callable[[str], None] | None = None,
+    device: torch.device | str = "cpu",
+) -> list[Row]:
     """The step-cost rows: every recipe with every optimizer form (SGD only where its state precision applies)."""
     dim, batch_size, seq, blocks = _SIZES[size]
     batch = _batch(batch_size, seq, device)
@@ -241,8 +261,17 @@ def measure(recipes: Iterable[Recipe] = RECIPES, optimizers: Iterable[str] = tup
         base = statistics.median(whole["torch-amp"]) if "torch-amp" in whole else None
         for name, (ops_pair, reads) in counts.items():
             median = statistics.median(whole[name])
-            rows.append(Row(name, optimizer, ops_pair, reads, 1e3 * median, 1e3 * statistics.median(inner[name]),
-                            None if base is None else base / median))  # fmt: skip
+            rows.append(
+                Row(
+                    name,
+                    optimizer,
+                    ops_pair,
+                    reads,
+                    1e3 * median,
+                    1e3 * statistics.median(inner[name]),
+                    None if base is None else base / median,
+                )
+            )
     return rows
 
 
@@ -258,9 +287,13 @@ class CompiledRow:
     vs_eager: float
 
 
-def measure_compiled(recipes: Iterable[Recipe] = RECIPES, size: str = "tiny", steps: int = 20,
-                     progress: Callable[[str], None] | None = None,
-                     device: torch.device | str = "cpu") -> tuple[list[CompiledRow], int]:  # fmt: skip
+def measure_compiled(
+    recipes: Iterable[Recipe] = RECIPES,
+    size: str = "tiny",
+    steps: int = 20,
+    progress: Callable[[str], None] | None = None,
+    device: torch.device | str = "cpu",
+) -> tuple[list[CompiledRow], int]:
     """Whole training steps with ``torch.compile(model)`` (inductor; the optimizer's step eager, as each recipe
     steps it), fused AdamW, against compiled torch.amp and the same recipe eager, interleaved; and the graphs
     dynamo compiled during the timed steps (recompiles: 0 when every recipe holds its graph). Compiling takes
@@ -291,8 +324,15 @@ def measure_compiled(recipes: Iterable[Recipe] = RECIPES, size: str = "tiny", st
                 _train_step(m, o, recipe, batch)
                 timed[recipe.name][which].append(time.perf_counter() - start)
     base = statistics.median(timed["torch-amp"][0]) if "torch-amp" in timed else None
-    rows = [CompiledRow(name, 1e3 * statistics.median(c), None if base is None else base / statistics.median(c),
-                        statistics.median(e) / statistics.median(c)) for name, (c, e) in timed.items()]  # fmt: skip
+    rows = [
+        CompiledRow(
+            name,
+            1e3 * statistics.median(c),
+            None if base is None else base / statistics.median(c),
+            statistics.median(e) / statistics.median(c),
+        )
+        for name, (c, e) in timed.items()
+    ]
     return rows, _frames() - before
 
 
@@ -305,12 +345,23 @@ def _frames() -> int:
 
 def compiled_table_rows(rows: Iterable[CompiledRow]) -> list[tuple[str, ...]]:
     """The compiled rows as the cells of :data:`COMPILED_HEADER`."""
-    return [(r.recipe, f"{r.step_ms:.2f}", "" if r.vs_torch_amp is None else f"{r.vs_torch_amp:.2f}x",
-             f"{r.vs_eager:.2f}x") for r in rows]  # fmt: skip
+    return [
+        (r.recipe, f"{r.step_ms:.2f}", "" if r.vs_torch_amp is None else f"{r.vs_torch_amp:.2f}x", f"{r.vs_eager:.2f}x")
+        for r in rows
+    ]
 
 
 def table_rows(rows: Iterable[Row]) -> list[tuple[str, ...]]:
     """The rows as the cells of :data:`HEADER`."""
-    return [(r.recipe, r.optimizer, f"{r.ops[0]} -> {r.ops[1]}", str(r.host_reads), f"{r.step_ms:.2f}",
-             f"{r.opt_step_ms:.2f}", "" if r.vs_torch_amp is None else f"{r.vs_torch_amp:.2f}x")
-            for r in rows]  # fmt: skip
+    return [
+        (
+            r.recipe,
+            r.optimizer,
+            f"{r.ops[0]} -> {r.ops[1]}",
+            str(r.host_reads),
+            f"{r.step_ms:.2f}",
+            f"{r.opt_step_ms:.2f}",
+            "" if r.vs_torch_amp is None else f"{r.vs_torch_amp:.2f}x",
+        )
+        for r in rows
+    ]

@@ -25,5 +25,8 @@ def aligned(
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     """A Markdown table: the header, its rule, one line a row."""
-    return ["| " + " | ".join(str(c) for c in header) + " |", "|" + "---|" * len(header),
-            *("| " + " | ".join(str(c) for c in row) + " |" for row in rows)]  # fmt: skip
+    return [
+        "| " + " | ".join(str(c) for c in header) + " |",
+        "|" + "---|" * len(header),
+        *("| " + " | ".join(str(c) for c in row) + " |" for row in rows),
+    ]

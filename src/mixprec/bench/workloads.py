@@ -88,11 +88,11 @@ def _checkerboard(size: str, device: torch.device) -> Task:
 
 
 def _mlp(size: str, device: torch.device) -> Task:
-    dim, hidden, batch = _pick(size, device, (32, 64, 64), (1024, 2048, 1024), (1024, 2048, 2048),
-                               (2048, 8192, 4096))  # fmt: skip
+    dim, hidden, batch = _pick(size, device, (32, 64, 64), (1024, 2048, 1024), (1024, 2048, 2048), (2048, 8192, 4096))
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, hidden), nn.GELU(),
-                          nn.Linear(hidden, dim))  # fmt: skip
+    model = nn.Sequential(
+        nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, hidden), nn.GELU(), nn.Linear(hidden, dim)
+    )
     teacher = torch.randn(dim, dim, generator=torch.Generator().manual_seed(1)) / dim**0.5
 
     def batch_fn(step: int) -> Batch:
@@ -145,8 +145,9 @@ class TinyLM(nn.Module):
 
 
 def _transformer(size: str, device: torch.device) -> Task:
-    dim, layers, seq, batch = _pick(size, device, (32, 1, 16, 4), (512, 2, 96, 16), (1024, 2, 128, 16),
-                                    (768, 4, 256, 32))  # fmt: skip
+    dim, layers, seq, batch = _pick(
+        size, device, (32, 1, 16, 4), (512, 2, 96, 16), (1024, 2, 128, 16), (768, 4, 256, 32)
+    )
     vocab = 256
     torch.manual_seed(0)
     model = TinyLM(vocab, dim, layers, heads=max(1, dim // 64))
@@ -202,8 +203,9 @@ class SmallResNet(nn.Module):
 
 
 def _cnn(size: str, device: torch.device) -> Task:
-    widths, side, batch = _pick(size, device, ((8, 16), 8, 8), ((32, 64, 128), 32, 64), ((64, 128, 256), 32, 64),
-                                ((64, 128, 256, 512), 64, 256))  # fmt: skip
+    widths, side, batch = _pick(
+        size, device, ((8, 16), 8, 8), ((32, 64, 128), 32, 64), ((64, 128, 256), 32, 64), ((64, 128, 256, 512), 64, 256)
+    )
     classes = 10
     torch.manual_seed(0)
     model = SmallResNet(widths, classes)

@@ -33,10 +33,18 @@ def run(args: argparse.Namespace) -> int:
     compile_ = args.compile or args.compile_modes is not None
     modes, compile_modes = compile_choice(args.modes, args.compile_modes, compile_)
     try:
-        config = BenchConfig(workloads=args.workloads, modes=modes, steps=args.steps, device=args.device,
-                             dtype=args.dtype, size=size, compile=compile_, compile_modes=compile_modes,
-                             count_fp8_kernels=compile_ and args.fp8_kernels,
-                             tune_budget_s=args.tune_budget)  # fmt: skip
+        config = BenchConfig(
+            workloads=args.workloads,
+            modes=modes,
+            steps=args.steps,
+            device=args.device,
+            dtype=args.dtype,
+            size=size,
+            compile=compile_,
+            compile_modes=compile_modes,
+            count_fp8_kernels=compile_ and args.fp8_kernels,
+            tune_budget_s=args.tune_budget,
+        )
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
     except ValueError as exc:
@@ -49,8 +57,12 @@ def run(args: argparse.Namespace) -> int:
     if config.compile:
         runs += [(w, m) for w, m in runs if m in (config.compile_modes or config.modes)]
     if dtype is torch.float16 and device.type == "cpu":
-        print("mixprec bench: warning: fp16 has no fast path on most CPUs (it is emulated, often 10-100x slower "
-              "than fp32); use --dtype bf16 (or auto) on a CPU", file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            "mixprec bench: warning: fp16 has no fast path on most CPUs (it is emulated, often 10-100x slower "
+            "than fp32); use --dtype bf16 (or auto) on a CPU",
+            file=sys.stderr,
+            flush=True,
+        )
     short = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
     header = f"mixprec bench: {len(runs)} runs of {config.total_steps} steps, size {size}, {device.type}, {short}"
     print(header, flush=True)
@@ -87,8 +99,12 @@ def run(args: argparse.Namespace) -> int:
     except BenchInterrupted as exc:
         report = exc.report
         finished = ", ".join(report.results)
-        print(f"mixprec bench: interrupted: {len(report.results)} of {len(config.workloads)} workloads finished "
-              f"({finished}); writing a partial report", file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"mixprec bench: interrupted: {len(report.results)} of {len(config.workloads)} workloads finished "
+            f"({finished}); writing a partial report",
+            file=sys.stderr,
+            flush=True,
+        )
     except KeyboardInterrupt:
         print("mixprec bench: interrupted before any workload finished; nothing written", file=sys.stderr)
         return 130
@@ -135,8 +151,10 @@ def _memory_table(args: argparse.Namespace, report: Any, size: str) -> str:
     losses = {mode: r.final_loss for mode, r in trained.items() if not r.compiled}
     modes = list(dict.fromkeys(["fp32", *(args.modes or trained or ())]))
     rows = memory_table.rows(modes, size, budget, losses)
-    title = (f"Memory: the bench transformer ({size}), per rank, from mixprec.memory_plan; the largest in "
-             f"{budget / 2**30:.2f} GiB grows its layers")  # fmt: skip
+    title = (
+        f"Memory: the bench transformer ({size}), per rank, from mixprec.memory_plan; the largest in "
+        f"{budget / 2**30:.2f} GiB grows its layers"
+    )
     return "\n".join([title, "", *markdown_table(memory_table.HEADER, rows)])
 
 
@@ -154,8 +172,11 @@ def run_step_cost(args: argparse.Namespace, size: str) -> int:
         device = resolve_device(args.device)
     except ValueError as exc:
         return common.refuse(str(exc))
-    print(f"mixprec bench --step-cost: {len(recipes)} recipes x {len(step_cost.OPTIMIZERS)} optimizers, size "
-          f"{cost_size}, {device.type}, torch {torch.__version__}", flush=True)  # fmt: skip
+    print(
+        f"mixprec bench --step-cost: {len(recipes)} recipes x {len(step_cost.OPTIMIZERS)} optimizers, size "
+        f"{cost_size}, {device.type}, torch {torch.__version__}",
+        flush=True,
+    )
     console = Console(stderr=True)
     steps = args.steps or 20
     try:
@@ -163,8 +184,9 @@ def run_step_cost(args: argparse.Namespace, size: str) -> int:
             rows = step_cost.measure(recipes, size=cost_size, steps=steps, device=device)
         else:
             with console.status("measuring") as status:
-                rows = step_cost.measure(recipes, size=cost_size, steps=steps, device=device,
-                                         progress=lambda what: status.update(what))  # fmt: skip
+                rows = step_cost.measure(
+                    recipes, size=cost_size, steps=steps, device=device, progress=lambda what: status.update(what)
+                )
     except KeyboardInterrupt:
         print("mixprec bench: interrupted; nothing measured", file=sys.stderr)
         return 130
@@ -181,10 +203,12 @@ def run_step_cost(args: argparse.Namespace, size: str) -> int:
         except KeyboardInterrupt:
             print("mixprec bench: interrupted; the compiled table not measured", file=sys.stderr)
             return 130
-        print(f"\ncompiled (torch.compile(model), inductor; fused AdamW; {recompiles} graphs compiled during the "
-              "timed steps)", flush=True)  # fmt: skip
-        print("\n".join(markdown_table(step_cost.COMPILED_HEADER, step_cost.compiled_table_rows(compiled))),
-              flush=True)  # fmt: skip
+        print(
+            f"\ncompiled (torch.compile(model), inductor; fused AdamW; {recompiles} graphs compiled during the "
+            "timed steps)",
+            flush=True,
+        )
+        print("\n".join(markdown_table(step_cost.COMPILED_HEADER, step_cost.compiled_table_rows(compiled))), flush=True)
     return 0
 
 
@@ -200,16 +224,25 @@ def run_sharded(args: argparse.Namespace, size: str) -> int:
     if args.modes is not None and args.modes != DEFAULT_MODES and explicit:
         modes = tuple(explicit)
     try:
-        config = sharded.ShardedConfig(nproc=args.nproc, workloads=workloads, modes=modes, size=size,
-                                       steps=args.steps, device=args.device,
-                                       dtype="bf16" if args.dtype == "auto" else args.dtype)  # fmt: skip
+        config = sharded.ShardedConfig(
+            nproc=args.nproc,
+            workloads=workloads,
+            modes=modes,
+            size=size,
+            steps=args.steps,
+            device=args.device,
+            dtype="bf16" if args.dtype == "auto" else args.dtype,
+        )
     except ValueError as exc:
         return common.refuse(str(exc))
     problem = common.check_outputs(args.out, args.json)
     if problem:
         return common.refuse(problem)
-    print(f"mixprec bench: {len(workloads)} workload(s) x {len(modes)} modes, FSDP2 over {args.nproc} processes "
-          f"and then 1, {config.total_steps} steps, size {size}, {config.dtype}", flush=True)  # fmt: skip
+    print(
+        f"mixprec bench: {len(workloads)} workload(s) x {len(modes)} modes, FSDP2 over {args.nproc} processes "
+        f"and then 1, {config.total_steps} steps, size {size}, {config.dtype}",
+        flush=True,
+    )
     try:
         if args.quiet or not sys.stdout.isatty():
             report = sharded.run(config)
@@ -240,8 +273,9 @@ def run_sharded(args: argparse.Namespace, size: str) -> int:
     return 0
 
 
-def compile_choice(modes: tuple[str, ...] | None, compile_modes: tuple[str, ...] | None,
-                    compile_: bool) -> tuple[tuple[str, ...], tuple[str, ...] | None]:  # fmt: skip
+def compile_choice(
+    modes: tuple[str, ...] | None, compile_modes: tuple[str, ...] | None, compile_: bool
+) -> tuple[tuple[str, ...], tuple[str, ...] | None]:
     """The bench's modes and compiled modes from --modes, --compile-modes and --compile (see --compile's help)."""
     if compile_modes is not None:  # each compiled mode also trains eagerly
         base = modes if modes is not None else ("fp32",)

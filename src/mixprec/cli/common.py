@@ -97,16 +97,21 @@ def user_task(args: argparse.Namespace, command: str) -> tuple[torch.nn.Module, 
         raise ValueError("--model needs --batch module:function returning the model's inputs")
     model = load(args.model, "--model")()
     if not isinstance(model, torch.nn.Module):
-        raise ValueError(f"--model {args.model} returned {what(model)}; it must return the torch.nn.Module "
-                         f"to {command} (does the function end with `return model`?)")  # fmt: skip
+        raise ValueError(
+            f"--model {args.model} returned {what(model)}; it must return the torch.nn.Module "
+            f"to {command} (does the function end with `return model`?)"
+        )
     batch = load(args.batch, "--batch")()
     if batch is None:
-        raise ValueError(f"--batch {args.batch} returned None; it must return the model's inputs, "
-                         "or (inputs, targets) with --loss")  # fmt: skip
+        raise ValueError(
+            f"--batch {args.batch} returned None; it must return the model's inputs, or (inputs, targets) with --loss"
+        )
     if not args.loss:
         return model, batch, None, None
     loss_fn = load(args.loss, "--loss")
     if not isinstance(batch, (tuple, list)) or len(batch) != 2:
-        raise ValueError(f"--batch must return (inputs, targets) when --loss is given: --loss is called "
-                         f"as loss(output, targets); {args.batch} returned {what(batch)}")  # fmt: skip
+        raise ValueError(
+            f"--batch must return (inputs, targets) when --loss is given: --loss is called "
+            f"as loss(output, targets); {args.batch} returned {what(batch)}"
+        )
     return model, batch[0], loss_fn, batch[1]

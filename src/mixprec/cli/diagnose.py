@@ -41,14 +41,18 @@ def run(args: argparse.Namespace) -> int:
                 )
             batch = common.load(args.batch, "--batch")()
             if batch is None:
-                raise ValueError(f"--batch {args.batch} returned None; it must return the model's inputs, "
-                                 "or (inputs, targets) with --loss")  # fmt: skip
+                raise ValueError(
+                    f"--batch {args.batch} returned None; it must return the model's inputs, "
+                    "or (inputs, targets) with --loss"
+                )
             inputs = batch
             if args.loss:
                 loss_fn = common.load(args.loss, "--loss")
                 if not isinstance(batch, (tuple, list)) or len(batch) != 2:
-                    raise ValueError("--batch must return (inputs, targets) when --loss is given: --loss is called as "
-                                     f"loss(output, targets); {args.batch} returned {common.what(batch)}")  # fmt: skip
+                    raise ValueError(
+                        "--batch must return (inputs, targets) when --loss is given: --loss is called as "
+                        f"loss(output, targets); {args.batch} returned {common.what(batch)}"
+                    )
                 inputs, targets = batch
         report = diagnose(model, inputs, loss_fn, targets=targets, dtype=args.dtype, policy=args.policy, fp8=args.fp8)
     except (ValueError, TypeError) as exc:

@@ -35,8 +35,9 @@ def run(args: argparse.Namespace) -> int:
             model, inputs, user_loss, targets = common.user_task(args, "plan")
             loss_fn = None if user_loss is None else (lambda out: user_loss(out, targets))  # type: ignore[assignment]
         optimizer = _optimizer(args.optimizer, model)
-        config = mixprec.PrepareConfig(level=args.level, optimizer_state=args.optimizer_state,
-                                       step_in_backward=args.step_in_backward)  # fmt: skip
+        config = mixprec.PrepareConfig(
+            level=args.level, optimizer_state=args.optimizer_state, step_in_backward=args.step_in_backward
+        )
         plan = mixprec.memory_plan(model, optimizer, config, batch=inputs, loss_fn=loss_fn, world_size=args.world_size)
     except (ValueError, TypeError) as exc:
         print(f"mixprec memory-plan: {exc}", file=sys.stderr)
@@ -46,6 +47,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({**plan.to_dict(), "parameter_count": params}))
         return 0
     print(plan)
-    print(f"  {plan.state / params:.2f} bytes a parameter (weights, masters, gradients, optimizer state) over "
-          f"{params / 1e6:.2f}M parameters")  # fmt: skip
+    print(
+        f"  {plan.state / params:.2f} bytes a parameter (weights, masters, gradients, optimizer state) over "
+        f"{params / 1e6:.2f}M parameters"
+    )
     return 0

@@ -40,15 +40,26 @@ def build_parser() -> argparse.ArgumentParser:
         default=tuple(WORKLOADS),
         help=f"comma-separated; default all: {','.join(WORKLOADS)}",
     )
-    bench.add_argument("--modes", type=lambda t: common.names(t, list(MODES), "mode"),
-                       help=f"comma-separated; default {','.join(DEFAULT_MODES)} (with --compile: fp32 and "
-                       f"{','.join(COMPILE_MODES)}); available: {','.join(MODES)}")  # fmt: skip
+    bench.add_argument(
+        "--modes",
+        type=lambda t: common.names(t, list(MODES), "mode"),
+        help=f"comma-separated; default {','.join(DEFAULT_MODES)} (with --compile: fp32 and "
+        f"{','.join(COMPILE_MODES)}); available: {','.join(MODES)}",
+    )
     bench.add_argument("--device", default="auto", help="auto (CUDA if present, else CPU), cpu or cuda")
-    bench.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16"],
-                       help="auto: bf16 where it is fast, else fp16 on CUDA; fp16 runs use a GradScaler")  # fmt: skip
+    bench.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "bf16", "fp16"],
+        help="auto: bf16 where it is fast, else fp16 on CUDA; fp16 runs use a GradScaler",
+    )
     bench.add_argument("--size", choices=SIZES, help="workload size (overrides --quick)")
-    bench.add_argument("--tune-budget", type=float, default=60.0,
-                       help="seconds mixprec.tune may take per workload for mixprec-tuned (default 60)")  # fmt: skip
+    bench.add_argument(
+        "--tune-budget",
+        type=float,
+        default=60.0,
+        help="seconds mixprec.tune may take per workload for mixprec-tuned (default 60)",
+    )
     bench.add_argument("--out", default="mixprec-bench", help="output folder (default ./mixprec-bench/)")
     bench.add_argument("--json", help="also write the JSON report here")
     bench.add_argument(
@@ -72,21 +83,32 @@ def build_parser() -> argparse.ArgumentParser:
         "eager and compiled; also counts inductor's kernels per fp8 linear against torchao's (compiling takes "
         "minutes on a CPU)",
     )
-    bench.add_argument("--compile-modes", type=lambda t: common.names(t, list(MODES), "mode"),
-                       help="the modes to compile (implies --compile; each also trains eagerly)")  # fmt: skip
-    bench.add_argument("--memory-budget",
-                       help="also print the memory table: per mode, bytes a parameter of the bench transformer, its "
-                       "predicted peak, the largest bench transformer fitting this budget (e.g. 4GiB) and the "
-                       "final loss against fp32 (memory_plan: nothing more is trained)")  # fmt: skip
-    bench.add_argument("--step-cost", action="store_true",
-                       help="instead of training the workloads, print what a training step costs at each level and "
-                       "optimizer-state precision, with each form of AdamW and with SGD: optimizer.step()'s ops at 2 "
-                       "and 8 blocks of a small transformer, host reads in a whole step, step time against torch.amp "
-                       "(--size tiny or quick: width 64, overhead-bound; default: width 256), on --device; with "
-                       "--compile also the compiled step of each recipe against compiled torch.amp")  # fmt: skip
-    bench.add_argument("--fp8-kernels", action=argparse.BooleanOptionalAction, default=True,
-                       help="with --compile: count inductor's kernels per fp8 linear, mixprec against torchao "
-                       "(default on)")  # fmt: skip
+    bench.add_argument(
+        "--compile-modes",
+        type=lambda t: common.names(t, list(MODES), "mode"),
+        help="the modes to compile (implies --compile; each also trains eagerly)",
+    )
+    bench.add_argument(
+        "--memory-budget",
+        help="also print the memory table: per mode, bytes a parameter of the bench transformer, its "
+        "predicted peak, the largest bench transformer fitting this budget (e.g. 4GiB) and the "
+        "final loss against fp32 (memory_plan: nothing more is trained)",
+    )
+    bench.add_argument(
+        "--step-cost",
+        action="store_true",
+        help="instead of training the workloads, print what a training step costs at each level and "
+        "optimizer-state precision, with each form of AdamW and with SGD: optimizer.step()'s ops at 2 "
+        "and 8 blocks of a small transformer, host reads in a whole step, step time against torch.amp "
+        "(--size tiny or quick: width 64, overhead-bound; default: width 256), on --device; with "
+        "--compile also the compiled step of each recipe against compiled torch.amp",
+    )
+    bench.add_argument(
+        "--fp8-kernels",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --compile: count inductor's kernels per fp8 linear, mixprec against torchao (default on)",
+    )
 
     diagnose = sub.add_parser(
         "diagnose",
@@ -97,8 +119,11 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_target_arguments(diagnose, "a bench workload (tiny size)", ", as diagnose(targets=)")
     diagnose.add_argument("--dtype", default="fp16", choices=["fp16", "bf16"])
     diagnose.add_argument("--policy", help="the autocast policy to check, e.g. cpu, cuda, 'compute=fp16,keep=norm'")
-    diagnose.add_argument("--fp8", choices=["tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed"],
-                          help="also report per fp8 layer its SQNR, saturation and flush-to-zero")  # fmt: skip
+    diagnose.add_argument(
+        "--fp8",
+        choices=["tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed"],
+        help="also report per fp8 layer its SQNR, saturation and flush-to-zero",
+    )
     diagnose.add_argument("--out", default="mixprec-diagnose", help="folder for report.json and diagnose.png")
 
     tune = sub.add_parser(
@@ -114,12 +139,23 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--budget", type=float, default=60.0, help="seconds the search may take (default 60)")
     tune.add_argument("--dtypes", default="bf16,fp16,fp32", help="compute dtypes to search (default bf16,fp16,fp32)")
     tune.add_argument("--levels", default="O2,bf16-sr", help="prepare levels to search besides O1 (default O2,bf16-sr)")
-    tune.add_argument("--no-per-layer", dest="per_layer", action="store_false",
-                      help="no per-layer plan (each layer timed and checked in each precision)")  # fmt: skip
-    tune.add_argument("--layer-sqnr-db", type=float, default=20.0,
-                      help="a layer's SQNR floor against fp32 for the per-layer plan (default 20)")  # fmt: skip
-    tune.add_argument("--memory-budget", help="the most a rank may hold at its peak (e.g. 4GiB): only recipes "
-                      "mixprec.memory_plan predicts within it are chosen")  # fmt: skip
+    tune.add_argument(
+        "--no-per-layer",
+        dest="per_layer",
+        action="store_false",
+        help="no per-layer plan (each layer timed and checked in each precision)",
+    )
+    tune.add_argument(
+        "--layer-sqnr-db",
+        type=float,
+        default=20.0,
+        help="a layer's SQNR floor against fp32 for the per-layer plan (default 20)",
+    )
+    tune.add_argument(
+        "--memory-budget",
+        help="the most a rank may hold at its peak (e.g. 4GiB): only recipes "
+        "mixprec.memory_plan predicts within it are chosen",
+    )
     tune.add_argument("--out", help="write the recipe here as JSON")
 
     plan = sub.add_parser(

@@ -37,9 +37,20 @@ def run(args: argparse.Namespace) -> int:
             model, inputs, loss_fn, targets = common.user_task(args, "tune")  # type: ignore[assignment]
         dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
         levels = [lv.strip() for lv in args.levels.split(",") if lv.strip()]
-        recipe = tune(model, inputs, loss_fn, targets=targets, optimizer=optimizer, budget_s=args.budget,
-                      dtypes=dtypes, levels=levels, per_layer=args.per_layer, layer_sqnr_db=args.layer_sqnr_db,
-                      progress=say, memory_budget=args.memory_budget)  # fmt: skip
+        recipe = tune(
+            model,
+            inputs,
+            loss_fn,
+            targets=targets,
+            optimizer=optimizer,
+            budget_s=args.budget,
+            dtypes=dtypes,
+            levels=levels,
+            per_layer=args.per_layer,
+            layer_sqnr_db=args.layer_sqnr_db,
+            progress=say,
+            memory_budget=args.memory_budget,
+        )
     except (ValueError, TypeError) as exc:
         print(f"mixprec tune: {exc}", file=sys.stderr)
         return 2

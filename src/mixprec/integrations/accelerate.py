@@ -38,9 +38,13 @@ class MixprecAccelerator(Accelerator):  # type: ignore[misc]
         self.mixprec_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(str(self.mixed_precision))
         if self.mixprec_dtype is torch.float16 and self.device.type == "cpu":
             # Accelerator skips autocast and the scaler for fp16 on a CPU; a drop-in does the same, aloud.
-            warnings.warn("MixprecAccelerator(mixed_precision='fp16') on CPU trains in fp32, as Accelerate's "
-                          "Accelerator does there (no autocast, no GradScaler); for low precision on a CPU use "
-                          "mixed_precision='bf16'", UserWarning, stacklevel=2)  # fmt: skip
+            warnings.warn(
+                "MixprecAccelerator(mixed_precision='fp16') on CPU trains in fp32, as Accelerate's "
+                "Accelerator does there (no autocast, no GradScaler); for low precision on a CPU use "
+                "mixed_precision='bf16'",
+                UserWarning,
+                stacklevel=2,
+            )
             self.mixprec_dtype = None
         if self.mixprec_dtype is torch.float16:
             self.scaler = GradScaler(self.device.type)
@@ -50,8 +54,9 @@ class MixprecAccelerator(Accelerator):  # type: ignore[misc]
             return contextlib.nullcontext()
         return autocast(self.device.type, dtype=self.mixprec_dtype, policy=self.mixprec_policy)
 
-    def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None,
-                      evaluation_mode: bool = False) -> torch.nn.Module:  # fmt: skip
+    def prepare_model(
+        self, model: torch.nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False
+    ) -> torch.nn.Module:
         native_amp: bool = getattr(self, "native_amp", False)
         self.native_amp = False  # keep Accelerate from adding torch.autocast
         try:

@@ -38,8 +38,14 @@ class MixprecPrecision(MixedPrecision):  # type: ignore[misc]
         ValueError: an unknown precision name (the message lists the valid ones).
     """
 
-    def __init__(self, precision: str = "bf16-mixed", device: str = "cpu", scaler: Any = None,
-                 policy: Policy | str | None = None, dtype: torch.dtype = torch.bfloat16) -> None:  # fmt: skip
+    def __init__(
+        self,
+        precision: str = "bf16-mixed",
+        device: str = "cpu",
+        scaler: Any = None,
+        policy: Policy | str | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
         if precision not in PRECISIONS:
             raise ValueError(f"unknown precision {precision!r} for MixprecPrecision; valid: {', '.join(PRECISIONS)}")
         self.level = precision if precision in ("O2", "bf16-sr", "bf16-pure") else None
@@ -67,8 +73,10 @@ class MixprecPrecision(MixedPrecision):  # type: ignore[misc]
     def connect(self, model: Any, optimizers: list[Any], lr_schedulers: list[Any]) -> tuple[Any, list[Any], list[Any]]:
         if self.level is not None:
             if len(optimizers) != 1:
-                raise ValueError(f"precision {self.level!r} prepares one optimizer; configure_optimizers gave "
-                                 f"{len(optimizers)}: use 'bf16-mixed' or '16-mixed' with several")  # fmt: skip
+                raise ValueError(
+                    f"precision {self.level!r} prepares one optimizer; configure_optimizers gave "
+                    f"{len(optimizers)}: use 'bf16-mixed' or '16-mixed' with several"
+                )
             model, optimizer = prepare(model, optimizers[0], level=self.level, dtype=self.dtype)
             optimizers = [optimizer]
         return model, optimizers, lr_schedulers

@@ -70,8 +70,10 @@ class MixprecTrainer(Trainer):  # type: ignore[misc]
         if self.mixprec_config is not None:
             level = self.mixprec_config.level.value  # type: ignore[attr-defined]
         if level is not None and level not in LEVELS:
-            raise ValueError(f"unknown level {level!r} for MixprecTrainer; valid: {', '.join(LEVELS)}, a "
-                             "mixprec.PrepareConfig (or none: autocast only)")  # fmt: skip
+            raise ValueError(
+                f"unknown level {level!r} for MixprecTrainer; valid: {', '.join(LEVELS)}, a "
+                "mixprec.PrepareConfig (or none: autocast only)"
+            )
         self.mixprec_level = level
         self.mixprec_policy = policy
         self._mixprec_precision = precision
@@ -82,12 +84,16 @@ class MixprecTrainer(Trainer):  # type: ignore[misc]
         bf16_weights = self.mixprec_level is not None and mixprec.Level.from_name(self.mixprec_level).bf16_weights
         config = self.mixprec_config
         if config is not None and self.mixprec_dtype is not config.dtype:
-            raise ValueError(f"the PrepareConfig computes in {config.dtype} and the Trainer in "
-                             f"{self.mixprec_dtype}: make them agree (TrainingArguments' bf16/fp16, precision=, "
-                             "PrepareConfig(dtype=))")  # fmt: skip
+            raise ValueError(
+                f"the PrepareConfig computes in {config.dtype} and the Trainer in "
+                f"{self.mixprec_dtype}: make them agree (TrainingArguments' bf16/fp16, precision=, "
+                "PrepareConfig(dtype=))"
+            )
         if bf16_weights and self.mixprec_dtype is not torch.bfloat16:
-            raise ValueError(f"level {self.mixprec_level!r} keeps weights in bf16: use precision='bf16' (or "
-                             "TrainingArguments(bf16=True)), or level 'O2' for fp16")  # fmt: skip
+            raise ValueError(
+                f"level {self.mixprec_level!r} keeps weights in bf16: use precision='bf16' (or "
+                "TrainingArguments(bf16=True)), or level 'O2' for fp16"
+            )
         super().create_accelerator_and_postprocess()
         if self.mixprec_dtype is not torch.float16:
             self._mixprec_scaler = None
@@ -122,8 +128,9 @@ class MixprecTrainer(Trainer):  # type: ignore[misc]
         dtype = self.mixprec_dtype
         if dtype is None or self.mixprec_level is not None:
             return contextlib.nullcontext()
-        return mixprec.autocast(self.args.device.type, dtype=dtype, policy=self.mixprec_policy,
-                        cache_enabled=bool(cache_enabled))  # fmt: skip
+        return mixprec.autocast(
+            self.args.device.type, dtype=dtype, policy=self.mixprec_policy, cache_enabled=bool(cache_enabled)
+        )
 
     def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
         creating = self.optimizer is None
@@ -131,8 +138,9 @@ class MixprecTrainer(Trainer):  # type: ignore[misc]
         if creating and self.mixprec_level is not None:
             target: Any = self.model if model is None else model
             dtype = self.mixprec_dtype or torch.bfloat16
-            config = self.mixprec_config or mixprec.PrepareConfig(level=mixprec.Level.from_name(self.mixprec_level),
-                                                                  dtype=dtype)  # fmt: skip
+            config = self.mixprec_config or mixprec.PrepareConfig(
+                level=mixprec.Level.from_name(self.mixprec_level), dtype=dtype
+            )
             _, optimizer = mixprec.prepare(target, optimizer, config)
             self.optimizer = optimizer
         return optimizer

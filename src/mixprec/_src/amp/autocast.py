@@ -34,13 +34,7 @@ from mixprec._src.policy.rules import POLICIES, Policy, default_policy
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-__all__ = [
-    "autocast",
-    "get_autocast_dtype",
-    "get_autocast_policy",
-    "is_autocast_enabled",
-    "set_autocast_enabled",
-]
+__all__ = ["autocast", "get_autocast_dtype", "get_autocast_policy", "is_autocast_enabled", "set_autocast_enabled"]
 
 _FLOATING = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 # torch's class, held here: code that swaps torch.autocast for mixprec's must not make it recurse.

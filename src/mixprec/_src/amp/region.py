@@ -25,8 +25,7 @@ from mixprec._src.amp import compiled_backward, dispatch, module_rules, thread_s
 from mixprec._src.amp.thread_state import state as _state
 from mixprec._src.policy.rules import POLICIES, Policy, default_policy
 
-__all__ = ["enter_traced", "exit_traced", "needs_kernels", "pop", "pop_to", "push",
-           "unwind_on_failed_trace"]  # fmt: skip
+__all__ = ["enter_traced", "exit_traced", "needs_kernels", "pop", "pop_to", "push", "unwind_on_failed_trace"]
 
 
 @functools.lru_cache(maxsize=256)

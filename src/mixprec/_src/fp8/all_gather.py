@@ -59,8 +59,9 @@ def _weight_scale(shard: torch.Tensor, scaling: Fp8Scaling, group: Any) -> torch
 def _attach(fsdp_param: Any, scaling: Fp8Scaling) -> None:
     shard = fsdp_param._sharded_local_tensor
 
-    def pre_all_gather(mesh: Any, outer_size: torch.Size, outer_stride: tuple[int, ...], module: Any,
-                       mp_policy: Any) -> tuple[tuple[torch.Tensor, ...], Any]:  # fmt: skip
+    def pre_all_gather(
+        mesh: Any, outer_size: torch.Size, outer_stride: tuple[int, ...], module: Any, mp_policy: Any
+    ) -> tuple[tuple[torch.Tensor, ...], Any]:
         local = fsdp_param._sharded_local_tensor
         scale = _weight_scale(local, scaling, mesh.get_group())
         data = fp8_gemm.quantize(local, scale, E4M3)
@@ -69,8 +70,9 @@ def _attach(fsdp_param: Any, scaling: Fp8Scaling) -> None:
             data = torch.cat([data, data.new_zeros(rows - data.shape[0], *data.shape[1:])])
         return (data.view(torch.uint8),), (scale,)
 
-    def post_all_gather(outputs: tuple[torch.Tensor, ...], metadata: Any, param_dtype: torch.dtype, *,
-                        out: torch.Tensor | None = None) -> Any:  # fmt: skip
+    def post_all_gather(
+        outputs: tuple[torch.Tensor, ...], metadata: Any, param_dtype: torch.dtype, *, out: torch.Tensor | None = None
+    ) -> Any:
         (data,), (scale,) = outputs, metadata
         weight = (data.view(E4M3).float() * scale.reciprocal()).to(param_dtype)
         if out is not None:  # a later gather of the same parameter: into its storage, outside autograd's count

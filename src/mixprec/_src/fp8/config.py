@@ -146,8 +146,10 @@ class Fp8Config:
             if not isinstance(getattr(self, flag), bool):
                 raise TypeError(f"fp8 {flag} is True or False, got {getattr(self, flag)!r}")
         if self.all_gather and self.operands.weight.rowwise:
-            raise ValueError(f"all_gather=True casts each weight shard with one scale per weight; recipe "
-                             f"{self.recipe.value!r} scales weights per row: use tensorwise or delayed")  # fmt: skip
+            raise ValueError(
+                f"all_gather=True casts each weight shard with one scale per weight; recipe "
+                f"{self.recipe.value!r} scales weights per row: use tensorwise or delayed"
+            )
         if self.filter is not None and not callable(self.filter):
             raise TypeError("fp8 filter must be a callable (module, qualified_name) -> bool")
         if not isinstance(self.history_len, int) or self.history_len < 1:
@@ -156,8 +158,10 @@ class Fp8Config:
             raise ValueError(f"fp8 margin must be a non-negative int, got {self.margin!r}")
         defaults = (1024, 0, AmaxAlgo.MAX)
         if not self.delayed and (self.history_len, self.margin, self.amax_algo) != defaults:
-            raise ValueError(f"history_len, margin and amax_algo set delayed scaling; recipe {self.recipe.value!r} "
-                             "scales by each tensor's current amax: use recipe 'delayed' with them")  # fmt: skip
+            raise ValueError(
+                f"history_len, margin and amax_algo set delayed scaling; recipe {self.recipe.value!r} "
+                "scales by each tensor's current amax: use recipe 'delayed' with them"
+            )
 
     @property
     def operands(self) -> RecipeOperands:

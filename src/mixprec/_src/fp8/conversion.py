@@ -89,8 +89,9 @@ class Fp8Layers:
         lines += [f"  {name or '<model>'}: {reason}" for name, reason in self.skipped]
         if self.kept:
             classes = collections.Counter(cls for _, cls in self.kept)
-            lines.append(f"kept in fp32: {len(self.kept)} module(s): "
-                         + ", ".join(f"{cls} x{n}" for cls, n in classes.items()))  # fmt: skip
+            lines.append(
+                f"kept in fp32: {len(self.kept)} module(s): " + ", ".join(f"{cls} x{n}" for cls, n in classes.items())
+            )
         return "\n".join(lines)
 
     def scalings(self) -> list[tuple[str, Fp8Scaling]]:
@@ -142,8 +143,9 @@ def check_device(model: nn.Module, config: Fp8Config) -> None:
         )
 
 
-def convert(model: nn.Module, config: Fp8Config, kept: set[int],
-            kept_names: Iterable[tuple[str, str]] = ()) -> Fp8Layers:  # fmt: skip
+def convert(
+    model: nn.Module, config: Fp8Config, kept: set[int], kept_names: Iterable[tuple[str, str]] = ()
+) -> Fp8Layers:
     """Give the chosen GEMM layers of ``model`` an fp8 forward (in place); ``kept``: ids of modules kept in fp32
     (``kept_names``: the outermost of them, named for the report).
 
@@ -177,8 +179,12 @@ def convert(model: nn.Module, config: Fp8Config, kept: set[int],
     sites.settle(model)
     logger.info("%s", layers)
     if not layers.converted:
-        warnings.warn(f"fp8 was asked for but no layer was converted ({len(layers.skipped)} left out); "
-                      "mixprec.fp8_layers(model) lists them with the reasons", UserWarning, stacklevel=3)  # fmt: skip
+        warnings.warn(
+            f"fp8 was asked for but no layer was converted ({len(layers.skipped)} left out); "
+            "mixprec.fp8_layers(model) lists them with the reasons",
+            UserWarning,
+            stacklevel=3,
+        )
     return layers
 
 
@@ -212,8 +218,10 @@ def set_layer(model: nn.Module, name: str, config: Fp8Config | None) -> None:
     module = model.get_submodule(name)
     layers = fp8_layers(model)
     if layers is not None and layers.config.all_gather:
-        raise ValueError("the fp8 layers of this model are all-gathered in fp8 (Fp8Config(all_gather=True)); "
-                         "a layer's fp8 recipe cannot change there: prepare without all_gather")  # fmt: skip
+        raise ValueError(
+            "the fp8 layers of this model are all-gathered in fp8 (Fp8Config(all_gather=True)); "
+            "a layer's fp8 recipe cannot change there: prepare without all_gather"
+        )
     if config is None:
         if layers is not None and name in layers.modules:
             revert_layer(layers, name, "moved out of fp8")

@@ -75,13 +75,16 @@ def quantize(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.
     return (t.float() * scale).clamp(-limit, limit).to(dtype)
 
 
-def check_cuda_rules(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
-                     out_dtype: torch.dtype) -> None:  # fmt: skip
+def check_cuda_rules(
+    a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, out_dtype: torch.dtype
+) -> None:
     """Raise where CUDA's ``_scaled_mm`` would: checked on every device (shapes only, no sync)."""
     k, n = b.shape
     if a.shape[1] % ALIGN or k % ALIGN or n % ALIGN:
-        raise ValueError(f"fp8 GEMM {tuple(a.shape)} x {tuple(b.shape)}: CUDA needs the reduction dim and both "
-                         f"dims of the second operand to be multiples of {ALIGN}")  # fmt: skip
+        raise ValueError(
+            f"fp8 GEMM {tuple(a.shape)} x {tuple(b.shape)}: CUDA needs the reduction dim and both "
+            f"dims of the second operand to be multiples of {ALIGN}"
+        )
     if a.dtype == E5M2 and b.dtype == E5M2:
         raise ValueError("fp8 GEMM e5m2 x e5m2: CUDA has no such kernel; one operand must be e4m3")
     if a.stride(1) != 1 or b.stride(0) != 1:
@@ -100,11 +103,19 @@ def _padded(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return F.pad(a, (0, extra)), F.pad(b, (0, 0, 0, extra))
 
 
-def gemm(a: torch.Tensor, a_op: Operand, b: torch.Tensor, b_op: Operand, out_dtype: torch.dtype, *,
-         fast_accum: bool = False, power_of_two: bool = False,
-         scale_a: torch.Tensor | None = None, scale_b: torch.Tensor | None = None,
-         record: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.dtype]] | None = None,
-         ) -> torch.Tensor:  # fmt: skip
+def gemm(
+    a: torch.Tensor,
+    a_op: Operand,
+    b: torch.Tensor,
+    b_op: Operand,
+    out_dtype: torch.dtype,
+    *,
+    fast_accum: bool = False,
+    power_of_two: bool = False,
+    scale_a: torch.Tensor | None = None,
+    scale_b: torch.Tensor | None = None,
+    record: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.dtype]] | None = None,
+) -> torch.Tensor:
     """``a @ b`` with each operand cast as its :class:`Operand` says (or kept in high precision).
 
     ``scale_a`` / ``scale_b`` override the scales made from the operands' own amax (delayed
@@ -137,18 +148,24 @@ def gemm(a: torch.Tensor, a_op: Operand, b: torch.Tensor, b_op: Operand, out_dty
     if a_q.device.type == "cpu":
         out = cpu_scaled_mm(a_q, b_q, inv_a, inv_b, gemm_dtype, fast_accum)
     else:
-        out = torch._scaled_mm(a_q, b_q, scale_a=inv_a, scale_b=inv_b, out_dtype=gemm_dtype,
-                               use_fast_accum=fast_accum)  # fmt: skip
+        out = torch._scaled_mm(a_q, b_q, scale_a=inv_a, scale_b=inv_b, out_dtype=gemm_dtype, use_fast_accum=fast_accum)
     return out.to(out_dtype)
 
 
 @torch.library.custom_op("mixprec::cpu_scaled_mm", mutates_args=())
-def cpu_scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
-                  out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:  # fmt: skip
+def cpu_scaled_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    out_dtype: torch.dtype,
+    fast_accum: bool,
+) -> torch.Tensor:
     """``torch._scaled_mm`` on the CPU as ATen emulates it, with oneDNN off for the call (see the module)."""
     with onednn_off():
-        out: torch.Tensor = torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype,
-                                             use_fast_accum=fast_accum)  # fmt: skip
+        out: torch.Tensor = torch._scaled_mm(
+            a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype, use_fast_accum=fast_accum
+        )
     return out
 
 
@@ -164,6 +181,12 @@ def onednn_off() -> Iterator[None]:
 
 
 @cpu_scaled_mm.register_fake
-def _(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, out_dtype: torch.dtype,
-      fast_accum: bool) -> torch.Tensor:  # fmt: skip
+def _(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    out_dtype: torch.dtype,
+    fast_accum: bool,
+) -> torch.Tensor:
     return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)

@@ -107,8 +107,9 @@ class Fp8Scaling(nn.Module):
         """The last recorded cast of each role (``input``, ``weight``, ``grad_output``); reads the flags (a sync)."""
         rows = self._rows()
         recorded = rows[:, -1].tolist()
-        return {role: CastStats(*rows[i, :-1].unbind()) for i, role in enumerate(_FWD_ROLES + _BWD_ROLES)
-                if recorded[i] > 0}  # fmt: skip
+        return {
+            role: CastStats(*rows[i, :-1].unbind()) for i, role in enumerate(_FWD_ROLES + _BWD_ROLES) if recorded[i] > 0
+        }
 
     def cast_fractions(self) -> torch.Tensor:
         """The largest saturated and flushed fractions over the recorded casts, shape (2,): no sync."""
@@ -150,15 +151,23 @@ class _Delayed:
     record: bool  # the forward records amaxes (grad mode on: training, not an evaluation under no_grad)
 
 
-def scale_from_history(row: torch.Tensor, now: torch.Tensor, dtype: torch.dtype, algo: AmaxAlgo,
-                       margin: int) -> torch.Tensor:  # fmt: skip
+def scale_from_history(
+    row: torch.Tensor, now: torch.Tensor, dtype: torch.dtype, algo: AmaxAlgo, margin: int
+) -> torch.Tensor:
     """Delayed scaling's scale from one tensor's amax history (``now``, its amax, while the history is empty)."""
     past = row.amax() if algo is AmaxAlgo.MAX else row[0]
     return fp8_gemm.scale_from_amax(torch.where(past > 0, past, now), dtype, power_of_two=False, margin=margin)
 
 
-def _delayed_scale(history: torch.Tensor, pending: torch.Tensor, role: int, t: torch.Tensor, dtype: torch.dtype,
-                   delayed: _Delayed, record: bool = True) -> torch.Tensor:  # fmt: skip
+def _delayed_scale(
+    history: torch.Tensor,
+    pending: torch.Tensor,
+    role: int,
+    t: torch.Tensor,
+    dtype: torch.dtype,
+    delayed: _Delayed,
+    record: bool = True,
+) -> torch.Tensor:
     """The scale of ``role`` from past steps (the current amax before any); ``record``: note the current amax."""
     now = t.detach().abs().amax().float()
     if record:
@@ -171,22 +180,53 @@ class _Fp8Matmul(torch.autograd.Function):
     """``x @ weight.T`` with the output and both gradient GEMMs in fp8, as the recipe says."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, config: Fp8Config, delayed: _Delayed | None,
-                history: torch.Tensor | None, pending: torch.Tensor | None, cast_fwd: torch.Tensor | None,
-                cast_bwd: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        config: Fp8Config,
+        delayed: _Delayed | None,
+        history: torch.Tensor | None,
+        pending: torch.Tensor | None,
+        cast_fwd: torch.Tensor | None,
+        cast_bwd: torch.Tensor | None,
+    ) -> torch.Tensor:
         ops = config.operands
         x2 = x.reshape(-1, x.shape[-1])
         scale_x = scale_w = None
         if delayed is not None:
             assert history is not None and pending is not None
-            scale_x = _delayed_scale(history, pending, INPUT, x2, ops.input.dtype, delayed,  # type: ignore[arg-type]
-                                     delayed.record)  # fmt: skip
-            scale_w = _delayed_scale(history, pending, WEIGHT, weight, ops.weight.dtype, delayed,  # type: ignore[arg-type]
-                                     delayed.record)  # fmt: skip
+            scale_x = _delayed_scale(
+                history,
+                pending,
+                INPUT,
+                x2,
+                ops.input.dtype,  # type: ignore[arg-type]
+                delayed,
+                delayed.record,
+            )
+            scale_w = _delayed_scale(
+                history,
+                pending,
+                WEIGHT,
+                weight,
+                ops.weight.dtype,  # type: ignore[arg-type]
+                delayed,
+                delayed.record,
+            )
         record: list[Any] | None = [] if cast_fwd is not None else None
-        out = fp8_gemm.gemm(x2, ops.input, weight.t(), ops.weight, x.dtype, fast_accum=True,
-                            power_of_two=ops.power_of_two_scales, scale_a=scale_x, scale_b=scale_w,
-                            record=record)  # fmt: skip
+        out = fp8_gemm.gemm(
+            x2,
+            ops.input,
+            weight.t(),
+            ops.weight,
+            x.dtype,
+            fast_accum=True,
+            power_of_two=ops.power_of_two_scales,
+            scale_a=scale_x,
+            scale_b=scale_w,
+            record=record,
+        )
         if record and cast_fwd is not None:
             _keep_stats(cast_fwd, record)
         # Delayed scaling: the backward casts the input and weight with the forward's scales.
@@ -207,13 +247,29 @@ class _Fp8Matmul(torch.autograd.Function):
                 history, pending = ctx.state
                 scale_go = _delayed_scale(history, pending, GRAD_OUTPUT, go, ops.grad_output.dtype, delayed)
             record: list[Any] | None = [] if ctx.cast_bwd is not None else None
-            grad_x = fp8_gemm.gemm(go, ops.grad_output, weight, ops.weight_for_grad_input, x.dtype, power_of_two=power,
-                                   scale_a=scale_go, scale_b=scale_w, record=record)  # fmt: skip
+            grad_x = fp8_gemm.gemm(
+                go,
+                ops.grad_output,
+                weight,
+                ops.weight_for_grad_input,
+                x.dtype,
+                power_of_two=power,
+                scale_a=scale_go,
+                scale_b=scale_w,
+                record=record,
+            )
             if record:
                 _keep_stats(ctx.cast_bwd, record[:1])
-            grad_w = fp8_gemm.gemm(go.t(), ops.grad_output_for_grad_weight, x.reshape(-1, x.shape[-1]),
-                                   ops.input_for_grad_weight, weight.dtype, power_of_two=power, scale_a=scale_go,
-                                   scale_b=scale_x)  # fmt: skip
+            grad_w = fp8_gemm.gemm(
+                go.t(),
+                ops.grad_output_for_grad_weight,
+                x.reshape(-1, x.shape[-1]),
+                ops.input_for_grad_weight,
+                weight.dtype,
+                power_of_two=power,
+                scale_a=scale_go,
+                scale_b=scale_x,
+            )
         return grad_x.reshape(x.shape), grad_w, None, None, None, None, None, None
 
 
@@ -233,8 +289,15 @@ def _keep_stats(table: torch.Tensor, record: list[Any]) -> None:
     for row, (t, amax, scale, dtype) in enumerate(record[: table.shape[0]]):
         stats = CastStats.of(t, amax, scale, dtype)
         with torch.no_grad():
-            table[row] = torch.stack([stats.amax.float(), stats.scale.float(), stats.saturated, stats.flushed,
-                                      torch.ones((), device=table.device)])  # fmt: skip
+            table[row] = torch.stack(
+                [
+                    stats.amax.float(),
+                    stats.scale.float(),
+                    stats.saturated,
+                    stats.flushed,
+                    torch.ones((), device=table.device),
+                ]
+            )
 
 
 @torch._dynamo.assume_constant_result  # type: ignore[untyped-decorator]

@@ -113,27 +113,48 @@ def route(model: nn.Module) -> list[str]:
 def _torch_forward(self: nn.MultiheadAttention, *args: Any, **kwargs: Any) -> Any:
     if "forward" in self.in_proj.__dict__ and not self.__dict__.get("_mixprec_told_cross", True):
         self.__dict__["_mixprec_told_cross"] = True
-        warnings.warn(f"{type(self).__name__} was called with query, key and value not one tensor (cross-attention) "
-                      "or nested: its in-projection computed as torch's MultiheadAttention does, not in the "
-                      "precision set on its in_proj (which reaches self-attention calls); out_proj keeps its own",
-                      UserWarning, stacklevel=3)  # fmt: skip
+        warnings.warn(
+            f"{type(self).__name__} was called with query, key and value not one tensor (cross-attention) "
+            "or nested: its in-projection computed as torch's MultiheadAttention does, not in the "
+            "precision set on its in_proj (which reaches self-attention calls); out_proj keeps its own",
+            UserWarning,
+            stacklevel=3,
+        )
     return nn.MultiheadAttention.forward(self, *args, **kwargs)
 
 
-def routed_forward(self: nn.MultiheadAttention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                   key_padding_mask: torch.Tensor | None = None, need_weights: bool = True,
-                   attn_mask: torch.Tensor | None = None, average_attn_weights: bool = True,
-                   is_causal: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+def routed_forward(
+    self: nn.MultiheadAttention,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_padding_mask: torch.Tensor | None = None,
+    need_weights: bool = True,
+    attn_mask: torch.Tensor | None = None,
+    average_attn_weights: bool = True,
+    is_causal: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``nn.MultiheadAttention.forward``'s training path for self-attention, projections called as modules."""
     if query is not key or key is not value or query.is_nested:
-        return _torch_forward(self, query, key, value, key_padding_mask, need_weights, attn_mask,  # type: ignore[no-any-return]
-                              average_attn_weights, is_causal)  # fmt: skip
+        return _torch_forward(  # type: ignore[no-any-return]
+            self, query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal
+        )
     # As nn.MultiheadAttention.forward before F.multi_head_attention_forward.
-    key_padding_mask = F._canonical_mask(mask=key_padding_mask, mask_name="key_padding_mask",
-                                         other_type=F._none_or_dtype(attn_mask), other_name="attn_mask",
-                                         target_type=query.dtype)  # fmt: skip
-    attn_mask = F._canonical_mask(mask=attn_mask, mask_name="attn_mask", other_type=None, other_name="",
-                                  target_type=query.dtype, check_other=False)  # fmt: skip
+    key_padding_mask = F._canonical_mask(
+        mask=key_padding_mask,
+        mask_name="key_padding_mask",
+        other_type=F._none_or_dtype(attn_mask),
+        other_name="attn_mask",
+        target_type=query.dtype,
+    )
+    attn_mask = F._canonical_mask(
+        mask=attn_mask,
+        mask_name="attn_mask",
+        other_type=None,
+        other_name="",
+        target_type=query.dtype,
+        check_other=False,
+    )
     is_batched = query.dim() == 3
     if self.batch_first and is_batched:
         query = query.transpose(1, 0)
@@ -148,17 +169,29 @@ def routed_forward(self: nn.MultiheadAttention, query: torch.Tensor, key: torch.
             key_padding_mask = key_padding_mask.unsqueeze(0)
     tgt_len, bsz, embed_dim = query.shape
     src_len = tgt_len
-    key_padding_mask = F._canonical_mask(mask=key_padding_mask, mask_name="key_padding_mask",
-                                         other_type=F._none_or_dtype(attn_mask), other_name="attn_mask",
-                                         target_type=query.dtype)  # fmt: skip
+    key_padding_mask = F._canonical_mask(
+        mask=key_padding_mask,
+        mask_name="key_padding_mask",
+        other_type=F._none_or_dtype(attn_mask),
+        other_name="attn_mask",
+        target_type=query.dtype,
+    )
     if is_causal and attn_mask is None:
-        raise RuntimeError("Need attn_mask if specifying the is_causal hint. You may use the Transformer module "
-                           "method `generate_square_subsequent_mask` to create this mask.")  # fmt: skip
+        raise RuntimeError(
+            "Need attn_mask if specifying the is_causal hint. You may use the Transformer module "
+            "method `generate_square_subsequent_mask` to create this mask."
+        )
     if is_causal and key_padding_mask is None and not need_weights:
         attn_mask = None
     else:
-        attn_mask = F._canonical_mask(mask=attn_mask, mask_name="attn_mask", other_type=None, other_name="",
-                                      target_type=query.dtype, check_other=False)  # fmt: skip
+        attn_mask = F._canonical_mask(
+            mask=attn_mask,
+            mask_name="attn_mask",
+            other_type=None,
+            other_name="",
+            target_type=query.dtype,
+            check_other=False,
+        )
         if key_padding_mask is not None:
             is_causal = False
     if embed_dim != self.embed_dim:
@@ -170,21 +203,25 @@ def routed_forward(self: nn.MultiheadAttention, query: torch.Tensor, key: torch.
     if attn_mask is not None:
         if attn_mask.dim() == 2:
             if attn_mask.shape != (tgt_len, src_len):
-                raise RuntimeError(f"The shape of the 2D attn_mask is {attn_mask.shape}, but should be "
-                                   f"{(tgt_len, src_len)}.")  # fmt: skip
+                raise RuntimeError(
+                    f"The shape of the 2D attn_mask is {attn_mask.shape}, but should be {(tgt_len, src_len)}."
+                )
             attn_mask = attn_mask.unsqueeze(0)
         elif attn_mask.dim() == 3:
             if attn_mask.shape != (bsz * num_heads, tgt_len, src_len):
-                raise RuntimeError(f"The shape of the 3D attn_mask is {attn_mask.shape}, but should be "
-                                   f"{(bsz * num_heads, tgt_len, src_len)}.")  # fmt: skip
+                raise RuntimeError(
+                    f"The shape of the 3D attn_mask is {attn_mask.shape}, but should be "
+                    f"{(bsz * num_heads, tgt_len, src_len)}."
+                )
         else:
             raise RuntimeError(f"attn_mask's dimension {attn_mask.dim()} is not supported")
     q = q.view(tgt_len, bsz * num_heads, head_dim).transpose(0, 1)
     k = k.view(k.shape[0], bsz * num_heads, head_dim).transpose(0, 1)
     v = v.view(v.shape[0], bsz * num_heads, head_dim).transpose(0, 1)
     if key_padding_mask is not None:
-        key_padding_mask = (key_padding_mask.view(bsz, 1, 1, src_len).expand(-1, num_heads, -1, -1)
-                            .reshape(bsz * num_heads, 1, src_len))  # fmt: skip
+        key_padding_mask = (
+            key_padding_mask.view(bsz, 1, 1, src_len).expand(-1, num_heads, -1, -1).reshape(bsz * num_heads, 1, src_len)
+        )
         attn_mask = key_padding_mask if attn_mask is None else attn_mask + key_padding_mask
     dropout_p = self.dropout if self.training else 0.0
     weights: torch.Tensor | None = None

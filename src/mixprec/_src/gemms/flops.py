@@ -24,13 +24,39 @@ from torch.utils.flop_counter import flop_registry
 
 __all__ = ["Count", "count"]
 
-_ATTENTION = {"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_attention_math",
-              "_scaled_dot_product_fused_attention_overrideable"}  # fmt: skip
+_ATTENTION = {
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_attention_math",
+    "_scaled_dot_product_fused_attention_overrideable",
+}
 #: Ops whose output is the same values as their one tensor input, reshaped, cast or copied.
-_SAME_VALUES = {"_to_copy", "clone", "t", "transpose", "permute", "view", "_unsafe_view", "reshape", "expand",
-                "contiguous", "detach", "alias", "slice", "select", "split", "split_with_sizes", "chunk",
-                "unbind", "unflatten", "squeeze", "unsqueeze", "as_strided", "_reshape_alias",
-                "lift_fresh", "numpy_T"}  # fmt: skip
+_SAME_VALUES = {
+    "_to_copy",
+    "clone",
+    "t",
+    "transpose",
+    "permute",
+    "view",
+    "_unsafe_view",
+    "reshape",
+    "expand",
+    "contiguous",
+    "detach",
+    "alias",
+    "slice",
+    "select",
+    "split",
+    "split_with_sizes",
+    "chunk",
+    "unbind",
+    "unflatten",
+    "squeeze",
+    "unsqueeze",
+    "as_strided",
+    "_reshape_alias",
+    "lift_fresh",
+    "numpy_T",
+}
 
 
 @dataclasses.dataclass

@@ -126,8 +126,13 @@ def kind_of(module: nn.Module) -> Kind | None:
 
 def _is_patch(conv: nn.Module) -> bool:
     c: Any = conv
-    return (tuple(c.kernel_size) == tuple(c.stride) and c.groups == 1 and set(c.dilation) == {1}
-            and c.padding_mode == "zeros" and (c.padding == "valid" or set(c.padding) == {0}))  # fmt: skip
+    return (
+        tuple(c.kernel_size) == tuple(c.stride)
+        and c.groups == 1
+        and set(c.dilation) == {1}
+        and c.padding_mode == "zeros"
+        and (c.padding == "valid" or set(c.padding) == {0})
+    )
 
 
 def not_a_layer(module: nn.Module) -> str | None:
@@ -139,8 +144,10 @@ def not_a_layer(module: nn.Module) -> str | None:
     own = _own_forward(type(module), found[0])
     if own is None:
         return None
-    return (f"{type(module).__name__} overrides {found[0].__name__}'s forward (in {own.__name__}): it may "
-            "compute otherwise (a quantized or adapted layer), so it is left as it is")  # fmt: skip
+    return (
+        f"{type(module).__name__} overrides {found[0].__name__}'s forward (in {own.__name__}): it may "
+        "compute otherwise (a quantized or adapted layer), so it is left as it is"
+    )
 
 
 def weight_of(module: nn.Module) -> torch.Tensor:

@@ -40,12 +40,7 @@ from mixprec._src.fp8 import conversion as fp8_conversion
 from mixprec._src.gemms import sites
 from mixprec._src.layers import probes
 from mixprec._src.layers.ladder import GuardThresholds, LayerMove
-from mixprec._src.layers.precision import (
-    FP8_PREFIX,
-    LayerPrecision,
-    layer_precision,
-    set_layer_precision,
-)
+from mixprec._src.layers.precision import FP8_PREFIX, LayerPrecision, layer_precision, set_layer_precision
 from mixprec._src.layers.probes import (
     BAD_WEIGHT_GRAD,
     BWD_ORIGIN,
@@ -90,9 +85,15 @@ class Guard:
         >>> guard.close()
     """
 
-    def __init__(self, model: nn.Module, scaler: Any = None, *, thresholds: GuardThresholds | None = None,
-                 names: str | tuple[str, ...] = ("*",),
-                 callback: Callable[[LayerMove], None] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model: nn.Module,
+        scaler: Any = None,
+        *,
+        thresholds: GuardThresholds | None = None,
+        names: str | tuple[str, ...] = ("*",),
+        callback: Callable[[LayerMove], None] | None = None,
+    ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"Guard watches an nn.Module, got {type(model).__name__}")
         if thresholds is not None and not isinstance(thresholds, GuardThresholds):
@@ -268,16 +269,16 @@ class Guard:
             if row[FWD_ORIGIN] > 0:
                 found[index] = ("nonfinite_forward", "output inf/NaN from a finite input")
             # (a weight gradient is the layer's doing only where its output gradients and inputs were finite)
-            elif scale_used <= th.backward_scale and (row[BWD_ORIGIN] > 0 or (
-                    row[BAD_WEIGHT_GRAD] > 0 and math.isfinite(row[GRAD_OUT] + row[IN]))):  # fmt: skip
+            elif scale_used <= th.backward_scale and (
+                row[BWD_ORIGIN] > 0 or (row[BAD_WEIGHT_GRAD] > 0 and math.isfinite(row[GRAD_OUT] + row[IN]))
+            ):
                 which = "input" if row[BWD_ORIGIN] > 0 else "weight"
-                found[index] = ("nonfinite_backward", f"{which} gradient inf/NaN from a finite output gradient at "
-                                                      f"loss scale {scale_used:g}")  # fmt: skip
-            elif seen == LayerPrecision.FP16 and math.isfinite(row[OUT]) and row[OUT] > th.fp16_margin * FP16_MAX:
                 found[index] = (
-                    "fp16_overflow",
-                    f"output amax {row[OUT]:.4g} > {th.fp16_margin:g} x {FP16_MAX:g}",
+                    "nonfinite_backward",
+                    f"{which} gradient inf/NaN from a finite output gradient at loss scale {scale_used:g}",
                 )
+            elif seen == LayerPrecision.FP16 and math.isfinite(row[OUT]) and row[OUT] > th.fp16_margin * FP16_MAX:
+                found[index] = ("fp16_overflow", f"output amax {row[OUT]:.4g} > {th.fp16_margin:g} x {FP16_MAX:g}")
             elif seen is not None and seen.startswith(FP8_PREFIX):
                 signal = self._fp8_signal(name, row)
                 if signal is not None:

@@ -58,16 +58,23 @@ class GuardThresholds:
             raise ValueError(f"patience must be an int >= 1, got {self.patience!r}")
         if not (isinstance(self.warmup, int) and self.warmup >= 0):
             raise ValueError(f"warmup must be an int >= 0, got {self.warmup!r}")
-        for field, low, high in (("backward_scale", 0, math.inf), ("fp16_margin", 0, 1), ("saturated", 0, 1),
-                                 ("flushed", 0, 1), ("amax_jump", 1, math.inf)):  # fmt: skip
+        for field, low, high in (
+            ("backward_scale", 0, math.inf),
+            ("fp16_margin", 0, 1),
+            ("saturated", 0, 1),
+            ("flushed", 0, 1),
+            ("amax_jump", 1, math.inf),
+        ):
             value = getattr(self, field)
             if not (isinstance(value, (int, float)) and low < value <= high):
                 raise ValueError(f"{field} must be a number in ({low:g}, {high:g}], got {value!r}")
         ladder = {parse_precision(a): parse_precision(b) for a, b in self.ladder.items()}
         for a, b in ladder.items():
             if b is P.FP8_DELAYED or b.rung < a.rung or a is P.FP32:
-                raise ValueError(f"the ladder moves {a} down to {b}; a rung goes up: fp8 -> 16 bits -> fp32, and "
-                                 "never to fp8-delayed (a whole-model recipe)")  # fmt: skip
+                raise ValueError(
+                    f"the ladder moves {a} down to {b}; a rung goes up: fp8 -> 16 bits -> fp32, and "
+                    "never to fp8-delayed (a whole-model recipe)"
+                )
         for start in ladder:  # fp16 and bf16 are one rung: a ladder may go either way, not both
             seen, at = {start}, start
             while at in ladder:

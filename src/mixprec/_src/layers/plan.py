@@ -7,7 +7,7 @@ the same weights, input and output gradient (SQNR of the output and both gradien
 counts). fp16 is measured as it trains, behind a GradScaler: its output gradient is multiplied by
 the loss scale a GradScaler trains this model at (:func:`settled_loss_scale`) and its gradients
 divided by it after, so gradients fp16 holds only scaled are not counted as underflow.
-:func:`choose` picks per layer::
+``choice.choose`` picks per layer::
 
     allowed  = fp32, and each precision whose SQNR >= the floor
     fp8 only where the device has fp8 GEMMs, and never where it measured slower than bf16
@@ -34,31 +34,24 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec._src import input_checks, timing
+from mixprec._src import _compat, input_checks, timing
 from mixprec._src.fp8 import conversion as fp8_conversion
-from mixprec._src.fp8.config import Fp8Config, Fp8Recipe
+from mixprec._src.fp8.config import Fp8Config
 from mixprec._src.gemms import flops, kinds, sites
+from mixprec._src.layers.choice import Measured
 from mixprec._src.layers.precision import (
-    DELAYED_PER_LAYER,
     LayerPrecision,
-    fp8_recipe_of,
-    layer_of,
     parse_precision,
     set_layer_precision,
 )
 from mixprec._src.numerics import sqnr
 
-__all__ = [
-    "FP8_CANDIDATES",
-    "apply",
-    "check_choices",
-    "choose",
-    "device_has_fp8",
-    "LayerChoice",
-    "measure",
-    "Measured",
-    "settled_loss_scale",
-]
+__all__ = ["FP8_CANDIDATES", "device_has_fp8", "measure", "settled_loss_scale"]
+
+
+def __getattr__(name: str) -> Any:
+    return _compat.forward("layers.plan", name)  # names older pickles hold
+
 
 #: The fp8 recipes the planner considers (delayed scaling needs prepare's step hook: a whole-model choice).
 FP8_CANDIDATES = (LayerPrecision.FP8_TENSORWISE, LayerPrecision.FP8_ROWWISE)
@@ -69,53 +62,6 @@ _MAX_REPS = 8  # ... repeated up to this many while the fastest two of a precisi
 _SLOW_EMULATION = 50.0
 _SLOW_FLOOR_S = 0.1  # ... and past this (a tiny layer's fp32 run is all overhead)
 _SLOW_REASON = "fp8 GEMMs emulated too slowly here for their SQNR"
-
-
-@dataclasses.dataclass(frozen=True)
-class LayerChoice:
-    """One layer of a per-layer plan: its shape, what each precision cost and how accurate it was, the choice.
-
-    Attributes:
-        name: the layer's qualified name.
-        shape: e.g. ``"linear 256->512, 1024 rows"``.
-        ms: ``(precision, ms)`` pairs: forward and backward of the layer at its shapes (the fastest of 3 runs).
-        sqnr_db: ``(precision, dB)`` pairs: the worst of output, input gradient and weight gradient
-            against fp32 (fp32 is the reference and has none).
-        choice: the precision the layer computes in.
-        reason: why, in a sentence.
-        noise: how much the layer's timings moved between repetitions (relative; see :mod:`timing`).
-        default: the precision the recipe gives the layer without the plan (its dtype, or fp32 where it
-            keeps the layer or moves its op to fp32); ``""``: the recipe's dtype (:class:`Recipe` fills it).
-    """
-
-    name: str
-    shape: str
-    ms: tuple[tuple[str, float], ...] = ()
-    sqnr_db: tuple[tuple[str, float], ...] = ()
-    choice: LayerPrecision = LayerPrecision.FP32
-    reason: str = ""
-    default: str = ""
-    noise: float = 0.0
-
-    def __post_init__(self) -> None:
-        for field in ("ms", "sqnr_db"):
-            pairs = getattr(self, field)
-            items = pairs.items() if isinstance(pairs, dict) else pairs
-            object.__setattr__(self, field, tuple((parse_precision(p), float(v)) for p, v in items))
-        object.__setattr__(self, "choice", parse_precision(self.choice))
-        if self.default:
-            object.__setattr__(self, "default", parse_precision(self.default))
-
-    @property
-    def moved(self) -> bool:
-        """Whether the plan gives this layer another precision than the recipe would."""
-        return self.choice != self.default
-
-    def ms_of(self, precision: str) -> float | None:
-        return dict(self.ms).get(precision)
-
-    def sqnr_of(self, precision: str) -> float | None:
-        return dict(self.sqnr_db).get(precision)
 
 
 @dataclasses.dataclass
@@ -194,8 +140,10 @@ def _reach_note(counted: flops.Count, left_out: Mapping[str, str]) -> str:
     total = counted.weight_total
     share = sum(counted.layers.values()) / total if total else 1.0
     note = f"per-layer plan: its layers hold {share:.1%} of the forward's weight-GEMM FLOPs"
-    rest = [f"{where or '<model>'} ({f / total:.1%}: {left_out.get(where, 'not a GEMM layer')})"
-            for where, f in counted.weights.most_common()]  # fmt: skip
+    rest = [
+        f"{where or '<model>'} ({f / total:.1%}: {left_out.get(where, 'not a GEMM layer')})"
+        for where, f in counted.weights.most_common()
+    ]
     return note + ("; not layers: " + "; ".join(rest) if rest else "")
 
 
@@ -252,21 +200,15 @@ def _fp8_reason(module: nn.Module, name: str, head: str | None) -> str | None:
     return fp8_conversion.reason_to_skip(module, name, Fp8Config(), False, head)
 
 
-@dataclasses.dataclass
-class Measured:
-    """Per layer: shape, ms and SQNR by precision, why a precision was not measured, the timings' noise."""
-
-    name: str
-    shape: str
-    ms: dict[LayerPrecision, float]
-    sqnr_db: dict[LayerPrecision, float]
-    not_measured: dict[LayerPrecision, str]
-    noise: float = 0.0
-
-
-def measure(model: nn.Module, batch: Any, loss_of: Callable[[Any], torch.Tensor], precisions: Sequence[str],
-            deadline: float, emulated: Mapping[str, float] | None = None,
-            progress: Callable[[str], None] | None = None) -> tuple[list[Measured], list[str]]:  # fmt: skip
+def measure(
+    model: nn.Module,
+    batch: Any,
+    loss_of: Callable[[Any], torch.Tensor],
+    precisions: Sequence[str],
+    deadline: float,
+    emulated: Mapping[str, float] | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> tuple[list[Measured], list[str]]:
     """Time and check each layer of ``model`` in each of ``precisions`` (fp32 always), until ``deadline``.
 
     fp8 precisions are measured on devices with fp8 GEMMs only (elsewhere ``torch._scaled_mm`` is an
@@ -283,27 +225,34 @@ def measure(model: nn.Module, batch: Any, loss_of: Callable[[Any], torch.Tensor]
     untimed = set()  # run once for their SQNR (the emulation computes what the hardware would), not timed
     if any(p.fp8_recipe for p in wanted) and not device_has_fp8(device):
         untimed = {p for p in wanted if p.fp8_recipe}
-        notes.append(f"no layer in fp8: fp8 GEMMs are emulated on {device.type} (torch._scaled_mm in fp32), "
-                     "so fp8 could only be slower; a GPU of compute capability 8.9+ has them (the table "
-                     "shows fp8's SQNR per layer, the same there)")  # fmt: skip
+        notes.append(
+            f"no layer in fp8: fp8 GEMMs are emulated on {device.type} (torch._scaled_mm in fp32), "
+            "so fp8 could only be slower; a GPU of compute capability 8.9+ has them (the table "
+            "shows fp8's SQNR per layer, the same there)"
+        )
     slow = {parse_precision(p): s for p, s in (emulated or {}).items() if p in wanted and p != LayerPrecision.FP32}
     if slow:
         wanted = [p for p in wanted if p not in slow]
-        notes.append("per-layer plan: not run in " + ", ".join(f"{p} (a matmul {s:.0f}x slower than fp32: emulated)"
-                                                              for p, s in slow.items()))  # fmt: skip
+        notes.append(
+            "per-layer plan: not run in "
+            + ", ".join(f"{p} (a matmul {s:.0f}x slower than fp32: emulated)" for p, s in slow.items())
+        )
     captured, largest_gradient, reach = _capture(model, batch, loss_of)
     notes.append(reach)
     fp16_scale = settled_loss_scale(largest_gradient)
     if LayerPrecision.FP16 in wanted:
-        notes.append(f"per-layer plan: fp16 measured behind a loss scale of 2**{int(math.log2(fp16_scale))}, what "
-                     f"a GradScaler trains this model at (largest gradient {largest_gradient:.3g})")  # fmt: skip
+        notes.append(
+            f"per-layer plan: fp16 measured behind a loss scale of 2**{int(math.log2(fp16_scale))}, what "
+            f"a GradScaler trains this model at (largest gradient {largest_gradient:.3g})"
+        )
     head = fp8_conversion.head_of(model, sites.gemm_layers(model, route=False))
     out: list[Measured] = []
     dropped: set[LayerPrecision] = set()  # untimed precisions whose emulation here is too slow to run for its SQNR
     for name, c in captured.items():
         if time.perf_counter() > deadline:
-            notes.append(f"the budget ran out after {len(out)} of {len(captured)} layers: the others keep the "
-                         "recipe's dtype")  # fmt: skip
+            notes.append(
+                f"the budget ran out after {len(out)} of {len(captured)} layers: the others keep the recipe's dtype"
+            )
             break
         entry = Measured(
             name,
@@ -333,9 +282,11 @@ def measure(model: nn.Module, batch: Any, loss_of: Callable[[Any], torch.Tensor]
             if p in untimed and seconds > max(_SLOW_EMULATION * runs[LayerPrecision.FP32].times[0], _SLOW_FLOOR_S):
                 dropped |= untimed
                 ratio = seconds / runs[LayerPrecision.FP32].times[0]
-                notes.append(f"per-layer plan: fp8's SQNR not measured from layer {name} on: its {p} GEMMs took "
-                             f"{seconds:.2g} s, {ratio:.0f}x its fp32 run (the emulation is about 2x), and one "
-                             "such GEMM of a larger layer could take the whole budget")  # fmt: skip
+                notes.append(
+                    f"per-layer plan: fp8's SQNR not measured from layer {name} on: its {p} GEMMs took "
+                    f"{seconds:.2g} s, {ratio:.0f}x its fp32 run (the emulation is about 2x), and one "
+                    "such GEMM of a larger layer could take the whole budget"
+                )
         timed = {p: run for p, run in runs.items() if p not in untimed}
         rep = 0
         while rep < _REPS or (rep < _MAX_REPS and _noise(timed) > timing.NOISY and time.perf_counter() < deadline):
@@ -360,78 +311,3 @@ def measure(model: nn.Module, batch: Any, loss_of: Callable[[Any], torch.Tensor]
 def _noise(runs: Mapping[LayerPrecision, _Run]) -> float:
     """The worst precision's :func:`timing.fastest_noise` over its timed runs (after the warm-up)."""
     return max((n for run in runs.values() if (n := timing.fastest_noise(run.times[1:])) is not None), default=0.0)
-
-
-def choose(measured: Sequence[Measured], default: str | Callable[[Measured], str], floor_db: float,
-           min_speedup: float, fp8_allowed: bool = True) -> tuple[LayerChoice, ...]:  # fmt: skip
-    """Each measured layer's precision (see the module docstring); ``default``: what the recipe gives a
-    layer (its dtype, or per layer)."""
-    choices = []
-    recipe_default = default
-    for m in measured:
-        default = parse_precision(recipe_default(m) if callable(recipe_default) else recipe_default)
-        allowed, why_not = {}, []
-        for p, ms in m.ms.items():
-            quality = m.sqnr_db.get(p, math.inf)
-            if quality < floor_db:
-                why_not.append(f"{p} {quality:.1f} dB < {floor_db:g} dB")
-                continue
-            if LayerPrecision.from_name(p).fp8_recipe:
-                high = m.ms.get(LayerPrecision.BF16, m.ms.get(default))
-                if not fp8_allowed or (high is not None and ms >= high):
-                    why_not.append(f"{p} not faster than bf16 ({ms:.3f} vs {high:.3f} ms)" if high else p)
-                    continue
-            allowed[p] = ms
-        fastest = min(allowed, key=allowed.__getitem__)
-        need = max(min_speedup, 1.0 + m.noise)  # a speed-up within the timings' noise is not one
-        if default in allowed and allowed[default] <= allowed[fastest] * need:
-            choice = default
-            reason = "as the recipe has it"
-            if fastest != default and allowed[default] > allowed[fastest] * min_speedup:
-                reason += (f" ({fastest} measured {allowed[default] / allowed[fastest]:.2f}x faster, within the "
-                           f"timing noise ±{m.noise:.0%})")  # fmt: skip
-            elif fastest != default:
-                reason += f" (within {min_speedup:g}x of {fastest})"
-        else:
-            choice = fastest
-            reason = f"fastest above {floor_db:g} dB"
-            if default in m.ms:
-                reason += f" ({m.ms[default] / allowed[fastest]:.2f}x faster than {default})"
-        if why_not:
-            reason += "; not " + ", ".join(why_not)
-        unmeasured: dict[tuple[str, str], list[str]] = {}
-        for p, why in m.not_measured.items():
-            unmeasured.setdefault(("not timed" if p in m.sqnr_db else "not measured", why), []).append(p)
-        reason += "".join(f"; {', '.join(ps)} {what}: {why}" for (what, why), ps in unmeasured.items())
-        choices.append(
-            LayerChoice(
-                m.name,
-                m.shape,
-                tuple(m.ms.items()),
-                tuple(m.sqnr_db.items()),
-                parse_precision(choice),
-                reason,
-                default,
-                m.noise,
-            )
-        )
-    return tuple(choices)
-
-
-def apply(model: nn.Module, layers: Sequence[LayerChoice]) -> None:
-    """Set each layer the plan moves (its choice is not the recipe's default for it) to its precision (in place)."""
-    moved = [c for c in layers if c.moved]
-    for layer in moved:  # every name first: a plan for another model changes nothing
-        try:
-            layer_of(model, layer.name)
-        except ValueError as exc:
-            raise ValueError(f"the recipe's per-layer plan does not fit this model: {exc}") from None
-    for layer in moved:
-        set_layer_precision(model, layer.name, layer.choice)
-
-
-def check_choices(layers: Sequence[LayerChoice]) -> None:
-    """Raise for a choice :meth:`Recipe.apply` cannot apply by itself (delayed scaling needs prepare)."""
-    for layer in layers:
-        if fp8_recipe_of(layer.choice) is Fp8Recipe.DELAYED:
-            raise ValueError(f"layer {layer.name!r}: {DELAYED_PER_LAYER}")

@@ -157,9 +157,11 @@ def set_layer_precision(model: nn.Module, name: str, precision: str | torch.dtyp
 
 
 #: Why one layer cannot be given delayed scaling on its own.
-DELAYED_PER_LAYER = ("fp8-delayed keeps an amax history that prepare's step hook advances: a whole-model choice "
-                     "(mixprec.prepare(..., fp8='delayed'), Recipe(fp8='delayed')); one layer takes a dynamic "
-                     "recipe (fp8-tensorwise, fp8-rowwise)")  # fmt: skip
+DELAYED_PER_LAYER = (
+    "fp8-delayed keeps an amax history that prepare's step hook advances: a whole-model choice "
+    "(mixprec.prepare(..., fp8='delayed'), Recipe(fp8='delayed')); one layer takes a dynamic "
+    "recipe (fp8-tensorwise, fp8-rowwise)"
+)
 
 
 def layer_of(model: nn.Module, name: str) -> nn.Module:
@@ -179,7 +181,8 @@ def layer_of(model: nn.Module, name: str) -> nn.Module:
     why = dict(sites.left_out(model)).get(name) or (
         f"a {type(module).__name__} is not a GEMM layer; per-layer precision applies to linears (and their "
         "subclasses that keep nn.Linear's forward), transformers' Conv1D, nn.MultiheadAttention's in_proj and "
-        "out_proj, and convolutions")  # fmt: skip
+        "out_proj, and convolutions"
+    )
     raise ValueError(f"{name!r}: {why}")
 
 

@@ -39,9 +39,16 @@ def _default_blocks(model: nn.Module) -> list[str]:
 _Backward = tuple[list[tuple[int, int]], dict[int, int] | None]
 
 
-def activations(model: nn.Module, config: PrepareConfig, batch: Any, loss_fn: Callable[[Any], torch.Tensor] | None,
-                 blocks: str | Iterable[str] | None, lowp: set[int], world: int,
-                 plain: bool) -> tuple[int, int, tuple[str, ...], _Backward]:  # fmt: skip
+def activations(
+    model: nn.Module,
+    config: PrepareConfig,
+    batch: Any,
+    loss_fn: Callable[[Any], torch.Tensor] | None,
+    blocks: str | Iterable[str] | None,
+    lowp: set[int],
+    world: int,
+    plain: bool,
+) -> tuple[int, int, tuple[str, ...], _Backward]:
     """Bytes saved for backward by one forward on fake tensors; and with ``blocks`` checkpointed; and the
     backward on them: its timeline's events and the storages the parameters' gradients were in (:func:`_backward`)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -80,8 +87,11 @@ def activations(model: nn.Module, config: PrepareConfig, batch: Any, loss_fn: Ca
             values[name] = fake
         for name, b in model.named_buffers(remove_duplicate=False):
             values[name] = _fake(mode, b, device)
-        copies = {id(f): f.detach().to(config.dtype).requires_grad_(f.requires_grad) for i, f in fake_params.items()
-                  if swap and i in lowp}  # fmt: skip
+        copies = {
+            id(f): f.detach().to(config.dtype).requires_grad_(f.requires_grad)
+            for i, f in fake_params.items()
+            if swap and i in lowp
+        }
         weights = {storage_key(t) for t in (*fake_params.values(), *copies.values())}
         if swap:
             inside = {id(m) for k in kept.outermost(model, config) for m in k.modules()}
@@ -124,8 +134,9 @@ def activations(model: nn.Module, config: PrepareConfig, batch: Any, loss_fn: Ca
     return total, checkpointed, tuple(chosen), (timeline.events, grads)
 
 
-def _backward(roots: list[Any], timeline: BackwardTimeline,
-              leaves: list[tuple[int, torch.Tensor]]) -> dict[int, int] | None:  # fmt: skip
+def _backward(
+    roots: list[Any], timeline: BackwardTimeline, leaves: list[tuple[int, torch.Tensor]]
+) -> dict[int, int] | None:
     """Run backward from ``roots`` on the fakes under ``timeline``; the timeline's number of each storage a
     parameter's gradient was in -> id of the parameter (``leaves``: (id of a model parameter, a fake its
     gradient may land on: the fake parameter, or O2's compute copy)); ``None`` where backward cannot run on

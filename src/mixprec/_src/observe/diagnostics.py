@@ -46,8 +46,9 @@ def _checkable(t: Any) -> bool:
 
 # Ops whose output is uninitialised memory (Dropout's mask starts as empty_like): whatever bits it holds
 # are not a value the model computed, and the op that fills it in place reads it as an input.
-_UNINITIALISED = frozenset({"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided",
-                            "empty_permuted", "resize_"})  # fmt: skip
+_UNINITIALISED = frozenset(
+    {"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided", "empty_permuted", "resize_"}
+)
 
 
 class _FirstNonFinite(TorchDispatchMode):  # type: ignore[no-untyped-call]
@@ -98,8 +99,11 @@ class _Recorder:
 
     def _pre(self, module: nn.Module, args: Any) -> None:
         self.stack.append(module)
-        ok = all(bool((torch.isfinite(t) & (t.detach().float().abs() <= self.finfo.max)).all())
-                 for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor) and t.is_floating_point())  # fmt: skip
+        ok = all(
+            bool((torch.isfinite(t) & (t.detach().float().abs() <= self.finfo.max)).all())
+            for t in tree_flatten(args)[0]
+            if isinstance(t, torch.Tensor) and t.is_floating_point()
+        )
         self.inputs_ok[id(module)] = self.inputs_ok.get(id(module), True) and ok
 
     def _post(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -132,9 +136,18 @@ class _Recorder:
             handle.remove()
 
 
-def _run(model: nn.Module, inputs: Any, loss_fn: LossFn | None, dtype: torch.dtype, policy: Policy | None,
-         device_type: str, *, low_precision: bool, keep_outputs: bool,
-         steps: int) -> tuple[_Recorder, NonFinite | None, float]:  # fmt: skip
+def _run(
+    model: nn.Module,
+    inputs: Any,
+    loss_fn: LossFn | None,
+    dtype: torch.dtype,
+    policy: Policy | None,
+    device_type: str,
+    *,
+    low_precision: bool,
+    keep_outputs: bool,
+    steps: int,
+) -> tuple[_Recorder, NonFinite | None, float]:
     recorder = _Recorder(model, dtype, keep_outputs)
     tracer = _FirstNonFinite(recorder.where)
     loss_value = math.nan
@@ -248,10 +261,19 @@ def diagnose(
     was_training = model.training
     try:
         (ref, ref_first, loss_fp32), (low, first, loss_low) = [
-            _run(model, inputs, loss_of, dtype, base, device_type, low_precision=low_precision, keep_outputs=True,
-                 steps=steps)
+            _run(
+                model,
+                inputs,
+                loss_of,
+                dtype,
+                base,
+                device_type,
+                low_precision=low_precision,
+                keep_outputs=True,
+                steps=steps,
+            )
             for low_precision in (False, True)
-        ]  # fmt: skip
+        ]
     finally:
         model.train(was_training)
     reports = []
@@ -288,15 +310,7 @@ def diagnose(
             break
         trial = base.with_rules((*base.module_rules, ModuleRule(names=tuple(keep))))
         check, found, _ = _run(
-            model,
-            inputs,
-            loss_of,
-            dtype,
-            trial,
-            device_type,
-            low_precision=True,
-            keep_outputs=False,
-            steps=steps,
+            model, inputs, loss_of, dtype, trial, device_type, low_precision=True, keep_outputs=False, steps=steps
         )
         still = {id(m) for m in check.order if check.activations[id(m)].nan or check.activations[id(m)].inf}
         rules_fix_it = not still and (found is None or found.module in fp32_broken)
@@ -326,7 +340,9 @@ def diagnose(
     fp8_reports = []
     fp8_config = as_fp8_config(fp8)
     if fp8_config is not None:
-        fp8_reports = fp8_diagnostics.fp8_layer_reports(model, inputs, loss_of, fp8_config, dtype=dtype, policy=base,
-                                                        device_type=device_type)  # fmt: skip
-    return DiagnosticReport(dtype, reports, first, keep, rules_fix_it, scale, bf16_avoids, notes, loss_low, loss_fp32,
-                            fp8_reports)  # fmt: skip
+        fp8_reports = fp8_diagnostics.fp8_layer_reports(
+            model, inputs, loss_of, fp8_config, dtype=dtype, policy=base, device_type=device_type
+        )
+    return DiagnosticReport(
+        dtype, reports, first, keep, rules_fix_it, scale, bf16_avoids, notes, loss_low, loss_fp32, fp8_reports
+    )

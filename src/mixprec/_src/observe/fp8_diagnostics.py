@@ -46,16 +46,26 @@ def set_recording(model: nn.Module, on: bool) -> None:
             scaling.clear_stats()
 
 
-def fp8_layer_reports(model: nn.Module, inputs: Any, loss_fn: LossFn | None, config: Fp8Config, *,
-                      dtype: torch.dtype, policy: Policy, device_type: str) -> list[Fp8LayerReport]:  # fmt: skip
+def fp8_layer_reports(
+    model: nn.Module,
+    inputs: Any,
+    loss_fn: LossFn | None,
+    config: Fp8Config,
+    *,
+    dtype: torch.dtype,
+    policy: Policy,
+    device_type: str,
+) -> list[Fp8LayerReport]:
     """One forward and backward of a copy of ``model`` with ``config``'s fp8 layers, worst SQNR first.
 
     Raises:
         ValueError: a model :func:`mixprec.prepare` set up (its copy would share the original's state).
     """
     if prepared_state(model) is not None:
-        raise ValueError("diagnose(fp8=...) measures fp8 on a copy of the model as it was before mixprec.prepare; "
-                         "pass that model (or mixprec.export_fp32(model) of this one)")  # fmt: skip
+        raise ValueError(
+            "diagnose(fp8=...) measures fp8 on a copy of the model as it was before mixprec.prepare; "
+            "pass that model (or mixprec.export_fp32(model) of this one)"
+        )
     trial = copy.deepcopy(model)
     fp8_conversion.revert(trial)
     layers = fp8_conversion.convert(trial, config, set())
@@ -65,12 +75,15 @@ def fp8_layer_reports(model: nn.Module, inputs: Any, loss_fn: LossFn | None, con
     def measure(name: str, module: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> None:
         with torch.no_grad():
             bias = kinds.bias_of(module)
-            exact = kinds.compute(module, args[0].double(), kinds.weight_of(module).double(),
-                                  None if bias is None else bias.double())  # fmt: skip
+            exact = kinds.compute(
+                module, args[0].double(), kinds.weight_of(module).double(), None if bias is None else bias.double()
+            )
             outputs[name] = sqnr(out, exact)
 
-    handles = [module.register_forward_hook(lambda m, a, o, name=name: measure(name, m, a, o))
-               for name, module in layers.modules.items()]  # fmt: skip
+    handles = [
+        module.register_forward_hook(lambda m, a, o, name=name: measure(name, m, a, o))
+        for name, module in layers.modules.items()
+    ]
     try:
         with autocast(device_type, dtype=dtype, policy=policy):
             loss = input_checks.scalar_loss(input_checks.call_model(trial, inputs), loss_fn)

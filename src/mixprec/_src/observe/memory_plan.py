@@ -106,8 +106,13 @@ class MemoryPlan:
         return {**dataclasses.asdict(self), "state": self.state, "peak": self.peak}
 
     def __str__(self) -> str:
-        rows = [("weights", self.parameters), ("masters", self.masters), ("gradients", self.gradients),
-                ("optimizer state", self.optimizer_state), ("state (memory_report's total)", self.state)]  # fmt: skip
+        rows = [
+            ("weights", self.parameters),
+            ("masters", self.masters),
+            ("gradients", self.gradients),
+            ("optimizer state", self.optimizer_state),
+            ("state (memory_report's total)", self.state),
+        ]
         if self.activations is not None:
             rows.append(("activations", self.activations))
             if self.backward is not None:
@@ -193,8 +198,7 @@ def memory_plan(
             where = group_of.get(id(p))
             group = None if where is None else groups[where]
             state += state_bytes(p, numel, stored, optimizer, group, config, id(p) in lowp)
-            temporary, shadow, form = step_temporaries(p, numel, stored, optimizer, group, config, id(p) in lowp,
-                                                        world)  # fmt: skip
+            temporary, shadow, form = step_temporaries(p, numel, stored, optimizer, group, config, id(p) in lowp, world)
             if form.startswith("cpu-list"):  # a row of its group's table (one step in backward: a table of its own)
                 index = cast(int, where)
                 cpu_rows[index] = temporary if config.step_in_backward else cpu_rows.get(index, 0) + temporary
@@ -210,8 +214,12 @@ def memory_plan(
                 carried[cast(int, where)] = numel * stored if type(optimizer) is not torch.optim.SGD else 0
             step_temporary, shadows = max(step_temporary, temporary), shadows + shadow
     if lists:  # stepping in backward, a parameter's list is itself, or the small parameters stepped together
-        step_temporary = max(step_temporary, max(small, largest_listed) if config.step_in_backward else
-                             foreach_peak(lists, type(optimizer) is torch.optim.SGD))  # fmt: skip
+        step_temporary = max(
+            step_temporary,
+            max(small, largest_listed)
+            if config.step_in_backward
+            else foreach_peak(lists, type(optimizer) is torch.optim.SGD),
+        )
     if config.step_in_backward:
         # a low-precision gradient's norm is taken a chunk at a time in fp32, but where it lies on the CPU (mixprec's
         # kernel) and on a GPU (CUDA's norm kernel casts as it reads: measured, make gpu-check); a model on the meta
@@ -227,13 +235,26 @@ def memory_plan(
         if of is not None:  # stepping in backward each gradient is freed as it is stepped: in flight, counted apart
             sizes = {n: None if config.step_in_backward else grad_bytes.get(i) for n, i in of.items()}
             backward = peak(events, sizes)
-    return MemoryPlan(weights, masters, grads, state, in_flight if config.step_in_backward else grads,
-                      step_temporary + shadows, activations, checkpointed, names, world,
-                      "fp32" if plain else str(config), largest_gradient, backward)  # fmt: skip
+    return MemoryPlan(
+        weights,
+        masters,
+        grads,
+        state,
+        in_flight if config.step_in_backward else grads,
+        step_temporary + shadows,
+        activations,
+        checkpointed,
+        names,
+        world,
+        "fp32" if plain else str(config),
+        largest_gradient,
+        backward,
+    )
 
 
-def _sliced(model: nn.Module, optimizer: torch.optim.Optimizer | None, config: PrepareConfig,
-            world: int) -> dict[int, int]:  # fmt: skip
+def _sliced(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, config: PrepareConfig, world: int
+) -> dict[int, int]:
     """id(weight) -> the values of its gradient alive at once, where prepare will make it a slice at a time
     (``step.sliced_gradients``: the step in backward with quantized Adam(W) state, one process, not O2)."""
     if not config.step_in_backward or world > 1 or config.level is Level.O2 or not config.optimizer_state.own:
@@ -269,5 +290,4 @@ def _config(recipe: PrepareConfig | Level | str | Prepares) -> PrepareConfig | N
         return PrepareConfig(level=Level.from_name(recipe))
     if isinstance(recipe, Prepares):
         return None if recipe.dtype is torch.float32 else recipe.prepare_config()
-    raise TypeError(f"recipe must be a level, 'fp32', a PrepareConfig or a mixprec.Recipe, "
-                    f"not {type(recipe).__name__}")  # fmt: skip
+    raise TypeError(f"recipe must be a level, 'fp32', a PrepareConfig or a mixprec.Recipe, not {type(recipe).__name__}")

@@ -76,8 +76,14 @@ class Monitor:
         >>> monitor.close()
     """
 
-    def __init__(self, model: nn.Module, scaler: GradScaler | None = None, *,
-                 callback: Callable[[Incident], None] | None = None, fp8_stats: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model: nn.Module,
+        scaler: GradScaler | None = None,
+        *,
+        callback: Callable[[Incident], None] | None = None,
+        fp8_stats: bool = False,
+    ) -> None:
         self.callback = callback
         self.incidents: list[Incident] = []
         self._model = model
@@ -90,8 +96,10 @@ class Monitor:
         self._fp8_stats = fp8_stats
         if fp8_stats:
             if fp8_conversion.fp8_layers(model) is None:
-                raise ValueError("fp8_stats=True needs a model with fp8 layers: mixprec.prepare(model, optimizer, "
-                                 "level, fp8=...) first")  # fmt: skip
+                raise ValueError(
+                    "fp8_stats=True needs a model with fp8 layers: mixprec.prepare(model, optimizer, "
+                    "level, fp8=...) first"
+                )
             fp8_diagnostics.set_recording(model, True)
         if scaler is not None:
             scaler.add_listener(self._on_scaler_event)

@@ -52,8 +52,13 @@ def split(model: nn.Module, config: PrepareConfig) -> tuple[set[int], set[int]]:
     kept_modules = kept.outermost(model, config)
     kept_ids = kept.param_ids(kept_modules)
     inside = {id(m) for k in kept_modules for m in k.modules()}
-    lowp = {id(p) for m in model.modules() if id(m) not in inside for p in m.parameters(recurse=False)
-            if p.is_floating_point() and id(p) not in kept_ids}  # fmt: skip
+    lowp = {
+        id(p)
+        for m in model.modules()
+        if id(m) not in inside
+        for p in m.parameters(recurse=False)
+        if p.is_floating_point() and id(p) not in kept_ids
+    }
     return lowp, kept_ids
 
 
@@ -65,8 +70,15 @@ def shard_numel(p: torch.Tensor, world: int) -> int:
     return int(rows * math.prod(p.shape[1:]))
 
 
-def state_bytes(p: torch.Tensor, numel: int, stored: int, optimizer: torch.optim.Optimizer | None,
-                 group: dict[str, Any] | None, config: PrepareConfig, low: bool) -> int:  # fmt: skip
+def state_bytes(
+    p: torch.Tensor,
+    numel: int,
+    stored: int,
+    optimizer: torch.optim.Optimizer | None,
+    group: dict[str, Any] | None,
+    config: PrepareConfig,
+    low: bool,
+) -> int:
     """Bytes ``optimizer`` keeps for ``p`` (in param group ``group``) after a step, as the level and the state
     precision keep them."""
     if optimizer is None or group is None:
@@ -94,9 +106,16 @@ def state_bytes(p: torch.Tensor, numel: int, stored: int, optimizer: torch.optim
     raise ValueError(f"memory_plan knows the state of Adam, AdamW and SGD; this optimizer is a {kind.__name__}")
 
 
-def step_temporaries(p: torch.Tensor, numel: int, stored: int, optimizer: torch.optim.Optimizer | None,
-                      group: dict[str, Any] | None, config: PrepareConfig, low: bool,
-                      world: int) -> tuple[int, int, str]:  # fmt: skip
+def step_temporaries(
+    p: torch.Tensor,
+    numel: int,
+    stored: int,
+    optimizer: torch.optim.Optimizer | None,
+    group: dict[str, Any] | None,
+    config: PrepareConfig,
+    low: bool,
+    world: int,
+) -> tuple[int, int, str]:
     """(temporaries the step makes for ``p`` alone, fp32 copies held with every other parameter's, the form of
     the step that takes ``p``: torch's ``"loop"`` or ``"foreach"`` (its temporaries are its list's: the caller
     sums them), ``"cpu-list"`` (mixprec's CPU kernels, a table row for each weight of the group: the caller sums
@@ -146,8 +165,9 @@ LIST_ROW = {
 }
 
 
-def _torch_temporaries(optimizer: torch.optim.Optimizer, group: dict[str, Any], p: torch.Tensor,
-                       world: int) -> tuple[int, bool]:  # fmt: skip
+def _torch_temporaries(
+    optimizer: torch.optim.Optimizer, group: dict[str, Any], p: torch.Tensor, world: int
+) -> tuple[int, bool]:
     """(temporaries of ``p``'s size torch's own step makes, whether it takes its foreach path: its default for
     plain tensors on a GPU, a temporary for every tensor of a list at once), measured:
     tests/observe/test_memory_plan.py. 0 for the fused kernels."""

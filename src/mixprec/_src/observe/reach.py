@@ -130,8 +130,10 @@ def gemm_reach(model: nn.Module, batch: Any, fp8: Fp8Config | str | None = None)
     with torch.no_grad():
         counted = flops.count(copied, [n for n, _, _ in found], lambda: input_checks.call_model(copied, batch))
     left = dict(sites.left_out(copied))
-    layers = [ReachedLayer(n, str(k), counted.layers[n], counted.calls[n], {"fp8": fp8_why[n], "per-layer": None})
-              for n, _, k in found]  # fmt: skip
+    layers = [
+        ReachedLayer(n, str(k), counted.layers[n], counted.calls[n], {"fp8": fp8_why[n], "per-layer": None})
+        for n, _, k in found
+    ]
     outside = []
     for where, f in counted.weights.items():
         owner = next((n for n in sorted(left, key=len, reverse=True) if where == n or where.startswith(n + ".")), None)

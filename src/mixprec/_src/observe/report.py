@@ -84,9 +84,15 @@ class TensorStats:
     def from_dict(cls, data: dict[str, Any]) -> TensorStats:
         """The statistics :meth:`to_dict` wrote."""
         low = data["min_nonzero"]
-        return cls(numel=data["numel"], absmax=data["absmax"], min_nonzero=math.inf if low is None else low,
-                   overflow=data["overflow"], underflow=data["underflow"], nan=data["nan"],
-                   inf=data["inf"])  # fmt: skip
+        return cls(
+            numel=data["numel"],
+            absmax=data["absmax"],
+            min_nonzero=math.inf if low is None else low,
+            overflow=data["overflow"],
+            underflow=data["underflow"],
+            nan=data["nan"],
+            inf=data["inf"],
+        )
 
 
 @dataclasses.dataclass
@@ -109,16 +115,28 @@ class ModuleReport:
     rel_error: float | None  # ||y_low - y_fp32|| / ||y_fp32|| of the forward output
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "type": self.type, "activations": self.activations.to_dict(),
-                "gradients": self.gradients.to_dict(), "nan": self.nan, "inf": self.inf,
-                "rel_error": self.rel_error}  # fmt: skip
+        return {
+            "name": self.name,
+            "type": self.type,
+            "activations": self.activations.to_dict(),
+            "gradients": self.gradients.to_dict(),
+            "nan": self.nan,
+            "inf": self.inf,
+            "rel_error": self.rel_error,
+        }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModuleReport:
         """The module :meth:`to_dict` wrote."""
-        return cls(name=data["name"], type=data["type"], activations=TensorStats.from_dict(data["activations"]),
-                   gradients=TensorStats.from_dict(data["gradients"]), nan=data["nan"], inf=data["inf"],
-                   rel_error=data["rel_error"])  # fmt: skip
+        return cls(
+            name=data["name"],
+            type=data["type"],
+            activations=TensorStats.from_dict(data["activations"]),
+            gradients=TensorStats.from_dict(data["gradients"]),
+            nan=data["nan"],
+            inf=data["inf"],
+            rel_error=data["rel_error"],
+        )
 
 
 @dataclasses.dataclass
@@ -143,8 +161,10 @@ class Fp8LayerReport:
         return cls(data["name"], float(data["sqnr"]), {k: dict(v) for k, v in data["casts"].items()})
 
     def __str__(self) -> str:
-        return (f"{self.name}: {self.sqnr:.1f} dB, saturated {self.worst_saturation():.2%}, "
-                f"flushed {self.worst_flush():.2%}")  # fmt: skip
+        return (
+            f"{self.name}: {self.sqnr:.1f} dB, saturated {self.worst_saturation():.2%}, "
+            f"flushed {self.worst_flush():.2%}"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -279,20 +299,37 @@ def diagnostic_table(report: DiagnosticReport) -> Any:
     from rich.table import Table
 
     dt = short_name(report.dtype)
-    table = Table(title=f"mixprec diagnose ({dt}): " + (str(report.first_nonfinite) if report.first_nonfinite
-                                                         else "no NaN or Inf"))  # fmt: skip
-    for column in ("module", "type", "act absmax", "act overflow", "act underflow", "grad absmax",
-                   "grad underflow", f"{dt} nan/inf", "rel err vs fp32"):  # fmt: skip
+    table = Table(
+        title=f"mixprec diagnose ({dt}): "
+        + (str(report.first_nonfinite) if report.first_nonfinite else "no NaN or Inf")
+    )
+    for column in (
+        "module",
+        "type",
+        "act absmax",
+        "act overflow",
+        "act underflow",
+        "grad absmax",
+        "grad underflow",
+        f"{dt} nan/inf",
+        "rel err vs fp32",
+    ):
         table.add_column(column, justify="left" if column in ("module", "type") else "right")
     for m in report.modules:
         bad = m.nan + m.inf
         style = "red" if (bad or m.activations.overflow) else ("yellow" if m.name in report.keep_fp32 else None)
         table.add_row(
-            m.name or "<model>", m.type, f"{m.activations.absmax:.3g}", f"{m.activations.overflow_frac:.2%}",
-            f"{m.activations.underflow_frac:.2%}", f"{m.gradients.absmax:.3g}",
-            f"{m.gradients.underflow_frac:.2%}", str(bad),
-            "" if m.rel_error is None else f"{m.rel_error:.2e}", style=style,
-        )  # fmt: skip
+            m.name or "<model>",
+            m.type,
+            f"{m.activations.absmax:.3g}",
+            f"{m.activations.overflow_frac:.2%}",
+            f"{m.activations.underflow_frac:.2%}",
+            f"{m.gradients.absmax:.3g}",
+            f"{m.gradients.underflow_frac:.2%}",
+            str(bad),
+            "" if m.rel_error is None else f"{m.rel_error:.2e}",
+            style=style,
+        )
     return table
 
 

@@ -52,8 +52,16 @@ def quantized_moments(state: dict[str, Any], p: torch.Tensor, precision: str, ca
 
 
 @torch.no_grad()
-def adam_step(p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: dict[str, Any], decoupled: bool,
-              precision: str, capacity: int = 0, write: Write | None = None) -> None:  # fmt: skip
+def adam_step(
+    p: torch.Tensor,
+    grad: torch.Tensor,
+    state: dict[str, Any],
+    group: dict[str, Any],
+    decoupled: bool,
+    precision: str,
+    capacity: int = 0,
+    write: Write | None = None,
+) -> None:
     """One Adam (``decoupled=False``) or AdamW step of ``p`` (in place) with quantized moments in ``state``.
 
     ``p`` and ``grad`` are whole tensors or this rank's shards of them (``capacity``: ``moments.store``'s).
@@ -63,8 +71,15 @@ def adam_step(p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group:
     quantized_moments(state, p, precision, capacity)
     state["step"] += 1
     step = state["step"]
-    m, v, new = adam_update(p.float(), grad.float(), moments.load(state, "exp_avg", p.shape),
-                            moments.load(state, "exp_avg_sq", p.shape), step, group, decoupled)  # fmt: skip
+    m, v, new = adam_update(
+        p.float(),
+        grad.float(),
+        moments.load(state, "exp_avg", p.shape),
+        moments.load(state, "exp_avg_sq", p.shape),
+        step,
+        group,
+        decoupled,
+    )
     moments.store(state, "exp_avg", m, precision, capacity)
     moments.store(state, "exp_avg_sq", v, precision, capacity)
     if write is None:
@@ -73,8 +88,15 @@ def adam_step(p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group:
         write(p, new)
 
 
-def adam_update(p32: torch.Tensor, g32: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: torch.Tensor,
-                group: dict[str, Any], decoupled: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+def adam_update(
+    p32: torch.Tensor,
+    g32: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    step: torch.Tensor,
+    group: dict[str, Any],
+    decoupled: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Adam(W)'s arithmetic on fp32 tensors (the module's formulas): the new moments and the new weight, from the
     weight, its gradient, the moments before the step and the step count after it (``step``, a 0-dim tensor)."""
     lr = torch.tensor(float(group["lr"]), dtype=torch.float32)

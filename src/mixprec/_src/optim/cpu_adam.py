@@ -71,12 +71,29 @@ def _compiled(fmt: str, p_dtype: torch.dtype, g_dtype: torch.dtype) -> Any:
 
     bits, block = moments.FORMATS[fmt]
     fp8 = fmt == StatePrecision.FP8
-    source = _SOURCE % {"bits": bits, "block": block, "unsigned_zero": int(not fp8 and q.codebook(bits, False)[0] == 0),
-                        "fp8": int(fp8), "p_type": _CTYPES[p_dtype], "g_type": _CTYPES[g_dtype],
-                        "helpers": _HELPERS}  # fmt: skip
-    argtypes = [f"{_CTYPES[p_dtype]}*", f"const {_CTYPES[g_dtype]}*", "c10::BFloat16*", "uint8_t*", "float*",
-                "uint8_t*", "float*", "const float*", "const int32_t*", "const float*", "const int32_t*",
-                "const float*"] + ["int64_t"] * 7  # fmt: skip
+    source = _SOURCE % {
+        "bits": bits,
+        "block": block,
+        "unsigned_zero": int(not fp8 and q.codebook(bits, False)[0] == 0),
+        "fp8": int(fp8),
+        "p_type": _CTYPES[p_dtype],
+        "g_type": _CTYPES[g_dtype],
+        "helpers": _HELPERS,
+    }
+    argtypes = [
+        f"{_CTYPES[p_dtype]}*",
+        f"const {_CTYPES[g_dtype]}*",
+        "c10::BFloat16*",
+        "uint8_t*",
+        "float*",
+        "uint8_t*",
+        "float*",
+        "const float*",
+        "const int32_t*",
+        "const float*",
+        "const int32_t*",
+        "const float*",
+    ] + ["int64_t"] * 7
     return CppPythonBindingsCodeCache.load_pybinding(argtypes, source, extra_flags=("-ffp-contract=off",))
 
 
@@ -105,25 +122,55 @@ def _tables(fmt: str) -> tuple[torch.Tensor, ...]:
         return empty, empty.int(), empty, empty.int()
     bits = moments.FORMATS[fmt][0]
     cpu = torch.device("cpu")
-    return (q.table(bits, True, cpu), q.code_lookup(bits, True, cpu), q.table(bits, False, cpu),
-            q.code_lookup(bits, False, cpu))  # fmt: skip
+    return (
+        q.table(bits, True, cpu),
+        q.code_lookup(bits, True, cpu),
+        q.table(bits, False, cpu),
+        q.code_lookup(bits, False, cpu),
+    )
 
 
 _NO_COMP = torch.zeros(1, dtype=torch.bfloat16)
 
 
-def adam_step(p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], scalars: torch.Tensor, decoupled: bool,
-              fmt: str, rounding: int = NEAREST, seed: int = 0, comp: torch.Tensor | None = None) -> None:  # fmt: skip
+def adam_step(
+    p: torch.Tensor,
+    grad: torch.Tensor,
+    state: dict[str, Any],
+    scalars: torch.Tensor,
+    decoupled: bool,
+    fmt: str,
+    rounding: int = NEAREST,
+    seed: int = 0,
+    comp: torch.Tensor | None = None,
+) -> None:
     """One step of ``p`` (in place) and its quantized moments in ``state`` (allocated, ``step`` counted):
     ``scalars`` are ``fused_adam``'s seven (lr, the weight decay as applied, 1 - beta1, 1 - beta2, the bias
     corrections), ``rounding`` how the weight is written (``seed``: bf16-sr's for the weight's first value;
     ``comp``: bf16-kahan's compensation). Call where :func:`available`."""
     m_table, m_lookup, v_table, v_lookup = _tables(fmt)
     kernel = _compiled(fmt, p.dtype, grad.dtype)
-    kernel(p, grad, _NO_COMP if comp is None else comp, state["exp_avg_codes"], state["exp_avg_scale"],
-           state["exp_avg_sq_codes"], state["exp_avg_sq_scale"], m_table, m_lookup, v_table, v_lookup,
-           scalars.contiguous(), p.numel(), state["exp_avg_scale"].numel(), m_lookup.numel() // 2,
-           v_lookup.numel() // 2, int(decoupled), rounding, seed)  # fmt: skip
+    kernel(
+        p,
+        grad,
+        _NO_COMP if comp is None else comp,
+        state["exp_avg_codes"],
+        state["exp_avg_scale"],
+        state["exp_avg_sq_codes"],
+        state["exp_avg_sq_scale"],
+        m_table,
+        m_lookup,
+        v_table,
+        v_lookup,
+        scalars.contiguous(),
+        p.numel(),
+        state["exp_avg_scale"].numel(),
+        m_lookup.numel() // 2,
+        v_lookup.numel() // 2,
+        int(decoupled),
+        rounding,
+        seed,
+    )
 
 
 _BF16_SOURCE = kernel_source("adam_bf16.cpp")
@@ -134,8 +181,14 @@ def _bf16_compiled(p_dtype: torch.dtype, g_dtype: torch.dtype) -> Any:
     from torch._inductor.codecache import CppPythonBindingsCodeCache
 
     source = _BF16_SOURCE % {"p_type": _CTYPES[p_dtype], "g_type": _CTYPES[g_dtype], "helpers": _HELPERS}
-    argtypes = [f"{_CTYPES[p_dtype]}*", f"const {_CTYPES[g_dtype]}*", "c10::BFloat16*", "c10::BFloat16*",
-                "c10::BFloat16*", "const float*"] + ["int64_t"] * 6  # fmt: skip
+    argtypes = [
+        f"{_CTYPES[p_dtype]}*",
+        f"const {_CTYPES[g_dtype]}*",
+        "c10::BFloat16*",
+        "c10::BFloat16*",
+        "c10::BFloat16*",
+        "const float*",
+    ] + ["int64_t"] * 6
     return CppPythonBindingsCodeCache.load_pybinding(argtypes, source, extra_flags=("-ffp-contract=off",))
 
 
@@ -168,15 +221,36 @@ def bf16_builds(p_dtype: torch.dtype, g_dtype: torch.dtype) -> bool:
     return True
 
 
-def bf16_adam_step(p: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, scalars: torch.Tensor,
-                   decoupled: bool, seeds: tuple[int, int], rounding: int = NEAREST, seed: int = 0,
-                   comp: torch.Tensor | None = None) -> None:  # fmt: skip
+def bf16_adam_step(
+    p: torch.Tensor,
+    grad: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    scalars: torch.Tensor,
+    decoupled: bool,
+    seeds: tuple[int, int],
+    rounding: int = NEAREST,
+    seed: int = 0,
+    comp: torch.Tensor | None = None,
+) -> None:
     """One Adam(W) step of ``p`` (in place) with its bf16 moments ``m`` and ``v`` (in place), each written with
     stochastic rounding from its seed in ``seeds`` (its first value's); ``scalars``, ``rounding``, ``seed``,
     ``comp``: as :func:`adam_step`'s. Call where :func:`bf16_available`."""
     kernel = _bf16_compiled(p.dtype, grad.dtype)
-    kernel(p, grad, _NO_COMP if comp is None else comp, m, v, scalars.contiguous(), p.numel(), int(decoupled),
-           rounding, seed, seeds[0], seeds[1])  # fmt: skip
+    kernel(
+        p,
+        grad,
+        _NO_COMP if comp is None else comp,
+        m,
+        v,
+        scalars.contiguous(),
+        p.numel(),
+        int(decoupled),
+        rounding,
+        seed,
+        seeds[0],
+        seeds[1],
+    )
 
 
 _NORM_SOURCE = kernel_source("square_norm.cpp")
@@ -188,8 +262,9 @@ def _norm_kernel(dtype: torch.dtype) -> Any:
     from torch._inductor.codecache import CppPythonBindingsCodeCache
 
     ctype = _LOW[dtype]
-    return CppPythonBindingsCodeCache.load_pybinding([f"const {ctype}*", "float*", "int64_t"],
-                                                     _NORM_SOURCE % {"x_type": ctype})  # fmt: skip
+    return CppPythonBindingsCodeCache.load_pybinding(
+        [f"const {ctype}*", "float*", "int64_t"], _NORM_SOURCE % {"x_type": ctype}
+    )
 
 
 def square_norm(x: torch.Tensor) -> torch.Tensor | None:

@@ -89,14 +89,22 @@ def takes(*tensors: torch.Tensor) -> bool:
     return True
 
 
-def adam_step(rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, int]],
-              scalars: torch.Tensor, rounding: int) -> None:  # fmt: skip
+def adam_step(
+    rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, int]],
+    scalars: torch.Tensor,
+    rounding: int,
+) -> None:
     """Step every ``(weight, gradient, exp_avg, exp_avg_sq, compensation, seed)`` of ``rows`` in place, in one call;
     ``scalars``: ``sr_kernel.adam_scalars``' nine (one step count for the whole list), ``rounding``: :data:`STOCHASTIC`
     (each weight's ``seed``) or :data:`KAHAN` (each its ``compensation``). Call where :func:`available` and every
     row's tensors are :func:`takes`."""
-    table = torch.tensor([[p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), 0 if c is None else c.data_ptr(),
-                           p.numel(), seed] for p, g, m, v, c, seed in rows], dtype=torch.int64)  # fmt: skip
+    table = torch.tensor(
+        [
+            [p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), 0 if c is None else c.data_ptr(), p.numel(), seed]
+            for p, g, m, v, c, seed in rows
+        ],
+        dtype=torch.int64,
+    )
     _compiled()(table, len(rows), scalars.contiguous(), rounding)
 
 
@@ -110,16 +118,34 @@ def _quantized_values(fmt: str, p_dtype: torch.dtype, g_dtype: torch.dtype) -> d
     """What cpu_adam's quantized source is formatted with for a format and the weight's and gradient's dtypes."""
     bits, block = moments.FORMATS[fmt]
     fp8 = fmt == StatePrecision.FP8
-    return {"bits": bits, "block": block, "unsigned_zero": int(not fp8 and q.codebook(bits, False)[0] == 0),
-            "fp8": int(fp8), "p_type": _CTYPES[p_dtype], "g_type": _CTYPES[g_dtype], "helpers": _HELPERS}  # fmt: skip
+    return {
+        "bits": bits,
+        "block": block,
+        "unsigned_zero": int(not fp8 and q.codebook(bits, False)[0] == 0),
+        "fp8": int(fp8),
+        "p_type": _CTYPES[p_dtype],
+        "g_type": _CTYPES[g_dtype],
+        "helpers": _HELPERS,
+    }
 
 
 @functools.cache
 def _quantized(fmt: str, p_dtype: torch.dtype, g_dtype: torch.dtype) -> Any:
     values = _quantized_values(fmt, p_dtype, g_dtype)
     source = (_QUANTIZED_SOURCE % values).replace(_ONE, "static void one_tensor(") + _QUANTIZED_LIST % values
-    return _load(["const int64_t*", "int64_t", "const float*", "const int32_t*", "const float*", "const int32_t*",
-                  "const float*"] + ["int64_t"] * 4, source)  # fmt: skip
+    return _load(
+        [
+            "const int64_t*",
+            "int64_t",
+            "const float*",
+            "const int32_t*",
+            "const float*",
+            "const int32_t*",
+            "const float*",
+        ]
+        + ["int64_t"] * 4,
+        source,
+    )
 
 
 @functools.cache
@@ -143,20 +169,46 @@ def _pointer(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
 
 
-def quantized_step(fmt: str, rows: list[tuple[Any, ...]], scalars: torch.Tensor, decoupled: bool,
-                   rounding: int) -> None:  # fmt: skip
+def quantized_step(
+    fmt: str, rows: list[tuple[Any, ...]], scalars: torch.Tensor, decoupled: bool, rounding: int
+) -> None:
     """``cpu_adam.adam_step`` of every ``(weight, gradient, state, compensation or None, seed)`` of ``rows`` (one
     step count, weight and gradient dtypes alike; moments already quantized), in one call. Call where
     :func:`lists_build` and ``cpu_adam.available`` for each row."""
     p0, g0 = rows[0][0], rows[0][1]
     kernel = _quantized(fmt, p0.dtype, g0.dtype)
     m_table, m_lookup, v_table, v_lookup = cpu_adam._tables(fmt)
-    table = torch.tensor([[p.data_ptr(), g.data_ptr(), _pointer(c), st["exp_avg_codes"].data_ptr(),
-                           st["exp_avg_scale"].data_ptr(), st["exp_avg_sq_codes"].data_ptr(),
-                           st["exp_avg_sq_scale"].data_ptr(), p.numel(), st["exp_avg_scale"].numel(), seed]
-                          for p, g, st, c, seed in rows], dtype=torch.int64)  # fmt: skip
-    kernel(table, len(rows), m_table, m_lookup, v_table, v_lookup, scalars.contiguous(), m_lookup.numel() // 2,
-           v_lookup.numel() // 2, int(decoupled), rounding)  # fmt: skip
+    table = torch.tensor(
+        [
+            [
+                p.data_ptr(),
+                g.data_ptr(),
+                _pointer(c),
+                st["exp_avg_codes"].data_ptr(),
+                st["exp_avg_scale"].data_ptr(),
+                st["exp_avg_sq_codes"].data_ptr(),
+                st["exp_avg_sq_scale"].data_ptr(),
+                p.numel(),
+                st["exp_avg_scale"].numel(),
+                seed,
+            ]
+            for p, g, st, c, seed in rows
+        ],
+        dtype=torch.int64,
+    )
+    kernel(
+        table,
+        len(rows),
+        m_table,
+        m_lookup,
+        v_table,
+        v_lookup,
+        scalars.contiguous(),
+        m_lookup.numel() // 2,
+        v_lookup.numel() // 2,
+        int(decoupled),
+        rounding,
+    )
 
 
 def bf16_state_step(rows: list[tuple[Any, ...]], scalars: torch.Tensor, decoupled: bool, rounding: int) -> None:
@@ -164,9 +216,13 @@ def bf16_state_step(rows: list[tuple[Any, ...]], scalars: torch.Tensor, decouple
     exp_avg's seed, exp_avg_sq's seed)`` of ``rows`` (one step count, weight and gradient dtypes alike), in one
     call. Call where :func:`lists_build` and ``cpu_adam.bf16_available`` for each row."""
     kernel = _bf16_state(rows[0][0].dtype, rows[0][1].dtype)
-    table = torch.tensor([[p.data_ptr(), g.data_ptr(), _pointer(c), m.data_ptr(), v.data_ptr(), p.numel(), seed,
-                           m_seed, v_seed] for p, g, m, v, c, seed, m_seed, v_seed in rows],
-                         dtype=torch.int64)  # fmt: skip
+    table = torch.tensor(
+        [
+            [p.data_ptr(), g.data_ptr(), _pointer(c), m.data_ptr(), v.data_ptr(), p.numel(), seed, m_seed, v_seed]
+            for p, g, m, v, c, seed, m_seed, v_seed in rows
+        ],
+        dtype=torch.int64,
+    )
     kernel(table, len(rows), scalars.contiguous(), int(decoupled), rounding)
 
 
@@ -190,8 +246,10 @@ def sgd_available() -> bool:
 def _sgd_scalars(group: dict[str, Any]) -> torch.Tensor:
     """The SGD kernels' scalars: weight decay, momentum, 1 - dampening, -lr (torch hands each to ATen as a double,
     which its fp32 kernels narrow to fp32)."""
-    return torch.tensor([float(group["weight_decay"]), float(group["momentum"]), 1.0 - float(group["dampening"]),
-                         -float(group["lr"])], dtype=torch.float32)  # fmt: skip
+    return torch.tensor(
+        [float(group["weight_decay"]), float(group["momentum"]), 1.0 - float(group["dampening"]), -float(group["lr"])],
+        dtype=torch.float32,
+    )
 
 
 def sgd_step(rows: list[tuple[Any, ...]], group: dict[str, Any], rounding: int) -> None:
@@ -200,11 +258,15 @@ def sgd_step(rows: list[tuple[Any, ...]], group: dict[str, Any], rounding: int) 
     for-loop steps fp32 copies of them (bit for bit); the buffers (bf16) written back rounded to nearest, the
     weights with bf16-sr's noise (``rounding`` :data:`STOCHASTIC`, each its ``seed``) or Kahan's compensation."""
     momentum = float(group["momentum"])
-    flags = (NESTEROV * bool(group.get("nesterov")) | MAXIMIZE * bool(group.get("maximize"))
-             | MOMENTUM * (momentum != 0))  # fmt: skip
+    flags = NESTEROV * bool(group.get("nesterov")) | MAXIMIZE * bool(group.get("maximize")) | MOMENTUM * (momentum != 0)
     scalars = _sgd_scalars(group)
-    table = torch.tensor([[p.data_ptr(), g.data_ptr(), _pointer(b), _pointer(c), p.numel(), seed, int(started)]
-                          for p, g, b, c, seed, started in rows], dtype=torch.int64)  # fmt: skip
+    table = torch.tensor(
+        [
+            [p.data_ptr(), g.data_ptr(), _pointer(b), _pointer(c), p.numel(), seed, int(started)]
+            for p, g, b, c, seed, started in rows
+        ],
+        dtype=torch.int64,
+    )
     _sgd()(table, len(rows), scalars, flags, rounding)
 
 
@@ -231,8 +293,13 @@ def sgd_bf16_state_step(rows: list[tuple[Any, ...]], group: dict[str, Any], roun
     weights)."""
     kernel = _sgd_bf16_state(rows[0][0].dtype, rows[0][1].dtype)
     scalars = _sgd_scalars(group)
-    table = torch.tensor([[p.data_ptr(), g.data_ptr(), b.data_ptr(), _pointer(c), p.numel(), seed, b_seed,
-                           int(started)] for p, g, b, c, seed, b_seed, started in rows], dtype=torch.int64)  # fmt: skip
+    table = torch.tensor(
+        [
+            [p.data_ptr(), g.data_ptr(), b.data_ptr(), _pointer(c), p.numel(), seed, b_seed, int(started)]
+            for p, g, b, c, seed, b_seed, started in rows
+        ],
+        dtype=torch.int64,
+    )
     kernel(table, len(rows), scalars, int(bool(group["nesterov"])), rounding)
 
 
@@ -246,8 +313,9 @@ _SGD_QUANTIZED = cpu_adam.kernel_source("sgd_quantized.cpp")
 def _sgd_quantized(fmt: str, p_dtype: torch.dtype, g_dtype: torch.dtype) -> Any:
     values = _quantized_values(fmt, p_dtype, g_dtype)
     source = (_QUANTIZED_SOURCE % values).replace(_ONE, "static void one_tensor(") + _SGD_QUANTIZED % values
-    return _load(["const int64_t*", "int64_t", "const float*", "const int32_t*", "const float*"] + ["int64_t"] * 3,
-                 source)  # fmt: skip
+    return _load(
+        ["const int64_t*", "int64_t", "const float*", "const int32_t*", "const float*"] + ["int64_t"] * 3, source
+    )
 
 
 def sgd_quantized_builds(fmt: str, p_dtype: torch.dtype, g_dtype: torch.dtype) -> bool:
@@ -265,8 +333,30 @@ def sgd_quantized_step(fmt: str, rows: list[tuple[Any, ...]], group: dict[str, A
     kernel = _sgd_quantized(fmt, rows[0][0].dtype, rows[0][1].dtype)
     signed_table, signed_lookup, _, _ = cpu_adam._tables(fmt)
     scalars = _sgd_scalars(group)
-    table = torch.tensor([[p.data_ptr(), g.data_ptr(), _pointer(c), st["momentum_buffer_codes"].data_ptr(),
-                           st["momentum_buffer_scale"].data_ptr(), p.numel(), st["momentum_buffer_scale"].numel(),
-                           seed, int(started)] for p, g, st, c, seed, started in rows], dtype=torch.int64)  # fmt: skip
-    kernel(table, len(rows), signed_table, signed_lookup, scalars, signed_lookup.numel() // 2,
-           int(bool(group["nesterov"])), rounding)  # fmt: skip
+    table = torch.tensor(
+        [
+            [
+                p.data_ptr(),
+                g.data_ptr(),
+                _pointer(c),
+                st["momentum_buffer_codes"].data_ptr(),
+                st["momentum_buffer_scale"].data_ptr(),
+                p.numel(),
+                st["momentum_buffer_scale"].numel(),
+                seed,
+                int(started),
+            ]
+            for p, g, st, c, seed, started in rows
+        ],
+        dtype=torch.int64,
+    )
+    kernel(
+        table,
+        len(rows),
+        signed_table,
+        signed_lookup,
+        scalars,
+        signed_lookup.numel() // 2,
+        int(bool(group["nesterov"])),
+        rounding,
+    )

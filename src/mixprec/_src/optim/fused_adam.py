@@ -60,9 +60,21 @@ def _quantize(x: torch.Tensor, fmt: str, signed: bool, lookup: torch.Tensor) -> 
     return codes, scale
 
 
-def _kernel(p: torch.Tensor, g: torch.Tensor, m_codes: torch.Tensor, m_scale: torch.Tensor, v_codes: torch.Tensor,
-            v_scale: torch.Tensor, lookups: list[torch.Tensor], scalars: torch.Tensor, seed: torch.Tensor,
-            comp: torch.Tensor | None, fmt: str, decoupled: bool, rounding: Rounding | None) -> None:  # fmt: skip
+def _kernel(
+    p: torch.Tensor,
+    g: torch.Tensor,
+    m_codes: torch.Tensor,
+    m_scale: torch.Tensor,
+    v_codes: torch.Tensor,
+    v_scale: torch.Tensor,
+    lookups: list[torch.Tensor],
+    scalars: torch.Tensor,
+    seed: torch.Tensor,
+    comp: torch.Tensor | None,
+    fmt: str,
+    decoupled: bool,
+    rounding: Rounding | None,
+) -> None:
     """One step over ``(blocks, block)`` views, in place.
 
     Padding (zero weights and gradients past a parameter's values) needs no mask: the eager step stores it as
@@ -151,10 +163,18 @@ def _blocks(t: torch.Tensor, block: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def adam_step(p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: dict[str, Any], decoupled: bool,
-              precision: str, capacity: int = 0, rounding: Rounding | None = None,
-              seed_at: Callable[[int], torch.Tensor] | None = None,
-              comp: torch.Tensor | None = None) -> None:  # fmt: skip
+def adam_step(
+    p: torch.Tensor,
+    grad: torch.Tensor,
+    state: dict[str, Any],
+    group: dict[str, Any],
+    decoupled: bool,
+    precision: str,
+    capacity: int = 0,
+    rounding: Rounding | None = None,
+    seed_at: Callable[[int], torch.Tensor] | None = None,
+    comp: torch.Tensor | None = None,
+) -> None:
     """``adam.adam_step`` compiled (call where :func:`runs`); ``p`` and ``grad`` contiguous.
 
     ``rounding`` and ``seed_at`` (bf16-sr): the weight is written as ``rounding(values, seed_at(offset))``
@@ -177,15 +197,17 @@ def step_scalars(group: dict[str, Any], step: torch.Tensor, decoupled: bool, dev
 
     lr = scalar(float(group["lr"]))
     weight_decay = float(group["weight_decay"])
-    return torch.stack([
-        lr,
-        (lr * weight_decay) if decoupled else scalar(weight_decay),
-        scalar(1 - beta1),
-        scalar(1 - beta2),
-        1 - beta1**step,
-        (1 - beta2**step).sqrt(),
-        scalar(float(group["eps"])),
-    ]).to(device)  # fmt: skip
+    return torch.stack(
+        [
+            lr,
+            (lr * weight_decay) if decoupled else scalar(weight_decay),
+            scalar(1 - beta1),
+            scalar(1 - beta2),
+            1 - beta1**step,
+            (1 - beta2**step).sqrt(),
+            scalar(float(group["eps"])),
+        ]
+    ).to(device)
 
 
 def runs(precision: str, p: torch.Tensor, grad: torch.Tensor) -> bool:
@@ -195,10 +217,20 @@ def runs(precision: str, p: torch.Tensor, grad: torch.Tensor) -> bool:
     return (NATIVE and cpu_adam.available(precision, p, grad)) or (not dispatch_modes.active() and available())
 
 
-def _step(kernel: Callable[..., None] | None, p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any],
-          group: dict[str, Any], decoupled: bool, precision: str, capacity: int, rounding: Rounding | None,
-          seed_at: Callable[[int], torch.Tensor] | None, comp: torch.Tensor | None,
-          native: bool) -> None:  # fmt: skip
+def _step(
+    kernel: Callable[..., None] | None,
+    p: torch.Tensor,
+    grad: torch.Tensor,
+    state: dict[str, Any],
+    group: dict[str, Any],
+    decoupled: bool,
+    precision: str,
+    capacity: int,
+    rounding: Rounding | None,
+    seed_at: Callable[[int], torch.Tensor] | None,
+    comp: torch.Tensor | None,
+    native: bool,
+) -> None:
     capacity = max(capacity, p.numel())
     quantized_moments(state, p, precision, capacity)
     state["step"] += 1
@@ -222,15 +254,20 @@ def _step(kernel: Callable[..., None] | None, p: torch.Tensor, grad: torch.Tenso
 
     def run(p2: torch.Tensor, g2: torch.Tensor, c2: torch.Tensor | None, first: int, last: int, offset: int) -> None:
         m_codes, m_scale, v_codes, v_scale = tensors
-        views = [m_codes[first * per_block : last * per_block].view(-1, per_block), m_scale[first:last],
-                 v_codes[first * per_block : last * per_block].view(-1, per_block), v_scale[first:last]]  # fmt: skip
+        views = [
+            m_codes[first * per_block : last * per_block].view(-1, per_block),
+            m_scale[first:last],
+            v_codes[first * per_block : last * per_block].view(-1, per_block),
+            v_scale[first:last],
+        ]
         for view in (p2, g2, *views, *([] if c2 is None else [c2])):
             torch._dynamo.maybe_mark_dynamic(view, 0)
         seed = seed_at(offset) if seed_at is not None else no_seed
         # A graph per format, Adam or AdamW, weight dtype, rounding, and one block or more (dynamo specializes a
         # size of 1): up to 48, more than dynamo's default limit of recompiles of one function.
-        with torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=max(
-                torch._dynamo.config.accumulated_recompile_limit, 256)):  # fmt: skip
+        with torch._dynamo.config.patch(
+            recompile_limit=64, accumulated_recompile_limit=max(torch._dynamo.config.accumulated_recompile_limit, 256)
+        ):
             kernel(p2, g2, *views, lookups, scalars, seed, c2, fmt, decoupled, rounding)
 
     for first in range(0, whole, _CHUNK):  # in chunks: inductor keeps a chunk's fp32 moments in buffers
@@ -251,8 +288,14 @@ def _step(kernel: Callable[..., None] | None, p: torch.Tensor, grad: torch.Tenso
         if flat_c is not None:
             c_rest = torch.zeros(rest, dtype=flat_c.dtype, device=flat_c.device)
             c_rest[:tail].copy_(flat_c[start:])
-        run(_blocks(p_rest, block), _blocks(g_rest, block), None if c_rest is None else _blocks(c_rest, block),
-            whole, total, start)  # fmt: skip
+        run(
+            _blocks(p_rest, block),
+            _blocks(g_rest, block),
+            None if c_rest is None else _blocks(c_rest, block),
+            whole,
+            total,
+            start,
+        )
         flat_p[start:].copy_(p_rest[:tail])
         if flat_c is not None and c_rest is not None:
             flat_c[start:].copy_(c_rest[:tail])

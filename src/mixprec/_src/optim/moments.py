@@ -92,8 +92,10 @@ def saved_precision(state: dict[str, Any], name: str) -> str:
         return int8
     if codes.dtype == torch.uint8 and not rest and ratio == int4.block * int4.bits // 8:
         return int4
-    raise ValueError(f"optimizer state {name!r}: {codes.numel()} codes of {codes.dtype} for {scale.numel()} scales "
-                     "are none of the formats (8bit, 4bit, fp8): not a state mixprec quantized")  # fmt: skip
+    raise ValueError(
+        f"optimizer state {name!r}: {codes.numel()} codes of {codes.dtype} for {scale.numel()} scales "
+        "are none of the formats (8bit, 4bit, fp8): not a state mixprec quantized"
+    )
 
 
 def _layout(precision: str, capacity: int) -> tuple[torch.dtype, int, int]:
@@ -118,14 +120,23 @@ def conform(state: dict[str, Any], precision: str, numel: int, capacity: int) ->
     for key in [k for k in state if k.endswith("_codes")]:
         name = key.removesuffix("_codes")
         codes, scale = state[key], state.get(f"{name}_scale")
-        if (codes.dtype is dtype and codes.numel() == codes_len and scale is not None and scale.numel() == scales_len
-                and scale.dtype is torch.float32 and codes.is_contiguous() and scale.is_contiguous()):  # fmt: skip
+        if (
+            codes.dtype is dtype
+            and codes.numel() == codes_len
+            and scale is not None
+            and scale.numel() == scales_len
+            and scale.dtype is torch.float32
+            and codes.is_contiguous()
+            and scale.is_contiguous()
+        ):
             continue
         saved = saved_precision(state, name)  # raises where the scales are missing
         held = min(state[f"{name}_scale"].numel() * FORMATS[saved][1], capacity)
         if held < min(numel, capacity):
-            raise ValueError(f"optimizer state {name!r} holds {held} values and its parameter (or this rank's shard "
-                             f"of it) {min(numel, capacity)}: a checkpoint of another model or sharding")  # fmt: skip
+            raise ValueError(
+                f"optimizer state {name!r} holds {held} values and its parameter (or this rank's shard "
+                f"of it) {min(numel, capacity)}: a checkpoint of another model or sharding"
+            )
         values = load(state, name, torch.Size([held]))
         del state[key], state[f"{name}_scale"]
         store(state, name, values, precision, capacity)

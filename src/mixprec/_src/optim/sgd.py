@@ -26,8 +26,15 @@ _BUFFER = "momentum_buffer"
 
 
 @torch.no_grad()
-def sgd_step(p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: dict[str, Any], precision: str,
-             capacity: int = 0, write: Write | None = None) -> None:  # fmt: skip
+def sgd_step(
+    p: torch.Tensor,
+    grad: torch.Tensor,
+    state: dict[str, Any],
+    group: dict[str, Any],
+    precision: str,
+    capacity: int = 0,
+    write: Write | None = None,
+) -> None:
     """One SGD-with-momentum step of ``p`` (in place), the buffer quantized in ``state``."""
     capacity = max(capacity, p.numel())
     saved = state.pop(_BUFFER, None)  # an fp32 buffer (a checkpoint of an fp32-state run)
@@ -41,8 +48,9 @@ def sgd_step(p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: 
         write(p, new)
 
 
-def sgd_update(p32: torch.Tensor, g32: torch.Tensor, buf: torch.Tensor | None,
-               group: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def sgd_update(
+    p32: torch.Tensor, g32: torch.Tensor, buf: torch.Tensor | None, group: dict[str, Any]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """SGD's arithmetic on fp32 tensors (the module's formulas): the new buffer and the new weight, from the weight,
     its gradient and the buffer before the step (``None`` at the first step)."""
     momentum, dampening = float(group["momentum"]), float(group["dampening"])

@@ -140,9 +140,22 @@ class Policy:
         # The policy inside a kept module, made once here rather than on every module call.
         without_rules = dataclasses.replace(self, module_rules=()) if self.module_rules else None
         object.__setattr__(self, "_without_rules", without_rules)
-        object.__setattr__(self, "_hash", hash((self.lower, self.fp32, self.fp32_set_dtype, self.promote,
-                                                frozenset(self.banned.items()), self.compute_dtype,
-                                                self.output_dtype, self.module_rules)))  # fmt: skip
+        object.__setattr__(
+            self,
+            "_hash",
+            hash(
+                (
+                    self.lower,
+                    self.fp32,
+                    self.fp32_set_dtype,
+                    self.promote,
+                    frozenset(self.banned.items()),
+                    self.compute_dtype,
+                    self.output_dtype,
+                    self.module_rules,
+                )
+            ),
+        )
         object.__setattr__(self, "_token", POLICIES.token_for(self))
 
     def __hash__(self) -> int:

@@ -84,8 +84,11 @@ class Fingerprint:
 
     def same(self, optimizer: torch.optim.Optimizer) -> bool:
         # fully_shard changes a module's class; load_state_dict(assign=True) and to_empty replace parameters
-        return (self._stepped(optimizer) == self.stepped and all(type(m) is c for m, c in self.classes)
-                and all(d.get(n) is p for d, n, p in self.slots))  # fmt: skip
+        return (
+            self._stepped(optimizer) == self.stepped
+            and all(type(m) is c for m, c in self.classes)
+            and all(d.get(n) is p for d, n, p in self.slots)
+        )
 
     def take(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         modules = list(model.modules())
@@ -94,8 +97,9 @@ class Fingerprint:
         self.stepped = self._stepped(optimizer)
 
 
-def check_still_ours(model: nn.Module, state: _Prepared, seen: Fingerprint, optimizer: torch.optim.Optimizer,
-                      *_: Any) -> None:  # fmt: skip
+def check_still_ours(
+    model: nn.Module, state: _Prepared, seen: Fingerprint, optimizer: torch.optim.Optimizer, *_: Any
+) -> None:
     """Before each step: the optimizer still steps the model's parameters (a host-side check, no sync)."""
     if seen.same(optimizer):
         return

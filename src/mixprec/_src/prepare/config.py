@@ -121,10 +121,12 @@ class PrepareConfig:
         if not isinstance(self.step_in_backward, bool):  # "no" or "false" would read as true
             raise TypeError(f"step_in_backward takes True or False, not {self.step_in_backward!r}")
         if self.step_in_backward and dtype is torch.float16:
-            raise ValueError("step_in_backward=True steps each parameter during backward, before a GradScaler "
-                             "could see every gradient, so a step with inf/NaN gradients could not be skipped: "
-                             "fp16 needs that. Use dtype=torch.bfloat16 (no loss scaling needed), or "
-                             "step_in_backward=False")  # fmt: skip
+            raise ValueError(
+                "step_in_backward=True steps each parameter during backward, before a GradScaler "
+                "could see every gradient, so a step with inf/NaN gradients could not be skipped: "
+                "fp16 needs that. Use dtype=torch.bfloat16 (no loss scaling needed), or "
+                "step_in_backward=False"
+            )
         if self.keep_filter is not None and not callable(self.keep_filter):
             raise TypeError("keep_filter must be a callable (module, qualified_name) -> bool")
         rule = ModuleRule(self.keep_types, self.keep_names) if (self.keep_types or self.keep_names) else None

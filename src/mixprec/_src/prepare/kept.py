@@ -142,8 +142,9 @@ def _own_forward(module: nn.Module, policy: Policy) -> Any:
     return forward if policy.category_of(op) in (None, OpCategory.FP32) else None
 
 
-def keep_in_fp32(modules: Iterable[nn.Module], device_type: str, handles: list[Any],
-                 policy: Policy | None = None) -> None:  # fmt: skip
+def keep_in_fp32(
+    modules: Iterable[nn.Module], device_type: str, handles: list[Any], policy: Policy | None = None
+) -> None:
     """Keep each module in fp32: autocast off inside it, floating inputs cast to fp32.
 
     What keeps it belongs to the module, so it runs wherever the module runs: in a checkpoint's

@@ -57,7 +57,7 @@ if TYPE_CHECKING:
     from typing_extensions import Unpack
 
     from mixprec._src.prepare.config import PrepareOptions
-from mixprec._src.step import kahan, low_bit_state, state_dicts, stochastic_rounding
+from mixprec._src.step import kahan, state_checks, state_dicts, stochastic_rounding
 from mixprec._src.step import plan as step_plan
 from mixprec._src.step import step_in_backward as in_backward
 
@@ -167,8 +167,10 @@ def prepare(
     """
     if isinstance(level, PrepareConfig):
         if dtype is not None or options:
-            raise TypeError("prepare takes a PrepareConfig or options, not both; put the options in the config "
-                            "(dataclasses.replace(config, ...))")  # fmt: skip
+            raise TypeError(
+                "prepare takes a PrepareConfig or options, not both; put the options in the config "
+                "(dataclasses.replace(config, ...))"
+            )
         config = level
     else:
         config = PrepareConfig.of(level, **({"dtype": dtype} if dtype is not None else {}), **options)
@@ -189,14 +191,16 @@ def prepare(
             "the first forward"
         )
     checks.check_model_and_optimizer(model, optimizer, sharded)
-    low_bit_state.check(optimizer, config.optimizer_state)
+    state_checks.check(optimizer, config.optimizer_state)
     if config.step_in_backward:
         in_backward.check(optimizer)
     if config.fp8 is not None:  # before anything is installed: a refusal leaves the model as it was
         fp8_conversion.check_device(model, config.fp8)
         if config.fp8.all_gather and not sharded:
-            raise ValueError("Fp8Config(all_gather=True) sets FSDP2's all-gather of the fp8 weights; this model has no "
-                             "fully_shard units: shard it first, or leave all_gather off")  # fmt: skip
+            raise ValueError(
+                "Fp8Config(all_gather=True) sets FSDP2's all-gather of the fp8 weights; this model has no "
+                "fully_shard units: shard it first, or leave all_gather off"
+            )
     device_type = input_checks.device_type_of(model)
     kept_modules = kept.outermost(model, config)
     state = Prepared(config, device_type, model.forward, [], [], kept_modules, [], sharded=sharded)
@@ -222,12 +226,23 @@ def prepare(
     if layers is not None and layers.config.all_gather:  # on the shards as _lower left them
         fp8_all_gather.install(model, layers)
     # The optimizer's step, planned once from the config and installed in one place (step/plan.py).
-    state.step = step_plan.StepPlan.of(optimizer, write=_WRITES.get(level, "nearest"), state=config.optimizer_state,
-                                       in_backward=config.step_in_backward, clip=config.clip_grad_norm,
-                                       bf16_weights=level.bf16_weights)  # fmt: skip
-    state.fused = step_plan.install(state.step, model, optimizer, state.lowp_params, state.handles,
-                                    group=sharding.process_group(model) if sharded else None,
-                                    slices=level is not Level.O2)  # fmt: skip
+    state.step = step_plan.StepPlan.of(
+        optimizer,
+        write=_WRITES.get(level, "nearest"),
+        state=config.optimizer_state,
+        in_backward=config.step_in_backward,
+        clip=config.clip_grad_norm,
+        bf16_weights=level.bf16_weights,
+    )
+    state.fused = step_plan.install(
+        state.step,
+        model,
+        optimizer,
+        state.lowp_params,
+        state.handles,
+        group=sharding.process_group(model) if sharded else None,
+        slices=level is not Level.O2,
+    )
 
     # Bound to the model (a deep copy rebinds them to the copy). _call_impl runs before every
     # module hook, FSDP2's included: the place to refuse a model sharded after prepare.

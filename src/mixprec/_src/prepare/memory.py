@@ -55,8 +55,12 @@ class MemoryReport:
 
     def __str__(self) -> str:
         mib = 1 << 20
-        kinds = {"parameters": self.parameters, "masters": self.masters, "gradients": self.gradients,
-                 "optimizer state": self.optimizer_state}  # fmt: skip
+        kinds = {
+            "parameters": self.parameters,
+            "masters": self.masters,
+            "gradients": self.gradients,
+            "optimizer state": self.optimizer_state,
+        }
         parts = ", ".join(f"{name} {value / mib:.1f} MiB" for name, value in kinds.items())
         return f"rank {self.rank}/{self.world_size}: {parts}; total {self.total / mib:.1f} MiB"
 

@@ -59,8 +59,9 @@ class ComputeCopies:
         if param._version != self.versions[id(param)] or held.device != param.device or held.shape != param.shape:
             with torch.no_grad():
                 if held.device != param.device or held.shape != param.shape:
-                    held = self.copies[id(param)] = torch.empty_like(param, dtype=self.dtype,
-                                                                     memory_format=torch.preserve_format)  # fmt: skip
+                    held = self.copies[id(param)] = torch.empty_like(
+                        param, dtype=self.dtype, memory_format=torch.preserve_format
+                    )
                 held.copy_(param)
             self.versions[id(param)] = param._version
         return held

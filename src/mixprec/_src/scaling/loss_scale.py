@@ -56,8 +56,7 @@ class LossScaleRule:
         """Apply one iteration to the device state in place; ``found > 0`` means it overflowed (no sync)."""
         if self.hysteresis == 1:
             # torch's own kernel: the same scale as torch.amp.GradScaler, bit for bit.
-            torch._amp_update_scale_(scale, good, found, self.growth_factor, self.backoff_factor,
-                                     self.growth_interval)  # fmt: skip
+            torch._amp_update_scale_(scale, good, found, self.growth_factor, self.backoff_factor, self.growth_interval)
         else:
             new_good, new_tolerated, back_off, grow = self.counters(good, tolerated, found > 0)
             grown = scale * self.growth_factor

@@ -69,10 +69,12 @@ def __getattr__(name: str) -> Any:
 def _refuse_in_backward(optimizer: torch.optim.Optimizer) -> None:
     """An optimizer prepared with ``step_in_backward=True`` steps during backward, on gradients no scaler checked."""
     if optimizer.__dict__.get("_mixprec_step_in_backward") is not None:  # prepare's step_in_backward.KEY
-        raise RuntimeError("this optimizer was prepared with step_in_backward=True: its parameters were stepped during "
-                           "backward, before an enabled GradScaler could check every gradient for inf/NaN. Train "
-                           "without loss scaling (bf16 needs none: GradScaler(enabled=False)), or prepare with "
-                           "step_in_backward=False")  # fmt: skip
+        raise RuntimeError(
+            "this optimizer was prepared with step_in_backward=True: its parameters were stepped during "
+            "backward, before an enabled GradScaler could check every gradient for inf/NaN. Train "
+            "without loss scaling (bf16 needs none: GradScaler(enabled=False)), or prepare with "
+            "step_in_backward=False"
+        )
 
 
 class GradScaler(ScalerState):
@@ -510,8 +512,9 @@ class GradScaler(ScalerState):
             _, consecutive = self._skip_counts()
             fail_fast.check(consecutive, self._fail_after, self._rule.min_scale, self.get_scale)
 
-    def _fused_step(self, optimizer: torch.optim.Optimizer, state: dict[str, Any], scale: torch.Tensor,
-                    *args: Any, **kwargs: Any) -> Any:  # fmt: skip
+    def _fused_step(
+        self, optimizer: torch.optim.Optimizer, state: dict[str, Any], scale: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> Any:
         if "grad_scaler" in inspect.signature(optimizer.step).parameters:
             # torch's older contract, still honoured by torch's scaler: the optimizer gets the scaler and
             # unscales and checks by itself (through unscale_, _check_inf_per_device, _found_inf_per_device).

@@ -107,8 +107,9 @@ class ScalerState:
         with torch.no_grad():
             return unscaling.unscale_and_check(unscaling.grads_of(optimizer, allow_fp16), inv_scale, found_inf)
 
-    def _maybe_opt_step(self, optimizer: torch.optim.Optimizer, optimizer_state: dict[str, Any],
-                        *args: Any, **kwargs: Any) -> Any:  # fmt: skip
+    def _maybe_opt_step(
+        self, optimizer: torch.optim.Optimizer, optimizer_state: dict[str, Any], *args: Any, **kwargs: Any
+    ) -> Any:
         """Run ``optimizer.step`` unless the recorded checks found inf/NaN. Syncs once per device."""
         skipped = bool(sum(v.item() for v in optimizer_state["found_inf_per_device"].values()))  # the sync
         self._iteration.host_skipped[id(optimizer)] = skipped

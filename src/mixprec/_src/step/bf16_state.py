@@ -117,9 +117,16 @@ def _write_at(writeback: Writeback, first: int, target: torch.Tensor, new: torch
 
 
 @torch.no_grad()
-def adam_step(p: torch.Tensor, local_p: torch.Tensor, local_g: torch.Tensor, state: dict[str, Any],
-              group: dict[str, Any], decoupled: bool, seed: Callable[[str, int], int],
-              writeback: Writeback) -> None:  # fmt: skip
+def adam_step(
+    p: torch.Tensor,
+    local_p: torch.Tensor,
+    local_g: torch.Tensor,
+    state: dict[str, Any],
+    group: dict[str, Any],
+    decoupled: bool,
+    seed: Callable[[str, int], int],
+    writeback: Writeback,
+) -> None:
     """One Adam (``decoupled=False``) or AdamW step of ``p`` (``local_p``, ``local_g``: this rank's values and
     gradient) with its moments in bf16 in ``state``: on the CPU ``cpu_adam``'s kernel (one pass, no copies),
     elsewhere a chunk at a time on fp32 copies (the same arithmetic and noise)."""
@@ -133,9 +140,18 @@ def adam_step(p: torch.Tensor, local_p: torch.Tensor, local_g: torch.Tensor, sta
         w_seed, comp, _ = writeback(0, local_p)
         mode = cpu_adam.rounding_mode(stochastic=w_seed is not None, compensated=comp is not None)
         scalars = fused_adam.step_scalars(group, step, decoupled, local_p.device)
-        cpu_adam.bf16_adam_step(local_p, local_g, held[0], held[1], scalars, decoupled, (seeds[0], seeds[1]),
-                                mode, 0 if w_seed is None else w_seed,
-                                None if comp is None else comp.reshape(-1))  # fmt: skip
+        cpu_adam.bf16_adam_step(
+            local_p,
+            local_g,
+            held[0],
+            held[1],
+            scalars,
+            decoupled,
+            (seeds[0], seeds[1]),
+            mode,
+            0 if w_seed is None else w_seed,
+            None if comp is None else comp.reshape(-1),
+        )
         return
     flat = local_p.is_contiguous() and all(t.is_contiguous() for t in held)
     for first, last in _chunks(local_p.numel(), flat):
@@ -153,8 +169,15 @@ def adam_step(p: torch.Tensor, local_p: torch.Tensor, local_g: torch.Tensor, sta
 
 
 @torch.no_grad()
-def sgd_step(p: torch.Tensor, local_p: torch.Tensor, local_g: torch.Tensor, state: dict[str, Any],
-             group: dict[str, Any], seed: Callable[[str, int], int], writeback: Writeback) -> None:  # fmt: skip
+def sgd_step(
+    p: torch.Tensor,
+    local_p: torch.Tensor,
+    local_g: torch.Tensor,
+    state: dict[str, Any],
+    group: dict[str, Any],
+    seed: Callable[[str, int], int],
+    writeback: Writeback,
+) -> None:
     """One SGD-with-momentum step of ``p`` with its momentum buffer in bf16 in ``state``."""
     (name,) = NAMES["sgd"]
     started = ready_sgd(state, p)

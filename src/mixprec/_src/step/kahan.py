@@ -50,8 +50,9 @@ def compensation(state: dict[str, Any], p: torch.Tensor) -> torch.Tensor:
     return cast(torch.Tensor, comp)
 
 
-def adam_kahan_update(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, c: torch.Tensor,
-                      scalars: torch.Tensor) -> None:  # fmt: skip
+def adam_kahan_update(
+    p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, c: torch.Tensor, scalars: torch.Tensor
+) -> None:
     """One Adam/AdamW step on 1-D bf16 tensors in fp32 math, the weight written with its compensation ``c``.
 
     ``sr_kernel.adam_sr_update``'s update (the same ``scalars``), with :func:`write` for the write-back.
@@ -81,8 +82,10 @@ def _kernel() -> Callable[..., None] | None:
             compiled = cast(Callable[..., None], torch.compile(adam_kahan_update, fullgraph=True, dynamic=True))
             probe = [torch.zeros(1 << 20, dtype=torch.bfloat16) for _ in range(5)]  # large: see sr_kernel
             with torch.no_grad():
-                compiled(*probe, adam_scalars({"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0},
-                                              1.0, True))  # fmt: skip
+                compiled(
+                    *probe,
+                    adam_scalars({"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}, 1.0, True),
+                )
             _compiled = compiled
         except Exception:  # no C++ toolchain: the generic path
             return None
@@ -99,8 +102,16 @@ def install(optimizer: torch.optim.Optimizer, lowp: Iterable[torch.Tensor], hand
     if kernel is None:
         stochastic_rounding.install_generic(optimizer, ids, handles, _generic_write, cpu_lists.KAHAN, compensation)
         return False
-    install_fused_adam(optimizer, ids, handles, kernel, _compensations, adam_kahan_update, cpu_lists.KAHAN,
-                       any(sharding.is_sharded(p) for p in lowp))  # fmt: skip
+    install_fused_adam(
+        optimizer,
+        ids,
+        handles,
+        kernel,
+        _compensations,
+        adam_kahan_update,
+        cpu_lists.KAHAN,
+        any(sharding.is_sharded(p) for p in lowp),
+    )
     return True
 
 

@@ -28,52 +28,13 @@ import torch
 
 from mixprec._src import sharding
 from mixprec._src.optim import adam, cpu_adam, cpu_lists, fused_adam, moments, sgd
-from mixprec._src.optim.state_precision import StatePrecision
-from mixprec._src.step import bf16_state, kahan
+from mixprec._src.step import bf16_state, kahan, state_checks
+from mixprec._src.step.host_counts import HostCounts
 from mixprec._src.step.sr_noise import moved, seed_tensor, shard_seed, sr_bits, tensor_seed
 from mixprec._src.step.state_dicts import capacity, keep_codes_on_load, sharded_codes
-from mixprec._src.step.stochastic_rounding import SEED_KEY, STEP_KEY, HostCounts, Restore, positions, step_eagerly
+from mixprec._src.step.stochastic_rounding import SEED_KEY, STEP_KEY, Restore, positions, step_eagerly
 
-__all__ = [
-    "check",
-    "count_step",
-    "install",
-    "slice_block",
-    "slice_stepper",
-    "sliced",
-]
-
-
-def check(optimizer: torch.optim.Optimizer, precision: StatePrecision | str) -> None:
-    """Raise where ``optimizer`` cannot keep its state at ``precision``, or one of its parameters is sharded
-    otherwise than FSDP2's dim 0 (before anything is installed)."""
-    if not StatePrecision.from_name(precision).own:
-        return
-    if precision != moments.BF16:  # bf16 moments are kept elementwise: any sharding
-        _check_sharding(optimizer)
-    if isinstance(optimizer, torch.optim.SGD) and type(optimizer).__module__.startswith("torch.optim"):
-        flags = [n for n in ("maximize", "fused", "differentiable") if any(g.get(n) for g in optimizer.param_groups)]
-        if any(not g.get("momentum") for g in optimizer.param_groups):
-            flags.append("no momentum (no state to quantize)")
-        if not flags:
-            return
-        raise ValueError(f"optimizer_state={precision!r} quantizes SGD's momentum buffer (torch.optim.SGD with "
-                         f"momentum, without maximize, fused or differentiable); this one has {', '.join(flags)}: "
-                         "change that, or use optimizer_state='fp32'")  # fmt: skip
-    adam = type(optimizer) in (torch.optim.Adam, torch.optim.AdamW)
-    if not adam or any(g.get(n) for g in optimizer.param_groups for n in _REFUSED):
-        raise ValueError(f"optimizer_state={precision!r} quantizes Adam's and AdamW's moments (torch.optim.Adam or "
-                         f"AdamW, without amsgrad, maximize, capturable or differentiable) and SGD's momentum; "
-                         f"this optimizer is a {type(optimizer).__name__} with {_flags(optimizer) or 'none of those'}: "
-                         "use one of them, or optimizer_state='fp32'")  # fmt: skip
-
-
-#: Adam(W) options the quantized step does not do (fused=True is fine: the small tensors keep torch's fused step)
-_REFUSED = ("amsgrad", "maximize", "capturable", "differentiable")
-
-
-def _flags(optimizer: torch.optim.Optimizer) -> str:
-    return ", ".join(n for n in _REFUSED if any(g.get(n) for g in optimizer.param_groups))
+__all__ = ["count_step", "install", "slice_block", "slice_stepper", "sliced"]
 
 
 def install(optimizer: torch.optim.Optimizer, precision: str, handles: list[Any], writeback: str = "nearest") -> None:
@@ -85,7 +46,7 @@ def install(optimizer: torch.optim.Optimizer, precision: str, handles: list[Any]
     tensor's position) or ``"kahan"`` (level bf16-kahan: with the weight's compensation); the rest go on
     through the level's own step.
     """
-    check(optimizer, precision)
+    state_checks.check(optimizer, precision)
     step_eagerly(optimizer, handles)
     own = optimizer.__dict__.get("_init_group")  # bf16-sr's, where it is installed
     take_rest = (lambda opt, group, *a, **k: own(group, *a, **k)) if own is not None else type(optimizer)._init_group  # type: ignore[attr-defined]
@@ -110,8 +71,20 @@ def install(optimizer: torch.optim.Optimizer, precision: str, handles: list[Any]
                 write = _writeback(self, p, local_p, group, writeback, where, 0)[2]
                 sgd.sgd_step(local_p, local_g, self.state[p], group, precision, capacity(p), write)
             else:
-                _adam(self, p, local_p, local_g, self.state[p], group, decoupled, precision, capacity(p), writeback,
-                      where, 0)  # fmt: skip
+                _adam(
+                    self,
+                    p,
+                    local_p,
+                    local_g,
+                    self.state[p],
+                    group,
+                    decoupled,
+                    precision,
+                    capacity(p),
+                    writeback,
+                    where,
+                    0,
+                )
         if listed:
             _step_lists(self, listed, group, decoupled, precision, writeback, where, counts)
         rest_group = {**group, "params": rest}
@@ -130,8 +103,14 @@ def install(optimizer: torch.optim.Optimizer, precision: str, handles: list[Any]
         handles.append(optimizer.register_load_state_dict_post_hook(bf16_state.narrow_after_load))
 
 
-def _listed(optimizer: torch.optim.Optimizer, p: torch.Tensor, local_p: torch.Tensor, local_g: torch.Tensor,
-            precision: str, momentum: bool) -> bool:  # fmt: skip
+def _listed(
+    optimizer: torch.optim.Optimizer,
+    p: torch.Tensor,
+    local_p: torch.Tensor,
+    local_g: torch.Tensor,
+    precision: str,
+    momentum: bool,
+) -> bool:
     """Whether ``p``'s step goes in its group's list (``cpu_lists``: one call for all, bitwise the per-tensor step):
     contiguous CPU weight, gradient and state the kernels take (Adam(W) at every state precision, SGD with a bf16
     buffer), its state made ready for them here."""
@@ -161,9 +140,16 @@ def _listed(optimizer: torch.optim.Optimizer, p: torch.Tensor, local_p: torch.Te
     return cpu_adam.available(precision, local_p, local_g)
 
 
-def _step_lists(optimizer: torch.optim.Optimizer, listed: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-                group: dict[str, Any], decoupled: bool, precision: str, writeback: str, where: dict[int, int],
-                counts: HostCounts) -> None:  # fmt: skip
+def _step_lists(
+    optimizer: torch.optim.Optimizer,
+    listed: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    group: dict[str, Any],
+    decoupled: bool,
+    precision: str,
+    writeback: str,
+    where: dict[int, int],
+    counts: HostCounts,
+) -> None:
     """One Adam(W) step of every weight of ``listed`` (``_listed``): the step counts advanced together (counted on
     the host: nothing read), then one call a list of one step count, dtypes and write rule."""
     params = [p for p, _, _ in listed]
@@ -176,8 +162,7 @@ def _step_lists(optimizer: torch.optim.Optimizer, listed: list[tuple[torch.Tenso
     lists: dict[tuple[Any, ...], list[tuple[Any, ...]]] = {}
     uncounted = momentum and precision != moments.BF16  # SGD's quantized buffer keeps no step count
     steps = [0.0] * len(params) if uncounted else counts.advance(params, states)
-    for i, ((p, local_p, local_g), state, count) in enumerate(zip(listed, states, steps,
-                                                                  strict=True)):  # fmt: skip
+    for i, ((p, local_p, local_g), state, count) in enumerate(zip(listed, states, steps, strict=True)):
         low = local_p.dtype is torch.bfloat16
         seed = _seed(group, where, p, 0) if low and writeback == "stochastic" else None
         comp = sharding.local(kahan.compensation(state, p)) if low and writeback == "kahan" else None
@@ -188,13 +173,26 @@ def _step_lists(optimizer: torch.optim.Optimizer, listed: list[tuple[torch.Tenso
         elif momentum:
             (name,) = bf16_state.NAMES["sgd"]
             moment_seed = bf16_state.seed_of(int(group[SEED_KEY]), where[id(p)], p)
-            row = (local_p, local_g, sharding.local(state[name]), comp, 0 if seed is None else seed,
-                   moment_seed(name, int(count)), started[i])  # fmt: skip
+            row = (
+                local_p,
+                local_g,
+                sharding.local(state[name]),
+                comp,
+                0 if seed is None else seed,
+                moment_seed(name, int(count)),
+                started[i],
+            )
         elif precision == moments.BF16:
             moment_seed = bf16_state.seed_of(int(group[SEED_KEY]), where[id(p)], p)
             held = [sharding.local(state[n]) for n in bf16_state.NAMES["adam"]]
-            row = (local_p, local_g, *held, comp, 0 if seed is None else seed,
-                   *(moment_seed(n, int(count)) for n in bf16_state.NAMES["adam"]))  # fmt: skip
+            row = (
+                local_p,
+                local_g,
+                *held,
+                comp,
+                0 if seed is None else seed,
+                *(moment_seed(n, int(count)) for n in bf16_state.NAMES["adam"]),
+            )
         else:
             row = (local_p, local_g, state, comp, 0 if seed is None else seed)
         lists.setdefault((count, local_p.dtype, local_g.dtype, mode), []).append(row)
@@ -222,9 +220,17 @@ def _ready_quantized_buffer(state: dict[str, Any], p: torch.Tensor, precision: s
     return False
 
 
-def _bf16_step(optimizer: torch.optim.Optimizer, p: torch.Tensor, local_p: torch.Tensor, local_g: torch.Tensor,
-               group: dict[str, Any], decoupled: bool, momentum: bool, writeback: str,
-               where: dict[int, int]) -> None:  # fmt: skip
+def _bf16_step(
+    optimizer: torch.optim.Optimizer,
+    p: torch.Tensor,
+    local_p: torch.Tensor,
+    local_g: torch.Tensor,
+    group: dict[str, Any],
+    decoupled: bool,
+    momentum: bool,
+    writeback: str,
+    where: dict[int, int],
+) -> None:
     """One step of ``p`` with its state in bf16 (``bf16_state``), its weight written as ``writeback`` says."""
 
     def how(offset: int, target: torch.Tensor) -> tuple[int | None, torch.Tensor | None, Any]:
@@ -247,9 +253,15 @@ def _seed(group: dict[str, Any], where: dict[int, int], p: torch.Tensor, offset:
     return moved(shard_seed(tensor_seed(int(group[SEED_KEY]), int(group[STEP_KEY]) + 1, where[id(p)]), p), offset)
 
 
-def _writeback(optimizer: torch.optim.Optimizer, p: torch.Tensor, local_p: torch.Tensor, group: dict[str, Any],
-               writeback: str, where: dict[int, int],
-               offset: int) -> tuple[int | None, torch.Tensor | None, Any]:  # fmt: skip
+def _writeback(
+    optimizer: torch.optim.Optimizer,
+    p: torch.Tensor,
+    local_p: torch.Tensor,
+    group: dict[str, Any],
+    writeback: str,
+    where: dict[int, int],
+    offset: int,
+) -> tuple[int | None, torch.Tensor | None, Any]:
     """How ``local_p`` (``p``'s values from flat position ``offset`` of this rank's shard on) is written: bf16-sr's
     seed, bf16-kahan's compensation (a view of ``local_p``'s part), and the eager step's ``write`` (``None``:
     rounded to nearest; an fp32 weight always is)."""
@@ -270,9 +282,20 @@ def _decoupled(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> bool:
     return bool(group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW)))
 
 
-def _adam(optimizer: torch.optim.Optimizer, p: torch.Tensor, local_p: torch.Tensor, local_g: torch.Tensor,
-          state: dict[str, Any], group: dict[str, Any], decoupled: bool, precision: str, capacity: int,
-          writeback: str, where: dict[int, int], offset: int) -> None:  # fmt: skip
+def _adam(
+    optimizer: torch.optim.Optimizer,
+    p: torch.Tensor,
+    local_p: torch.Tensor,
+    local_g: torch.Tensor,
+    state: dict[str, Any],
+    group: dict[str, Any],
+    decoupled: bool,
+    precision: str,
+    capacity: int,
+    writeback: str,
+    where: dict[int, int],
+    offset: int,
+) -> None:
     """One quantized Adam(W) step of ``local_p`` (``p``'s local values, or those from flat position ``offset``
     on) with the moments in ``state``, its weight written as ``writeback`` says."""
     seed, comp, write = _writeback(optimizer, p, local_p, group, writeback, where, offset)
@@ -331,8 +354,20 @@ def slice_stepper(optimizer: torch.optim.Optimizer, p: torch.Tensor, group: dict
         def general(grad: torch.Tensor, first: int) -> None:  # the step each parameter takes, on views
             view, capacity = views(first, grad.numel())
             view["step"] = state["step"].clone()
-            _adam(optimizer, p, flat[first : first + grad.numel()], grad.reshape(-1), view, group, decoupled,
-                  precision, capacity, writeback, where, first)  # fmt: skip
+            _adam(
+                optimizer,
+                p,
+                flat[first : first + grad.numel()],
+                grad.reshape(-1),
+                view,
+                group,
+                decoupled,
+                precision,
+                capacity,
+                writeback,
+                where,
+                first,
+            )
 
         return general
     scalars = fused_adam.step_scalars(group, state["step"] + 1, decoupled, p.device)
@@ -342,9 +377,17 @@ def slice_stepper(optimizer: torch.optim.Optimizer, p: torch.Tensor, group: dict
     def native(grad: torch.Tensor, first: int) -> None:  # on the CPU: the block kernel on the slice's views
         n = grad.numel()
         view, _ = views(first, n)
-        cpu_adam.adam_step(flat[first : first + n], grad.reshape(-1), view, scalars, decoupled, precision, mode,
-                           0 if seed is None else moved(seed, first),
-                           None if comp is None else comp[first : first + n])  # fmt: skip
+        cpu_adam.adam_step(
+            flat[first : first + n],
+            grad.reshape(-1),
+            view,
+            scalars,
+            decoupled,
+            precision,
+            mode,
+            0 if seed is None else moved(seed, first),
+            None if comp is None else comp[first : first + n],
+        )
 
     return native
 
@@ -365,11 +408,3 @@ def _stochastic_write(seed: int) -> Any:
         p.copy_(bits.view(torch.float32).view(p.shape))
 
     return write
-
-
-def _check_sharding(optimizer: torch.optim.Optimizer) -> None:
-    """Raise where a parameter is sharded otherwise than FSDP2's dim 0 over one mesh dimension."""
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if sharding.is_sharded(p) and p.numel() >= moments.MIN_NUMEL:
-                capacity(p)

@@ -113,8 +113,16 @@ def narrow_state(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor
                 state[key] = value.to(dtype)  # type: ignore[index]
 
 
-def install(plan: StepPlan, model: torch.nn.Module, optimizer: torch.optim.Optimizer, lowp: Sequence[torch.Tensor],
-            handles: list[Any], *, group: Any = None, slices: bool = True) -> bool:  # fmt: skip
+def install(
+    plan: StepPlan,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    lowp: Sequence[torch.Tensor],
+    handles: list[Any],
+    *,
+    group: Any = None,
+    slices: bool = True,
+) -> bool:
     """Put ``plan`` on ``optimizer`` (``lowp``: the low-precision weights; ``group``: the process group of a
     sharded model, whose ranks share one seed; ``slices``: the step in backward may take a large weight's gradient
     a slice at a time). Each stage's handles go to ``handles``. Returns whether Adam(W)'s fused kernel steps

@@ -67,9 +67,10 @@ def sliceable_weights(model: nn.Module, route: bool = True) -> dict[int, tuple[n
     for _, param in model.named_parameters(remove_duplicate=False):
         holders[id(param)] = holders.get(id(param), 0) + 1
     candidates: list[tuple[nn.Module | None, torch.Tensor]] = [
-        (module, kinds.weight_of(module)) for _, module, kind in sites.gemm_layers(model, route)
+        (module, kinds.weight_of(module))
+        for _, module, kind in sites.gemm_layers(model, route)
         if kind in _KINDS and "forward" not in module.__dict__
-    ]  # fmt: skip
+    ]
     if not route:
         for _, owner in attention.attentions(model):
             routable = attention.unroutable(owner) is None and "forward" not in owner.__dict__
@@ -156,8 +157,9 @@ class _Unbind:
 class _Layer:
     """One sliced layer: its weight, the optimizer that steps it, and its calls awaiting a backward."""
 
-    def __init__(self, module: nn.Module, weight: torch.Tensor, optimizer: torch.optim.Optimizer, stepper: Any,
-                 rows: int) -> None:  # fmt: skip
+    def __init__(
+        self, module: nn.Module, weight: torch.Tensor, optimizer: torch.optim.Optimizer, stepper: Any, rows: int
+    ) -> None:
         self.module, self.weight, self.optimizer, self.stepper, self.rows = module, weight, optimizer, stepper, rows
         self.transposed = kinds.kind_of(module) is kinds.CONV1D  # weight stored (in, out)
         self.pending = 0  # calls in a graph whose backward has not come, this step
@@ -215,10 +217,14 @@ class _Layer:
             return
         if not self.told:
             self.told = True
-            warnings.warn(f"a {type(self.module).__name__}'s weight gradient waited for the backward of a call whose "
-                          "graph was dropped (a forward with gradients on and no backward, e.g. an evaluation "
-                          "outside torch.no_grad()): it was stepped whole at optimizer.step(), not a slice at a time "
-                          "in backward", UserWarning, stacklevel=4)  # fmt: skip
+            warnings.warn(
+                f"a {type(self.module).__name__}'s weight gradient waited for the backward of a call whose "
+                "graph was dropped (a forward with gradients on and no backward, e.g. an evaluation "
+                "outside torch.no_grad()): it was stepped whole at optimizer.step(), not a slice at a time "
+                "in backward",
+                UserWarning,
+                stacklevel=4,
+            )
         self.weight.grad = kept
         self.stepper.step([self.weight])
 

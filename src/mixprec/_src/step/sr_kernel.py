@@ -17,8 +17,9 @@ from mixprec._src.step.sr_noise import sr_bits
 __all__ = ["adam_scalars", "adam_sr_update", "compiled_kernel", "fused_supported"]
 
 
-def adam_sr_update(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, seed: torch.Tensor,
-                   scalars: torch.Tensor) -> None:  # fmt: skip
+def adam_sr_update(
+    p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, seed: torch.Tensor, scalars: torch.Tensor
+) -> None:
     """One Adam/AdamW step on 1-D bf16 tensors in fp32 math, weights written back with stochastic rounding.
 
     The same update as torch.optim.Adam/AdamW (amsgrad, maximize off). ``scalars`` holds, per step:
@@ -59,8 +60,10 @@ def fused_supported(optimizer: torch.optim.Optimizer) -> bool:
     differentiable."""
     if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
         return False
-    return all(not g.get("amsgrad") and not g.get("maximize") and not g.get("capturable")
-               and not g.get("differentiable") for g in optimizer.param_groups)  # fmt: skip
+    return all(
+        not g.get("amsgrad") and not g.get("maximize") and not g.get("capturable") and not g.get("differentiable")
+        for g in optimizer.param_groups
+    )
 
 
 def compiled_kernel() -> Callable[..., None] | None:

@@ -23,8 +23,10 @@ def capacity(p: torch.Tensor) -> int:
         return p.numel()
     placements = p.placements  # type: ignore[attr-defined]
     if len(placements) != 1 or not placements[0].is_shard(0):
-        raise ValueError(f"quantized optimizer state needs parameters sharded on dim 0 over one mesh dimension "
-                         f"(fully_shard's default); this one is {placements}: use optimizer_state='fp32'")  # fmt: skip
+        raise ValueError(
+            f"quantized optimizer state needs parameters sharded on dim 0 over one mesh dimension "
+            f"(fully_shard's default); this one is {placements}: use optimizer_state='fp32'"
+        )
     rows = -(-p.shape[0] // p.device_mesh.size())  # type: ignore[attr-defined]
     return int(rows * math.prod(p.shape[1:]))
 
@@ -65,8 +67,11 @@ def dequantize_on_load(optimizer: torch.optim.Optimizer, handles: list[Any]) -> 
     keep_codes_on_load(optimizer, handles, widened)
 
 
-def keep_codes_on_load(optimizer: torch.optim.Optimizer, handles: list[Any],
-                        then: Callable[[dict[str, Any], torch.Tensor], None] | None = None) -> None:  # fmt: skip
+def keep_codes_on_load(
+    optimizer: torch.optim.Optimizer,
+    handles: list[Any],
+    then: Callable[[dict[str, Any], torch.Tensor], None] | None = None,
+) -> None:
     """``load_state_dict`` casts every state tensor but ``step`` to its parameter's dtype (uint8 codes and fp32
     scales would become floats, bf16 at the bf16 levels): the codes and scales are set aside before the
     load and put back after it, as saved (the checkpoint's own dict is not changed); ``then(state, param)``

@@ -68,9 +68,11 @@ def check(optimizer: torch.optim.Optimizer) -> None:
     """Raise where ``optimizer`` cannot be stepped one parameter at a time (fp16 is refused by the config)."""
     kind = type(optimizer)
     if not kind.__module__.startswith("torch.optim") or kind in (torch.optim.LBFGS, torch.optim.SparseAdam):
-        raise ValueError(f"step_in_backward=True steps one parameter at a time with the optimizer's own code, which "
-                         f"holds for torch.optim's per-parameter optimizers (not LBFGS or SparseAdam); this one is a "
-                         f"{kind.__name__}: use step_in_backward=False")  # fmt: skip
+        raise ValueError(
+            f"step_in_backward=True steps one parameter at a time with the optimizer's own code, which "
+            f"holds for torch.optim's per-parameter optimizers (not LBFGS or SparseAdam); this one is a "
+            f"{kind.__name__}: use step_in_backward=False"
+        )
 
 
 class Stepper:
@@ -147,11 +149,13 @@ class Stepper:
     def begin(self, p: torch.Tensor) -> dict[str, Any]:
         """``p``'s param group, to step it now (raises where ``p`` was stepped already this round)."""
         if id(p) in self.stepped:
-            raise RuntimeError("a parameter got a second gradient before optimizer.step(): with "
-                               "step_in_backward=True every backward steps the parameters, so gradients cannot "
-                               "be accumulated over several backwards. Call optimizer.step() after each "
-                               "backward (it finishes the step), or prepare with step_in_backward=False to "
-                               "accumulate")  # fmt: skip
+            raise RuntimeError(
+                "a parameter got a second gradient before optimizer.step(): with "
+                "step_in_backward=True every backward steps the parameters, so gradients cannot "
+                "be accumulated over several backwards. Call optimizer.step() after each "
+                "backward (it finishes the step), or prepare with step_in_backward=False to "
+                "accumulate"
+            )
         return self._round()[id(p)]
 
     def _step_these(self, params: list[torch.Tensor]) -> None:
@@ -198,8 +202,10 @@ def square_norm(g: torch.Tensor) -> torch.Tensor:
     if flat.dtype == torch.float32 or flat.numel() <= NORM_CHUNK:
         whole: torch.Tensor = torch.linalg.vector_norm(flat, dtype=torch.float32).square()
         return whole
-    parts = [torch.linalg.vector_norm(flat[i : i + NORM_CHUNK], dtype=torch.float32).square()
-             for i in range(0, flat.numel(), NORM_CHUNK)]  # fmt: skip
+    parts = [
+        torch.linalg.vector_norm(flat[i : i + NORM_CHUNK], dtype=torch.float32).square()
+        for i in range(0, flat.numel(), NORM_CHUNK)
+    ]
     return torch.stack(parts).sum()
 
 
@@ -209,8 +215,13 @@ def _unhooked_step(optimizer: torch.optim.Optimizer) -> Any:
     return getattr(step, "__wrapped__", step) if getattr(step, "hooked", False) else step
 
 
-def install(model: torch.nn.Module, optimizer: torch.optim.Optimizer, max_norm: float | None,
-            handles: list[Any], slices: bool = True) -> Stepper:  # fmt: skip
+def install(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    max_norm: float | None,
+    handles: list[Any],
+    slices: bool = True,
+) -> Stepper:
     """Step ``optimizer``'s parameters in ``model``'s backward (see the module); ``slices``: large weights'
     gradients a slice at a time where ``sliced_gradients`` takes them (not in O2: its layers compute with
     copies of the parameters the optimizer steps)."""
@@ -270,9 +281,11 @@ def _count_param(stepper: Stepper, param: torch.Tensor) -> None:
 def _refuse_unsharded_ranks(stepper: Stepper) -> None:
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     if distributed and stepper.process_group is None and torch.distributed.get_world_size() > 1:
-        raise RuntimeError("step_in_backward=True steps each parameter on this rank's gradient as soon as it is "
-                           "ready, before DDP (or any data parallelism outside FSDP2) averages it over ranks; shard "
-                           "the model with FSDP2 (fully_shard), or prepare with step_in_backward=False")  # fmt: skip
+        raise RuntimeError(
+            "step_in_backward=True steps each parameter on this rank's gradient as soon as it is "
+            "ready, before DDP (or any data parallelism outside FSDP2) averages it over ranks; shard "
+            "the model with FSDP2 (fully_shard), or prepare with step_in_backward=False"
+        )
 
 
 def _after_reduce_scatter(unit: Any, stepper: Stepper, handles: list[Any]) -> None:

@@ -13,7 +13,6 @@ it and a resumed run rounds exactly as an uninterrupted one. Nothing here syncs 
 
 from __future__ import annotations
 
-import struct
 import types
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -22,6 +21,7 @@ import torch
 
 from mixprec._src import dispatch_modes, sharding
 from mixprec._src.optim import cpu_lists
+from mixprec._src.step.host_counts import HostCounts
 from mixprec._src.step.sr_kernel import adam_scalars, adam_sr_update, compiled_kernel, fused_supported
 from mixprec._src.step.sr_noise import seed_tensor, shard_seed, sr_bits, tensor_seed
 
@@ -101,9 +101,16 @@ PerTensor = Callable[[torch.Tensor, dict[str, Any]], "int | torch.Tensor"]
 Extras = Callable[[torch.optim.Optimizer, dict[str, Any]], PerTensor]
 
 
-def install_fused_adam(optimizer: torch.optim.Optimizer, lowp: set[int], handles: list[Any],
-                       kernel: Callable[..., None], extras: Extras, eager: Callable[..., None],
-                       rounding: int, sharded: bool = True) -> None:  # fmt: skip
+def install_fused_adam(
+    optimizer: torch.optim.Optimizer,
+    lowp: set[int],
+    handles: list[Any],
+    kernel: Callable[..., None],
+    extras: Extras,
+    eager: Callable[..., None],
+    rounding: int,
+    sharded: bool = True,
+) -> None:
     """Have Adam(W)'s own ``step`` update the bf16 tensors ``lowp`` (ids) with one fused kernel (``sharded``: some
     of them are DTensors, whose local shards it steps).
 
@@ -171,44 +178,13 @@ def _adam_state(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> dict[str, 
     return st
 
 
-class HostCounts:
-    """Each weight's step count on the host beside its ``state["step"]`` tensor, so a step reads none of them.
-
-    :meth:`advance` adds one to every step tensor in one multi-tensor add and returns the new counts, as the
-    tensors hold them (fp32). A count is read from its tensor (``float``, a read of a CPU tensor) only where
-    the tensor is not the one last counted or was written since (its version moved: a loaded checkpoint, a
-    count set by hand).
-    """
-
-    def __init__(self) -> None:
-        self.held: dict[int, tuple[torch.Tensor, int, float]] = {}  # id(param) -> (its step tensor, version, count)
-
-    def advance(self, params: list[torch.Tensor], states: list[dict[str, Any]]) -> list[float]:
-        steps = [st["step"] for st in states]
-        before = []
-        for p, t in zip(params, steps, strict=True):
-            held = self.held.get(id(p))
-            fresh = held is not None and held[0] is t and held[1] == t._version
-            before.append(held[2] if fresh else float(t))  # type: ignore[index]
-        if steps:
-            torch._foreach_add_(steps, 1.0)
-        after = [_as_stored(t, c + 1.0) for t, c in zip(steps, before, strict=True)]
-        for p, t, c in zip(params, steps, after, strict=True):
-            self.held[id(p)] = (t, t._version, c)
-        return after
-
-
-def _as_stored(t: torch.Tensor, value: float) -> float:
-    """``value`` as the step tensor ``t`` holds it (fp32 counts stop at 2**24, as torch's do)."""
-    return struct.unpack("f", struct.pack("f", value))[0] if t.dtype is torch.float32 else value  # type: ignore[no-any-return]
-
-
 def _itself(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _split(group: dict[str, Any], lowp: set[int], local_of: Callable[[torch.Tensor], torch.Tensor]
-           ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:  # fmt: skip
+def _split(
+    group: dict[str, Any], lowp: set[int], local_of: Callable[[torch.Tensor], torch.Tensor]
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The group's bf16 weights the kernel steps (a gradient, contiguous local shards), and the rest."""
     ours: list[torch.Tensor] = []
     rest: list[torch.Tensor] = []
@@ -257,9 +233,14 @@ Write = Callable[[torch.Tensor, torch.Tensor, dict[str, Any], int], None]
 Compensation = Callable[[dict[str, Any], torch.Tensor], torch.Tensor]
 
 
-def install_generic(optimizer: torch.optim.Optimizer, lowp: set[int], handles: list[Any],
-                    write: Write = _stochastic_write, rounding: int = cpu_lists.STOCHASTIC,
-                    compensation: Compensation | None = None) -> None:  # fmt: skip
+def install_generic(
+    optimizer: torch.optim.Optimizer,
+    lowp: set[int],
+    handles: list[Any],
+    write: Write = _stochastic_write,
+    rounding: int = cpu_lists.STOCHASTIC,
+    compensation: Compensation | None = None,
+) -> None:
     """Step fp32 copies of the bf16 tensors ``lowp`` (ids) with the optimizer's own code, then ``write`` them back.
 
     torch's SGD on the CPU steps them instead in one call a param group (``cpu_lists.sgd_step``: its for-loop's
@@ -289,8 +270,10 @@ def install_generic(optimizer: torch.optim.Optimizer, lowp: set[int], handles: l
             shadow = param.detach().float().requires_grad_(True)
             shadow.grad = param.grad.float()
             param_state = opt.state.pop(param, {})
-            opt.state[shadow] = {k: (v.float() if isinstance(v, torch.Tensor) and v.dtype is torch.bfloat16
-                                     and v.dim() > 0 else v) for k, v in param_state.items()}  # fmt: skip
+            opt.state[shadow] = {
+                k: (v.float() if isinstance(v, torch.Tensor) and v.dtype is torch.bfloat16 and v.dim() > 0 else v)
+                for k, v in param_state.items()
+            }
             group["params"][i] = shadow
             shadows.append((group, i, param, shadow, seed))
         if rows:
@@ -304,9 +287,14 @@ def install_generic(optimizer: torch.optim.Optimizer, lowp: set[int], handles: l
                 # Optimizer state goes back to bf16 rounded to nearest: it is not accumulated in
                 # tiny increments the way weights are.
                 shadow_state = opt.state.pop(shadow, {})
-                opt.state[param] = {k: (v.to(torch.bfloat16) if isinstance(v, torch.Tensor)
-                                        and v.dtype is torch.float32 and v.dim() > 0 else v)
-                                    for k, v in shadow_state.items()}  # fmt: skip
+                opt.state[param] = {
+                    k: (
+                        v.to(torch.bfloat16)
+                        if isinstance(v, torch.Tensor) and v.dtype is torch.float32 and v.dim() > 0
+                        else v
+                    )
+                    for k, v in shadow_state.items()
+                }
                 group["params"][i] = param
         shadows.clear()
 
@@ -336,8 +324,14 @@ def install_generic(optimizer: torch.optim.Optimizer, lowp: set[int], handles: l
     handles.append(Restore(optimizer, _FINISHER))
 
 
-def _sgd_row(optimizer: torch.optim.Optimizer, group: dict[str, Any], param: torch.Tensor, seed: int,
-             rows: list[tuple[Any, ...]], compensation: Compensation | None) -> bool:  # fmt: skip
+def _sgd_row(
+    optimizer: torch.optim.Optimizer,
+    group: dict[str, Any],
+    param: torch.Tensor,
+    seed: int,
+    rows: list[tuple[Any, ...]],
+    compensation: Compensation | None,
+) -> bool:
     """``param``'s row of ``cpu_lists.sgd_step`` added to ``rows`` (its momentum buffer made where it has none), or
     ``False`` where the kernel does not take its tensors."""
     state = optimizer.state[param]
@@ -391,8 +385,16 @@ def install(optimizer: torch.optim.Optimizer, lowp: Iterable[torch.Tensor], hand
     step_eagerly(optimizer, handles)
     kernel = compiled_kernel() if fused_supported(optimizer) else None
     if kernel is not None:
-        install_fused_adam(optimizer, ids, handles, kernel, _seeds, adam_sr_update, cpu_lists.STOCHASTIC,
-                           any(sharding.is_sharded(p) for p in lowp))  # fmt: skip
+        install_fused_adam(
+            optimizer,
+            ids,
+            handles,
+            kernel,
+            _seeds,
+            adam_sr_update,
+            cpu_lists.STOCHASTIC,
+            any(sharding.is_sharded(p) for p in lowp),
+        )
         return True
     install_generic(optimizer, ids, handles)
     return False

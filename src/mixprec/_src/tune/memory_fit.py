@@ -20,7 +20,7 @@ from torch import nn
 
 from mixprec._src.dtypes import short_name
 from mixprec._src.observe.memory_plan import memory_plan
-from mixprec._src.step import low_bit_state
+from mixprec._src.step import state_checks
 from mixprec._src.step import step_in_backward as in_backward
 from mixprec._src.tune.recipe import Recipe
 
@@ -36,8 +36,18 @@ VARIANTS: tuple[dict[str, Any], ...] = (
     {"optimizer_state": "8bit", "step_in_backward": True},
     {"optimizer_state": "4bit", "step_in_backward": True},
 )
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20,
-          "gib": 2**30, "tib": 2**40}  # fmt: skip
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 def parse_bytes(value: int | float | str) -> int:
@@ -70,8 +80,14 @@ def _mib(size: int) -> str:
 class Fit:
     """The recipes that fit in ``budget`` bytes (peak per rank, activations of ``batch`` included)."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
-                 loss_of: Callable[[Any], torch.Tensor], budget: int) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        batch: Any,
+        loss_of: Callable[[Any], torch.Tensor],
+        budget: int,
+    ) -> None:
         self.model, self.optimizer, self.batch, self.loss_of, self.budget = model, optimizer, batch, loss_of, budget
         self.peaks: dict[str, int] = {}
         self.seconds = 0.0  # spent planning: outside tune's budget_s, which is for measuring
@@ -109,7 +125,7 @@ class Fit:
                     return False
                 in_backward.check(self.optimizer)
             if "optimizer_state" in variant:
-                low_bit_state.check(self.optimizer, variant["optimizer_state"])
+                state_checks.check(self.optimizer, variant["optimizer_state"])
         except ValueError:
             return False
         return True
@@ -126,14 +142,18 @@ class Fit:
                         smallest = (self.peak(candidate), candidate.name)
             elif variant:
                 fitted = _with(base, variant)
-                notes.append(f"memory budget {_mib(self.budget)}: {base.name} needs {_mib(self.peak(base))}; "
-                             f"{fitted.name} fits in {_mib(self.peak(fitted))}")  # fmt: skip
+                notes.append(
+                    f"memory budget {_mib(self.budget)}: {base.name} needs {_mib(self.peak(base))}; "
+                    f"{fitted.name} fits in {_mib(self.peak(fitted))}"
+                )
         if all(self.changes(b) is None for b in bases):
             assert smallest is not None
-            raise ValueError(f"no recipe fits in a memory budget of {_mib(self.budget)}: the smallest, "
-                             f"{smallest[1]}, needs {_mib(smallest[0])} at this batch (mixprec.memory_plan). "
-                             "Use a smaller batch, activation checkpointing, more FSDP2 ranks, or a larger "
-                             "budget")  # fmt: skip
+            raise ValueError(
+                f"no recipe fits in a memory budget of {_mib(self.budget)}: the smallest, "
+                f"{smallest[1]}, needs {_mib(smallest[0])} at this batch (mixprec.memory_plan). "
+                "Use a smaller batch, activation checkpointing, more FSDP2 ranks, or a larger "
+                "budget"
+            )
         return notes
 
     def gave_up(self, recipe: Recipe) -> str:
@@ -142,12 +162,16 @@ class Fit:
         if recipe.step_in_backward:
             lost.append("gradient accumulation (each backward steps the parameters)")
         if recipe.optimizer_state.own:
-            lost.append(f"the optimizer state's precision ({recipe.optimizer_state} instead of "
-                        f"{'bf16' if recipe.level.bf16_weights else 'fp32'})")  # fmt: skip
+            lost.append(
+                f"the optimizer state's precision ({recipe.optimizer_state} instead of "
+                f"{'bf16' if recipe.level.bf16_weights else 'fp32'})"
+            )
         if not lost:
             return ""
-        return (f"memory budget {_mib(self.budget)}: {recipe.name} needs {_mib(self.peak(recipe))}; to fit it gave "
-                f"up {' and '.join(lost)}")  # fmt: skip
+        return (
+            f"memory budget {_mib(self.budget)}: {recipe.name} needs {_mib(self.peak(recipe))}; to fit it gave "
+            f"up {' and '.join(lost)}"
+        )
 
     def describe(self, recipe: Recipe) -> str:
         return f"{recipe.name} ({short_name(recipe.dtype)}) needs {_mib(self.peak(recipe))}"

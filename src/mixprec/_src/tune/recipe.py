@@ -23,8 +23,8 @@ from mixprec._src import input_checks
 from mixprec._src.amp.autocast import autocast
 from mixprec._src.dtypes import parse_dtype, short_name
 from mixprec._src.fp8.config import Fp8Recipe, as_fp8_config
-from mixprec._src.layers import plan as layer_plan
-from mixprec._src.layers.plan import LayerChoice
+from mixprec._src.layers import choice as layer_choice
+from mixprec._src.layers.choice import LayerChoice
 from mixprec._src.layers.precision import LayerPrecision
 from mixprec._src.layout import to_channels_last
 from mixprec._src.op_names import op_name
@@ -98,15 +98,18 @@ class Recipe:
         object.__setattr__(self, "measurements", tuple(self.measurements))
         object.__setattr__(self, "notes", tuple(self.notes))
         layers = tuple(c if isinstance(c, LayerChoice) else LayerChoice(**c) for c in self.layers)
-        layers = tuple(c if c.default else dataclasses.replace(c, default=self.layer_default(c.name, c.shape))
-                       for c in layers)  # fmt: skip
+        layers = tuple(
+            c if c.default else dataclasses.replace(c, default=self.layer_default(c.name, c.shape)) for c in layers
+        )
         object.__setattr__(self, "layers", layers)
-        layer_plan.check_choices(layers)
+        layer_choice.check_choices(layers)
         if self.fp8 is not None:
             if not isinstance(self.fp8, str):
-                raise TypeError("Recipe.fp8 is a recipe name ('tensorwise', 'rowwise', 'rowwise_with_gw_hp', "
-                                "'delayed'), data a JSON file holds; to choose layers or set delayed scaling, pass "
-                                "PrepareConfig(fp8=mixprec.Fp8Config(...)) to mixprec.prepare")  # fmt: skip
+                raise TypeError(
+                    "Recipe.fp8 is a recipe name ('tensorwise', 'rowwise', 'rowwise_with_gw_hp', "
+                    "'delayed'), data a JSON file holds; to choose layers or set delayed scaling, pass "
+                    "PrepareConfig(fp8=mixprec.Fp8Config(...)) to mixprec.prepare"
+                )
             object.__setattr__(self, "fp8", Fp8Recipe.from_name(self.fp8).value)
             if self.dtype is torch.float32:
                 raise ValueError("fp8 linears train beside a low-precision recipe; use dtype bf16 (or fp16) with fp8")
@@ -122,8 +125,9 @@ class Recipe:
         if self.level.bf16_weights and self.dtype is not torch.bfloat16:
             raise ValueError(f"level {self.level!r} needs dtype bf16")
         if (self.optimizer_state.own or self.step_in_backward) and self.dtype is torch.float32:
-            raise ValueError("optimizer_state and step_in_backward go through mixprec.prepare: use a low-precision "
-                             "dtype with them")  # fmt: skip
+            raise ValueError(
+                "optimizer_state and step_in_backward go through mixprec.prepare: use a low-precision dtype with them"
+            )
 
     @property
     def name(self) -> str:
@@ -199,9 +203,15 @@ class Recipe:
             raise ValueError("an fp32 recipe prepares nothing; apply it, or train the model as it is")
         level = self.level
         policy = self.policy(device_type) if level is Level.O1 else None  # O1: prepare's region is the recipe's
-        return PrepareConfig(level=level, dtype=self.dtype, keep_names=self.keep_fp32, policy=policy,
-                             fp8=as_fp8_config(self.fp8), optimizer_state=self.optimizer_state,
-                             step_in_backward=self.step_in_backward)  # fmt: skip
+        return PrepareConfig(
+            level=level,
+            dtype=self.dtype,
+            keep_names=self.keep_fp32,
+            policy=policy,
+            fp8=as_fp8_config(self.fp8),
+            optimizer_state=self.optimizer_state,
+            step_in_backward=self.step_in_backward,
+        )
 
     @property
     def _prepares(self) -> bool:
@@ -239,7 +249,7 @@ class Recipe:
         region = self.autocast(device_type)
         if self._prepares:  # prepare's forward opens its own region
             model, optimizer = prepare(model, optimizer, self.prepare_config(device_type))
-        layer_plan.apply(model, self.layers)
+        layer_choice.apply(model, self.layers)
         fp16 = self.dtype is torch.float16 or any(c.choice == "fp16" for c in self.layers)
         scaler = GradScaler(device_type, init_scale=self.loss_scale) if fp16 else None
         if self.compile:

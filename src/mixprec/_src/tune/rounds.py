@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -25,7 +26,7 @@ from mixprec._src.tune.recipe import Measurement, Recipe, Tolerance
 from mixprec._src.tune.tables import line
 from mixprec._src.tune.trial import ACCURACY_STEPS, Trial, judge
 
-__all__ = ["FINALISTS", "MAX_STEPS", "SLOW", "STEPS", "Progress", "Search", "changes"]
+__all__ = ["FINALISTS", "MAX_STEPS", "SLOW", "STEPS", "Progress", "Search", "changes", "choose"]
 
 Progress = Callable[[str], None]
 STEPS = 4  # steps per candidate per round: 3 timed, their median is the candidate's time
@@ -37,9 +38,17 @@ FINALISTS = 3  # the fastest candidates raced again, head to head, before choosi
 class Search:
     fit: Any = None  # memory_fit.Fit where tune has a memory budget: a recipe over it is never the best
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, inputs: Any,
-                 loss_of: Callable[[Any], torch.Tensor], device: torch.device, tol: Tolerance,
-                 deadline: float, progress: Progress | None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        inputs: Any,
+        loss_of: Callable[[Any], torch.Tensor],
+        device: torch.device,
+        tol: Tolerance,
+        deadline: float,
+        progress: Progress | None,
+    ) -> None:
         self.model, self.optimizer, self.inputs, self.loss_of = model, optimizer, inputs, loss_of
         self.device, self.tol, self.progress = device, tol, progress
         self._deadline = deadline
@@ -191,8 +200,7 @@ class Search:
             self.results[t.name] = Measurement(t.name, "rejected", first_ms, None, reason=why)
             return
         if not t.checked or mine is None:
-            self.results[t.name] = Measurement(t.name, "not measured", ms, vs, reason="the budget ran out",
-                                               noise=noise)  # fmt: skip
+            self.results[t.name] = Measurement(t.name, "not measured", ms, vs, reason="the budget ran out", noise=noise)
             return
         assert self.ref is not None
         if t is self.ref:
@@ -228,21 +236,32 @@ class Search:
         there are none or the round does not fit in the budget.
         """
         passed = sorted(
-            (n for n, m in self.results.items() if m.status == "passed" and m.vs_default is not None
-             and n != default_recipe.name and self.recipes[n].dtype in dtypes),
+            (
+                n
+                for n, m in self.results.items()
+                if m.status == "passed"
+                and m.vs_default is not None
+                and n != default_recipe.name
+                and self.recipes[n].dtype in dtypes
+            ),
             key=lambda n: -(self.results[n].vs_default or 0.0),
-        )  # fmt: skip
+        )
         if not passed:
             return None
         fastest = self.results[passed[0]].vs_default or 0.0
         near = [n for n in passed if (self.results[n].vs_default or 0.0) * min_speedup >= fastest]
         simplest = min(near, key=lambda n: changes(self.recipes[n]))
         finalists = list(dict.fromkeys([*passed[:FINALISTS], simplest]))
-        steps = [m.step_ms / 1e3 for n in (*finalists, default_recipe.name)
-                 if (m := self.results.get(n)) is not None and m.step_ms is not None]  # fmt: skip
+        steps = [
+            m.step_ms / 1e3
+            for n in (*finalists, default_recipe.name)
+            if (m := self.results.get(n)) is not None and m.step_ms is not None
+        ]
         if not self.fits((self.setup_s + max(steps, default=0.0) * STEPS) * (len(finalists) + 1)):
-            notes.append("no head-to-head round for the finalists (the budget would run out): "
-                         "ms/step come from rounds measured apart")  # fmt: skip
+            notes.append(
+                "no head-to-head round for the finalists (the budget would run out): "
+                "ms/step come from rounds measured apart"
+            )
             return None
         self.say(f"final round (head to head): {', '.join(finalists)}")
         default = self.trial(default_recipe)
@@ -259,14 +278,17 @@ class Search:
         for name, result in list(self.results.items()):
             mine = base if name == default_recipe.name else timed.get(name)
             if mine is not None:
-                self.results[name] = dataclasses.replace(result, step_ms=mine * 1e3, vs_default=base / mine,
-                                                         noise=noise.get(name))  # fmt: skip
+                self.results[name] = dataclasses.replace(
+                    result, step_ms=mine * 1e3, vs_default=base / mine, noise=noise.get(name)
+                )
             elif result.status in ("passed", "rejected") and result.step_ms is not None:
                 self.results[name] = dataclasses.replace(result, step_ms=None)
         for name in (default_recipe.name, *finalists):
             self.say(f"  {name}: {line(self.results[name])}")
-        notes.append("ms/step: the finalists and torch.amp's default raced head to head in a final round; "
-                     "the others' speed is against the default in their own round")  # fmt: skip
+        notes.append(
+            "ms/step: the finalists and torch.amp's default raced head to head in a final round; "
+            "the others' speed is against the default in their own round"
+        )
         return [n for n in finalists if n in timed]
 
     def best(self, names: Sequence[str], within_memory: bool = True) -> str | None:
@@ -288,3 +310,104 @@ def changes(recipe: Recipe) -> int:
     if recipe.dtype is torch.float32:
         return 1 + moved
     return len(recipe.fp32_ops) + (recipe.layout != "contiguous") + (recipe.level != "O1") + recipe.compile + moved
+
+
+def choose(
+    search: Search,
+    best: str | None,
+    torch_default: Recipe,
+    dtypes: list[torch.dtype],
+    min_speedup: float,
+    notes: list[str],
+    finalists: list[str] | None,
+) -> Recipe:
+    """The recipe tune returns: the best measured, unless torch.amp's default is within the bar (``min_speedup``,
+    raised to the winner's noise); ``notes`` gains why."""
+    if search.out_of_time:
+        notes.append(
+            "the search left out work that would not have ended inside the budget (a round, a step): "
+            "the best recipe measured so far"
+        )
+    default_result = search.results.get(torch_default.name)
+    default_ok = torch_default.dtype in dtypes and default_result is not None and default_result.status == "passed"
+    if search.fit is not None and not search.fit.fits(torch_default):
+        default_ok = False
+        notes.append(f"torch.amp's default is over the memory budget: {search.fit.describe(torch_default)}")
+    if default_result is not None and default_result.status == "rejected":
+        if default_result.reason.startswith("slower"):
+            notes.append(f"torch.amp's default is too slow here: {default_result.reason}")
+        else:
+            notes.append(f"torch.amp's default fails the accuracy guard: {default_result.reason}")
+    winner = search.recipes.get(best) if best is not None else None
+    speed = search.results[best].vs_default if best is not None else None
+    # A speed-up within the measurements' noise is not one: the bar rises to the chosen candidate's noise.
+    need = min_speedup
+    if best is not None and best != torch_default.name:
+        need = max(min_speedup, 1.0 + (search.results[best].noise or 0.0))
+    if best is not None and best != torch_default.name and winner is not None and speed is not None:
+        # Within the noise of the fastest, the simplest recipe: fp32 rather than low precision with every matmul
+        # moved back to fp32, no op moves rather than some.
+        near = [
+            n
+            for n, m in search.results.items()
+            if m.status == "passed"
+            and m.vs_default is not None
+            and m.vs_default * need >= speed
+            and n != torch_default.name
+            and search.recipes[n].dtype in dtypes
+            and (finalists is None or n in finalists)
+            and (search.fit is None or search.fit.fits(search.recipes[n]))
+        ]
+        simplest: str = min(
+            near, key=lambda n: (changes(search.recipes[n]), -(search.results[n].vs_default or 0.0)), default=best
+        )
+        if simplest != best:
+            notes.append(f"{simplest} is within {need:.2f}x of the fastest ({best}) and simpler: chosen")
+            best, winner, speed = simplest, search.recipes[simplest], search.results[simplest].vs_default
+    if default_ok and (winner is None or speed is None or speed < need):
+        if winner is not None and best != torch_default.name and speed is not None and speed >= min_speedup:
+            notes.append(
+                f"{best} measured {speed:.2f}x torch.amp's default, within the noise of its measurements "
+                f"(±{need - 1:.0%}): keeping torch.amp's default"
+            )
+        elif winner is not None and best != torch_default.name:
+            notes.append(
+                f"nothing beat torch.amp's default by {min_speedup:.2f}x or more "
+                f"(best: {best}, {speed or 0:.2f}x): keeping torch.amp's default"
+            )
+        else:
+            notes.append("nothing beat torch.amp's default: keeping it")
+        winner, best = torch_default, torch_default.name
+    elif winner is None and search.fit is not None:
+        raise ValueError(
+            "no recipe that fits the memory budget passed the accuracy guard in the time budget; "
+            "give tune more time (budget_s), or more memory"
+        )
+    elif winner is None:
+        notes.append("no candidate passed the accuracy guard in the budget: fp32")
+        winner = Recipe(dtype=torch.float32)
+    elif winner.dtype is torch.float32:
+        notes.append("fp32 was the fastest recipe that passed: no mixed precision on this machine")
+    if search.fit is not None and winner is not None:
+        gave_up = search.fit.gave_up(winner)
+        notes.append(gave_up or f"memory budget: {search.fit.describe(winner)}, within it")
+    results = dict(search.results)
+    if best in results:
+        results[best] = dataclasses.replace(results[best], status="chosen")
+    order = {"chosen": 0, "passed": 1, "rejected": 2, "not measured": 3}
+    measured = sorted(results.values(), key=lambda m: (order[m.status], -(m.vs_default or 0.0)))
+    noises = [m.noise for m in measured if m.noise is not None]
+    noise = statistics.median(noises) if noises else None
+    if noise is not None and (noise > timing.NOISY or search.repeated):
+        notes.append(
+            f"timing noise: a candidate's speed against torch.amp's default is known to ±{noise:.0%} "
+            "(an approximate 95% interval, median over candidates"
+            + ("; the machine is busy)" if noise > timing.NOISY else ")")
+            + (
+                f"; rounds where a candidate's was over {timing.NOISY:.0%} took up to {search.repeated} steps"
+                if search.repeated
+                else ""
+            )
+            + "; a recipe must beat the default by its own noise to be chosen"
+        )
+    return dataclasses.replace(winner, measurements=tuple(measured), notes=tuple(notes), timing_noise=noise)

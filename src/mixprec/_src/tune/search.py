@@ -43,7 +43,6 @@ import copy
 import dataclasses
 import functools
 import math
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -54,14 +53,14 @@ from torch import nn
 from mixprec._src import input_checks, timing
 from mixprec._src.dtypes import parse_dtype, short_name
 from mixprec._src.layers import plan as layer_plan
-from mixprec._src.layers.precision import parse_precision
 from mixprec._src.observe.diagnostics import diagnose
 from mixprec._src.policy.rules import default_policy
 from mixprec._src.prepare.config import Level
 from mixprec._src.prepare.levels import prepared_state
-from mixprec._src.tune import memory_fit, probes
+from mixprec._src.tune import memory_fit, probes, rounds
+from mixprec._src.tune.layer_plans import LayerPlans
 from mixprec._src.tune.recipe import Recipe, Tolerance
-from mixprec._src.tune.rounds import Progress, Search, changes
+from mixprec._src.tune.rounds import Progress, Search
 
 __all__ = ["tune"]
 
@@ -135,8 +134,10 @@ def tune(
     if not (isinstance(budget_s, (int, float)) and budget_s > 0 and math.isfinite(budget_s)):
         raise ValueError(f"budget_s must be a positive number of seconds, got {budget_s!r}")
     if prepared_state(model) is not None:
-        raise ValueError("tune needs the fp32 model: this one was prepared by mixprec.prepare; "
-                         "call mixprec.export_fp32(model) first, or tune before preparing")  # fmt: skip
+        raise ValueError(
+            "tune needs the fp32 model: this one was prepared by mixprec.prepare; "
+            "call mixprec.export_fp32(model) first, or tune before preparing"
+        )
     found = input_checks.check_inputs(model, (batch, targets), loss_fn)
     if device is not None and torch.device(device).type != found.type:
         raise ValueError(f"device={device!r} but the model is on {found}; move the model and batch there first")
@@ -170,8 +171,13 @@ def tune(
     notes: list[str] = ["torch.compile is not searched: compiling takes longer than a tuning budget"]
     if memory_budget is not None:
         search.fit = memory_fit.Fit(model, optimizer, batch, loss_of, memory_fit.parse_bytes(memory_budget))
-        bases = [Recipe(dtype=d, level=Level.from_name(lv)) for d in searched if d is not torch.float32
-                 for lv in ("O1", *search_levels) if d is torch.bfloat16 or lv in ("O1", "O2")]  # fmt: skip
+        bases = [
+            Recipe(dtype=d, level=Level.from_name(lv))
+            for d in searched
+            if d is not torch.float32
+            for lv in ("O1", *search_levels)
+            if d is torch.bfloat16 or lv in ("O1", "O2")
+        ]
         if torch.float32 in searched:
             bases.append(Recipe(dtype=torch.float32))
         notes += search.fit.check(bases)
@@ -183,67 +189,23 @@ def tune(
             wanted = [short_name(d) for d in searched] + list(layer_plan.FP8_CANDIDATES)
             # dtypes whose matmuls are emulated here, with how much slower than fp32's they are
             emulated = {short_name(d): s / (3 * forward_s) for d, s in search.first_step_s.items() if forward_s > 0}
-            measured, plan_notes = layer_plan.measure(model, batch, loss_of, wanted,
-                                                      start + search.planning_s + _PLAN_SHARE * budget_s, emulated,
-                                                      search.say)  # fmt: skip
+            measured, plan_notes = layer_plan.measure(
+                model, batch, loss_of, wanted, start + search.planning_s + _PLAN_SHARE * budget_s, emulated, search.say
+            )
             notes += plan_notes
-            plan = _Plan(measured, layer_sqnr_db, min_speedup) if measured else None
-        recipe = _run_search(search, model, batch, loss_fn, targets, searched, search_levels, default_dtype,
-                             min_speedup, notes, plan)  # fmt: skip
+            plan = LayerPlans(measured, layer_sqnr_db, min_speedup) if measured else None
+        recipe = _run_search(
+            search, model, batch, loss_fn, targets, searched, search_levels, default_dtype, min_speedup, notes, plan
+        )
         if plan is not None:
             recipe = plan.attach(recipe)
     if search.planning_s:
         note = f"memory planning took {search.planning_s:.1f} s, outside budget_s (which is for measuring)"
         recipe = dataclasses.replace(recipe, notes=(*recipe.notes, note))
     measured_on = f"{found.type}" + (f" ({torch.cuda.get_device_name(found)})" if found.type == "cuda" else "")
-    return dataclasses.replace(recipe, measured_on=f"{measured_on}, torch {torch.__version__}",
-                               tuning_s=time.perf_counter() - start)  # fmt: skip
-
-
-@dataclasses.dataclass
-class _Plan:
-    """The per-layer measurements, and how a recipe's layers are chosen from them."""
-
-    measured: list[layer_plan.Measured]
-    floor_db: float
-    min_speedup: float
-    outcome: dict[str, str] = dataclasses.field(default_factory=dict)  # recipe name -> what its plan became
-
-    def choices(self, recipe: Recipe) -> tuple[layer_plan.LayerChoice, ...]:
-        """The plan for ``recipe``: each layer's default is what the recipe gives it."""
-        return layer_plan.choose(self.measured, lambda m: recipe.layer_default(m.name, m.shape), self.floor_db,
-                                 self.min_speedup)  # fmt: skip
-
-    def planned(self, recipe: Recipe) -> Recipe | None:
-        """``recipe`` with its per-layer plan, or ``None`` where every layer stays as the recipe has it."""
-        planned = dataclasses.replace(recipe, layers=self.choices(recipe))
-        return planned if planned.moved_layers else None
-
-    def attach(self, recipe: Recipe) -> Recipe:
-        """The chosen recipe with the plan's table (choices reset to its defaults if it is not the planned one)."""
-        if recipe.layers:
-            return recipe
-        choices = self.choices(recipe)
-        if not any(c.moved for c in choices):
-            note = "per-layer plan: every layer stays as the recipe has it"
-            return dataclasses.replace(recipe, layers=choices, notes=(*recipe.notes, note))
-        if recipe.name in self.outcome:
-            why = self.outcome[recipe.name]
-            why += f", but {recipe.name} was faster" if why.endswith("passed") else ""
-        elif self.outcome:
-            why = (f"{recipe.name} won the final round; round 4 raced the plans of "
-                   f"{', '.join(self.outcome)}, the best of each dtype then")  # fmt: skip
-        else:
-            why = "the budget ran out before round 4 raced it"
-        kept = tuple(
-            c
-            if not c.moved
-            else dataclasses.replace(
-                c, choice=parse_precision(c.default), reason=f"{c.choice} measured best, not applied; {c.reason}"
-            )
-            for c in choices
-        )
-        return dataclasses.replace(recipe, layers=kept, notes=(*recipe.notes, f"per-layer plan not applied: {why}"))
+    return dataclasses.replace(
+        recipe, measured_on=f"{measured_on}, torch {torch.__version__}", tuning_s=time.perf_counter() - start
+    )
 
 
 def _loss_of(loss_fn: Callable[..., torch.Tensor] | None, targets: Any) -> Callable[[Any], torch.Tensor]:
@@ -264,9 +226,19 @@ def _check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None
         )
 
 
-def _run_search(search: Search, model: nn.Module, batch: Any, loss_fn: Any, targets: Any,
-                dtypes: list[torch.dtype], levels: list[str], default_dtype: torch.dtype, min_speedup: float,
-                notes: list[str], plan: _Plan | None = None) -> Recipe:  # fmt: skip
+def _run_search(
+    search: Search,
+    model: nn.Module,
+    batch: Any,
+    loss_fn: Any,
+    targets: Any,
+    dtypes: list[torch.dtype],
+    levels: list[str],
+    default_dtype: torch.dtype,
+    min_speedup: float,
+    notes: list[str],
+    plan: LayerPlans | None = None,
+) -> Recipe:
     torch_default = Recipe(dtype=default_dtype)
     lows = [d for d in dtypes if d is not torch.float32]
     keep: dict[torch.dtype, tuple[str, ...]] = {}
@@ -297,8 +269,10 @@ def _run_search(search: Search, model: nn.Module, batch: Any, loss_fn: Any, targ
         report = diagnose(copy.deepcopy(model), batch, loss_fn, targets=targets, dtype=dtype)
         if report.keep_fp32:
             keep[dtype], scale[dtype] = tuple(report.keep_fp32), report.suggested_loss_scale
-            notes.append(f"diagnose({short_name(dtype)}) keeps {', '.join(report.keep_fp32)} in fp32 "
-                         f"in every {short_name(dtype)} candidate")  # fmt: skip
+            notes.append(
+                f"diagnose({short_name(dtype)}) keeps {', '.join(report.keep_fp32)} in fp32 "
+                f"in every {short_name(dtype)} candidate"
+            )
     if keep and search.time_left():
         retry = [search.trial(base(d)) for d in keep]
         search.race(default, retry, "round 1b (modules diagnose keeps in fp32)")
@@ -307,8 +281,9 @@ def _run_search(search: Search, model: nn.Module, batch: Any, loss_fn: Any, targ
     best = search.best([t.name for t in round1 if t.name in allowed])
     # Rounds 2 and 3 improve the best low-precision dtype, which may then beat fp32.
     # (the dtype to go on with: a level of it may fit the memory budget where its O1 recipe does not)
-    best_low = search.best([t.name for t in round1 if t.name in allowed and t.recipe.dtype is not torch.float32],
-                           within_memory=False)  # fmt: skip
+    best_low = search.best(
+        [t.name for t in round1 if t.name in allowed and t.recipe.dtype is not torch.float32], within_memory=False
+    )
     best_trial = next((t for t in round1 if t.name == best_low), None)
     # The profile takes a step of each: only if both fit in the budget.
     if best_trial is not None and search.fits(best_trial.expected_s(default) + search.ref.expected_s(default)):
@@ -317,11 +292,17 @@ def _run_search(search: Search, model: nn.Module, batch: Any, loss_fn: Any, targ
         # Round 2: op moves the profile suggests, and the layout.
         lower = default_policy(search.device.type).lower
         low_cost, fp32_cost = probes.profile(best_trial, lower), probes.profile(search.ref, lower)
-        slower = sorted((op for op in low_cost if low_cost[op] > fp32_cost.get(op, math.inf)),
-                        key=lambda op: fp32_cost[op] - low_cost[op])  # fmt: skip
+        slower = sorted(
+            (op for op in low_cost if low_cost[op] > fp32_cost.get(op, math.inf)),
+            key=lambda op: fp32_cost[op] - low_cost[op],
+        )
         if slower:
-            notes.append("profile: slower in " + short_name(dtype) + " than fp32 (fwd+bwd): " + ", ".join(
-                f"{op} {low_cost[op] * 1e3:.1f} vs {fp32_cost[op] * 1e3:.1f} ms" for op in slower))  # fmt: skip
+            notes.append(
+                "profile: slower in "
+                + short_name(dtype)
+                + " than fp32 (fwd+bwd): "
+                + ", ".join(f"{op} {low_cost[op] * 1e3:.1f} vs {fp32_cost[op] * 1e3:.1f} ms" for op in slower)
+            )
         candidates = [base(dtype, fp32_ops=(op,)) for op in slower[:3]]
         if len(slower) > 1:
             candidates.append(base(dtype, fp32_ops=tuple(slower)))
@@ -365,76 +346,4 @@ def _run_search(search: Search, model: nn.Module, batch: Any, loss_fn: Any, targ
     finalists = search.final_round(torch_default, dtypes, min_speedup, notes)
     if finalists is not None:
         best = search.best([*finalists, *([torch_default.name] if torch_default.dtype in dtypes else [])])
-    return _choose(search, best, torch_default, dtypes, min_speedup, notes, finalists)
-
-
-def _choose(search: Search, best: str | None, torch_default: Recipe, dtypes: list[torch.dtype], min_speedup: float,
-            notes: list[str], finalists: list[str] | None) -> Recipe:  # fmt: skip
-    if search.out_of_time:
-        notes.append("the search left out work that would not have ended inside the budget (a round, a step): "
-                     "the best recipe measured so far")  # fmt: skip
-    default_result = search.results.get(torch_default.name)
-    default_ok = torch_default.dtype in dtypes and default_result is not None and default_result.status == "passed"
-    if search.fit is not None and not search.fit.fits(torch_default):
-        default_ok = False
-        notes.append(f"torch.amp's default is over the memory budget: {search.fit.describe(torch_default)}")
-    if default_result is not None and default_result.status == "rejected":
-        if default_result.reason.startswith("slower"):
-            notes.append(f"torch.amp's default is too slow here: {default_result.reason}")
-        else:
-            notes.append(f"torch.amp's default fails the accuracy guard: {default_result.reason}")
-    winner = search.recipes.get(best) if best is not None else None
-    speed = search.results[best].vs_default if best is not None else None
-    # A speed-up within the measurements' noise is not one: the bar rises to the chosen candidate's noise.
-    need = min_speedup
-    if best is not None and best != torch_default.name:
-        need = max(min_speedup, 1.0 + (search.results[best].noise or 0.0))
-    if best is not None and best != torch_default.name and winner is not None and speed is not None:
-        # Within the noise of the fastest, the simplest recipe: fp32 rather than low precision with every matmul
-        # moved back to fp32, no op moves rather than some.
-        near = [n for n, m in search.results.items() if m.status == "passed" and m.vs_default is not None
-                and m.vs_default * need >= speed and n != torch_default.name
-                and search.recipes[n].dtype in dtypes and (finalists is None or n in finalists)
-                and (search.fit is None or search.fit.fits(search.recipes[n]))]  # fmt: skip
-        simplest: str = min(
-            near, key=lambda n: (changes(search.recipes[n]), -(search.results[n].vs_default or 0.0)), default=best
-        )
-        if simplest != best:
-            notes.append(f"{simplest} is within {need:.2f}x of the fastest ({best}) and simpler: chosen")
-            best, winner, speed = simplest, search.recipes[simplest], search.results[simplest].vs_default
-    if default_ok and (winner is None or speed is None or speed < need):
-        if winner is not None and best != torch_default.name and speed is not None and speed >= min_speedup:
-            notes.append(f"{best} measured {speed:.2f}x torch.amp's default, within the noise of its measurements "
-                         f"(±{need - 1:.0%}): keeping torch.amp's default")  # fmt: skip
-        elif winner is not None and best != torch_default.name:
-            notes.append(f"nothing beat torch.amp's default by {min_speedup:.2f}x or more "
-                         f"(best: {best}, {speed or 0:.2f}x): keeping torch.amp's default")  # fmt: skip
-        else:
-            notes.append("nothing beat torch.amp's default: keeping it")
-        winner, best = torch_default, torch_default.name
-    elif winner is None and search.fit is not None:
-        raise ValueError("no recipe that fits the memory budget passed the accuracy guard in the time budget; "
-                         "give tune more time (budget_s), or more memory")  # fmt: skip
-    elif winner is None:
-        notes.append("no candidate passed the accuracy guard in the budget: fp32")
-        winner = Recipe(dtype=torch.float32)
-    elif winner.dtype is torch.float32:
-        notes.append("fp32 was the fastest recipe that passed: no mixed precision on this machine")
-    if search.fit is not None and winner is not None:
-        gave_up = search.fit.gave_up(winner)
-        notes.append(gave_up or f"memory budget: {search.fit.describe(winner)}, within it")
-    results = dict(search.results)
-    if best in results:
-        results[best] = dataclasses.replace(results[best], status="chosen")
-    order = {"chosen": 0, "passed": 1, "rejected": 2, "not measured": 3}
-    measured = sorted(results.values(), key=lambda m: (order[m.status], -(m.vs_default or 0.0)))
-    noises = [m.noise for m in measured if m.noise is not None]
-    noise = statistics.median(noises) if noises else None
-    if noise is not None and (noise > timing.NOISY or search.repeated):
-        notes.append(f"timing noise: a candidate's speed against torch.amp's default is known to ±{noise:.0%} "
-                     "(an approximate 95% interval, median over candidates"
-                     + ("; the machine is busy)" if noise > timing.NOISY else ")")
-                     + (f"; rounds where a candidate's was over {timing.NOISY:.0%} took up to {search.repeated} "
-                        "steps" if search.repeated else "")
-                     + "; a recipe must beat the default by its own noise to be chosen")  # fmt: skip
-    return dataclasses.replace(winner, measurements=tuple(measured), notes=tuple(notes), timing_noise=noise)
+    return rounds.choose(search, best, torch_default, dtypes, min_speedup, notes, finalists)

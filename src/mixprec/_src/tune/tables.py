@@ -12,7 +12,7 @@ from typing import Protocol
 import torch
 
 from mixprec._src.dtypes import short_name
-from mixprec._src.layers.plan import LayerChoice
+from mixprec._src.layers.choice import LayerChoice
 from mixprec._src.layers.precision import PRECISIONS
 from mixprec._src.tune.measurement import Measurement
 
@@ -63,8 +63,12 @@ def _default_label(recipe: Recipe) -> str:
     return f" (plain torch.autocast in {short_name(recipe.dtype)}; the table's torch.amp baseline is {baseline})"
 
 
-_SHORT = {"fp8-tensorwise": "fp8-tw", "fp8-rowwise": "fp8-rw", "fp8-rowwise_with_gw_hp": "fp8-rw-gw",
-          "fp8-delayed": "fp8-dl"}  # fmt: skip
+_SHORT = {
+    "fp8-tensorwise": "fp8-tw",
+    "fp8-rowwise": "fp8-rw",
+    "fp8-rowwise_with_gw_hp": "fp8-rw-gw",
+    "fp8-delayed": "fp8-dl",
+}
 
 
 def layer_table(layers: Sequence[LayerChoice], width: int | None = None) -> str:
@@ -93,11 +97,17 @@ def layer_table(layers: Sequence[LayerChoice], width: int | None = None) -> str:
     lines = textwrap.wrap(legend, width, subsequent_indent="  ")
     lines += [header.rstrip(), "-" * min(len(header), width)]
     for c, choice, row in zip(layers, choices, cells, strict=True):
-        lines.append("  ".join([_middle(c.name, name_w).ljust(name_w), choice.ljust(choice_w),
-                                *(v.rjust(w) for v, w in zip(row, widths, strict=True))]).rstrip())  # fmt: skip
+        lines.append(
+            "  ".join(
+                [
+                    _middle(c.name, name_w).ljust(name_w),
+                    choice.ljust(choice_w),
+                    *(v.rjust(w) for v, w in zip(row, widths, strict=True)),
+                ]
+            ).rstrip()
+        )
         detail = f"{c.shape}: {c.reason}" if c.reason else c.shape
-        lines += textwrap.wrap(detail, width, initial_indent="    ", subsequent_indent="      ",
-                               break_on_hyphens=False)  # fmt: skip
+        lines += textwrap.wrap(detail, width, initial_indent="    ", subsequent_indent="      ", break_on_hyphens=False)
     return "\n".join(lines)
 
 
@@ -134,8 +144,11 @@ def _text_table(rows: Sequence[Sequence[str]]) -> list[str]:
 
 def line(m: Measurement) -> str:
     """One candidate's outcome, for progress output."""
-    speed = (f"{m.step_ms:.1f} ms/step, {_fmt(m.vs_default, '.2f', 'x')}{_noise(m.noise)} torch.amp"
-             if m.step_ms is not None else "-")  # fmt: skip
+    speed = (
+        f"{m.step_ms:.1f} ms/step, {_fmt(m.vs_default, '.2f', 'x')}{_noise(m.noise)} torch.amp"
+        if m.step_ms is not None
+        else "-"
+    )
     return f"{m.status}, {speed}" + (f": {m.reason}" if m.reason else "")
 
 

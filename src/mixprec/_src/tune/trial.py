@@ -29,8 +29,15 @@ ACCURACY_STEPS = 2  # steps compared with fp32; the first is also the warm-up, n
 class Trial:
     """One candidate training on a deep copy of the user's model and optimizer."""
 
-    def __init__(self, recipe: Recipe, model: nn.Module, optimizer: torch.optim.Optimizer, inputs: Any,
-                 loss_of: Callable[[Any], torch.Tensor], device: torch.device) -> None:  # fmt: skip
+    def __init__(
+        self,
+        recipe: Recipe,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        inputs: Any,
+        loss_of: Callable[[Any], torch.Tensor],
+        device: torch.device,
+    ) -> None:
         self.recipe = recipe
         self.name = recipe.name
         copied_model, copied_optimizer = copy.deepcopy((model, optimizer))  # one memo: the optimizer keeps its params
