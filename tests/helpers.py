@@ -6,6 +6,7 @@ Fixtures live in conftest.py; everything a test imports lives here (``from helpe
 from __future__ import annotations
 
 import importlib.util
+import io
 import pathlib
 import sys
 from collections.abc import Callable
@@ -306,6 +307,26 @@ def state_data(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         x = torch.randn(32, 64, generator=g)
         out.append((x, x[:, :8].sin().sum(1, keepdim=True)))
     return out
+
+
+def resumed(
+    model: nn.Module, optimizer: torch.optim.Optimizer, fresh: Callable[[], tuple[nn.Module, torch.optim.Optimizer]]
+) -> tuple[nn.Module, torch.optim.Optimizer, dict[str, Any]]:
+    """A checkpoint's round trip: ``model``'s and ``optimizer``'s state dicts through ``torch.save`` and
+    ``torch.load`` (bytes, as a file holds them), loaded into ``fresh()``'s; returns those and what was saved."""
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, buffer)
+    buffer.seek(0)
+    saved: dict[str, Any] = torch.load(buffer)
+    model, optimizer = fresh()
+    model.load_state_dict(saved["model"])
+    optimizer.load_state_dict(saved["optimizer"])
+    return model, optimizer, saved
+
+
+def full_params(model: nn.Module) -> list[torch.Tensor]:
+    """Every parameter whole (a sharded one gathered), in fp32, detached copies."""
+    return [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().clone() for p in model.parameters()]
 
 
 def weights_seen(model: nn.Module) -> dict[str, tuple[torch.dtype, torch.Tensor]]:

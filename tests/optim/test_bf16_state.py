@@ -5,7 +5,6 @@ bitwise resume at every level, checkpoints across state precisions, half the byt
 from __future__ import annotations
 
 import copy
-import io
 from typing import Any
 
 import pytest
@@ -13,7 +12,7 @@ import torch
 from torch import nn
 
 import mixprec
-from helpers import state_data, state_mlp
+from helpers import resumed, state_data, state_mlp
 from mixprec._src.optim import moments
 
 
@@ -118,14 +117,8 @@ def test_a_run_resumed_from_state_dicts_continues_bit_for_bit(level: str, kind: 
     whole = _train(*fresh(), data)
     model, optimizer = fresh()
     first = _train(model, optimizer, data[:4])
-    buffer = io.BytesIO()
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, buffer)
-    buffer.seek(0)
-    saved = torch.load(buffer)
+    model, optimizer, saved = resumed(model, optimizer, fresh)  # load_state_dict casts to the parameter's dtype
     assert saved["optimizer"]["state"][2]["exp_avg" if kind != "sgd" else "momentum_buffer"].dtype is torch.bfloat16
-    model, optimizer = fresh()
-    model.load_state_dict(saved["model"])
-    optimizer.load_state_dict(saved["optimizer"])  # load_state_dict casts to the parameter's dtype: back in bf16
     weight = optimizer.param_groups[0]["params"][2]
     assert all(v.dtype is torch.bfloat16 for k, v in optimizer.state[weight].items() if k != "step")
     assert first + _train(model, optimizer, data[4:]) == whole

@@ -3,13 +3,12 @@ bitwise resume; bf16-sr's rounding."""
 
 from __future__ import annotations
 
-import io
-
 import pytest
 import torch
 from torch import nn
 
 import mixprec
+from helpers import resumed
 from mixprec._src.optim import moments
 from mixprec._src.optim import quantize as q
 
@@ -70,13 +69,7 @@ def test_sgd_resumes_from_its_state_dict_bit_for_bit(level: str) -> None:
     whole = _train(*fresh(), range(8))
     model, optimizer = fresh()
     first = _train(model, optimizer, range(4))
-    buffer = io.BytesIO()
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, buffer)
-    buffer.seek(0)
-    saved = torch.load(buffer)
-    model, optimizer = fresh()
-    model.load_state_dict(saved["model"])
-    optimizer.load_state_dict(saved["optimizer"])
+    model, optimizer, _ = resumed(model, optimizer, fresh)
     assert first + _train(model, optimizer, range(4, 8)) == whole
     assert whole[-1] < whole[0]
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mixprec
-from helpers import init_process_group, spawn
+from helpers import full_params, init_process_group, spawn
 from mixprec.bench.workloads import TinyLM
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
@@ -60,10 +60,6 @@ def _train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: range, ran
     return losses
 
 
-def _full(model: nn.Module) -> list[torch.Tensor]:
-    return [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().clone() for p in model.parameters()]
-
-
 def _worker(rank: int, world: int, port: int, results: Any, where: str, level: str, precision: str) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -73,7 +69,7 @@ def _worker(rank: int, world: int, port: int, results: Any, where: str, level: s
     out: dict[str, Any] = {}
     model, optimizer = _build(world, precision, level)
     out["losses"] = _train(model, optimizer, range(STEPS), rank, world)
-    out["full"] = _full(model)
+    out["full"] = full_params(model)
     out["state_bytes"] = mixprec.memory_report(model, optimizer).optimizer_state
     model, optimizer = _build(world, precision, level)
     _train(model, optimizer, range(SAVE_AT), rank, world)
@@ -85,7 +81,7 @@ def _worker(rank: int, world: int, port: int, results: Any, where: str, level: s
     dcp.load(loaded, checkpoint_id=where)
     set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
     _train(model, optimizer, range(SAVE_AT, STEPS), rank, world)
-    out["resumed"] = _full(model)
+    out["resumed"] = full_params(model)
     results[rank] = out
     dist.destroy_process_group()
 

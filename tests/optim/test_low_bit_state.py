@@ -4,7 +4,6 @@ stated tolerance, bitwise resume, checkpoints across state precisions, the bytes
 from __future__ import annotations
 
 import copy
-import io
 import warnings
 from typing import Any
 
@@ -13,7 +12,7 @@ import torch
 from torch import nn
 
 import mixprec
-from helpers import state_data, state_mlp
+from helpers import resumed, state_data, state_mlp
 from mixprec._src.optim import adam, fused_adam, moments
 
 
@@ -168,13 +167,7 @@ def test_a_run_resumed_from_state_dicts_continues_bit_for_bit(level: str, precis
     whole = _train(model, optimizer, data)
     model, optimizer = fresh()
     first = _train(model, optimizer, data[:4])
-    buffer = io.BytesIO()
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, buffer)
-    buffer.seek(0)
-    saved = torch.load(buffer)
-    model, optimizer = fresh()
-    model.load_state_dict(saved["model"])
-    optimizer.load_state_dict(saved["optimizer"])
+    model, optimizer, saved = resumed(model, optimizer, fresh)
     state = optimizer.state_dict()["state"][2]
     assert state["exp_avg_codes"].dtype == saved["optimizer"]["state"][2]["exp_avg_codes"].dtype  # as saved
     assert state["exp_avg_scale"].dtype == torch.float32

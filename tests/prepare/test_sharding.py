@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mixprec
-from helpers import bitwise_equal, init_process_group, spawn
+from helpers import bitwise_equal, full_params, init_process_group, spawn
 from mixprec.bench.workloads import TinyLM
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
@@ -122,10 +122,6 @@ def _train(model: nn.Module, opt: torch.optim.Optimizer, run: Run, steps: range,
     return losses
 
 
-def _full(model: nn.Module) -> list[torch.Tensor]:
-    return [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().clone() for p in model.parameters()]
-
-
 def _seen(model: nn.Module) -> dict[str, Any]:
     """What the forward computes with, per module, recorded by hooks: the weight's dtype and the input's (a
     norm's output's: a kept norm casts its input inside its forward)."""
@@ -155,7 +151,7 @@ def _checkpointed(run: Run, rank: int, world: int, where: Path) -> list[torch.Te
     dcp.load(state, checkpoint_id=where)
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     _train(model, opt, run, range(SAVE_AT, STEPS), rank, world)
-    return _full(model)
+    return full_params(model)
 
 
 def _orders(world: int, where: str) -> dict[str, str]:
@@ -286,7 +282,7 @@ def _compiled(rank: int, world: int, backend: str) -> dict[str, Any]:
             opt.zero_grad()
             run(x.chunk(world)[rank], y.chunk(world)[rank]).backward()
             opt.step()
-        out[name] = {"params": _full(model), "breaks": sum(torch._dynamo.utils.counters["graph_break"].values())}
+        out[name] = {"params": full_params(model), "breaks": sum(torch._dynamo.utils.counters["graph_break"].values())}
     return out
 
 
@@ -299,7 +295,7 @@ def _levels_worker(rank: int, world: int, port: int, results: Any, where: str) -
         seen = _seen(model)
         losses = _train(model, opt, run, range(STEPS), rank, world)
         out[level] = {
-            "params": _full(model),
+            "params": full_params(model),
             "losses": losses,
             "seen": seen,
             "memory": mixprec.memory_report(model, opt).to_dict(),
@@ -309,17 +305,17 @@ def _levels_worker(rank: int, world: int, port: int, results: Any, where: str) -
         for key, variant in (("accumulated", Run(level, accumulate=2)), ("checkpointed", Run(level, checkpoint=True))):
             model, opt = _build(variant, world)
             _train(model, opt, variant, range(STEPS), rank, world)
-            out[level][key] = _full(model)
+            out[level][key] = full_params(model)
     for name, run in {"O1": Run("O1", keep=False), "O2": Run("O2", keep=False),
                       "bf16-pure": Run("bf16-pure", keep=False)}.items():  # fmt: skip
         model, opt = _build(run, world)
         _train(model, opt, run, range(STEPS), rank, world)
-        out[name]["no-keep"] = _full(model)
+        out[name]["no-keep"] = full_params(model)
     for recipe in ("autocast", "mp", "bf16"):
         run = Run(torch_recipe=recipe)
         model, opt = _build(run, world)
         _train(model, opt, run, range(STEPS), rank, world)
-        out[f"torch-{recipe}"] = _full(model)
+        out[f"torch-{recipe}"] = full_params(model)
     out["overflow"] = {"O1": _overflow(rank, world, "O1"), "O2": _overflow(rank, world, "O2"),
                        "O1/process_group": _overflow(rank, world, "O1", dist.group.WORLD)}  # fmt: skip
     out["orders"] = _orders(world, where)
@@ -331,7 +327,7 @@ def _levels_worker(rank: int, world: int, port: int, results: Any, where: str) -
 def _one_process(run: Run) -> dict[str, Any]:
     model, opt = _build(run, 1)
     _train(model, opt, run, range(STEPS), 0, 1)
-    return {"params": _full(model), "memory": mixprec.memory_report(model, opt).to_dict()}
+    return {"params": full_params(model), "memory": mixprec.memory_report(model, opt).to_dict()}
 
 
 def _gap(a: list[torch.Tensor], b: list[torch.Tensor], start: list[torch.Tensor]) -> float:
@@ -352,7 +348,7 @@ def one_process() -> dict[str, Any]:
     refs: dict[str, Any] = {level: _one_process(Run(level)) for level in LEVELS}
     for recipe in ("autocast", "bf16"):
         refs[f"torch-{recipe}"] = _one_process(Run(torch_recipe=recipe))
-    refs["start"] = _full(_lm())
+    refs["start"] = full_params(_lm())
     return refs
 
 
