@@ -3,6 +3,7 @@ and docs/ name resolves (not through an old path), and docs/architecture.md's tr
 
 from __future__ import annotations
 
+import ast
 import importlib
 import io
 import re
@@ -96,3 +97,14 @@ def test_the_architecture_tree_lists_every_module() -> None:
     folders = {p.relative_to(SRC / "_src").as_posix() + "/" for p in (SRC / "_src").glob("*/*") if p.is_dir()}
     folders = {f for f in folders if "__pycache__" not in f}
     assert sorted((modules | folders) - listed) == [] and sorted(listed - modules - folders) == []
+
+
+def test_each_room_says_what_it_owns() -> None:
+    """Each subpackage's docstring names every module it holds (``name``)."""
+    unnamed = {}
+    for room in sorted(p for p in (SRC / "_src").iterdir() if (p / "__init__.py").is_file()):
+        doc = ast.get_docstring(ast.parse((room / "__init__.py").read_text())) or ""
+        missing = {p.stem for p in room.glob("*.py") if p.stem != "__init__"} - set(re.findall(r"``(\w+)``", doc))
+        if missing:
+            unnamed[room.name] = sorted(missing)
+    assert unnamed == {}

@@ -324,8 +324,8 @@ MUTANTS = (
     Mutant("tune-ignores-loss", "tune's guard accepts any loss",
            S + "tune/trial.py", "    if err > tol.loss_rtol:", "    if False:", ("tests/tune/test_tune.py",)),
     Mutant("memory-masters-as-parameters", "memory_report counts O2's fp32 masters as parameters",
-           S + "prepare/memory.py", "            if id(p) in lowp:", "            if False:",
-           (S + "prepare/memory.py", "docs/distributed.md")),
+           S + "observe/memory_report.py", "            if id(p) in lowp:", "            if False:",
+           (S + "observe/memory_report.py", "docs/distributed.md")),
     Mutant("policy-string-drops-hints", "a banned op's hint is left out of the policy's string form",
            S + "policy/rules.py",
            '''            items = [n if policy.banned[n] == BANNED_HINT else f"{n}:{policy.banned[n]!r}"'''

@@ -29,6 +29,7 @@ from mixprec._src.layers.precision import LayerPrecision, layer_precision, set_l
 from mixprec._src.layout import to_channels_last
 from mixprec._src.observe.diagnostics import diagnose
 from mixprec._src.observe.memory_plan import memory_plan
+from mixprec._src.observe.memory_report import memory_report, state_bytes
 from mixprec._src.observe.monitor import Monitor
 from mixprec._src.observe.reach import gemm_reach
 from mixprec._src.op_names import op_name
@@ -36,7 +37,6 @@ from mixprec._src.policy.grammar import get_policy
 from mixprec._src.policy.rules import NORM_TYPES, ModuleRule, OpCategory, Policy, builtin_policy, default_policy
 from mixprec._src.prepare.config import Level, PrepareConfig, StatePrecision
 from mixprec._src.prepare.levels import export_fp32, master_params, prepare
-from mixprec._src.prepare.memory import memory_report, state_bytes
 from mixprec._src.scaling.scaler import GradScaler
 from mixprec._src.step.sr_noise import stochastic_round
 from mixprec._src.step.step_in_backward import grad_norm

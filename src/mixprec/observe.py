@@ -5,10 +5,10 @@
 
 from mixprec._src.layers.ladder import LayerMove
 from mixprec._src.observe.memory_plan import MemoryPlan
+from mixprec._src.observe.memory_report import MemoryReport
 from mixprec._src.observe.monitor import Incident
 from mixprec._src.observe.reach import GemmReach
 from mixprec._src.observe.report import DiagnosticReport
-from mixprec._src.prepare.memory import MemoryReport
 from mixprec._src.scaling.events import ScalerEvent, ScalerStats
 
 __all__ = [

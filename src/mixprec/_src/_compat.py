@@ -56,7 +56,7 @@ MOVED = {
     "prepare_config": "prepare.config",
     "master_weights": "prepare.levels",
     "stochastic_rounding": "step.stochastic_rounding",
-    "memory": "prepare.memory",
+    "memory": "observe.memory_report",
     "diagnostics": "observe.diagnostics",
     "diagnostic_report": "observe.report",
     "fp8_diagnostics": "observe.fp8_diagnostics",
@@ -65,6 +65,7 @@ MOVED = {
     # names that repeated their package's
     "prepare.prepare": "prepare.levels",
     "policy.policy": "policy.rules",
+    "prepare.memory": "observe.memory_report",
     # folded into the module of what they served
     "observe.reporting": "observe.report",
 }

@@ -53,7 +53,7 @@ from typing import Any
 import torch
 
 import mixprec
-from mixprec._src.prepare.memory import state_bytes
+from mixprec._src.observe.memory_report import state_bytes
 from mixprec._src.tune.tables import layer_table
 from mixprec.bench.devices import resolve_device, resolve_dtype, sync
 from mixprec.bench.modes import MODES, Mode

@@ -1,7 +1,8 @@
 """Observe: what a model does in low precision, before and during training.
 
-Owns :func:`diagnose` (``diagnostics``) and its report (``report``), the fp8 report
-(``fp8_diagnostics``), the training :class:`Monitor` (``monitor``), how reports print and plot
-(``reporting``), the GEMM reach (``reach``) and the memory plan (``memory_plan``).
+Owns :func:`diagnose` (``diagnostics``) and its report, drawn as a table and a plot (``report``), the fp8
+report (``fp8_diagnostics``), the training :class:`Monitor` (``monitor``), the GEMM reach (``reach``), and
+memory: the report of what a prepared model holds (``memory_report``) and the plan of what a recipe will hold
+(``memory_plan``, with ``param_bytes``, ``activation_trace`` and ``backward_timeline``).
 May import: every subsystem but ``tune``.
 """

@@ -1,7 +1,8 @@
 """Policy: which ops run in low precision, which in fp32, and which modules keep fp32.
 
-Owns the op tables (``op_tables``), :class:`Policy` with its rules (``policy``), its text form
-(``grammar``: parse and print) and the interning of equal policies (``interning``).
+Owns the op tables (``op_tables``), :class:`Policy` (``rules``), the module rules it keeps modules
+with (``keep``), its text form (``grammar``: parse and print) and the interning of equal policies
+(``interning``).
 May import: the base modules only.
 """
 

@@ -1,8 +1,10 @@
 """Tune: :class:`Recipe` (a precision recipe as data, and how it applies) and :func:`tune`, the search
 that measures candidates on the user's machine.
 
-Owns ``recipe``, ``search`` (the search rounds and the choice), ``tables`` (how a recipe and
-its per-layer plan print) and ``memory_fit`` (a memory budget: which recipes fit).
+Owns ``recipe``, ``measurement`` (a candidate as measured, the tolerance), ``search`` (tune itself),
+``rounds`` (the rounds and the choice), ``trial`` (one candidate trained and judged), ``probes`` (the machine
+and model), ``layer_plans`` (the candidates' per-layer plans), ``tables`` (how a recipe and its per-layer plan
+print) and ``memory_fit`` (a memory budget: which recipes fit).
 May import: every other subsystem (it is the top one).
 """
 
