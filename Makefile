@@ -8,8 +8,8 @@ STAMP := $(VENV)/.installed
 
 $(STAMP): requirements-dev.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-compile -r requirements-dev.txt
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-compile --no-deps -e .[bench]
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -r requirements-dev.txt
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps -e .[bench]
 	touch $(STAMP)
 
 lint: $(STAMP)
