@@ -28,6 +28,7 @@ from mixprec._src.optim.state_precision import StatePrecision
 
 __all__ = [
     "kernel_source",
+    "quantized_values",
     "adam_step",
     "available",
     "bf16_adam_step",
@@ -63,15 +64,12 @@ _CTYPES = {torch.float32: "float", torch.bfloat16: "c10::BFloat16"}
 _failed: set[tuple[Any, ...]] = set()
 
 
-@functools.cache
-def _compiled(fmt: str, p_dtype: torch.dtype, g_dtype: torch.dtype) -> Any:
-    """The kernel of a format and the weight's and gradient's dtypes (compiled at its first use, then from
-    inductor's cache on disk)."""
-    from torch._inductor.codecache import CppPythonBindingsCodeCache
-
+def quantized_values(fmt: str, p_dtype: torch.dtype, g_dtype: torch.dtype) -> dict[str, Any]:
+    """What the quantized kernel's source (``kernels/adam_quantized.cpp``) is filled with for a format and the
+    weight's and gradient's dtypes."""
     bits, block = moments.FORMATS[fmt]
     fp8 = fmt == StatePrecision.FP8
-    source = _SOURCE % {
+    return {
         "bits": bits,
         "block": block,
         "unsigned_zero": int(not fp8 and q.codebook(bits, False)[0] == 0),
@@ -80,6 +78,15 @@ def _compiled(fmt: str, p_dtype: torch.dtype, g_dtype: torch.dtype) -> Any:
         "g_type": _CTYPES[g_dtype],
         "helpers": _HELPERS,
     }
+
+
+@functools.cache
+def _compiled(fmt: str, p_dtype: torch.dtype, g_dtype: torch.dtype) -> Any:
+    """The kernel of a format and the weight's and gradient's dtypes (compiled at its first use, then from
+    inductor's cache on disk)."""
+    from torch._inductor.codecache import CppPythonBindingsCodeCache
+
+    source = _SOURCE % quantized_values(fmt, p_dtype, g_dtype)
     argtypes = [
         f"{_CTYPES[p_dtype]}*",
         f"const {_CTYPES[g_dtype]}*",

@@ -25,10 +25,8 @@ from typing import Any
 import torch
 
 from mixprec._src.optim import cpu_adam, moments
-from mixprec._src.optim import quantize as q
 from mixprec._src.optim.cpu_adam import _BF16_SOURCE, _CTYPES, _HELPERS, KAHAN, NEAREST, STOCHASTIC
 from mixprec._src.optim.cpu_adam import _SOURCE as _QUANTIZED_SOURCE
-from mixprec._src.optim.state_precision import StatePrecision
 
 __all__ = [
     "KAHAN",
@@ -114,24 +112,9 @@ _BF16_LIST = cpu_adam.kernel_source("adam_bf16_list.cpp")
 _ONE = 'extern "C" void kernel('
 
 
-def _quantized_values(fmt: str, p_dtype: torch.dtype, g_dtype: torch.dtype) -> dict[str, Any]:
-    """What cpu_adam's quantized source is formatted with for a format and the weight's and gradient's dtypes."""
-    bits, block = moments.FORMATS[fmt]
-    fp8 = fmt == StatePrecision.FP8
-    return {
-        "bits": bits,
-        "block": block,
-        "unsigned_zero": int(not fp8 and q.codebook(bits, False)[0] == 0),
-        "fp8": int(fp8),
-        "p_type": _CTYPES[p_dtype],
-        "g_type": _CTYPES[g_dtype],
-        "helpers": _HELPERS,
-    }
-
-
 @functools.cache
 def _quantized(fmt: str, p_dtype: torch.dtype, g_dtype: torch.dtype) -> Any:
-    values = _quantized_values(fmt, p_dtype, g_dtype)
+    values = cpu_adam.quantized_values(fmt, p_dtype, g_dtype)
     source = (_QUANTIZED_SOURCE % values).replace(_ONE, "static void one_tensor(") + _QUANTIZED_LIST % values
     return _load(
         [
@@ -311,7 +294,7 @@ _SGD_QUANTIZED = cpu_adam.kernel_source("sgd_quantized.cpp")
 
 @functools.cache
 def _sgd_quantized(fmt: str, p_dtype: torch.dtype, g_dtype: torch.dtype) -> Any:
-    values = _quantized_values(fmt, p_dtype, g_dtype)
+    values = cpu_adam.quantized_values(fmt, p_dtype, g_dtype)
     source = (_QUANTIZED_SOURCE % values).replace(_ONE, "static void one_tensor(") + _SGD_QUANTIZED % values
     return _load(
         ["const int64_t*", "int64_t", "const float*", "const int32_t*", "const float*"] + ["int64_t"] * 3, source
