@@ -65,7 +65,7 @@ _failed: set[tuple[Any, ...]] = set()
 
 
 def quantized_values(fmt: str, p_dtype: torch.dtype, g_dtype: torch.dtype) -> dict[str, Any]:
-    """What the quantized kernel's source (``kernels/adam_quantized.cpp``) is filled with for a format and the
+    """What the quantized kernel's source (``optim/kernels/adam_quantized.cpp``) is filled with for a format and the
     weight's and gradient's dtypes."""
     bits, block = moments.FORMATS[fmt]
     fp8 = fmt == StatePrecision.FP8
