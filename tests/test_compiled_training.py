@@ -210,9 +210,21 @@ def test_every_level_with_its_defaults_compiles_whole_and_trains_as_eager(level:
     _assert_compiles_like_eager(NET, level)
 
 
-@pytest.mark.parametrize("fp8", ["tensorwise", "delayed"])
-def test_fp8_recipes_compile_whole_and_train_as_eager(fp8: str) -> None:
+@pytest.mark.parametrize(
+    "fp8",
+    ["tensorwise", "delayed", "mxfp8", mixprec.Fp8Config("nvfp4", stochastic_grads=False)],
+    ids=["tensorwise", "delayed", "mxfp8", "nvfp4-nearest"],
+)
+def test_fp8_recipes_compile_whole_and_train_as_eager(fp8: Any) -> None:
     _assert_compiles_like_eager(NET, "O2", fp8=fp8)
+
+
+def test_nvfp4_with_stochastic_gradients_compiles_whole_and_trains_close_to_eager() -> None:
+    # the compiled backward draws its rounding noise in its own order: the same distribution, other draws
+    eager = _train(NET, "O2", None, fp8="nvfp4")
+    compiled = _train(NET, "O2", "aot_eager", fp8="nvfp4")
+    assert compiled.frames == [1] * STEPS, compiled.frames
+    torch.testing.assert_close(compiled.losses, eager.losses, rtol=0.1, atol=0)
 
 
 @pytest.mark.parametrize(
@@ -250,7 +262,14 @@ def test_stepping_in_backward_with_quantized_state_compiles_whole_and_trains_as_
 
 MODELS = ("gpt2", "bert", "llama", "vit", *WORKLOADS)
 # every level with its defaults; both fp8 recipes at O2 (fp32 masters), delayed at bf16-sr (bf16 weights)
-RECIPES = [(level, None) for level in LEVELS] + [("O2", "tensorwise"), ("O2", "delayed"), ("bf16-sr", "delayed")]
+RECIPES = [(level, None) for level in LEVELS] + [
+    ("O2", "tensorwise"),
+    ("O2", "delayed"),
+    ("bf16-sr", "delayed"),
+    ("O2", "mxfp8"),
+    # stochastically rounded gradients draw their noise in the compiled backward's own order: nearest here
+    pytest.param("bf16-sr", mixprec.Fp8Config("nvfp4", stochastic_grads=False), id="bf16-sr-nvfp4-nearest"),
+]
 
 
 @pytest.mark.slow
@@ -268,7 +287,8 @@ def test_matrix_compiles_whole_and_trains_as_eager(model: str, level: str, fp8: 
 @pytest.mark.parametrize(
     ("model", "fp8"),
     [(model, None) for model in MODELS]
-    + [("llama", "delayed"), ("gpt2", "tensorwise"), ("gpt2", "delayed"), ("bert", "tensorwise")],
+    + [("llama", "delayed"), ("gpt2", "tensorwise"), ("gpt2", "delayed"), ("bert", "tensorwise")]
+    + [("llama", "mxfp8"), ("gpt2", "nvfp4")],
 )
 def test_matrix_under_inductor_trains_within_tolerance(model: str, fp8: str | None) -> None:
     options = {} if fp8 is None else {"fp8": fp8}

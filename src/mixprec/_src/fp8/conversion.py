@@ -40,6 +40,7 @@ __all__ = [
     "fp8_layers",
     "Fp8Layers",
     "is_converted",
+    "kept_last",
     "keep_out_of_save_pretrained",
     "reason_to_skip",
     "revert",
@@ -157,15 +158,26 @@ def convert(
     kept = kept | {id(m) for _, m, _ in found if id(getattr(m, "owner", None)) in kept}
     head = head_of(model, found)
     layers = Fp8Layers(config, [], [], kept=list(kept_names))
+    reasons: dict[str, str | None] = {}
+    for name, module, _ in found:
+        if not is_converted(module):
+            reasons[name] = reason_to_skip(module, name, config, id(module) in kept, head)
+            if "forward" in module.__dict__:  # the user's choice stands
+                reasons[name] = (
+                    "its forward is its own (mixprec.set_layer_precision, or another library's): left as it is"
+                )
+    for name in kept_last(config, [n for n, r in reasons.items() if r is None]):
+        reasons[name] = (
+            f"one of the last {config.kept_fraction:.0%} of the selected layers, which {config.recipe.value} leaves "
+            "in high precision (Fp8Config(keep_last=0) converts them)"
+        )
     for name, module, _ in found:
         layers.flops_per_row[name] = kinds.flops_per_row(module)
         if is_converted(module):  # given its own fp8 recipe before (mixprec.set_layer_precision): it keeps it
             layers.converted.append(name)
             layers.modules[name] = module
             continue
-        reason = reason_to_skip(module, name, config, id(module) in kept, head)
-        if "forward" in module.__dict__:  # the user's choice stands
-            reason = "its forward is its own (mixprec.set_layer_precision, or another library's): left as it is"
+        reason = reasons[name]
         if reason is not None:
             layers.skipped.append((name, reason))
             continue
@@ -186,6 +198,15 @@ def convert(
             stacklevel=3,
         )
     return layers
+
+
+def kept_last(config: Fp8Config, candidates: list[str]) -> list[str]:
+    """The layers (of ``candidates``, in the model's order) a recipe with ``keep_last`` leaves in high precision:
+    the last ``keep_last`` fraction of them, rounded, at least one (none for a recipe without the option)."""
+    if not config.kept_fraction or not candidates:
+        return []
+    count = max(1, round(config.kept_fraction * len(candidates)))
+    return candidates[-count:]
 
 
 def head_of(model: nn.Module, found: list[tuple[str, nn.Module, kinds.Kind]]) -> str | None:

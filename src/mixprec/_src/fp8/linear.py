@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from mixprec._src.amp.autocast import get_autocast_policy
+from mixprec._src.fp8 import block_gemm
 from mixprec._src.fp8 import gemm as fp8_gemm
 from mixprec._src.fp8.config import AmaxAlgo, Fp8Config
 from mixprec._src.gemms import kinds
@@ -269,6 +270,7 @@ class _Fp8Matmul(torch.autograd.Function):
                 power_of_two=power,
                 scale_a=scale_go,
                 scale_b=scale_x,
+                rotate=ops.rotate_grad_weight,
             )
         return grad_x.reshape(x.shape), grad_w, None, None, None, None, None, None
 
@@ -286,8 +288,11 @@ def _autocast_off(device_type: str) -> contextlib.AbstractContextManager[Any]:
 
 def _keep_stats(table: torch.Tensor, record: list[Any]) -> None:
     """Write each recorded cast's statistics into its row of ``table`` (in place: traced by torch.compile)."""
-    for row, (t, amax, scale, dtype) in enumerate(record[: table.shape[0]]):
-        stats = CastStats.of(t, amax, scale, dtype)
+    for row, entry in enumerate(record[: table.shape[0]]):
+        if isinstance(entry, block_gemm.BlockRecord):
+            stats = CastStats(*block_gemm.cast_stats(entry))
+        else:
+            stats = CastStats.of(*entry)
         with torch.no_grad():
             table[row] = torch.stack(
                 [
