@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -189,3 +190,23 @@ def test_block_recipes_train_at_every_level(recipe: str, level: str) -> None:
         opt.zero_grad()
         losses.append(loss.item())
     assert losses[-1] < 0.6 * losses[0]
+
+
+@pytest.mark.parametrize("precision", ["nvfp4", "mxfp8"])
+def test_one_layer_takes_a_block_format_of_its_own(precision: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 48), nn.ReLU(), nn.Linear(48, 16))
+    mixprec.set_layer_precision(model, "0", precision)
+    assert mixprec.layer_precision(model, "0") == precision and mixprec.layer_precision(model, "2") is None
+    assert mixprec.LayerPrecision.from_name(precision).block
+    nearest: dict[str, Any] = {"stochastic_grads": False, "keep_last": 0.0} if precision == "nvfp4" else {}
+    config = mixprec.Fp8Config(precision, convert_head=True, **nearest)
+    if precision == "nvfp4":  # one layer's recipe: rounding to nearest here, to compare bit for bit
+        mixprec.set_layer_precision(model, "0", None)
+        fp8_conversion.set_layer(model, "0", config)
+    reference = _layer(config)
+    x = torch.randn(40, 64)
+    got, want = model[0](x), reference(x)
+    assert bitwise_equal(got, want)
+    mixprec.set_layer_precision(model, "0", "bf16")
+    assert mixprec.layer_precision(model, "0") == "bf16" and not fp8_conversion.is_converted(model[0])

@@ -474,3 +474,53 @@ def test_a_guard_made_after_the_model_ran_compiled_says_so() -> None:
     run(x).float().sum().backward()
     assert guard.step() == [] and guard._seen  # the layers' calls were seen
     torch._dynamo.reset()
+
+
+def _planted_run(fp8: mixprec.Fp8Config | None, guarded: bool) -> tuple[list[float], list[Any]]:
+    """Layer "2"'s weight [0, 0] grows 10x a step for seven steps (to 1e7 times its size), then stays."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 16))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model, opt = mixprec.prepare(model, opt, "O1", fp8=fp8)
+    guard = mixprec.Guard(model) if guarded else None
+    losses = []
+    for step in range(60):
+        x = torch.randn(32, 32, generator=torch.Generator().manual_seed(step % 8))
+        opt.zero_grad()
+        loss = (model(x).float() - torch.sin(x[:, :16])).square().mean()
+        loss.backward()
+        opt.step()
+        if 5 <= step < 12:
+            with torch.no_grad():
+                model[2].weight[0, 0] *= 10.0
+        if guard is not None:
+            guard.step()
+        losses.append(loss.item())
+    return losses, [] if guard is None else guard.moves
+
+
+def test_an_nvfp4_layer_whose_weight_grows_an_outlier_moves_to_mxfp8() -> None:
+    # NVFP4's tensor scale follows the outlier; the other blocks' e4m3 scales fall below e4m3's smallest and
+    # their values flush to zero. MXFP8's power-of-two scale per 32 values holds the outlier in its own block.
+    nvfp4 = mixprec.Fp8Config("nvfp4", keep_last=0.0)
+    bf16, _ = _planted_run(None, False)
+    unguarded, _ = _planted_run(nvfp4, False)
+    guarded, moves = _planted_run(nvfp4, True)
+    assert [(m.layer, m.from_, m.to, m.signal) for m in moves] == [("2", "nvfp4", "mxfp8", "flushed")], moves
+    assert moves[0].step <= 15  # two flushed steps once the outlier is 1e6-1e7 times the rest
+    assert all(math.isfinite(v) for v in guarded)
+    tail = slice(-8, None)
+    gap = [abs(sum(run[tail]) - sum(bf16[tail])) for run in (guarded, unguarded)]
+    assert gap[0] < 0.6 * gap[1], (gap, sum(bf16[tail]) / 8)
+
+
+def test_the_default_ladder_climbs_from_nvfp4_through_mxfp8_and_fp8() -> None:
+    at, path = mixprec.LayerPrecision.NVFP4, []
+    while at in mixprec.GuardThresholds().ladder:
+        at = mixprec.GuardThresholds().ladder[at]
+        path.append(at)
+    assert path == ["mxfp8", "fp8-tensorwise", "fp8-rowwise", "bf16", "fp32"]
+    with pytest.raises(ValueError, match="down to nvfp4"):
+        mixprec.GuardThresholds(ladder={"fp8-tensorwise": "nvfp4"})
+    with pytest.raises(ValueError, match="down to mxfp8"):
+        mixprec.GuardThresholds(ladder={"fp8-rowwise": "mxfp8"})

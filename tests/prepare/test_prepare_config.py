@@ -109,9 +109,10 @@ def test_choices_are_enums_that_read_and_print_as_their_names() -> None:
         sp.from_name("2bit")
     lp = mixprec.LayerPrecision
     assert lp.from_name(torch.bfloat16) is lp.from_name("bfloat16") is lp.BF16
-    assert [p.rung for p in lp] == [0, 0, 0, 0, 1, 1, 2]
+    assert [p.rung for p in lp] == [0, 1, 2, 2, 2, 2, 3, 3, 4]
+    assert [p.block for p in lp] == [True, True] + [False] * 7 and lp.NVFP4.fp8_recipe is mixprec.Fp8Recipe.NVFP4
     assert lp.FP8_ROWWISE.fp8_recipe is mixprec.Fp8Recipe.ROWWISE and lp.FP16.dtype is torch.float16
-    with pytest.raises(ValueError, match="unknown layer precision 'fp4'; valid: fp8-delayed, fp8-tensorwise"):
+    with pytest.raises(ValueError, match="unknown layer precision 'fp4'; valid: nvfp4, mxfp8, fp8-delayed"):
         lp.from_name("fp4")
     recipe = mixprec.Recipe(level="O2", optimizer_state="bf16")  # type: ignore[arg-type]
     assert recipe.level is mixprec.Level.O2 and recipe.optimizer_state is sp.BF16

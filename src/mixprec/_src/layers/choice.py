@@ -90,8 +90,9 @@ def choose(
     min_speedup: float,
     fp8_allowed: bool = True,
 ) -> tuple[LayerChoice, ...]:
-    """Each measured layer's precision (see the module docstring); ``default``: what the recipe gives a
-    layer (its dtype, or per layer)."""
+    """Each measured layer's precision (see ``layers.plan``'s docstring); ``default``: what the recipe gives a
+    layer (its dtype, or per layer). A block-scaled format measured (never timed: emulated) is chosen by its SQNR
+    alone, the least precise one at or above ``floor_db``."""
     choices = []
     recipe_default = default
     for m in measured:
@@ -125,6 +126,14 @@ def choose(
             reason = f"fastest above {floor_db:g} dB"
             if default in m.ms:
                 reason += f" ({m.ms[default] / allowed[fastest]:.2f}x faster than {default})"
+        block = sorted((p for p in m.sqnr_db if LayerPrecision.from_name(p).block and p not in m.ms), key=_rung)
+        for p in block:  # emulated: chosen by SQNR alone, the least precise that holds the floor
+            held = m.sqnr_db[p] >= floor_db
+            if not held:
+                why_not.append(f"{p} {m.sqnr_db[p]:.1f} dB < {floor_db:g} dB")
+            elif not LayerPrecision.from_name(choice).block:
+                choice = p
+                reason = f"{p} by its SQNR ({m.sqnr_db[p]:.1f} dB >= {floor_db:g} dB; emulated here: time not measured)"
         if why_not:
             reason += "; not " + ", ".join(why_not)
         unmeasured: dict[tuple[str, str], list[str]] = {}
@@ -144,6 +153,10 @@ def choose(
             )
         )
     return tuple(choices)
+
+
+def _rung(precision: str) -> int:
+    return LayerPrecision.from_name(precision).rung
 
 
 def apply(model: nn.Module, layers: Sequence[LayerChoice]) -> None:

@@ -10,10 +10,13 @@
                             (above it, the scaler's backoff is the cure, not a move)
         fp16_overflow       an fp16 layer's output amax above ``fp16_margin`` of fp16's largest value
         saturated, flushed  an fp8 cast's fraction of values clamped at the format's max / flushed to zero
-        amax_jump           an fp8 layer's input or output-gradient amax ``amax_jump`` times its peak so far
+                            (block-scaled: the fraction of blocks whose values clamped / of values flushed)
+        amax_jump           an fp8 or block-scaled layer's input or output-gradient amax ``amax_jump`` times
+                            its peak so far
     strikes[layer] = strikes[layer] + 1 if it has a signal, else 0
     strikes[layer] == patience  ->  the layer moves one rung up the ladder:
-        fp8-delayed -> fp8-tensorwise -> fp8-rowwise -> bf16 -> fp32;  fp16 -> bf16 -> fp32
+        nvfp4 -> mxfp8 -> fp8-tensorwise -> fp8-rowwise -> bf16 -> fp32;  fp8-delayed -> fp8-tensorwise;
+        fp16 -> bf16 -> fp32
 
 Moves are decided from the step's statistics alone (all-reduced across ranks where a process
 group is up), so every rank and every rerun decides the same; they are logged on
@@ -40,7 +43,7 @@ from mixprec._src.fp8 import conversion as fp8_conversion
 from mixprec._src.gemms import sites
 from mixprec._src.layers import probes
 from mixprec._src.layers.ladder import GuardThresholds, LayerMove
-from mixprec._src.layers.precision import FP8_PREFIX, LayerPrecision, layer_precision, set_layer_precision
+from mixprec._src.layers.precision import LayerPrecision, layer_precision, set_layer_precision
 from mixprec._src.layers.probes import (
     BAD_WEIGHT_GRAD,
     BWD_ORIGIN,
@@ -163,7 +166,7 @@ class Guard:
                 return None
             x_amax, token = call
             scaling = fp8_conversion.scaling_of(module)
-            kind = FP8_PREFIX + scaling.config.recipe.value if scaling else short_name(out.dtype)
+            kind = LayerPrecision.of_recipe(scaling.config.recipe).value if scaling else short_name(out.dtype)
             if kind in KINDS:  # a constant of the trace: a Python dict written here would be guarded on
                 with torch.no_grad():
                     self._kind[index] = 1.0 + KINDS.index(kind)
@@ -279,7 +282,7 @@ class Guard:
                 )
             elif seen == LayerPrecision.FP16 and math.isfinite(row[OUT]) and row[OUT] > th.fp16_margin * FP16_MAX:
                 found[index] = ("fp16_overflow", f"output amax {row[OUT]:.4g} > {th.fp16_margin:g} x {FP16_MAX:g}")
-            elif seen is not None and seen.startswith(FP8_PREFIX):
+            elif seen is not None and LayerPrecision.from_name(seen).fp8_recipe is not None:
                 signal = self._fp8_signal(name, row)
                 if signal is not None:
                     found[index] = signal

@@ -1,7 +1,7 @@
 """When the guard moves a layer, and where to: its thresholds, the ladder of precisions, one move.
 
 :class:`GuardThresholds` holds the signals' thresholds and the ladder (validated: a rung only goes
-up, fp8 -> 16 bits -> fp32, and never round); :class:`LayerMove` is one decision. Plain data.
+up, nvfp4 -> mxfp8 -> fp8 -> 16 bits -> fp32, and never round); :class:`LayerMove` is one decision. Plain data.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ __all__ = ["LADDER", "GuardThresholds", "LayerMove"]
 
 #: The default ladder: where a layer goes when it fails in its precision.
 LADDER: dict[P, P] = {
+    P.NVFP4: P.MXFP8,
+    P.MXFP8: P.FP8_TENSORWISE,
     P.FP8_DELAYED: P.FP8_TENSORWISE,
     P.FP8_TENSORWISE: P.FP8_ROWWISE,
     P.FP8_ROWWISE: P.BF16,
@@ -72,7 +74,7 @@ class GuardThresholds:
         for a, b in ladder.items():
             if b is P.FP8_DELAYED or b.rung < a.rung or a is P.FP32:
                 raise ValueError(
-                    f"the ladder moves {a} down to {b}; a rung goes up: fp8 -> 16 bits -> fp32, and "
+                    f"the ladder moves {a} down to {b}; a rung goes up: nvfp4 -> mxfp8 -> fp8 -> 16 bits -> fp32, and "
                     "never to fp8-delayed (a whole-model recipe)"
                 )
         for start in ladder:  # fp16 and bf16 are one rung: a ladder may go either way, not both

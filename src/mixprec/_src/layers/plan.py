@@ -13,6 +13,8 @@ divided by it after, so gradients fp16 holds only scaled are not counted as unde
     fp8 only where the device has fp8 GEMMs, and never where it measured slower than bf16
     choice   = what the recipe gives the layer (its dtype, or fp32 where it keeps the layer) if allowed
                and within min_speedup of the fastest allowed, else the fastest allowed
+    but      a block-scaled format asked for (nvfp4, mxfp8: emulated, never timed) whose SQNR >= the floor,
+               the least precise such, before all of these
 
 Candidates train one at a time, alternating precisions within each repetition so a shared
 machine's load falls on all alike. A layer's noise is how far its fastest two runs of a precision
@@ -222,9 +224,16 @@ def measure(
     device = next(model.parameters()).device
     notes: list[str] = []
     wanted = list(dict.fromkeys([LayerPrecision.FP32, *(parse_precision(p) for p in precisions)]))
-    untimed = set()  # run once for their SQNR (the emulation computes what the hardware would), not timed
-    if any(p.fp8_recipe for p in wanted) and not device_has_fp8(device):
-        untimed = {p for p in wanted if p.fp8_recipe}
+    # run once for their SQNR (the emulation computes what the hardware would), not timed
+    untimed = {p for p in wanted if p.block}
+    if untimed:
+        block = ", ".join(p.value for p in sorted(untimed, key=lambda p: p.rung))
+        notes.append(
+            f"per-layer plan: {block} chosen by SQNR alone: block-scaled GEMMs are emulated "
+            "(blocks dequantized, an fp32 GEMM), so their time here is not the hardware's and was not measured"
+        )
+    if any(p.fp8_recipe and not p.block for p in wanted) and not device_has_fp8(device):
+        untimed |= {p for p in wanted if p.fp8_recipe}
         notes.append(
             f"no layer in fp8: fp8 GEMMs are emulated on {device.type} (torch._scaled_mm in fp32), "
             "so fp8 could only be slower; a GPU of compute capability 8.9+ has them (the table "
@@ -299,7 +308,9 @@ def measure(
         reference = runs[LayerPrecision.FP32].result
         for p, run in runs.items():
             if p in untimed:
-                entry.not_measured[p] = f"fp8 GEMMs emulated on {c.x.device.type}"
+                entry.not_measured[p] = (
+                    "block-scaled GEMMs emulated" if p.block else f"fp8 GEMMs emulated on {c.x.device.type}"
+                )
             else:
                 entry.ms[p] = min(run.times[1:] or run.times) * 1e3  # a shared machine's load only adds time
             if p is not LayerPrecision.FP32:

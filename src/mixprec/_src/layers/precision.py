@@ -8,6 +8,8 @@ and its ``out_proj`` (the attention routed so both run as modules), and convolut
 (:meth:`mixprec.Recipe.apply`) and the training guard (:class:`mixprec.Guard`) call. A layer's
 precision is one of :data:`PRECISIONS`:
 
+* ``"nvfp4"``, ``"mxfp8"``: the layer (of a linear kind) computes in that block-scaled format (the fp8 recipe
+  of that name, emulated: ``fp8/block_gemm.py``);
 * ``"fp8-<recipe>"``: the layer (of a linear kind) computes in fp8 with that recipe (``fp8_conversion.set_layer``);
 * ``"bf16"``, ``"fp16"``, ``"fp32"``: its GEMM runs in that dtype whatever the region around it
   says (input, weight and bias cast to it, autocast off inside); the output stays in that dtype
@@ -27,7 +29,7 @@ from mixprec._src import bound_forward
 from mixprec._src.amp import compiled_backward
 from mixprec._src.dtypes import NamedEnum, parse_dtype, short_name
 from mixprec._src.fp8 import conversion as fp8_conversion
-from mixprec._src.fp8.config import Fp8Config, Fp8Recipe
+from mixprec._src.fp8.config import BLOCK_RECIPES, Fp8Config, Fp8Recipe
 from mixprec._src.gemms import kinds, sites
 
 __all__ = [
@@ -48,11 +50,14 @@ _DTYPE = "_mixprec_layer_dtype"  # a dtype override, in the layer's __dict__
 
 
 class LayerPrecision(NamedEnum):
-    """What one GEMM layer computes in: an fp8 recipe (``"fp8-<recipe>"``) or a dtype; least precise first.
+    """What one GEMM layer computes in: a block-scaled format (``"nvfp4"``, ``"mxfp8"``), an fp8 recipe
+    (``"fp8-<recipe>"``) or a dtype; least precise first.
 
     A member is equal to its name (``LayerPrecision.BF16``, ``"bf16"``); :meth:`from_name` also takes dtypes and
     their names (``torch.bfloat16``, ``"bfloat16"``)."""
 
+    NVFP4 = "nvfp4"
+    MXFP8 = "mxfp8"
     FP8_DELAYED = "fp8-delayed"
     FP8_TENSORWISE = "fp8-tensorwise"
     FP8_ROWWISE = "fp8-rowwise"
@@ -63,8 +68,20 @@ class LayerPrecision(NamedEnum):
 
     @property
     def fp8_recipe(self) -> Fp8Recipe | None:
-        """The fp8 recipe of an ``fp8-<recipe>`` precision, else ``None``."""
-        return Fp8Recipe(self.value[len(FP8_PREFIX) :]) if self.value.startswith(FP8_PREFIX) else None
+        """The fp8 recipe of an ``fp8-<recipe>`` or block-scaled precision, else ``None``."""
+        if self.value.startswith(FP8_PREFIX):
+            return Fp8Recipe(self.value[len(FP8_PREFIX) :])
+        return Fp8Recipe(self.value) if self.value in _BLOCK else None
+
+    @property
+    def block(self) -> bool:
+        """A block-scaled format (emulated: its GEMMs' time is not the hardware's)."""
+        return self.value in _BLOCK
+
+    @classmethod
+    def of_recipe(cls, recipe: Fp8Recipe) -> LayerPrecision:
+        """The layer precision of an fp8 recipe: ``"nvfp4"`` for nvfp4, ``"fp8-tensorwise"`` for tensorwise."""
+        return cls(recipe.value if recipe.value in _BLOCK else FP8_PREFIX + recipe.value)
 
     @property
     def dtype(self) -> torch.dtype | None:
@@ -73,8 +90,10 @@ class LayerPrecision(NamedEnum):
 
     @property
     def rung(self) -> int:
-        """Its rung on the guard's ladder: 0 fp8, 1 the 16-bit dtypes, 2 fp32."""
-        return 0 if self.fp8_recipe is not None else 2 if self is LayerPrecision.FP32 else 1
+        """Its rung on the guard's ladder: 0 nvfp4, 1 mxfp8, 2 fp8, 3 the 16-bit dtypes, 4 fp32."""
+        if self.block:
+            return 0 if self is LayerPrecision.NVFP4 else 1
+        return 2 if self.fp8_recipe is not None else 4 if self is LayerPrecision.FP32 else 3
 
     @classmethod
     def from_name(cls, name: str | torch.dtype) -> LayerPrecision:  # type: ignore[override]
@@ -85,13 +104,17 @@ class LayerPrecision(NamedEnum):
         """
         if isinstance(name, cls):
             return name
+        if isinstance(name, str) and name in _BLOCK:
+            return cls(name)
         if isinstance(name, str) and name.startswith(FP8_PREFIX):
-            return cls(FP8_PREFIX + Fp8Recipe.from_name(name[len(FP8_PREFIX) :]).value)
+            return cls.of_recipe(Fp8Recipe.from_name(name[len(FP8_PREFIX) :]))
         try:
             return cls(short_name(parse_dtype(name, what="layer precision")))
         except (TypeError, ValueError):
             raise ValueError(f"unknown layer precision {name!r}; valid: {', '.join(cls)}") from None
 
+
+_BLOCK = frozenset(r.value for r in BLOCK_RECIPES)
 
 #: Every precision a layer can be given, from the least precise to the most.
 PRECISIONS = tuple(LayerPrecision)
@@ -122,7 +145,7 @@ def layer_precision(model: nn.Module, name: str) -> LayerPrecision | None:
     module = model.get_submodule(name)
     scaling = fp8_conversion.scaling_of(module)
     if scaling is not None:
-        return LayerPrecision(FP8_PREFIX + scaling.config.recipe.value)
+        return LayerPrecision.of_recipe(scaling.config.recipe)
     dtype = module.__dict__.get(_DTYPE)
     return None if dtype is None else LayerPrecision.from_name(dtype)
 

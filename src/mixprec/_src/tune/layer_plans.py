@@ -1,15 +1,30 @@
 """The per-layer plans of tune's candidates: each layer's measurements (``layers.plan``), and each recipe's plan
-chosen from them (``layers.choice``), attached to the recipe tune returns with what became of it."""
+chosen from them (``layers.choice``), attached to the recipe tune returns with what became of it; and
+:func:`plan_layers`, the plan on its own (with the block-scaled formats, which tune does not race).
+
+Everything here syncs with the device: it times GEMMs.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
 
+import torch
+from torch import nn
+
+from mixprec._src import input_checks
+from mixprec._src.dtypes import parse_dtype
 from mixprec._src.layers import choice as layer_choice
-from mixprec._src.layers.precision import parse_precision
+from mixprec._src.layers import plan as layer_plan
+from mixprec._src.layers.precision import LayerPrecision, parse_precision
+from mixprec._src.prepare.config import Level
 from mixprec._src.tune.recipe import Recipe
 
-__all__ = ["LayerPlans"]
+__all__ = ["LayerPlans", "plan_layers"]
 
 
 @dataclasses.dataclass
@@ -59,3 +74,38 @@ class LayerPlans:
             for c in choices
         )
         return dataclasses.replace(recipe, layers=kept, notes=(*recipe.notes, f"per-layer plan not applied: {why}"))
+
+
+def plan_layers(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    *,
+    precisions: Sequence[str] = ("nvfp4", "mxfp8", "bf16"),
+    dtype: torch.dtype | str = "bf16",
+    level: Level | str = "O1",
+    sqnr_db: float = 20.0,
+    min_speedup: float = 1.02,
+    budget_s: float = 60.0,
+    progress: Callable[[str], None] | None = None,
+) -> Recipe:
+    """A recipe at ``dtype`` and ``level`` whose layers are each planned on ``batch``, as :func:`mixprec.tune`
+    plans them but without its search: every GEMM layer is run at its shapes in each of ``precisions`` (and
+    fp32, the reference) and gets the fastest precision whose SQNR holds ``sqnr_db`` (the recipe's dtype where
+    within ``min_speedup`` of it). A block-scaled format (``"nvfp4"``, ``"mxfp8"``) is chosen by its SQNR
+    alone, the least precise one holding the floor: its GEMMs are emulated, so its time here is not the
+    hardware's. ``model`` is not changed; ``recipe.apply(model, optimizer)`` prepares it with the plan, and
+    ``print(recipe.table())`` shows each layer's SQNR, time and reason.
+
+    The loss is ``loss_fn(model(batch))`` (default: the mean square of the floating outputs).
+    """
+    if not (isinstance(budget_s, (int, float)) and budget_s > 0):
+        raise ValueError(f"budget_s must be a positive number of seconds, got {budget_s!r}")
+    loss_of = functools.partial(input_checks.scalar_loss, loss_fn=loss_fn)
+    wanted = [parse_precision(p) for p in precisions]
+    measured, notes = layer_plan.measure(model, batch, loss_of, wanted, time.perf_counter() + budget_s, None, progress)
+    recipe = Recipe(dtype=parse_dtype(dtype, what="recipe dtype"), level=Level.from_name(level))
+    choices = layer_choice.choose(measured, lambda m: recipe.layer_default(m.name, m.shape), sqnr_db, min_speedup)
+    block = sum(1 for c in choices if LayerPrecision.from_name(c.choice).block)
+    notes.append(f"per-layer plan: {block} of {len(choices)} layers in a block-scaled format")
+    return dataclasses.replace(recipe, layers=choices, notes=tuple(notes))
