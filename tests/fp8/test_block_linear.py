@@ -210,3 +210,35 @@ def test_one_layer_takes_a_block_format_of_its_own(precision: str) -> None:
     assert bitwise_equal(got, want)
     mixprec.set_layer_precision(model, "0", "bf16")
     assert mixprec.layer_precision(model, "0") == "bf16" and not fp8_conversion.is_converted(model[0])
+
+
+def test_layer_precision_takes_the_names_gemm_reach_gives() -> None:
+    model = nn.Sequential(nn.TransformerEncoderLayer(32, 2, 64, batch_first=True))
+    names = [layer.name for layer in mixprec.gemm_reach(model, torch.randn(2, 8, 32)).layers]
+    assert "0.self_attn.in_proj" in names
+    assert [mixprec.layer_precision(model, n) for n in names] == [None] * len(names)
+    mixprec.set_layer_precision(model, "0.self_attn.in_proj", "mxfp8")
+    assert mixprec.layer_precision(model, "0.self_attn.in_proj") == "mxfp8"
+
+
+def _saturating_input() -> torch.Tensor:
+    """Every block of 32 holds one value at 1.9 times a power of two: floor's scale leaves it past e4m3's 448."""
+    x = torch.randn(32, 64) * 0.1
+    x[:, ::32] = 1.9 * 2.0 ** torch.randint(0, 4, (32, 2)).float()  # the largest of its block (randn * 0.1 < 1)
+    return x
+
+
+@pytest.mark.parametrize(("mode", "saturated"), [("floor", 1.0), ("rceil", 0.0)])
+def test_diagnose_reports_the_share_of_blocks_that_saturated(mode: str, saturated: float) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 32))
+    report = mixprec.diagnose(
+        model, _saturating_input(), dtype="bf16", fp8=mixprec.Fp8Config("mxfp8", scale_mode=mode, convert_head=True)
+    )
+    first = next(r for r in report.fp8 if r.name == "0")
+    assert first.block and first.casts["input"]["saturated"] == saturated
+    assert "saturated blocks" in str(first)
+    if mode == "rceil":  # rceil's scale never leaves a value past the max
+        assert all(c["saturated"] == 0.0 for c in first.casts.values())
+    again = type(first).from_dict(first.to_dict())
+    assert again == first

@@ -141,8 +141,14 @@ def is_layer(module: nn.Module) -> bool:
 
 
 def layer_precision(model: nn.Module, name: str) -> LayerPrecision | None:
-    """The precision set on layer ``name`` (an fp8 recipe or a dtype override), or ``None``: the region's."""
-    module = model.get_submodule(name)
+    """The precision set on layer ``name`` (an fp8 recipe or a dtype override), or ``None``: the region's.
+
+    ``name`` as ``mixprec.gemm_reach`` and the per-layer plan name layers (``<attention>.in_proj`` routes the
+    attention, as :func:`set_layer_precision` does)."""
+    try:
+        module = model.get_submodule(name)
+    except AttributeError:
+        module = layer_of(model, name)
     scaling = fp8_conversion.scaling_of(module)
     if scaling is not None:
         return LayerPrecision.of_recipe(scaling.config.recipe)

@@ -99,6 +99,12 @@ def activations(
                 own = [n for n, q in module._parameters.items() if q is not None and id(q) in lowp]
                 if own and id(module) not in inside:
                     _swap_copies(module, own, copies, handles)
+            # fp8 conversion routes each attention: its out_proj then runs as a module, on its own copy
+            for module in model.modules() if config.fp8 is not None else ():
+                if isinstance(module, nn.MultiheadAttention) and id(module) not in inside:
+                    proj = module.out_proj
+                    own = [n for n, q in proj._parameters.items() if q is not None and id(q) in lowp]
+                    _swap_copies(module, own, copies, handles, owner=proj)
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             key = storage_key(t)
@@ -178,19 +184,27 @@ def _fake(mode: Any, t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return cast(torch.Tensor, mode.from_tensor(t))
 
 
-def _swap_copies(module: nn.Module, names: list[str], copies: dict[int, torch.Tensor], handles: list[Any]) -> None:
-    """Around ``module``'s forward, its parameters (the fp32 fakes functional_call set) as their copies."""
+def _swap_copies(
+    module: nn.Module,
+    names: list[str],
+    copies: dict[int, torch.Tensor],
+    handles: list[Any],
+    owner: nn.Module | None = None,
+) -> None:
+    """Around ``module``'s forward, ``owner``'s (default: its own) parameters (the fp32 fakes functional_call set)
+    as their copies."""
     held: dict[str, Any] = {}
+    holder = module if owner is None else owner
 
     def enter(mod: nn.Module, args: Any) -> None:
         for name in names:
-            held[name] = mod._parameters[name]
+            held[name] = holder._parameters[name]
             copy = copies.get(id(held[name]))
             if copy is not None:
-                mod._parameters[name] = copy  # type: ignore[assignment]
+                holder._parameters[name] = copy  # type: ignore[assignment]
 
     def leave(mod: nn.Module, args: Any, out: Any) -> None:
-        mod._parameters.update(held)
+        holder._parameters.update(held)
 
     handles.append(module.register_forward_pre_hook(enter))
     handles.append(module.register_forward_hook(leave))

@@ -1,7 +1,8 @@
 """Per-layer fp8 statistics for :func:`mixprec.diagnose` and :class:`mixprec.Monitor`.
 
 For each fp8 layer: per cast tensor (input, weight, grad_output) the amax, the scale, the
-fraction saturated at the format's max and the fraction flushed to zero; and the layer's SQNR,
+fraction saturated at the format's max (a block-scaled layer's: the fraction of blocks) and the fraction
+flushed to zero; and the layer's SQNR,
 its fp8 output against an fp32 linear on the same input and weights (the layer's own error, not
 what it inherits). :func:`fp8_layer_reports` runs one forward and backward to measure them.
 """
@@ -92,5 +93,7 @@ def fp8_layer_reports(
         for handle in handles:
             handle.remove()
     stats = cast_stats(trial)
-    reports = [Fp8LayerReport(name, outputs.get(name, math.nan), stats.get(name, {})) for name in layers.converted]
+    reports = [
+        Fp8LayerReport(name, outputs.get(name, math.nan), stats.get(name, {}), config.block) for name in layers.converted
+    ]
     return sorted(reports, key=lambda r: r.sqnr)

@@ -141,11 +141,15 @@ class ModuleReport:
 
 @dataclasses.dataclass
 class Fp8LayerReport:
-    """One fp8 layer: its SQNR (dB) and, per cast role, ``amax``, ``scale``, ``saturated``, ``flushed``."""
+    """One fp8 layer: its SQNR (dB) and, per cast role, ``amax``, ``scale``, ``saturated``, ``flushed``.
+
+    In a block-scaled layer (``block``: MXFP8, NVFP4) ``saturated`` is the share of *blocks* whose values clipped
+    at the element format's largest value, ``scale`` the smallest multiplier a block got."""
 
     name: str
     sqnr: float
     casts: dict[str, dict[str, float]]
+    block: bool = False
 
     def worst_saturation(self) -> float:
         return max((c["saturated"] for c in self.casts.values()), default=0.0)
@@ -154,16 +158,17 @@ class Fp8LayerReport:
         return max((c["flushed"] for c in self.casts.values()), default=0.0)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "sqnr": self.sqnr, "casts": self.casts}
+        return {"name": self.name, "sqnr": self.sqnr, "casts": self.casts, "block": self.block}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Fp8LayerReport:
-        return cls(data["name"], float(data["sqnr"]), {k: dict(v) for k, v in data["casts"].items()})
+        casts = {k: dict(v) for k, v in data["casts"].items()}
+        return cls(data["name"], float(data["sqnr"]), casts, bool(data.get("block", False)))
 
     def __str__(self) -> str:
         return (
-            f"{self.name}: {self.sqnr:.1f} dB, saturated {self.worst_saturation():.2%}, "
-            f"flushed {self.worst_flush():.2%}"
+            f"{self.name}: {self.sqnr:.1f} dB, saturated {'blocks ' if self.block else ''}"
+            f"{self.worst_saturation():.2%}, flushed {self.worst_flush():.2%}"
         )
 
 
