@@ -154,7 +154,7 @@ def main() -> None:
     for key, by_run in results.items():
         base = by_run["bf16"]["final"] if "bf16" in by_run else None
         print(f"\n{MODELS[key].name}, {args.steps} steps of {BATCH}x{SEQ} tokens; held-out loss after training")
-        print(f"| run | final loss | vs bf16 | GEMM FLOPs block-scaled | seconds (this CPU, block GEMMs emulated) |")
+        print("| run | final loss | vs bf16 | GEMM FLOPs block-scaled | seconds (this CPU, block GEMMs emulated) |")
         print("|---|---:|---:|---:|---:|")
         for run, r in by_run.items():
             diff = "" if base is None or run == "bf16" else f"{(r['final'] - base) / base:+.2%}"

@@ -93,7 +93,6 @@ def fp8_layer_reports(
         for handle in handles:
             handle.remove()
     stats = cast_stats(trial)
-    reports = [
-        Fp8LayerReport(name, outputs.get(name, math.nan), stats.get(name, {}), config.block) for name in layers.converted
-    ]
+    block = config.block
+    reports = [Fp8LayerReport(n, outputs.get(n, math.nan), stats.get(n, {}), block) for n in layers.converted]
     return sorted(reports, key=lambda r: r.sqnr)
