@@ -210,21 +210,10 @@ def test_every_level_with_its_defaults_compiles_whole_and_trains_as_eager(level:
     _assert_compiles_like_eager(NET, level)
 
 
-@pytest.mark.parametrize(
-    "fp8",
-    ["tensorwise", "delayed", "mxfp8", mixprec.Fp8Config("nvfp4", stochastic_grads=False)],
-    ids=["tensorwise", "delayed", "mxfp8", "nvfp4-nearest"],
-)
-def test_fp8_recipes_compile_whole_and_train_as_eager(fp8: Any) -> None:
+@pytest.mark.parametrize("fp8", ["tensorwise", "delayed", "mxfp8", "nvfp4"])
+def test_fp8_recipes_compile_whole_and_train_as_eager(fp8: str) -> None:
+    # nvfp4's stochastic rounding included: its noise is a function of the layer's counter, not a generator's draw
     _assert_compiles_like_eager(NET, "O2", fp8=fp8)
-
-
-def test_nvfp4_with_stochastic_gradients_compiles_whole_and_trains_close_to_eager() -> None:
-    # the compiled backward draws its rounding noise in its own order: the same distribution, other draws
-    eager = _train(NET, "O2", None, fp8="nvfp4")
-    compiled = _train(NET, "O2", "aot_eager", fp8="nvfp4")
-    assert compiled.frames == [1] * STEPS, compiled.frames
-    torch.testing.assert_close(compiled.losses, eager.losses, rtol=0.1, atol=0)
 
 
 @pytest.mark.parametrize(
@@ -267,8 +256,7 @@ RECIPES = [(level, None) for level in LEVELS] + [
     ("O2", "delayed"),
     ("bf16-sr", "delayed"),
     ("O2", "mxfp8"),
-    # stochastically rounded gradients draw their noise in the compiled backward's own order: nearest here
-    pytest.param("bf16-sr", mixprec.Fp8Config("nvfp4", stochastic_grads=False), id="bf16-sr-nvfp4-nearest"),
+    ("bf16-sr", "nvfp4"),
 ]
 
 

@@ -1,8 +1,9 @@
-"""fp8 linears under FSDP2 (fully_shard) on a real gloo group of 2 ranks, against one process.
+"""fp8 and block-scaled linears under FSDP2 (fully_shard) on a real gloo group of 2 ranks, against one process.
 
-The bench's transformer LM with fp8 MLP linears at O2: training matches one process on the whole
+The bench's transformer LM with fp8 (or MXFP8, NVFP4) linears at O2: training matches one process on the whole
 batch, delayed scaling's amax histories are the same on every rank (all-reduced at each step,
-so DCP's one saved copy is every rank's), and a DCP checkpoint resumes bit for bit.
+so DCP's one saved copy is every rank's), and a DCP checkpoint resumes bit for bit (NVFP4's stochastic
+rounding included: its noise counter is a buffer the checkpoint holds).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from mixprec.bench.workloads import TinyLM
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed")]
 
-RECIPES = ("tensorwise", "delayed", "tensorwise-all-gather", "delayed-all-gather")
+RECIPES = ("tensorwise", "delayed", "tensorwise-all-gather", "delayed-all-gather", "mxfp8", "nvfp4")
 STEPS, SAVE_AT, BATCH = 4, 2, 8
 
 
@@ -37,7 +38,8 @@ def _build(recipe: str, world: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     name, _, gather = recipe.partition("-")
     gather_fp8 = bool(gather) and world > 1  # one process: the same recipe, nothing to gather
-    config = mixprec.Fp8Config(name, all_gather=gather_fp8, **({"history_len": 8} if name == "delayed" else {}))
+    options: dict[str, Any] = {"delayed": {"history_len": 8}, "nvfp4": {"keep_last": 0.0}}.get(name, {})
+    config = mixprec.Fp8Config(name, all_gather=gather_fp8, **options)
     mixprec.prepare(model, opt, "O2", fp8=config)
     return model, opt
 
@@ -48,6 +50,10 @@ def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: range, rank: int
 
 def _histories(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in model.state_dict().items() if k.endswith("fp8.history")}
+
+
+def _noise(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items() if k.endswith("fp8.noise")}
 
 
 def _full(model: nn.Module) -> list[torch.Tensor]:
@@ -95,6 +101,7 @@ def _worker(rank: int, world: int, port: int, results: Any, where: str) -> None:
                     for unit in mixprec._src.sharding.fsdp_units(model) for fp in unit.fsdp_params
                     if hasattr(fp._module_info.module, "fp8")}  # fmt: skip
         out[recipe] = {"losses": losses, "histories": _histories(model), "full": _full(model), "gathered": gathered,
+                       "noise": _noise(model), "resumed_noise": _noise(resumed),
                        "same_fp8": same_fp8, "resumed": _full(resumed), "resumed_histories": _histories(resumed),
                        "converted": mixprec.fp8_layers(model).converted}  # type: ignore[union-attr]  # fmt: skip
     results[rank] = out
@@ -142,3 +149,5 @@ def test_dcp_resume_under_fsdp2_is_bitwise(recipe: str, ranks: list[dict[str, An
     for rank in ranks:
         assert bitwise_equal(rank[recipe]["resumed"], rank[recipe]["full"])
         assert bitwise_equal(rank[recipe]["resumed_histories"], rank[recipe]["histories"])
+        assert bitwise_equal(rank[recipe]["resumed_noise"], rank[recipe]["noise"])
+    assert bool(ranks[0][recipe]["noise"]) == (recipe == "nvfp4")  # stochastic rounding's counters, saved

@@ -7,7 +7,10 @@ weight-gradient GEMM of the NVFP4 recipe may first rotate both operands by a ran
 transform along the reduction dim (:func:`hadamard`): the product is unchanged, outliers are spread over
 their block before it is quantized. No GPU here has block-scaled GEMMs, so every device runs this
 emulation (dequantize, fp32 GEMM; torchao's emulated path does the same); figures timed on it are labelled
-"emulated". Stochastic rounding draws from torch's generator (a new draw each call). Nothing here syncs.
+"emulated". Stochastic rounding's noise is a function of a seed tensor and each element's index
+(:func:`uniform_noise`): a layer keeps its seed and a counter it advances each backward (``fp8.noise``, a
+buffer), so a checkpoint carries the noise to come and a compiled backward draws what the eager one draws.
+Nothing here syncs.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ __all__ = [
     "fake_quantize",
     "hadamard",
     "hadamard_matrix",
+    "noise_seed",
+    "uniform_noise",
 ]
 
 MX, NV = "mx", "nv"
@@ -70,8 +75,30 @@ def _pad_to(t: torch.Tensor, multiple: int, dim: int) -> torch.Tensor:
     return F.pad(t, pad)
 
 
-def fake_quantize(t: torch.Tensor, scaling: BlockScaling) -> torch.Tensor:
-    """``t`` (2-D, blocks along its last dim) quantized as ``scaling`` says and dequantized: fp32, ``t``'s shape."""
+_WEYL = 0x9E3779B1  # 2**32 / the golden ratio
+_MIX = (0x2545F491, 0x85EBCA6B)  # odd multipliers that spread a layer's salt and its counter over 32 bits
+
+
+def uniform_noise(shape: tuple[int, ...], seed: torch.Tensor) -> torch.Tensor:
+    """Uniform [0, 1) noise, fp32, from an int64 ``seed`` tensor and each element's index: a Weyl sequence, element
+    i gets the top 24 bits of ``(i * 0x9E3779B1 + seed) mod 2**32``. With a fresh seed each call every element's
+    noise is uniform and independent from call to call (neighbours get evenly spread values: a dither)."""
+    index = torch.arange(math.prod(shape), dtype=torch.int64, device=seed.device).reshape(shape)
+    bits = (index * _WEYL + seed).bitwise_and(0xFFFFFFFF)
+    return torch.bitwise_right_shift(bits, 8).to(torch.float32) * 2.0**-24
+
+
+def noise_seed(state: torch.Tensor, cast: int) -> torch.Tensor:
+    """The seed of one cast from a layer's ``(salt, counter)`` state (int64) and the cast's number in the call."""
+    salt, counter = state[0], state[1]
+    return (salt * _MIX[0] + counter * _MIX[1] + cast * _WEYL).bitwise_and(0xFFFFFFFF)
+
+
+def fake_quantize(t: torch.Tensor, scaling: BlockScaling, seed: torch.Tensor | None = None) -> torch.Tensor:
+    """``t`` (2-D, blocks along its last dim) quantized as ``scaling`` says and dequantized: fp32, ``t``'s shape.
+
+    ``seed``: stochastic rounding's (:func:`uniform_noise`); without one the noise is drawn from torch's generator.
+    """
     rows, cols = t.shape
     x = _pad_to(t.float(), scaling.block, 1)
     if scaling.format == MX:
@@ -80,7 +107,9 @@ def fake_quantize(t: torch.Tensor, scaling: BlockScaling) -> torch.Tensor:
         if scaling.tile:
             x = _pad_to(x, bf.NV_BLOCK, 0)
         scale = bf.nvfp4_tensor_scale(x) if scaling.tensor_scale else None
-        noise = torch.rand_like(x) if scaling.stochastic else None
+        noise = None
+        if scaling.stochastic:
+            noise = torch.rand_like(x) if seed is None else uniform_noise(tuple(x.shape), seed)
         out = bf.nvfp4_dequantize(*bf.nvfp4_quantize(x, scale, tile=scaling.tile, noise=noise), scale)
     return out[:rows, :cols]
 
@@ -113,15 +142,17 @@ def block_gemm(
     out_dtype: torch.dtype,
     *,
     rotate: bool = False,
+    seed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``a @ b`` with each operand quantized in blocks along the reduction dim (``None``: kept as it is).
 
-    ``rotate``: both operands first rotated along the reduction dim by the random Hadamard transform.
+    ``rotate``: both operands first rotated along the reduction dim by the random Hadamard transform. ``seed``:
+    stochastic rounding's, for ``a`` (``b`` takes the next one).
     """
     if rotate:
         a, b = hadamard(a, 1), hadamard(b, 0)
-    a_q = a.float() if a_scaling is None else fake_quantize(a, a_scaling)
-    b_q = b.float() if b_scaling is None else fake_quantize(b.t(), b_scaling).t()
+    a_q = a.float() if a_scaling is None else fake_quantize(a, a_scaling, seed)
+    b_q = b.float() if b_scaling is None else fake_quantize(b.t(), b_scaling, None if seed is None else seed + 1).t()
     return torch.mm(a_q, b_q).to(out_dtype)
 
 

@@ -118,18 +118,19 @@ def gemm(
     scale_b: torch.Tensor | None = None,
     record: list[Any] | None = None,
     rotate: bool = False,
+    seed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``a @ b`` with each operand cast as its :class:`Operand` says (or kept in high precision).
 
     ``scale_a`` / ``scale_b`` override the scales made from the operands' own amax (delayed
     scaling). ``record`` collects ``(operand, amax, scale, dtype)`` of each cast, for statistics
     (a :class:`~mixprec._src.fp8.block_gemm.BlockRecord` for a block-scaled one). Block-scaled operands
-    go to :func:`~mixprec._src.fp8.block_gemm.block_gemm` (emulated), ``rotate`` with them.
+    go to :func:`~mixprec._src.fp8.block_gemm.block_gemm` (emulated), ``rotate`` and ``seed`` with them.
     """
     if a_op.block is not None or b_op.block is not None:
         if record is not None:
             record.extend(block_gemm.BlockRecord(t, op.block) for t, op in ((a, a_op), (b, b_op)) if op.block)
-        return block_gemm.block_gemm(a, a_op.block, b, b_op.block, out_dtype, rotate=rotate)
+        return block_gemm.block_gemm(a, a_op.block, b, b_op.block, out_dtype, rotate=rotate, seed=seed)
     if a_op.dtype is None or b_op.dtype is None:  # a high-precision GEMM (rowwise_with_gw_hp's weight gradient)
         return torch.mm(a, b.to(a.dtype)).to(out_dtype)
     a, b = _padded(a, b)

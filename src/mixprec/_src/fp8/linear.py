@@ -95,6 +95,12 @@ class Fp8Scaling(nn.Module):
         if config.delayed:
             self.register_buffer("history", torch.zeros(3, config.history_len, device=device))
             self.register_buffer("pending", torch.zeros(3, device=device))
+        rounded = (config.operands.grad_output.block, config.operands.grad_output_for_grad_weight.block)
+        #: the output gradient's casts round stochastically (nvfp4's recipe)
+        self.stochastic = any(b is not None and b.stochastic for b in rounded)
+        if self.stochastic:  # stochastic rounding's (salt, counter): the salt drawn from torch's generator
+            salt = int(torch.randint(0, 2**31, ()))
+            self.register_buffer("noise", torch.tensor([salt, 0], dtype=torch.int64, device=device))
 
     def extra_repr(self) -> str:
         return str(self.config).removeprefix("fp8 ")
@@ -140,8 +146,9 @@ class Fp8Scaling(nn.Module):
             resized[:, :keep] = saved[:, :keep]
             state_dict[prefix + "history"] = resized
         super()._load_from_state_dict(state_dict, prefix, *args)
-        # A checkpoint of a recipe without an amax history (bf16, a dynamic fp8 recipe) starts one afresh.
-        absent = {prefix + "history", prefix + "pending"} - state_dict.keys()
+        # A checkpoint of a recipe without an amax history (bf16, a dynamic fp8 recipe) starts one afresh, and one
+        # without stochastic rounding's counter keeps this layer's.
+        absent = {prefix + "history", prefix + "pending", prefix + "noise"} - state_dict.keys()
         missing[:] = [key for key in missing if key not in absent]
 
 
@@ -191,6 +198,7 @@ class _Fp8Matmul(torch.autograd.Function):
         pending: torch.Tensor | None,
         cast_fwd: torch.Tensor | None,
         cast_bwd: torch.Tensor | None,
+        noise: torch.Tensor | None,
     ) -> torch.Tensor:
         ops = config.operands
         x2 = x.reshape(-1, x.shape[-1])
@@ -233,6 +241,7 @@ class _Fp8Matmul(torch.autograd.Function):
         # Delayed scaling: the backward casts the input and weight with the forward's scales.
         ctx.save_for_backward(x, weight, *((scale_x, scale_w) if delayed is not None else ()))
         ctx.config, ctx.delayed, ctx.state, ctx.cast_bwd = config, delayed, (history, pending), cast_bwd
+        ctx.noise = noise
         return out.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -241,6 +250,11 @@ class _Fp8Matmul(torch.autograd.Function):
         scale_x, scale_w = forward_scales or (None, None)
         ops, delayed = ctx.config.operands, ctx.delayed
         power = ops.power_of_two_scales
+        seed = None
+        if ctx.noise is not None:  # this backward's noise; the next one draws new (a checkpoint carries the count)
+            seed = block_gemm.noise_seed(ctx.noise, 0)
+            with torch.no_grad():
+                ctx.noise[1] += 1
         with _autocast_off(grad.device.type):
             go = grad.reshape(-1, grad.shape[-1])
             scale_go = None
@@ -258,6 +272,7 @@ class _Fp8Matmul(torch.autograd.Function):
                 scale_a=scale_go,
                 scale_b=scale_w,
                 record=record,
+                seed=seed,
             )
             if record:
                 _keep_stats(ctx.cast_bwd, record[:1])
@@ -271,8 +286,9 @@ class _Fp8Matmul(torch.autograd.Function):
                 scale_a=scale_go,
                 scale_b=scale_x,
                 rotate=ops.rotate_grad_weight,
+                seed=None if seed is None else seed + 2,
             )
-        return grad_x.reshape(x.shape), grad_w, None, None, None, None, None, None
+        return grad_x.reshape(x.shape), grad_w, None, None, None, None, None, None, None
 
 
 def _autocast_off(device_type: str) -> contextlib.AbstractContextManager[Any]:
@@ -345,7 +361,8 @@ def _fp8_linear(self: nn.Module, input: torch.Tensor, weight: torch.Tensor, bias
     pending = scaling.pending if delayed is not None else None
     with torch.autocast(input.device.type, enabled=False):  # the GEMMs' dtypes are the recipe's, not autocast's
         stats = (scaling.cast_fwd, scaling.cast_bwd) if scaling.recording else (None, None)
-        args = (input.to(dtype), weight, config, delayed, history, pending, *stats)
+        noise = scaling.noise if scaling.stochastic else None
+        args = (input.to(dtype), weight, config, delayed, history, pending, *stats, noise)
         out = _Fp8Matmul.apply(*args)  # type: ignore[no-untyped-call]
         if bias is not None:
             out = out + bias.to(out.dtype)
