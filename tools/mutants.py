@@ -57,6 +57,7 @@ LAYER_TESTS = ("tests/layers/test_guard.py", "tests/layers/test_layer_precision.
 COMPILE_TESTS = ("tests/test_compiled_training.py",)
 FP8_TESTS = ("tests/fp8/test_fp8_gemm.py", "tests/fp8/test_fp8_linear.py", "tests/fp8/test_fp8_layers.py",
              "tests/observe/test_fp8_diagnostics.py")  # fmt: skip
+BLOCK_TESTS = ("tests/fp8/test_block_formats.py", "tests/fp8/test_block_linear.py", "tests/fp8/test_fp8_layers.py")
 
 GEMM_TESTS = ("tests/gemms/test_gemm_layers.py",)
 QUANTIZE_TESTS = ("tests/optim/test_quantize.py",)
@@ -418,6 +419,43 @@ MUTANTS = (
            S + "prepare/o2_copies.py",
            "                module._parameters[name] = master.to(self.copies.dtype)",
            "                module._parameters[name] = self.copies.copies[id(master)]", COMPILE_TESTS),
+    # --- block-scaled formats -------------------------------------------------------------------------
+    Mutant("mx-block-one-off", "an MX block's scale is made from 31 of its 32 values",
+           S + "fp8/block_formats.py", "    amax = x.abs().amax(-1, keepdim=True)\n",
+           "    amax = x[..., 1:].abs().amax(-1, keepdim=True)\n", BLOCK_TESTS),
+    Mutant("nv-block-one-off", "an NVFP4 block's scale is made from 15 of its 16 values",
+           S + "fp8/block_formats.py", "    amax = x.abs().amax(-1)\n", "    amax = x[..., :-1].abs().amax(-1)\n",
+           BLOCK_TESTS),
+    Mutant("mx-rceil-rounds-down", "rceil's power-of-two scale is rounded down, not up (values clamp)",
+           S + "fp8/block_formats.py", "torch.ceil(torch.log2(descale))", "torch.floor(torch.log2(descale))",
+           BLOCK_TESTS),
+    Mutant("mx-floor-rounds-up", "floor's power-of-two scale is one binade too large",
+           S + "fp8/block_formats.py", "floor_log2 - _MAX_POW2[elem_dtype]", "floor_log2 + 1 - _MAX_POW2[elem_dtype]",
+           BLOCK_TESTS),
+    Mutant("e2m1-ties-up", "e2m1 rounds 1.25 up to 1.5 (ties away from the even code)",
+           S + "fp8/block_formats.py", "+ (a > 1.25)", "+ (a >= 1.25)", BLOCK_TESTS),
+    Mutant("nv-tiles-ignored", "16x16 tiles scale each row's block alone", S + "fp8/block_formats.py",
+           "    if tile:\n        rows = t.shape[0]", "    if False:\n        rows = t.shape[0]", BLOCK_TESTS),
+    Mutant("hadamard-one-operand", "the weight gradient's GEMM rotates one operand only",
+           S + "fp8/block_gemm.py", "a, b = hadamard(a, 1), hadamard(b, 0)", "a, b = hadamard(a, 1), b", BLOCK_TESTS),
+    Mutant("sr-noise-reused", "stochastic rounding draws the same noise every backward",
+           S + "fp8/linear.py", "                ctx.noise[1] += 1", "                ctx.noise[1] += 0", BLOCK_TESTS),
+    Mutant("sr-noise-shared-by-casts", "the two gradient GEMMs' casts draw the same noise",
+           S + "fp8/linear.py", "seed=None if seed is None else seed + 2,", "seed=seed,", BLOCK_TESTS),
+    Mutant("nv-keep-last-ignored", "nvfp4 converts its last layers too", S + "fp8/conversion.py",
+           "    if not config.kept_fraction or not candidates:", "    if True:", BLOCK_TESTS),
+    Mutant("block-stats-count-values", "a block layer's saturation counts values, not blocks",
+           S + "fp8/block_gemm.py", "saturated = ((amax * multiplier) > top).float().mean()",
+           "saturated = ((blocks.abs() * multiplier.unsqueeze(-1)) > top).float().mean()", BLOCK_TESTS),
+    Mutant("plan-block-below-floor", "the plan gives a layer a block format whose SQNR is below the floor",
+           S + "layers/choice.py", "            held = m.sqnr_db[p] >= floor_db", "            held = True",
+           ("tests/layers/test_block_plan.py",)),
+    Mutant("guard-ladder-skips-mxfp8", "the guard moves an nvfp4 layer straight to fp8",
+           S + "layers/ladder.py", "    P.NVFP4: P.MXFP8,", "    P.NVFP4: P.FP8_TENSORWISE,",
+           ("tests/layers/test_guard.py",)),
+    Mutant("block-counter-not-loaded", "a checkpoint's rounding counter is dropped on load",
+           S + "fp8/conversion.py", "key.rsplit(\".\", 1)[1] not in scaling._buffers:",
+           "key.rsplit(\".\", 1)[1] not in scaling._buffers or key.endswith(\"noise\"):", BLOCK_TESTS),
     # --- fp8 linears ----------------------------------------------------------------------------------
     Mutant("fp8-records-non-finite-amax", "delayed scaling records the inf amax of an overflowed fp16 step",
            S + "fp8/linear.py", "torch.where(now.isfinite(), now, 0.0)", "now", FP8_TESTS),

@@ -3,6 +3,7 @@ here, torchao's emulated MX GEMM bit for bit, the NVFP4 recipe's parts, and trai
 
 from __future__ import annotations
 
+import copy
 import itertools
 import warnings
 from typing import Any
@@ -242,3 +243,18 @@ def test_diagnose_reports_the_share_of_blocks_that_saturated(mode: str, saturate
         assert all(c["saturated"] == 0.0 for c in first.casts.values())
     again = type(first).from_dict(first.to_dict())
     assert again == first
+
+
+def test_a_loaded_layer_draws_the_rounding_noise_the_saved_one_would_have_drawn() -> None:
+    layer = _layer(mixprec.Fp8Config("nvfp4", convert_head=True, keep_last=0.0))
+    x, grad = torch.randn(32, 64), torch.randn(32, 48)
+    for _ in range(3):
+        _run(layer, x, grad)
+    state = copy.deepcopy(layer.state_dict())
+    assert state["fp8.noise"][1] == 3  # one count a backward
+    fresh = _layer(mixprec.Fp8Config("nvfp4", convert_head=True, keep_last=0.0))
+    fresh.load_state_dict(state)
+    assert bitwise_equal(_run(fresh, x, grad), _run(layer, x, grad))
+    plain = _layer(mixprec.Fp8Config("mxfp8", convert_head=True))
+    assert "fp8.noise" not in plain.state_dict()
+    plain.load_state_dict(state, strict=False)  # a checkpoint with a counter loads into a layer without one

@@ -278,3 +278,18 @@ def test_a_refused_fp8_prepare_leaves_the_model_as_it_was() -> None:
         mixprec.prepare(model, opt, "O2", fp8=mixprec.Fp8Config(all_gather=True))
     assert not model.norm._forward_pre_hooks and not opt._optimizer_step_pre_hooks
     mixprec.prepare(model, opt, "O2", fp8="tensorwise")  # and it can be prepared right after
+
+
+def test_checkpoints_move_between_block_scaled_and_other_recipes() -> None:
+    nvfp4, nvfp4_opt = prepared("nvfp4")
+    train(nvfp4, nvfp4_opt, range(3))
+    assert any(k.endswith("fp8.noise") for k in nvfp4.state_dict())
+    for other in (None, "mxfp8", "delayed"):  # strict: nvfp4's rounding counters are ignored where none is kept
+        model, _ = prepared(other)
+        model.load_state_dict(nvfp4.state_dict())
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), nvfp4.parameters(), strict=True))
+    back, _ = prepared("nvfp4")
+    back.load_state_dict(prepared("mxfp8")[0].state_dict())  # strict: the counters keep their own
+    back.load_state_dict(nvfp4.state_dict())  # and take an nvfp4 checkpoint's
+    counters = {k: v for k, v in nvfp4.state_dict().items() if k.endswith("fp8.noise")}
+    assert all(torch.equal(back.state_dict()[k], v) for k, v in counters.items()) and counters

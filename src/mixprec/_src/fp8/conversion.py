@@ -324,17 +324,19 @@ def advance(layers: Fp8Layers, group: Any = None) -> None:
 
 
 def drop_foreign_fp8_state(model: nn.Module, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
-    """A load-state-dict pre-hook: fp8 amax histories of layers that are not fp8 here are ignored.
+    """A load-state-dict pre-hook: fp8 amax histories (and stochastic rounding's counters) of layers that keep none
+    here are ignored.
 
-    A checkpoint of a delayed-scaling recipe then loads into a bf16 (or dynamic fp8) recipe of the
+    A checkpoint of a delayed-scaling (or nvfp4) recipe then loads into a bf16 (or another fp8) recipe of the
     same model; its weights are the same full-precision tensors.
     """
-    for key in [k for k in state_dict if k.endswith((".fp8.history", ".fp8.pending"))]:
+    for key in [k for k in state_dict if k.endswith((".fp8.history", ".fp8.pending", ".fp8.noise"))]:
         if not key.startswith(prefix):
             continue
         try:
             target = model.get_submodule(key[len(prefix) :].rsplit(".", 2)[0])
         except AttributeError:  # not this model's layer: strict loading reports it
             continue
-        if not isinstance(getattr(target, "fp8", None), Fp8Scaling) or not target.fp8.config.delayed:  # type: ignore[union-attr]
+        scaling = getattr(target, "fp8", None)
+        if not isinstance(scaling, Fp8Scaling) or key.rsplit(".", 1)[1] not in scaling._buffers:
             del state_dict[key]
