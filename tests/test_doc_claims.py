@@ -438,7 +438,8 @@ def test_an_output_gradient_amax_jump_moves_the_layers_and_their_peaks_start_ove
 
 
 def test_the_default_ladder_is_the_documented_one() -> None:
-    """docs/per_layer.md: "fp8-delayed -> fp8-tensorwise -> fp8-rowwise -> bf16 -> fp32        fp16 -> bf16 -> fp32"."""
+    """docs/per_layer.md: "nvfp4 -> mxfp8 -> fp8-tensorwise -> fp8-rowwise -> bf16 -> fp32", "fp8-delayed ->
+    fp8-tensorwise", "fp16 -> bf16 -> fp32"."""
     ladder = mixprec.GuardThresholds().ladder
 
     def climb(start: str) -> list[str]:
@@ -447,6 +448,7 @@ def test_the_default_ladder_is_the_documented_one() -> None:
             rungs.append(ladder[rungs[-1]])
         return rungs
 
+    assert climb("nvfp4") == ["nvfp4", "mxfp8", "fp8-tensorwise", "fp8-rowwise", "bf16", "fp32"]
     assert climb("fp8-delayed") == ["fp8-delayed", "fp8-tensorwise", "fp8-rowwise", "bf16", "fp32"]
     assert climb("fp16") == ["fp16", "bf16", "fp32"]
 

@@ -258,3 +258,17 @@ def test_a_loaded_layer_draws_the_rounding_noise_the_saved_one_would_have_drawn(
     plain = _layer(mixprec.Fp8Config("mxfp8", convert_head=True))
     assert "fp8.noise" not in plain.state_dict()
     plain.load_state_dict(state, strict=False)  # a checkpoint with a counter loads into a layer without one
+
+
+def test_fp8_layers_and_gemm_reach_name_the_block_format_and_what_it_leaves() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*itertools.chain.from_iterable((nn.Linear(32, 32), nn.ReLU()) for _ in range(8)))
+    reach = mixprec.gemm_reach(model, torch.randn(4, 32), fp8="nvfp4")
+    left = {name: why for name, _, why in reach.left_out("fp8")}
+    assert "14" in left and "head" in left["14"] and "12" in left and "leaves in bf16" in left["12"]
+    opt = torch.optim.AdamW(model.parameters())
+    model, opt = mixprec.prepare(model, opt, "O1", fp8="nvfp4")
+    layers = mixprec.fp8_layers(model)
+    assert layers is not None and "6 layer(s) in nvfp4" in str(layers)
+    prepared_reach = mixprec.gemm_reach(model, torch.randn(4, 32))
+    assert {n for n, _, _ in prepared_reach.left_out("fp8")} == {"12", "14"}

@@ -173,6 +173,8 @@ def test_an_fp8_emulation_far_slower_than_atens_is_not_run_for_the_other_layers(
                 self.holder.layer.register_forward_pre_hook(lambda *_: fp8_calls.append(precision) or time.sleep(0.15))
 
     monkeypatch.setattr(layer_plan, "_Run", SlowFp8)
+    # "slow" is past the 0.1 s floor and 1x the fp32 run here, not 50x: a loaded machine's fp32 run may take 3 ms
+    monkeypatch.setattr(layer_plan, "_SLOW_EMULATION", 1.0)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 8))  # 3 fp8-able
     measured, notes = layer_plan.measure(model, torch.randn(64, 32), square_loss, ["bf16", *layer_plan.FP8_CANDIDATES],

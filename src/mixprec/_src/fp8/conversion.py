@@ -84,7 +84,8 @@ class Fp8Layers:
 
     def __str__(self) -> str:
         lines = [
-            f"{self.config}: {len(self.converted)} layer(s) in fp8, {len(self.skipped)} left out"
+            f"{self.config}: {len(self.converted)} layer(s) in {self.config.recipe if self.config.block else 'fp8'}, "
+            f"{len(self.skipped)} left out"
             + (f"; {self.share():.1%} of the GEMM FLOPs per token" if self.flops_per_row else "")
         ]
         lines += [f"  {name or '<model>'}: {reason}" for name, reason in self.skipped]

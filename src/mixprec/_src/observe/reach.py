@@ -105,7 +105,12 @@ def _fp8_reasons(model: nn.Module, found: list[tuple[str, nn.Module, Any]], conf
         skipped = dict(converted.skipped)
         return {n: (None if n in converted.modules else skipped.get(n, "not converted")) for n, _, _ in found}
     head = fp8_conversion.head_of(model, found)
-    return {n: fp8_conversion.reason_to_skip(m, n, config, False, head) for n, m, _ in found}
+    reasons = {n: fp8_conversion.reason_to_skip(m, n, config, False, head) for n, m, _ in found}
+    for name in fp8_conversion.kept_last(config, [n for n, why in reasons.items() if why is None]):
+        reasons[name] = (
+            f"one of the last {config.kept_fraction:.0%} of the layers, which {config.recipe} leaves in bf16"
+        )
+    return reasons
 
 
 def gemm_reach(model: nn.Module, batch: Any, fp8: Fp8Config | str | None = None) -> GemmReach:
