@@ -388,6 +388,19 @@ def test_fp8_modes_train_and_say_they_are_emulated_on_a_cpu(
     )
 
 
+def test_block_scaled_modes_train_and_say_they_are_emulated(
+    capsys: pytest.CaptureFixture[str], tmp_path: pathlib.Path
+) -> None:
+    assert cli.main(["bench", "--workloads", "mlp", "--modes", "mixprec,mxfp8,nvfp4", "--size", "tiny",
+                     "--steps", "3", "--quiet", "--out", str(tmp_path)]) == 0  # fmt: skip
+    shown = capsys.readouterr().out
+    for text in (shown, (tmp_path / "report.md").read_text()):
+        assert "block-scaled GEMMs are emulated on every device" in text
+        assert "fp8 GEMMs are emulated in fp32 on a CPU" not in text  # no tensorwise-style fp8 mode ran
+    modes = json.loads((tmp_path / "report.json").read_text())["workloads"]["mlp"]
+    assert modes["mxfp8"]["losses"] != modes["mixprec"]["losses"] != modes["nvfp4"]["losses"]
+
+
 def test_fp8_modes_skip_conv_workloads() -> None:
     assert MODES["fp8"].trains(conv=False) and not MODES["fp8"].trains(conv=True)
     assert MODES["mixprec-cl"].trains(conv=True) and not MODES["mixprec-cl"].trains(conv=False)

@@ -59,6 +59,8 @@ class Mode:
         resolve: ``(task, optimizer, dtype, budget_s) -> Mode``: the mode to train a workload with,
             settled on a fresh copy of it before training (its time is reported apart).
         fp8: whether its linears compute in fp8 (emulated in fp32 on a CPU: reports say so).
+        block: whether its linears compute in a block-scaled format (MXFP8, NVFP4: emulated on every device,
+            reports say so).
         recipe: the :class:`mixprec.Recipe` it trains with (a tuned mode), for reports.
     """
 
@@ -76,6 +78,7 @@ class Mode:
     dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
     resolve: Callable[[Task, torch.optim.Optimizer, torch.dtype, float], Mode] | None = None
     fp8: bool = False
+    block: bool = False
     recipe: Recipe | None = None
 
     def trains(self, conv: bool) -> bool:
@@ -236,6 +239,19 @@ for _recipe, _name in (("tensorwise", "fp8"), ("rowwise", "fp8-rowwise"), ("dela
             setup=_fp8(_recipe),
             dtypes=(torch.bfloat16,),
             fp8=True,
+        )
+    )
+
+
+for _recipe in ("mxfp8", "nvfp4"):
+    register_mode(
+        Mode(
+            _recipe,
+            f"mixprec.prepare O1 with {_recipe} linears (block-scaled GEMMs, emulated), bf16 elsewhere",
+            setup=_fp8(_recipe),
+            dtypes=(torch.bfloat16,),
+            fp8=True,
+            block=True,
         )
     )
 

@@ -250,10 +250,24 @@ FP8_EMULATED = (
 )
 
 
+#: What a run of a block-scaled mode measures, on any device.
+BLOCK_EMULATED = (
+    "mxfp8 and nvfp4 modes: their block-scaled GEMMs are emulated on every device (blocks dequantized, an fp32 "
+    "GEMM), so their steps/s say nothing about a GPU with block-scaled GEMMs; their losses are those of real "
+    "block-scaled numerics"
+)
+
+
 def fp8_emulated(report: BenchReport) -> bool:
     """Whether fp8 modes ran here on a CPU."""
     ran = {m for modes in report.results.values() for m in modes}
-    return report.device.startswith("cpu") and any(MODES[m].fp8 for m in ran if m in MODES)
+    return report.device.startswith("cpu") and any(MODES[m].fp8 and not MODES[m].block for m in ran if m in MODES)
+
+
+def block_emulated(report: BenchReport) -> bool:
+    """Whether block-scaled modes ran (emulated wherever they run)."""
+    ran = {m for modes in report.results.values() for m in modes}
+    return any(MODES[m].block for m in ran if m in MODES)
 
 
 def title(report: BenchReport) -> str:
@@ -316,6 +330,7 @@ def markdown(report: BenchReport) -> str:
         "training (not counted in steps/s).",
         "",
         *([FP8_EMULATED + ".", ""] if fp8_emulated(report) else []),
+        *([BLOCK_EMULATED + ".", ""] if block_emulated(report) else []),
         *_recipes(report),
         *compiled_markdown(report),
         "![bench](bench.png)",

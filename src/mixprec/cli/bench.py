@@ -129,6 +129,8 @@ def run(args: argparse.Namespace) -> int:
         print(text, flush=True)
     if report_module.fp8_emulated(report):
         print(report_module.FP8_EMULATED, flush=True)
+    if report_module.block_emulated(report):
+        print(report_module.BLOCK_EMULATED, flush=True)
     if compiled := report_module.compiled_text(report):
         print(compiled, flush=True)
     if args.memory_budget:
