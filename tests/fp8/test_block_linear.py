@@ -172,7 +172,7 @@ def test_block_options_are_refused_where_they_mean_nothing(options: dict[str, ob
 
 
 @pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])
-@pytest.mark.parametrize("level", ["O1", "O2", "bf16-pure", "bf16-sr"])
+@pytest.mark.parametrize("level", ["O1", "O2", "bf16-pure", "bf16-sr", "bf16-kahan"])
 def test_block_recipes_train_at_every_level(recipe: str, level: str) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(
