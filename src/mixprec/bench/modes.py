@@ -256,6 +256,18 @@ for _recipe in ("mxfp8", "nvfp4"):
     )
 
 
+#: What a CPU run of an fp8 mode measures.
+FP8_EMULATED = (
+    "fp8 modes: fp8 GEMMs are emulated in fp32 on a CPU (torch._scaled_mm), so their steps/s say "
+    "nothing about fp8 speed on a GPU; their losses are those of real fp8 numerics"
+)
+#: What a run of a block-scaled mode measures, on any device.
+BLOCK_EMULATED = (
+    "mxfp8 and nvfp4 modes: their block-scaled GEMMs are emulated on every device (blocks dequantized, an fp32 "
+    "GEMM), so their steps/s say nothing about a GPU with block-scaled GEMMs; their losses are real numerics"
+)
+
+
 def recipe_mode(recipe: Recipe, name: str = "mixprec-tuned") -> Mode:
     """A mode that trains with ``recipe`` (its description is the recipe's name)."""
 

@@ -7,7 +7,7 @@ import math
 import pathlib
 from typing import Any
 
-from mixprec.bench.modes import MODES
+from mixprec.bench.modes import BLOCK_EMULATED, FP8_EMULATED, MODES
 from mixprec.bench.runner import BenchReport
 from mixprec.bench.tables import aligned, markdown_table
 
@@ -243,31 +243,15 @@ def _higher(lines: list[str]) -> list[str]:
     return ["Where mixprec's count is higher than torchao's:", "", *(f"- {line}" for line in lines)]
 
 
-#: What a CPU run of an fp8 mode measures.
-FP8_EMULATED = (
-    "fp8 modes: fp8 GEMMs are emulated in fp32 on a CPU (torch._scaled_mm), so their steps/s say "
-    "nothing about fp8 speed on a GPU; their losses are those of real fp8 numerics"
-)
-
-
-#: What a run of a block-scaled mode measures, on any device.
-BLOCK_EMULATED = (
-    "mxfp8 and nvfp4 modes: their block-scaled GEMMs are emulated on every device (blocks dequantized, an fp32 "
-    "GEMM), so their steps/s say nothing about a GPU with block-scaled GEMMs; their losses are those of real "
-    "block-scaled numerics"
-)
-
-
 def fp8_emulated(report: BenchReport) -> bool:
-    """Whether fp8 modes ran here on a CPU."""
-    ran = {m for modes in report.results.values() for m in modes}
-    return report.device.startswith("cpu") and any(MODES[m].fp8 and not MODES[m].block for m in ran if m in MODES)
+    """Whether fp8 modes (not block-scaled ones) ran here on a CPU."""
+    ran = [MODES[m] for modes in report.results.values() for m in modes if m in MODES]
+    return report.device.startswith("cpu") and any(m.fp8 and not m.block for m in ran)
 
 
 def block_emulated(report: BenchReport) -> bool:
     """Whether block-scaled modes ran (emulated wherever they run)."""
-    ran = {m for modes in report.results.values() for m in modes}
-    return any(MODES[m].block for m in ran if m in MODES)
+    return any(MODES[m].block for modes in report.results.values() for m in modes if m in MODES)
 
 
 def title(report: BenchReport) -> str:

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from mixprec.bench.modes import MODES
+from mixprec.bench.modes import BLOCK_EMULATED, FP8_EMULATED, MODES
 from mixprec.bench.runner import COMPILE_MODES, DEFAULT_MODES
 from mixprec.bench.workloads import WORKLOADS
 from mixprec.cli import common
@@ -128,9 +128,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(text, flush=True)
     if report_module.fp8_emulated(report):
-        print(report_module.FP8_EMULATED, flush=True)
+        print(FP8_EMULATED, flush=True)
     if report_module.block_emulated(report):
-        print(report_module.BLOCK_EMULATED, flush=True)
+        print(BLOCK_EMULATED, flush=True)
     if compiled := report_module.compiled_text(report):
         print(compiled, flush=True)
     if args.memory_budget:

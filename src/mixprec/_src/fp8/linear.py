@@ -83,6 +83,7 @@ class Fp8Scaling(nn.Module):
     recording into the graph. :attr:`stats` reads them as :class:`CastStats` (one sync).
     """
 
+    stochastic = False  # nvfp4's gradient casts round stochastically (set per instance; older pickles: none)
     history: torch.Tensor  # (3, history_len) fp32: per role, the amax of past steps, newest first
     pending: torch.Tensor  # (3,) fp32: per role, the largest amax seen in this step
 
