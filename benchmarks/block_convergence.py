@@ -143,12 +143,17 @@ def main() -> None:
     parser.add_argument("--plot", help="write the loss curves to this PNG")
     parser.add_argument("--json", help="write every run's losses and figures to this JSON file")
     parser.add_argument("--threads", type=int, default=1, help="torch's intra-op threads")
+    parser.add_argument("--from-json", help="read the runs from this JSON file (of --json) instead of training")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     runs = [r for r in args.runs.split(",") if r]
     results: dict[str, dict[str, dict[str, Any]]] = {}
+    if args.from_json:
+        with open(args.from_json) as fh:
+            saved = json.load(fh)
+        results, args.steps, runs, args.models = saved["results"], saved["steps"], [], ""
     with Progress() as progress:
-        for key in args.models.split(","):
+        for key in [k for k in args.models.split(",") if k]:
             model = MODELS[key]
             results[key] = {}
             for run in runs:
@@ -177,14 +182,15 @@ def main() -> None:
         for column, (key, by_run) in enumerate(results.items()):
             top, bottom = axes[0][column], axes[1][column]
             base = torch.tensor(by_run["bf16"]["losses"]) if "bf16" in by_run else None
-            for run, r in by_run.items():
+            for index, (run, r) in enumerate(by_run.items()):
+                color = f"C{index}"  # a run's colour is the same in both rows
                 losses = torch.tensor(r["losses"])
                 smooth = losses.unfold(0, 20, 1).mean(1)
                 steps = range(19, 19 + len(smooth))
-                top.plot(steps, smooth, label=run, linewidth=1)
+                top.plot(steps, smooth, label=run, linewidth=1, color=color)
                 if base is not None and run != "bf16":
                     gap = ((losses - base) / base).unfold(0, 20, 1).mean(1) * 100
-                    bottom.plot(steps, gap, label=run, linewidth=1)
+                    bottom.plot(steps, gap, label=run, linewidth=1, color=color)
             top.set(xlabel="step", ylabel="training loss (mean of 20 steps)", title=MODELS[key].name)
             top.legend(fontsize=7)
             bottom.axhline(0, color="black", linewidth=0.5)
