@@ -231,27 +231,22 @@ def _fp8(recipe: str) -> Callable[[nn.Module, torch.optim.Optimizer, torch.dtype
     return setup
 
 
-for _recipe, _name in (("tensorwise", "fp8"), ("rowwise", "fp8-rowwise"), ("delayed", "fp8-delayed")):
+_FP8_MODES = (  # (recipe, mode name, what its linears compute in)
+    ("tensorwise", "fp8", "fp8 linears (tensorwise scaling)"),
+    ("rowwise", "fp8-rowwise", "fp8 linears (rowwise scaling)"),
+    ("delayed", "fp8-delayed", "fp8 linears (delayed scaling)"),
+    ("mxfp8", "mxfp8", "mxfp8 linears (block-scaled GEMMs, emulated)"),
+    ("nvfp4", "nvfp4", "nvfp4 linears (block-scaled GEMMs, emulated)"),
+)
+for _recipe, _name, _what in _FP8_MODES:
     register_mode(
         Mode(
             _name,
-            f"mixprec.prepare O1 with fp8 linears ({_recipe} scaling), bf16 elsewhere",
+            f"mixprec.prepare O1 with {_what}, bf16 elsewhere",
             setup=_fp8(_recipe),
             dtypes=(torch.bfloat16,),
             fp8=True,
-        )
-    )
-
-
-for _recipe in ("mxfp8", "nvfp4"):
-    register_mode(
-        Mode(
-            _recipe,
-            f"mixprec.prepare O1 with {_recipe} linears (block-scaled GEMMs, emulated), bf16 elsewhere",
-            setup=_fp8(_recipe),
-            dtypes=(torch.bfloat16,),
-            fp8=True,
-            block=True,
+            block=_recipe in ("mxfp8", "nvfp4"),
         )
     )
 
