@@ -109,6 +109,25 @@ def test_eval_keeps_the_encoders_fused_path_off_where_a_norm_has_its_own_forward
     assert not calls
 
 
+def test_eval_keeps_the_encoders_fused_path_off_where_o2_swaps_its_layers_copies(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # with nothing kept (bf16 inputs: the norms compute in bf16), only O2's swaps tell torch the layers must be
+    # called: the fused kernel would read the fp32 masters
+    fused = torch._transformer_encoder_layer_fwd
+    calls: list[int] = []
+    monkeypatch.setattr(torch, "_transformer_encoder_layer_fwd", lambda *a, **k: calls.append(1) or fused(*a, **k))
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+    enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    enc, _ = mixprec.prepare(enc, torch.optim.SGD(enc.parameters(), lr=0.1), level="O2", keep_types=())
+    x = torch.randn(2, 5, 16, dtype=torch.bfloat16)
+    enc(x)
+    with torch.no_grad():
+        enc.eval()(x)
+    assert not calls
+
+
 # ----- O2: the gradient through the copy -------------------------------------------------------
 
 
@@ -150,6 +169,52 @@ def test_o2_a_master_written_between_forward_and_backward_is_reported() -> None:
         net[2].weight.add_(1.0)  # what the backward would read is no longer what the forward computed with
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         out.backward()
+
+
+class _UsesItsWeightTwice(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(16, 16) / 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(F.linear(x, self.weight).relu(), self.weight)
+
+
+def test_o2_a_module_using_its_weight_twice_sums_the_uses_in_the_copy_dtype() -> None:
+    torch.manual_seed(0)
+    net, x = _UsesItsWeightTwice(), torch.randn(64, 16)
+    master = net.weight.detach().clone()
+
+    def loss(out: torch.Tensor) -> torch.Tensor:
+        return out.float().square().sum()
+
+    copies = [master.to(torch.bfloat16).requires_grad_() for _ in range(2)]  # the uses, widened one by one
+    loss(F.linear(F.linear(x.bfloat16(), copies[0]).relu(), copies[1])).backward()
+    summed_wide = copies[0].grad.float() + copies[1].grad.float()
+    held = master.to(torch.bfloat16).requires_grad_()  # what autocast's cached cast gives: summed in bf16
+    loss(F.linear(F.linear(x.bfloat16(), held).relu(), held)).backward()
+    assert not torch.equal(held.grad.float(), summed_wide)  # the two ways differ on these values
+    net, _ = mixprec.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1), level="O2")
+    loss(net(x)).backward()
+    assert torch.equal(net.weight.grad, held.grad.float())
+
+
+def test_o2_a_torch_layer_reaches_its_master_through_one_view_and_its_hooks_see_the_copy() -> None:
+    net = nn.Sequential(nn.Linear(8, 8), _UsesItsWeightTwice())
+    net[1].weight = nn.Parameter(torch.randn(8, 8))
+    net, _ = mixprec.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1), level="O2")
+    seen: list[torch.Tensor] = []
+    for layer in net:  # hooks registered after prepare, as a user's or a profiler's are
+        layer.register_forward_pre_hook(lambda m, args: seen.append(m.weight))
+        layer.register_forward_hook(lambda m, args, out: seen.append(m.weight))
+    net(torch.randn(2, 8)).sum().backward()
+    assert [w.dtype for w in seen] == [torch.bfloat16] * 4
+    linear, twice = seen[0].grad_fn, seen[2].grad_fn
+    assert type(linear).__name__ == "ViewBackward0"  # one view: straight to the master's accumulator
+    assert linear.next_functions[0][0].variable is net[0].weight
+    inner = twice.next_functions[0][0]  # two: the uses summed in bf16 by the outer one
+    assert type(inner).__name__ == "ViewBackward0" and inner.next_functions[0][0].variable is net[1].weight
+    assert net[0].weight.grad.dtype is net[1].weight.grad.dtype is torch.float32
 
 
 def test_o2_a_sparse_embedding_takes_the_function_route() -> None:

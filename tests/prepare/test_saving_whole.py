@@ -16,6 +16,7 @@ from torch import nn
 import mixprec
 from mixprec._src.prepare.kept import OwnForward
 from mixprec._src.prepare.levels import prepared_state
+from mixprec._src.prepare.o2_copies import SwapCall
 
 OPTIONS: dict[str, dict[str, Any]] = {
     "plain": {},
@@ -58,8 +59,11 @@ def test_a_prepared_model_saves_and_loads_whole(level: str, options: str) -> Non
     state = prepared_state(loaded)
     assert state is not None and state.level.value == level
     own = {id(m) for m in loaded.modules()}
-    for h in state.handles:  # the module hooks and the kept norms' own forwards, and only those
-        assert h.module is not None and id(h.module) in own if isinstance(h, OwnForward) else h.hooks_dict_ref()
+    for h in state.handles:  # the module hooks, the kept norms' own forwards and O2's calls, and only those
+        if isinstance(h, OwnForward | SwapCall):
+            assert h.module is not None and id(h.module) in own
+        else:
+            assert h.hooks_dict_ref()
     x = torch.randn(4, 64)
     for train in (False, True):  # O2 computes from its copies; kept norms in fp32; the region and output cast
         model.train(train), loaded.train(train)
@@ -70,7 +74,9 @@ def test_a_prepared_model_saves_and_loads_whole(level: str, options: str) -> Non
     exported, original = mixprec.export_fp32(loaded), mixprec.export_fp32(copy.deepcopy(model))
     assert all(torch.equal(a, b) for a, b in zip(exported.state_dict().values(), original.state_dict().values(),
                                                  strict=True))  # fmt: skip
-    assert not any("forward" in m.__dict__ or m._forward_pre_hooks for m in exported.modules())
+    assert not any(
+        "forward" in m.__dict__ or "_call_impl" in m.__dict__ or m._forward_pre_hooks for m in exported.modules()
+    )
     runs = []
     for net in (exported, original):
         again = torch.optim.AdamW(net.parameters(), lr=1e-2)

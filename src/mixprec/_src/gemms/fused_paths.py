@@ -3,8 +3,8 @@
 In evaluation without gradients, ``nn.TransformerEncoderLayer`` runs one fused kernel
 (``torch._transformer_encoder_layer_fwd``) with its layers' weights, never calling ``linear1``,
 ``linear2`` or its attention; ``nn.TransformerEncoder`` turns a padded batch into a nested tensor
-for it. A layer given a forward of its own (fp8, a precision, a routed attention) would then be
-skipped: the evaluation would compute in another precision than the training did, silently.
+for it. A layer given a forward of its own (fp8, a precision, a routed attention) or a call of its own (O2's
+copies) would then be skipped: the evaluation would compute in another precision than the training did, silently.
 :func:`keep_layers_called` turns the fused path off where it would skip such a layer, as torch
 itself does where a layer has a hook: an encoder layer gets a no-op forward pre-hook, and its
 encoder stops making nested tensors (padded positions then hold computed values, not zeros).
@@ -26,7 +26,8 @@ def _no_fused_path(module: nn.Module, args: Any) -> None:
 
 
 def _has_own_forward(module: nn.Module) -> bool:
-    return any("forward" in m.__dict__ for m in module.modules())
+    """A forward of its own, or a call of its own (O2's copies put in place around it), inside ``module``."""
+    return any("forward" in m.__dict__ or "_call_impl" in m.__dict__ for m in module.modules())
 
 
 def keep_layers_called(model: nn.Module) -> int:

@@ -86,6 +86,7 @@ class Prepared:
     fused: bool = False  # bf16-sr: Adam(W) steps the bf16 weights with the compiled fused kernel
     step: step_plan.StepPlan | None = None  # what the optimizer's step does (None: a pickle of an older version)
     on_modules: list[Any] = dataclasses.field(default_factory=list)  # the handles of hooks on the model's modules
+    own_call: Callable[..., Any] | None = None  # O2: the call that swaps the root model's own parameters
 
     @property
     def level(self) -> Level:
@@ -223,6 +224,7 @@ def prepare(
 
     if level is not Level.O1:
         _lower(model, optimizer, state)
+        fused_paths.keep_layers_called(model)  # O2's layers with a call of their own, too
     if layers is not None and layers.config.all_gather:  # on the shards as _lower left them
         fp8_all_gather.install(model, layers)
     # The optimizer's step, planned once from the config and installed in one place (step/plan.py).
@@ -247,14 +249,16 @@ def prepare(
     # Bound to the model (a deep copy rebinds them to the copy). _call_impl runs before every
     # module hook, FSDP2's included: the place to refuse a model sharded after prepare.
     bound_forward.bind(model, _prepared_forward)
-    if not sharded:
+    if not sharded:  # O2's copies of the model's own parameters go in place inside this call
+        state.own_call = model.__dict__.get("_call_impl")
         model._call_impl = bound_forward.BoundForward(_prepared_call, model)  # type: ignore[method-assign]
     # the handles a pickled model keeps (Prepared.__getstate__): those of the hooks on its own modules
     hook_dicts = {id(d) for m in model.modules() for d in vars(m).values() if isinstance(d, dict)}
     state.on_modules = [
         h
         for h in state.handles
-        if (isinstance(h, RemovableHandle) and id(h.hooks_dict_ref()) in hook_dicts) or isinstance(h, kept.OwnForward)
+        if (isinstance(h, RemovableHandle) and id(h.hooks_dict_ref()) in hook_dicts)
+        or isinstance(h, kept.OwnForward | o2_copies.SwapCall)
     ]
     model.__dict__[_ATTR] = optimizer.__dict__[_ATTR] = state
     return model, optimizer
@@ -389,6 +393,9 @@ def _prepared_call(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
     state = prepared_state(model)
     if state is not None and not state.sharded and sharding.is_fsdp_module(model):
         checks.check_not_sharded_since(model, state)
+    own = None if state is None else state.own_call
+    if own is not None:
+        return own(*args, **kwargs)
     return type(model)._call_impl(model, *args, **kwargs)  # type: ignore[no-untyped-call]
 
 

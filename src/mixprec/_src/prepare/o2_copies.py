@@ -15,7 +15,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-__all__ = ["ComputeCopies", "install_copies"]
+__all__ = ["ComputeCopies", "SwapCall", "install_copies"]
 
 
 class ComputeCopies:
@@ -98,14 +98,15 @@ class _FromCopy(torch.autograd.Function):
         return grad.to(ctx.master_dtype), None
 
 
-def _from_copy(master: torch.Tensor, held: torch.Tensor, sparse: bool = False) -> torch.Tensor:
+def _from_copy(master: torch.Tensor, held: torch.Tensor, sparse: bool = False, once: bool = False) -> torch.Tensor:
     """``held``'s values with ``master``'s autograd history.
 
     A view of a view of the master whose data is the copy: their backwards are views' (C++, no Python call).
     The outer one sums the gradients of the weight's uses in the copy's dtype (as :class:`_FromCopy` and a
     cached autocast cast do); autograd's engine casts that sum to the master's dtype on its way into the
     inner one, recorded before its data was swapped, and the master's own accumulator takes it, so the
-    master's hooks (DDP's reducer, a step in backward) fire as for any parameter.
+    master's hooks (DDP's reducer, a step in backward) fire as for any parameter. With ``once`` (a forward
+    that uses the weight once: there is nothing to sum) the inner view alone: one node fewer, the same bits.
     The view shares the master's version counter: a step or a write into the master between this forward
     and its backward is reported by autograd, as it would be for the master itself. Three C++ calls, no
     kernel. Where the gradient is sparse (``nn.Embedding(sparse=True)``: a view's backward reshapes) or the
@@ -115,42 +116,74 @@ def _from_copy(master: torch.Tensor, held: torch.Tensor, sparse: bool = False) -
         return cast(torch.Tensor, _FromCopy.apply(master, held))  # type: ignore[no-untyped-call]
     widen = master.view_as(master)  # its backward's input was recorded in the master's dtype: the engine widens
     widen.data = held
+    if once:
+        return widen
     return widen.view_as(widen)  # recorded in the copy's dtype: the uses' gradients are summed in it, as before
 
 
+#: torch's layers whose forward (the class's own) uses each parameter once: their copies need no outer view
+_USED_ONCE = frozenset(
+    {
+        nn.Linear,
+        nn.modules.linear.NonDynamicallyQuantizableLinear,
+        nn.Bilinear,
+        nn.Embedding,
+        nn.Conv1d,
+        nn.Conv2d,
+        nn.Conv3d,
+        nn.ConvTranspose1d,
+        nn.ConvTranspose2d,
+        nn.ConvTranspose3d,
+    }
+)
+
+
 class _Swap:
-    """Hooks that put one module's parameters' copies in place around its forward, as FSDP2 puts gathered ones."""
+    """Puts one module's parameters' copies in place around its forward, as FSDP2 puts gathered ones."""
 
     def __init__(self, module: nn.Module, names: list[str], copies: ComputeCopies) -> None:
         self.masters = {n: module._parameters[n] for n in names}
+        self.pairs = tuple(self.masters.items())
         self.copies = copies
         self.depth = 0  # a module may call itself inside its own forward: swap once
         self.rnn = isinstance(module, nn.RNNBase)  # RNNs read weights from a list made when they are set
         self.sparse = bool(getattr(module, "sparse", False))  # nn.Embedding(sparse=True), EmbeddingBag
+        self.torch_layer = type(module) in _USED_ONCE  # with its class's forward, each weight is used once
 
-    def enter(self, module: nn.Module, args: Any) -> None:
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """A pickle of an older version (its hooks call :meth:`enter` and :meth:`leave`) has no ``pairs``."""
+        self.__dict__.update(state)
+        self.pairs = tuple(self.masters.items())
+        self.torch_layer = state.get("torch_layer", False)
+
+    def enter(self, module: nn.Module, *hook_args: Any) -> None:
         self.depth += 1
         if self.depth > 1:
             return
-        grad = torch.is_grad_enabled()
-        for name, master in self.masters.items():
-            if module._parameters[name] is not master:
+        params = module._parameters
+        for name, master in self.pairs:
+            if params[name] is not master:
                 self.depth -= 1
                 raise RuntimeError(
                     f"parameter {name!r} of a {type(module).__name__} was replaced after mixprec.prepare "
                     "(fully_shard, load_state_dict(assign=True), to_empty); the prepared optimizer no longer steps "
                     "it. Set the model up first, then build the optimizer and call mixprec.prepare"
                 )
-            if torch.compiler.is_compiling():  # a cast in the graph: fresh whatever wrote the weight
-                module._parameters[name] = master.to(self.copies.dtype)  # type: ignore[assignment,union-attr]
-                continue
-            held = self.copies.of(master)  # type: ignore[arg-type]
-            need_grad = grad and master.requires_grad  # type: ignore[union-attr]
-            module._parameters[name] = _from_copy(master, held, self.sparse) if need_grad else held  # type: ignore[arg-type,assignment]
+        if torch.compiler.is_compiling():  # a cast in the graph: fresh whatever wrote the weight
+            for name, master in self.pairs:
+                params[name] = master.to(self.copies.dtype)  # type: ignore[assignment,union-attr]
+        else:
+            grad, of, sparse = torch.is_grad_enabled(), self.copies.of, self.sparse
+            once = self.torch_layer and "forward" not in module.__dict__  # fp8 and per-layer forwards are others
+            for name, master in self.pairs:
+                held = of(master)  # type: ignore[arg-type]
+                if grad and master.requires_grad:  # type: ignore[union-attr]
+                    held = _from_copy(master, held, sparse, once)  # type: ignore[arg-type]
+                params[name] = held  # type: ignore[assignment]
         if self.rnn:
             module._init_flat_weights()  # type: ignore[operator]
 
-    def leave(self, module: nn.Module, args: Any, output: Any) -> None:
+    def leave(self, module: nn.Module, *hook_args: Any) -> None:
         self.depth -= 1
         if self.depth:
             return
@@ -159,11 +192,39 @@ class _Swap:
             module._init_flat_weights()  # type: ignore[operator]
 
 
+class SwapCall:
+    """A module's ``_call_impl`` (its instance's): the copies in place around the class's call, hooks included.
+
+    One Python call a module instead of a pre- and a post-hook (which send every call down ``_call_impl``'s
+    slow path): hooks on the module, registered before or after ``prepare``, see the copies. Its own handle:
+    ``remove()`` gives the module its class's call back. Picklable and deep-copied with its module.
+    """
+
+    __slots__ = ("module", "swap")
+
+    def __init__(self, swap: _Swap, module: nn.Module) -> None:
+        self.swap, self.module = swap, module
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module, swap = self.module, self.swap
+        swap.enter(module)
+        try:
+            return type(module)._call_impl(module, *args, **kwargs)  # type: ignore[no-untyped-call]
+        finally:
+            swap.leave(module)
+
+    def remove(self) -> None:
+        if self.module.__dict__.get("_call_impl") is self:
+            del self.module.__dict__["_call_impl"]
+
+
 def install_copies(modules: list[nn.Module], copies: ComputeCopies, handles: list[Any]) -> None:
+    """Give each module holding parameters of ``copies`` a :class:`SwapCall` (the root model's is called by
+    ``prepare``'s own call, which takes the instance's place)."""
     ours = {id(p) for p in copies.params}
     for module in modules:
         names = [n for n, p in module._parameters.items() if p is not None and id(p) in ours]
         if names:
-            swap = _Swap(module, names, copies)
-            handles.append(module.register_forward_pre_hook(swap.enter, prepend=True))
-            handles.append(module.register_forward_hook(swap.leave, always_call=True))
+            call = SwapCall(_Swap(module, names, copies), module)
+            module._call_impl = call  # type: ignore[method-assign]
+            handles.append(call)
