@@ -62,6 +62,7 @@ _SOURCE = kernel_source("adam_quantized.cpp")
 _HELPERS = kernel_source("vector_helpers.h")
 _CTYPES = {torch.float32: "float", torch.bfloat16: "c10::BFloat16"}
 _failed: set[tuple[Any, ...]] = set()
+_built: set[tuple[Any, ...]] = set()  # the kinds :func:`available` saw compile
 
 
 def quantized_values(fmt: str, p_dtype: torch.dtype, g_dtype: torch.dtype) -> dict[str, Any]:
@@ -106,19 +107,21 @@ def _compiled(fmt: str, p_dtype: torch.dtype, g_dtype: torch.dtype) -> Any:
 
 def available(fmt: str, p: torch.Tensor, grad: torch.Tensor) -> bool:
     """Whether this step runs here: a quantized state of a contiguous CPU fp32/bf16 weight and gradient,
-    and the kernel compiles (once per process and kind; a failure is remembered)."""
-    if fmt not in moments.FORMATS or p.device.type != "cpu" or grad.device.type != "cpu":
-        return False
-    if p.dtype not in _CTYPES or grad.dtype not in _CTYPES or not (p.is_contiguous() and grad.is_contiguous()):
+    and the kernel compiles (once per process and kind; a failure is remembered). Asked for each weight at
+    each step: a kind that compiled is a set lookup."""
+    if not (p.is_cpu and grad.is_cpu and p.is_contiguous() and grad.is_contiguous()):
         return False
     key = (fmt, p.dtype, grad.dtype)
-    if key in _failed:
+    if key in _built:
+        return True
+    if fmt not in moments.FORMATS or p.dtype not in _CTYPES or grad.dtype not in _CTYPES or key in _failed:
         return False
     try:
         _compiled(*key)
     except Exception:  # no C++ toolchain, an unsupported platform
         _failed.add(key)
         return False
+    _built.add(key)
     return True
 
 

@@ -4,8 +4,8 @@
 optimizer step (one multi-tensor copy, at the first eager forward after it: a compiled forward casts in
 its graph and never reads them) and one by one when a parameter was written since (its version
 counter, read on the host: no sync). :func:`install_copies` puts a module's copies in place
-around its forward, as FSDP2 puts gathered parameters; their gradients flow into the fp32
-masters, widened. Compiled, the forward casts the master in the graph instead.
+around its call (:class:`SwapCall`), as FSDP2 puts gathered parameters; their gradients flow into the
+fp32 masters, widened. Compiled, the forward casts the master in the graph instead.
 """
 
 from __future__ import annotations
