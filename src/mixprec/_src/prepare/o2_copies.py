@@ -127,6 +127,7 @@ _USED_ONCE = frozenset(
         nn.Linear,
         nn.modules.linear.NonDynamicallyQuantizableLinear,
         nn.Bilinear,
+        nn.MultiheadAttention,  # its projections' weights and biases: one linear each (split or chunked: one node)
         nn.Embedding,
         nn.Conv1d,
         nn.Conv2d,
