@@ -41,7 +41,7 @@ import torch
 
 from mixprec._src import sharding
 from mixprec._src.optim import cpu_adam, moments
-from mixprec._src.step.stochastic_rounding import finisher, fixed_positions
+from mixprec._src.step.stochastic_rounding import finisher, fixed_positions, positions
 
 __all__ = [
     "KEY",
@@ -86,12 +86,14 @@ class Stepper:
         self.so_far: torch.Tensor | None = None  # sum of squares of this backward's gradients
         self.previous: torch.Tensor | None = None  # the last step's global norm
         self.groups: dict[int, dict[str, Any]] | None = None  # id(param) -> its param group, this round
+        self.positions: dict[int, int] | None = None  # id(param) -> its position in the optimizer, this round
         self.waiting: list[torch.Tensor] = []  # small parameters counted into the norm, stepped at step()
         self.raw_step = _unhooked_step(optimizer)
 
     def _round(self) -> dict[int, dict[str, Any]]:
         if self.groups is None:
             self.groups = {id(p): g for g in self.optimizer.param_groups for p in g["params"]}
+            self.positions = positions(self.optimizer)  # the seeds' positions: made once a round, not once a step
         return self.groups
 
     def add_norm(self, grads: list[torch.Tensor]) -> torch.Tensor | None:
@@ -137,7 +139,7 @@ class Stepper:
             self._step_now(waiting, self._scale())
 
     def _step_now(self, params: list[torch.Tensor], scale: torch.Tensor | None) -> None:
-        with torch.no_grad(), fixed_positions(self.optimizer):
+        with torch.no_grad(), fixed_positions(self.optimizer, self.positions):
             if scale is not None:
                 for p in params:
                     p.grad.mul_(scale.to(p.grad.device))  # type: ignore[union-attr]
@@ -178,7 +180,7 @@ class Stepper:
         if self.so_far is not None:
             self.previous = self.so_far.sqrt()
             self.optimizer.__dict__[_NORM_KEY] = self.previous
-        self.so_far, self.groups = None, None
+        self.so_far, self.groups, self.positions = None, None, None
         self.stepped.clear()
 
 

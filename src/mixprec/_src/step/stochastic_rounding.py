@@ -76,13 +76,14 @@ def positions(optimizer: torch.optim.Optimizer) -> dict[int, int]:
 
 
 class fixed_positions:  # noqa: N801 - a context manager named for what holds inside it
-    """Inside it, :func:`positions` gives the positions ``optimizer`` has now, whatever its groups become."""
+    """Inside it, :func:`positions` gives the positions ``optimizer`` has now, whatever its groups become
+    (``known``: those positions, where the caller made them already)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
-        self.optimizer = optimizer
+    def __init__(self, optimizer: torch.optim.Optimizer, known: dict[int, int] | None = None) -> None:
+        self.optimizer, self.known = optimizer, known
 
     def __enter__(self) -> None:
-        self.optimizer.__dict__[_POSITIONS] = positions(self.optimizer)
+        self.optimizer.__dict__[_POSITIONS] = positions(self.optimizer) if self.known is None else self.known
 
     def __exit__(self, *_: Any) -> None:
         self.optimizer.__dict__.pop(_POSITIONS, None)
