@@ -197,10 +197,11 @@ def square_norm(g: torch.Tensor) -> torch.Tensor:
     lies (``cpu_adam.square_norm``); elsewhere a chunk at a time: ``vector_norm`` with ``dtype=float32`` copies
     its whole input to fp32 first on devices whose norm kernel does not cast as it reads (CUDA's does), the size
     of the largest gradient again."""
-    flat = g.reshape(-1)
-    native = None if flat.dtype == torch.float32 else cpu_adam.square_norm(flat)
+    low = g.dtype != torch.float32  # the kernel reads any contiguous shape in order: no view made to flatten it
+    native = cpu_adam.square_norm(g if g.is_contiguous() else g.reshape(-1)) if low else None
     if native is not None:
         return native
+    flat = g.reshape(-1)
     if flat.dtype == torch.float32 or flat.numel() <= NORM_CHUNK:
         whole: torch.Tensor = torch.linalg.vector_norm(flat, dtype=torch.float32).square()
         return whole
