@@ -196,10 +196,12 @@ def run_step_cost(args: argparse.Namespace, size: str) -> int:
     if args.compile:
         try:
             if args.quiet or not sys.stderr.isatty():
-                compiled, recompiles = step_cost.measure_compiled(recipes, size=cost_size, steps=steps, device=device)
+                compiled, recompiles, eager = step_cost.measure_compiled(
+                    recipes, size=cost_size, steps=steps, device=device
+                )
             else:
                 with console.status("compiling") as status:
-                    compiled, recompiles = step_cost.measure_compiled(
+                    compiled, recompiles, eager = step_cost.measure_compiled(
                         recipes, size=cost_size, steps=steps, device=device, progress=lambda what: status.update(what)
                     )
         except KeyboardInterrupt:
@@ -207,7 +209,7 @@ def run_step_cost(args: argparse.Namespace, size: str) -> int:
             return 130
         print(
             f"\ncompiled (torch.compile(model), inductor; fused AdamW; {recompiles} graphs compiled during the "
-            "timed steps)",
+            f"timed steps; {eager} frames dynamo gave up on, run eagerly)",
             flush=True,
         )
         print("\n".join(markdown_table(step_cost.COMPILED_HEADER, step_cost.compiled_table_rows(compiled))), flush=True)
