@@ -62,7 +62,7 @@ _SOURCE = kernel_source("adam_quantized.cpp")
 _HELPERS = kernel_source("vector_helpers.h")
 _CTYPES = {torch.float32: "float", torch.bfloat16: "c10::BFloat16"}
 _failed: set[tuple[Any, ...]] = set()
-_built: set[tuple[Any, ...]] = set()  # the kinds :func:`available` saw compile
+_built: set[tuple[Any, ...]] = set()  # the kinds :func:`available` and :func:`bf16_builds` saw compile
 
 
 def quantized_values(fmt: str, p_dtype: torch.dtype, g_dtype: torch.dtype) -> dict[str, Any]:
@@ -205,9 +205,9 @@ def _bf16_compiled(p_dtype: torch.dtype, g_dtype: torch.dtype) -> Any:
 def bf16_available(p: torch.Tensor, grad: torch.Tensor, *state: torch.Tensor) -> bool:
     """Whether :func:`bf16_adam_step` runs here: contiguous CPU fp32/bf16 weight and gradient, contiguous bf16
     moments, and the kernel compiles."""
-    tensors = (p, grad, *state)
-    if any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
-        return False
+    for t in (p, grad, *state):
+        if not (t.is_cpu and t.is_contiguous()):
+            return False
     return all(t.dtype == torch.bfloat16 for t in state) and bf16_builds(p.dtype, grad.dtype)
 
 
@@ -221,6 +221,8 @@ def bf16_builds(p_dtype: torch.dtype, g_dtype: torch.dtype) -> bool:
     """Whether :func:`bf16_adam_step`'s kernel for these dtypes compiles here (once per process and kind; a
     failure is remembered)."""
     key = ("bf16", p_dtype, g_dtype)
+    if key in _built:
+        return True
     if p_dtype not in _CTYPES or g_dtype not in _CTYPES or key in _failed:
         return False
     try:
@@ -228,6 +230,7 @@ def bf16_builds(p_dtype: torch.dtype, g_dtype: torch.dtype) -> bool:
     except Exception:  # no C++ toolchain, an unsupported platform
         _failed.add(key)
         return False
+    _built.add(key)
     return True
 
 

@@ -162,9 +162,11 @@ def _step_lists(
     lists: dict[tuple[Any, ...], list[tuple[Any, ...]]] = {}
     uncounted = momentum and precision != moments.BF16  # SGD's quantized buffer keeps no step count
     steps = [0.0] * len(params) if uncounted else counts.advance(params, states)
+    stochastic = writeback == "stochastic"
+    base, next_count = (int(group[SEED_KEY]), int(group[STEP_KEY]) + 1) if stochastic else (0, 0)  # _seed's
     for i, ((p, local_p, local_g), state, count) in enumerate(zip(listed, states, steps, strict=True)):
         low = local_p.dtype is torch.bfloat16
-        seed = _seed(group, where, p, 0) if low and writeback == "stochastic" else None
+        seed = shard_seed(tensor_seed(base, next_count, where[id(p)]), p) if low and stochastic else None
         comp = sharding.local(kahan.compensation(state, p)) if low and writeback == "kahan" else None
         mode = cpu_adam.rounding_mode(stochastic=seed is not None, compensated=comp is not None)
         row: tuple[Any, ...]
