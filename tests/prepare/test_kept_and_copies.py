@@ -88,16 +88,22 @@ def test_a_kept_norm_with_a_forward_of_its_own_is_undone_by_export() -> None:
     assert not any("forward" in m.__dict__ for m in net.modules())
 
 
-def test_eval_keeps_the_encoders_fused_path_off_where_a_norm_has_its_own_forward(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # torch's fused encoder path would run the norms in the kernel's precision, skipping their forward
+def _probed_encoder(monkeypatch: pytest.MonkeyPatch) -> tuple[nn.TransformerEncoder, list[int]]:
+    """A two-layer encoder, and the calls of torch's fused encoder kernel (one entry a call) from now on."""
     fused = torch._transformer_encoder_layer_fwd
     calls: list[int] = []
     monkeypatch.setattr(torch, "_transformer_encoder_layer_fwd", lambda *a, **k: calls.append(1) or fused(*a, **k))
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
-    enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval()
+    return nn.TransformerEncoder(layer, 2, enable_nested_tensor=False), calls
+
+
+def test_eval_keeps_the_encoders_fused_path_off_where_a_norm_has_its_own_forward(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # torch's fused encoder path would run the norms in the kernel's precision, skipping their forward
+    enc, calls = _probed_encoder(monkeypatch)
+    enc.eval()
     with torch.no_grad():
         enc(torch.randn(2, 5, 16))
     assert calls  # the probe sees the fused path where nothing stops it
@@ -114,12 +120,7 @@ def test_eval_keeps_the_encoders_fused_path_off_where_o2_swaps_its_layers_copies
 ) -> None:
     # with nothing kept (bf16 inputs: the norms compute in bf16), only O2's swaps tell torch the layers must be
     # called: the fused kernel would read the fp32 masters
-    fused = torch._transformer_encoder_layer_fwd
-    calls: list[int] = []
-    monkeypatch.setattr(torch, "_transformer_encoder_layer_fwd", lambda *a, **k: calls.append(1) or fused(*a, **k))
-    torch.manual_seed(0)
-    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
-    enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    enc, calls = _probed_encoder(monkeypatch)
     enc, _ = mixprec.prepare(enc, torch.optim.SGD(enc.parameters(), lr=0.1), level="O2", keep_types=())
     x = torch.randn(2, 5, 16, dtype=torch.bfloat16)
     enc(x)
