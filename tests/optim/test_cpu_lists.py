@@ -219,8 +219,11 @@ def test_under_a_dispatch_mode_the_eager_update_steps() -> None:
 
 
 def _state_model() -> nn.Module:
-    torch.manual_seed(0)  # weights of 4096 values and more take the state precision; the rest the level's state
-    return nn.Sequential(nn.Linear(64, 128), nn.LayerNorm(128), nn.GELU(), nn.Linear(128, 96), nn.Linear(96, 8))
+    # weights of 4096 values and more take the state precision, the rest the level's state: two a group (of
+    # model[:3] and model[3:]), with whole and part chunks of the list kernels' 4096 values and of the moments' blocks
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 128), nn.Linear(128, 72), nn.LayerNorm(72), nn.GELU(), nn.Linear(72, 97),
+                         nn.Linear(97, 45), nn.Linear(45, 8))  # fmt: skip
 
 
 def _listed_as_alone(switch: str, level: str, make_opt: Callable[[nn.Module], torch.optim.Optimizer], seed: int,
@@ -251,7 +254,7 @@ def _listed_as_alone(switch: str, level: str, make_opt: Callable[[nn.Module], to
 
 def _sgd(first: dict[str, Any], second: dict[str, Any]) -> Callable[[nn.Module], torch.optim.Optimizer]:
     """torch's SGD over ``_state_model``'s two halves, each group with its own options."""
-    return lambda model: torch.optim.SGD([{"params": list(model[:2].parameters()), **first},
+    return lambda model: torch.optim.SGD([{"params": list(model[:3].parameters()), **first},
                                           {"params": list(model[3:].parameters()), **second}], lr=0.05)  # fmt: skip
 
 
@@ -264,7 +267,7 @@ def test_a_state_precisions_list_steps_bitwise_as_each_weight_alone(
     groups of their own lr and decay): weights, codes, scales, moments and compensations bit for bit."""
 
     def adamw(model: nn.Module) -> torch.optim.Optimizer:
-        return torch.optim.AdamW([{"params": list(model[:2].parameters()), "lr": 1e-2, "weight_decay": 0.2},
+        return torch.optim.AdamW([{"params": list(model[:3].parameters()), "lr": 1e-2, "weight_decay": 0.2},
                                   {"params": list(model[3:].parameters()), "lr": 3e-3}], fused=True)  # fmt: skip
 
     _listed_as_alone("lists_build", level, adamw, 1, monkeypatch, optimizer_state=state)

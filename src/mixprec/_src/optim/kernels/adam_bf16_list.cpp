@@ -3,10 +3,9 @@
 // table: n rows of (weight, gradient, compensation or 0, exp_avg, exp_avg_sq, numel, seed, exp_avg's seed,
 // exp_avg_sq's seed)
 extern "C" void kernel(const int64_t* table, int64_t n, const float* s, int64_t decoupled, int64_t rounding) {
-    for (int64_t i = 0; i < n; ++i) {
-        const int64_t* r = table + 9 * i;
-        one_tensor(reinterpret_cast<%(p_type)s*>(r[0]), reinterpret_cast<const %(g_type)s*>(r[1]),
-                   reinterpret_cast<c10::BFloat16*>(r[2]), reinterpret_cast<c10::BFloat16*>(r[3]),
-                   reinterpret_cast<c10::BFloat16*>(r[4]), s, r[5], decoupled, rounding, r[6], r[7], r[8]);
-    }
+    over_chunks(table, n, 9, 5, CHUNK, [&](const int64_t* r, int64_t first, int64_t last) {
+        update(reinterpret_cast<%(p_type)s*>(r[0]), reinterpret_cast<const %(g_type)s*>(r[1]),
+               reinterpret_cast<c10::BFloat16*>(r[2]), reinterpret_cast<c10::BFloat16*>(r[3]),
+               reinterpret_cast<c10::BFloat16*>(r[4]), s, first, last, decoupled, rounding, r[6], r[7], r[8]);
+    });
 }

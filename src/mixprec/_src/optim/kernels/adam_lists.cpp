@@ -64,7 +64,7 @@ inline void update(BF16* p, const BF16* g, BF16* m, BF16* v, BF16* comp, int64_t
 
 // table: n rows of (weight, gradient, exp_avg, exp_avg_sq, compensation or 0, numel, seed)
 extern "C" void kernel(const int64_t* table, int64_t n, const float* s, int64_t rounding) {
-    over_chunks(table, n, 7, 5, [&](const int64_t* row, int64_t first, int64_t last) {
+    over_chunks(table, n, 7, 5, CHUNK, [&](const int64_t* row, int64_t first, int64_t last) {
         update(reinterpret_cast<BF16*>(row[0]), reinterpret_cast<const BF16*>(row[1]), reinterpret_cast<BF16*>(row[2]),
                reinterpret_cast<BF16*>(row[3]), reinterpret_cast<BF16*>(row[4]), first, last, s, rounding, row[6]);
     });

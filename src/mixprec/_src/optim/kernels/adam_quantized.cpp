@@ -1,9 +1,11 @@
 // adam_quantized.cpp: C++ for optim/cpu_adam.py, which fills its named percent fields and builds it with inductor's toolchain.
 
 #include <torch/csrc/inductor/cpp_prefix.h>
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 #ifdef __SSE2__
 #include <emmintrin.h>
 #endif
@@ -218,6 +220,51 @@ inline void whole_block(P* p, const G* g, c10::BFloat16* comp, uint8_t* m_codes,
         write_vec(p, comp, k, next, rounding, seed);
     }
 }
+// the step of block b of one tensor: whole_block where the block holds real values only, else a value at a time
+template <typename P, typename G>
+inline void step_block(P* p, const G* g, c10::BFloat16* comp, uint8_t* m_codes, float* m_scale, uint8_t* v_codes,
+                       float* v_scale, const float* m_table, const int32_t* m_lookup, const float* v_table,
+                       const int32_t* v_lookup, const float* scalars, int64_t numel, int64_t b, int32_t m_rows,
+                       int32_t v_rows, bool decoupled, int64_t rounding, int64_t seed) {
+    if (b < numel / BLOCK) {  // blocks of real values only: the vectorized path
+        whole_block(p, g, comp, m_codes, m_scale, v_codes, v_scale, m_table, m_lookup, v_table, v_lookup, scalars, b,
+                    m_rows, v_rows, decoupled, rounding, seed);
+        return;
+    }
+    const float lr = scalars[0], weight_decay = scalars[1], one_minus_beta1 = scalars[2];
+    const float one_minus_beta2 = scalars[3], bias_correction1 = scalars[4], bias_correction2_sqrt = scalars[5];
+    const float eps = scalars[6];
+    float m[BLOCK], v[BLOCK], p32[BLOCK], w[BLOCK];
+    const int64_t first = b * BLOCK;
+    const float ms = m_scale[b], vs = v_scale[b];
+    for (int64_t i = 0; i < BLOCK; ++i) {
+        const int64_t k = first + i;
+        if (k >= numel) {  // padding: the eager step stores zeros here
+            m[i] = 0.0f; v[i] = 0.0f; p32[i] = 0.0f; w[i] = 0.0f;
+            continue;
+        }
+        w[i] = to_float(p[k]);
+        float pk = w[i];
+        float gk = to_float(g[k]);
+        if (decoupled) pk = pk - weight_decay * pk;  // weight_decay: lr * weight_decay here
+        else gk = gk + weight_decay * pk;
+        p32[i] = pk;
+        m[i] = lerp(dequantize(m_table, m_codes, k) * ms, gk, one_minus_beta1);
+        v[i] = lerp(dequantize(v_table, v_codes, k) * vs, gk * gk, one_minus_beta2);
+    }
+    const float m_new_scale = absmax_clamped(m), v_new_scale = absmax_clamped(v);
+    quantize_block(m, m_new_scale, m_lookup, m_rows, false, m_codes, first);
+    quantize_block(v, v_new_scale, v_lookup, v_rows, true, v_codes, first);
+    m_scale[b] = m_new_scale;
+    v_scale[b] = v_new_scale;
+    const int64_t end = numel - first < BLOCK ? numel - first : BLOCK;
+    for (int64_t i = 0; i < end; ++i) {
+        const float denom = std::sqrt(v[i]) / bias_correction2_sqrt + eps;
+        const float next = p32[i] - (lr * (m[i] / bias_correction1)) / denom;
+        const int64_t k = first + i;
+        write_one(p, comp, k, next, w[i], rounding, seed);
+    }
+}
 }  // namespace
 
 extern "C" void kernel(%(p_type)s* p, const %(g_type)s* g, c10::BFloat16* comp,
@@ -225,46 +272,9 @@ extern "C" void kernel(%(p_type)s* p, const %(g_type)s* g, c10::BFloat16* comp,
                        const float* m_table, const int32_t* m_lookup, const float* v_table, const int32_t* v_lookup,
                        const float* scalars, int64_t numel, int64_t blocks, int64_t m_rows, int64_t v_rows,
                        int64_t decoupled, int64_t rounding, int64_t seed) {
-    const float lr = scalars[0], weight_decay = scalars[1], one_minus_beta1 = scalars[2];
-    const float one_minus_beta2 = scalars[3], bias_correction1 = scalars[4], bias_correction2_sqrt = scalars[5];
-    const float eps = scalars[6];
-    const int64_t whole = numel / BLOCK;  // blocks of real values only: the vectorized path
     #pragma omp parallel for schedule(static)
     for (int64_t b = 0; b < blocks; ++b) {
-        if (b < whole) {
-            whole_block(p, g, comp, m_codes, m_scale, v_codes, v_scale, m_table, m_lookup, v_table, v_lookup, scalars,
-                        b, (int32_t)m_rows, (int32_t)v_rows, decoupled != 0, rounding, seed);
-            continue;
-        }
-        float m[BLOCK], v[BLOCK], p32[BLOCK], w[BLOCK];
-        const int64_t first = b * BLOCK;
-        const float ms = m_scale[b], vs = v_scale[b];
-        for (int64_t i = 0; i < BLOCK; ++i) {
-            const int64_t k = first + i;
-            if (k >= numel) {  // padding: the eager step stores zeros here
-                m[i] = 0.0f; v[i] = 0.0f; p32[i] = 0.0f; w[i] = 0.0f;
-                continue;
-            }
-            w[i] = to_float(p[k]);
-            float pk = w[i];
-            float gk = to_float(g[k]);
-            if (decoupled) pk = pk - weight_decay * pk;  // weight_decay: lr * weight_decay here
-            else gk = gk + weight_decay * pk;
-            p32[i] = pk;
-            m[i] = lerp(dequantize(m_table, m_codes, k) * ms, gk, one_minus_beta1);
-            v[i] = lerp(dequantize(v_table, v_codes, k) * vs, gk * gk, one_minus_beta2);
-        }
-        const float m_new_scale = absmax_clamped(m), v_new_scale = absmax_clamped(v);
-        quantize_block(m, m_new_scale, m_lookup, (int32_t)m_rows, false, m_codes, first);
-        quantize_block(v, v_new_scale, v_lookup, (int32_t)v_rows, true, v_codes, first);
-        m_scale[b] = m_new_scale;
-        v_scale[b] = v_new_scale;
-        const int64_t end = numel - first < BLOCK ? numel - first : BLOCK;
-        for (int64_t i = 0; i < end; ++i) {
-            const float denom = std::sqrt(v[i]) / bias_correction2_sqrt + eps;
-            const float next = p32[i] - (lr * (m[i] / bias_correction1)) / denom;
-            const int64_t k = first + i;
-            write_one(p, comp, k, next, w[i], rounding, seed);
-        }
+        step_block(p, g, comp, m_codes, m_scale, v_codes, v_scale, m_table, m_lookup, v_table, v_lookup, scalars, numel,
+                   b, (int32_t)m_rows, (int32_t)v_rows, decoupled != 0, rounding, seed);
     }
 }

@@ -31,7 +31,7 @@ inline void sgd(%(p_type)s* p, const %(g_type)s* g, BF16* buf, BF16* comp, int64
 
 // table: n rows of (weight, gradient, momentum buffer, compensation or 0, numel, seed, buffer's seed, started)
 extern "C" void kernel(const int64_t* table, int64_t n, const float* s, int64_t nesterov, int64_t rounding) {
-    over_chunks(table, n, 8, 4, [&](const int64_t* row, int64_t first, int64_t last) {
+    over_chunks(table, n, 8, 4, CHUNK, [&](const int64_t* row, int64_t first, int64_t last) {
         sgd(reinterpret_cast<%(p_type)s*>(row[0]), reinterpret_cast<const %(g_type)s*>(row[1]),
             reinterpret_cast<BF16*>(row[2]), reinterpret_cast<BF16*>(row[3]), first, last, s, nesterov != 0,
             row[7] != 0, rounding, row[5], row[6]);

@@ -38,7 +38,7 @@ inline void sgd(BF16* p, const BF16* g, BF16* buf, BF16* comp, int64_t first, in
 
 // table: n rows of (weight, gradient, momentum buffer or 0, compensation or 0, numel, seed, buffer started)
 extern "C" void kernel(const int64_t* table, int64_t n, const float* s, int64_t flags, int64_t rounding) {
-    over_chunks(table, n, 7, 4, [&](const int64_t* row, int64_t first, int64_t last) {
+    over_chunks(table, n, 7, 4, CHUNK, [&](const int64_t* row, int64_t first, int64_t last) {
         sgd(reinterpret_cast<BF16*>(row[0]), reinterpret_cast<const BF16*>(row[1]), reinterpret_cast<BF16*>(row[2]),
             reinterpret_cast<BF16*>(row[3]), first, last, s, flags, row[6] != 0, rounding, row[5]);
     });

@@ -59,14 +59,13 @@ inline void sgd_block(P* p, const G* g, c10::BFloat16* comp, uint8_t* codes, flo
 // s: weight decay, momentum, 1 - dampening, -lr
 extern "C" void kernel(const int64_t* table, int64_t n, const float* q_table, const int32_t* q_lookup,
                        const float* s, int64_t rows, int64_t nesterov, int64_t rounding) {
-    for (int64_t i = 0; i < n; ++i) {
-        const int64_t* r = table + 9 * i;
-        #pragma omp parallel for schedule(static)
-        for (int64_t b = 0; b < r[6]; ++b) {
+    constexpr int64_t chunk_blocks = BLOCK < 4096 ? 4096 / BLOCK : 1;  // about 4096 values a chunk of the list's work
+    over_chunks(table, n, 9, 6, chunk_blocks, [&](const int64_t* r, int64_t first, int64_t last) {
+        for (int64_t b = first; b < last; ++b) {
             sgd_block(reinterpret_cast<%(p_type)s*>(r[0]), reinterpret_cast<const %(g_type)s*>(r[1]),
                       reinterpret_cast<c10::BFloat16*>(r[2]), reinterpret_cast<uint8_t*>(r[3]),
                       reinterpret_cast<float*>(r[4]), q_table, q_lookup, s, b, r[5], (int32_t)rows, nesterov != 0,
                       r[8] != 0, rounding, r[7]);
         }
-    }
+    });
 }

@@ -66,3 +66,21 @@ inline void write_one(P* p, c10::BFloat16* comp, int64_t k, float next, float w,
         store(p + k, next);
     }
 }
+
+// body(row, first, last) for each chunk [first, last) of each of the n rows of table (width columns; column size_at
+// holds the row's size in the units chunked, chunk of them a chunk): the whole list's chunks shared out across the
+// cores in one parallel region (a small tensor is not a thread's whole turn, nor a parallel region of its own)
+template <typename Body>
+inline void over_chunks(const int64_t* table, int64_t n, int64_t width, int64_t size_at, int64_t chunk,
+                        const Body& body) {
+    std::vector<int64_t> starts(n + 1, 0);  // each row's first chunk in the list's
+    for (int64_t i = 0; i < n; ++i) starts[i + 1] = starts[i] + (table[width * i + size_at] + chunk - 1) / chunk;
+    const int64_t chunks = starts[n];
+    #pragma omp parallel for schedule(static)
+    for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t i = std::upper_bound(starts.begin(), starts.end(), c) - starts.begin() - 1;
+        const int64_t* row = table + width * i;
+        const int64_t first = (c - starts[i]) * chunk;
+        body(row, first, std::min(first + chunk, row[size_at]));
+    }
+}
