@@ -267,7 +267,7 @@ def test_the_cpu_kernel_is_the_chunked_step(level: str, kind: str, monkeypatch: 
     for kernel in (True, False):
         if not kernel:
             monkeypatch.setattr(cpu_adam, "bf16_builds", lambda *_: False)
-        model = state_mlp()
+        model = _ragged_mlp()
         make = torch.optim.AdamW if kind == "adamw" else torch.optim.Adam
         optimizer = make(model.parameters(), lr=3e-3, weight_decay=0.01)
         mixprec.prepare(model, optimizer, level, optimizer_state="bf16")
@@ -292,6 +292,13 @@ def test_the_cpu_kernel_is_the_chunked_step(level: str, kind: str, monkeypatch: 
     else:  # near zero, an ulp of the update is many of the weight's
         torch.testing.assert_close(w_kernel, w_chunks, rtol=2**-22 if exact else 2**-13, atol=0 if exact else 1e-9)
         assert not torch.equal(w_kernel.to(torch.bfloat16).float(), w_kernel)  # fp32 indeed
+
+
+def _ragged_mlp() -> nn.Module:
+    """Two weights of 4096 values or more; the second's last values (4575 = 4096 + 14 * 32 + 31) go through the
+    kernel's every loop: two vectors at a time, one, and one value at a time (with AVX-512's 16 lanes and AVX2's 8)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 75), nn.GELU(), nn.Linear(75, 61), nn.GELU(), nn.Linear(61, 1))
 
 
 def _torch_sqrt_is_correctly_rounded() -> bool:

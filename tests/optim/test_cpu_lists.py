@@ -273,6 +273,43 @@ def test_a_state_precisions_list_steps_bitwise_as_each_weight_alone(
     _listed_as_alone("lists_build", level, adamw, 1, monkeypatch, optimizer_state=state)
 
 
+@pytest.mark.parametrize(("saved", "running"), [("fp32", "bf16"), ("bf16", "8bit"), ("8bit", "bf16"), ("4bit", "8bit")])
+def test_a_state_of_another_precision_loaded_mid_run_is_made_ready_again(saved: str, running: str) -> None:
+    """A checkpoint of another state precision loaded into an optimizer that has stepped (its weights found ready
+    for the list kernels at its last step): its next steps are those of a new optimizer loaded with it, bit for bit
+    (weights and every state tensor)."""
+
+    def trained(state: str, steps: int, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+        model = _state_model()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        model, opt = mixprec.prepare(model, opt, level="O2", optimizer_state=state)
+        return _steps(model, opt, steps, seed)
+
+    source, source_opt = trained(saved, 2, 1)
+    saved_model, saved_opt = copy.deepcopy(source.state_dict()), copy.deepcopy(source_opt.state_dict())
+    runs = []
+    for before in (2, 0):  # an optimizer that stepped, then a new one
+        model, opt = trained(running, before, 2)
+        model.load_state_dict(saved_model)
+        opt.load_state_dict(copy.deepcopy(saved_opt))
+        runs.append(_steps(model, opt, 2, 3))
+    (stepped, stepped_opt), (new, new_opt) = runs
+    for (name, a), b in zip(stepped.named_parameters(), new.parameters(), strict=True):
+        assert torch.equal(a, b), name
+        assert stepped_opt.state[a].keys() == new_opt.state[b].keys(), name
+        for key, value in stepped_opt.state[a].items():
+            assert torch.equal(value, new_opt.state[b][key]), f"{name} {key}"
+
+
+def _steps(model: nn.Module, opt: torch.optim.Optimizer, steps: int, seed: int) -> tuple[nn.Module, Any]:
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(model(torch.randn(8, 64, generator=g)), torch.randn(8, 8, generator=g)).backward()
+        opt.step()
+    return model, opt
+
+
 @pytest.mark.parametrize("state", ["bf16", "8bit"])
 def test_a_state_precisions_step_does_not_grow_with_the_parameters(state: str) -> None:
     """optimizer.step()'s ops at 2 and 8 blocks within 1.5x, and no host read in a whole step."""

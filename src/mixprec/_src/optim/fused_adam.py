@@ -15,6 +15,7 @@ C++ toolchain), the caller takes the eager step. Nothing here syncs with the dev
 from __future__ import annotations
 
 import functools
+import struct
 from collections.abc import Callable
 from typing import Any
 
@@ -188,26 +189,27 @@ def adam_step(
 
 def step_scalars(group: dict[str, Any], step: torch.Tensor, decoupled: bool, device: torch.device) -> torch.Tensor:
     """The seven scalars of step ``step`` (counted) of ``group``: lr, the weight decay as applied, 1 - beta1,
-    1 - beta2, the two bias corrections (the second's root), eps; fp32, on ``device``."""
+    1 - beta2, the two bias corrections (the second's root), eps; fp32, on ``device``.
+
+    Each is the value torch's fp32 ops make of it (``lr * weight_decay`` an fp32 product, made here on the host:
+    the product of two fp32 values is exact in a double, so one rounding to fp32 is the fp32 multiply's); the bias
+    corrections of both betas in one ``pow`` (a tensor of two values is ATen's element-wise loop, as one is).
+    Seven ops a call, nothing read back."""
     beta1, beta2 = (float(b) for b in group["betas"])
     here = step.device  # the count's (torch's capturable Adam keeps it on the parameter's device)
+    lr, weight_decay = float(group["lr"]), float(group["weight_decay"])
+    applied = _fp32(_fp32(lr) * _fp32(weight_decay)) if decoupled else weight_decay
+    eps = float(group["eps"])
+    scalars = torch.tensor([lr, applied, 1 - beta1, 1 - beta2, 0.0, 0.0, eps], dtype=torch.float32, device=here)
+    corrections = 1 - torch.tensor([beta1, beta2], dtype=step.dtype, device=here) ** step
+    corrections[1:].sqrt_()
+    scalars[4:6] = corrections
+    return scalars.to(device)
 
-    def scalar(value: float) -> torch.Tensor:
-        return torch.tensor(value, dtype=torch.float32, device=here)
 
-    lr = scalar(float(group["lr"]))
-    weight_decay = float(group["weight_decay"])
-    return torch.stack(
-        [
-            lr,
-            (lr * weight_decay) if decoupled else scalar(weight_decay),
-            scalar(1 - beta1),
-            scalar(1 - beta2),
-            1 - beta1**step,
-            (1 - beta2**step).sqrt(),
-            scalar(float(group["eps"])),
-        ]
-    ).to(device)
+def _fp32(value: float) -> float:
+    """``value`` rounded to fp32 (to nearest even, as a cast)."""
+    return struct.unpack("f", struct.pack("f", value))[0]  # type: ignore[no-any-return]
 
 
 def runs(precision: str, p: torch.Tensor, grad: torch.Tensor) -> bool:

@@ -38,6 +38,7 @@ __all__ = [
     "narrow_after_load",
     "ready_adam",
     "ready_sgd",
+    "moment_seed",
     "seed_of",
     "sgd_step",
 ]
@@ -55,7 +56,13 @@ Writeback = Callable[[int, torch.Tensor], tuple[int | None, torch.Tensor | None,
 
 def seed_of(base: int, position: int, p: torch.Tensor) -> Callable[[str, int], int]:
     """``(moment, step) ->`` the seed of element 0 of this rank's shard of ``p``'s ``moment`` at that step count."""
-    return lambda name, step: shard_seed(tensor_seed(base + _SALT[name], step, position), p)
+    return lambda name, step: moment_seed(base, position, p, name, step)
+
+
+def moment_seed(base: int, position: int, p: torch.Tensor, name: str, step: int) -> int:
+    """The seed of element 0 of this rank's shard of ``p``'s ``moment`` at step count ``step`` (``p`` at
+    ``position`` in an optimizer whose group seed is ``base``)."""
+    return shard_seed(tensor_seed(base + _SALT[name], step, position), p)
 
 
 def _ready(state: dict[str, Any], p: torch.Tensor, names: tuple[str, ...], first_zero: bool) -> None:

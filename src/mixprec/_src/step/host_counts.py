@@ -43,4 +43,9 @@ class HostCounts:
 
 def _as_stored(t: torch.Tensor, value: float) -> float:
     """``value`` as the step tensor ``t`` holds it (fp32 counts stop at 2**24, as torch's do)."""
-    return struct.unpack("f", struct.pack("f", value))[0] if t.dtype is torch.float32 else value  # type: ignore[no-any-return]
+    if t.dtype is not torch.float32 or (value.is_integer() and -_EXACT <= value <= _EXACT):  # fp32 holds it as is
+        return value
+    return struct.unpack("f", struct.pack("f", value))[0]  # type: ignore[no-any-return]
+
+
+_EXACT = float(1 << 24)

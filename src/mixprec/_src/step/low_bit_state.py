@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import types
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -51,6 +52,7 @@ def install(optimizer: torch.optim.Optimizer, precision: str, handles: list[Any]
     own = optimizer.__dict__.get("_init_group")  # bf16-sr's, where it is installed
     take_rest = (lambda opt, group, *a, **k: own(group, *a, **k)) if own is not None else type(optimizer)._init_group  # type: ignore[attr-defined]
     counts = HostCounts()
+    ready: dict[int, tuple[Any, ...]] = {}  # _listed's: id(param) -> what it found ready at the last step
 
     def _init_group(self: torch.optim.Optimizer, group: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
         decoupled = _decoupled(self, group)
@@ -63,7 +65,7 @@ def install(optimizer: torch.optim.Optimizer, precision: str, handles: list[Any]
                 rest.append(p)
                 continue
             local_p, local_g = sharding.local(p.data), sharding.local(p.grad)
-            if _listed(self, p, local_p, local_g, precision, momentum):
+            if _listed(self, p, local_p, local_g, precision, momentum, ready):
                 listed.append((p, local_p, local_g))
             elif precision == moments.BF16:
                 _bf16_step(self, p, local_p, local_g, group, decoupled, momentum, writeback, where)
@@ -110,10 +112,13 @@ def _listed(
     local_g: torch.Tensor,
     precision: str,
     momentum: bool,
+    ready: dict[int, tuple[Any, ...]],
 ) -> bool:
     """Whether ``p``'s step goes in its group's list (``cpu_lists``: one call for all, bitwise the per-tensor step):
     contiguous CPU weight, gradient and state the kernels take (Adam(W) at every state precision, SGD with a bf16
-    buffer), its state made ready for them here."""
+    buffer), its state made ready for them here. An Adam(W) weight found ready at the last step with the same state
+    tensors (``ready``: weak references, so a replaced state is not held), dtypes and size is ready again: its
+    checks are not made twice."""
     if not (fused_adam.NATIVE and local_p.is_contiguous() and local_g.is_contiguous()) or not local_p.is_cpu:
         return False
     state = optimizer.state[p]
@@ -129,15 +134,33 @@ def _listed(
         buffer = state.get(bf16_state.NAMES["sgd"][0])  # one of another dtype: the per-tensor step casts it
         held = None if buffer is None else sharding.local(buffer)
         return held is None or (held.is_contiguous() and held.is_cpu and held.dtype is torch.bfloat16)
+    names = bf16_state.NAMES["adam"] if precision == moments.BF16 else _CODES
+    found = ready.get(id(p))
+    if found is not None and found[:3] == (local_p.dtype, local_g.dtype, local_p.numel()) and local_g.is_cpu:
+        for name, ref in zip(names, found[3:], strict=True):
+            held = state.get(name)
+            if held is None or held is not ref():  # a state tensor gone, or not the one found ready
+                break
+        else:
+            return True
     if not cpu_lists.lists_build(precision, local_p.dtype, local_g.dtype):
         return False
     if precision == moments.BF16:
         bf16_state.ready_adam(state, p)
-        return cpu_adam.bf16_available(local_p, local_g, *(sharding.local(state[n]) for n in bf16_state.NAMES["adam"]))
-    if not fused_adam.runs(precision, local_p, local_g):  # the eager step chosen (tests pin it against torchao's)
-        return False
-    adam.quantized_moments(state, p, precision, capacity(p))
-    return cpu_adam.available(precision, local_p, local_g)
+        if not cpu_adam.bf16_available(local_p, local_g, *(sharding.local(state[n]) for n in names)):
+            return False
+    else:
+        if not fused_adam.runs(precision, local_p, local_g):  # the eager step chosen (tests pin it against torchao's)
+            return False
+        adam.quantized_moments(state, p, precision, capacity(p))
+        if not cpu_adam.available(precision, local_p, local_g):
+            return False
+    ready[id(p)] = (local_p.dtype, local_g.dtype, local_p.numel(), *(weakref.ref(state[n]) for n in names))
+    return True
+
+
+#: a quantized Adam state's tensors
+_CODES = ("exp_avg_codes", "exp_avg_scale", "exp_avg_sq_codes", "exp_avg_sq_scale")
 
 
 def _step_lists(
@@ -164,6 +187,7 @@ def _step_lists(
     steps = [0.0] * len(params) if uncounted else counts.advance(params, states)
     stochastic = writeback == "stochastic"
     base, next_count = (int(group[SEED_KEY]), int(group[STEP_KEY]) + 1) if stochastic else (0, 0)  # _seed's
+    moments_base = int(group[SEED_KEY]) if precision == moments.BF16 else 0  # the bf16 moments' seeds'
     for i, ((p, local_p, local_g), state, count) in enumerate(zip(listed, states, steps, strict=True)):
         low = local_p.dtype is torch.bfloat16
         seed = shard_seed(tensor_seed(base, next_count, where[id(p)]), p) if low and stochastic else None
@@ -174,26 +198,20 @@ def _step_lists(
             row = (local_p, local_g, state, comp, 0 if seed is None else seed, started[i])
         elif momentum:
             (name,) = bf16_state.NAMES["sgd"]
-            moment_seed = bf16_state.seed_of(int(group[SEED_KEY]), where[id(p)], p)
-            row = (
-                local_p,
-                local_g,
-                sharding.local(state[name]),
-                comp,
-                0 if seed is None else seed,
-                moment_seed(name, int(count)),
-                started[i],
-            )
+            buffer_seed = bf16_state.moment_seed(moments_base, where[id(p)], p, name, int(count))
+            row = (local_p, local_g, sharding.local(state[name]), comp, seed or 0, buffer_seed, started[i])
         elif precision == moments.BF16:
-            moment_seed = bf16_state.seed_of(int(group[SEED_KEY]), where[id(p)], p)
-            held = [sharding.local(state[n]) for n in bf16_state.NAMES["adam"]]
+            m, v = bf16_state.NAMES["adam"]
+            position = where[id(p)]
             row = (
                 local_p,
                 local_g,
-                *held,
+                sharding.local(state[m]),
+                sharding.local(state[v]),
                 comp,
-                0 if seed is None else seed,
-                *(moment_seed(n, int(count)) for n in bf16_state.NAMES["adam"]),
+                seed or 0,
+                bf16_state.moment_seed(moments_base, position, p, m, int(count)),
+                bf16_state.moment_seed(moments_base, position, p, v, int(count)),
             )
         else:
             row = (local_p, local_g, state, comp, 0 if seed is None else seed)

@@ -20,6 +20,25 @@ inline void update(%(p_type)s* p, const %(g_type)s* g, c10::BFloat16* comp, c10:
                    int64_t m_seed, int64_t v_seed) {
     const VecF lr(s[0]), decay(s[1]), bc1(s[4]), bc2(s[5]), eps(s[6]);
     int64_t k = first;
+    for (; k + 2 * VecF::size() <= last; k += 2 * VecF::size()) {  // the loop below's, two vectors at a time
+        VecF pk[2], gk[2], mk[2], vk[2], next[2];
+        load_pair(p + k, pk);
+        load_pair(g + k, gk);
+        load_pair(m + k, mk);
+        load_pair(v + k, vk);
+        for (int h = 0; h < 2; ++h) {
+            if (decoupled) pk[h] = pk[h] - decay * pk[h];
+            else gk[h] = gk[h] + decay * pk[h];
+            mk[h] = vec_lerp(mk[h], gk[h], s[2]);
+            vk[h] = vec_lerp(vk[h], gk[h] * gk[h], s[3]);
+            next[h] = pk[h] - (lr * (mk[h] / bc1)) / (vk[h].sqrt() / bc2 + eps);
+        }
+        pair_sr(mk, k, m_seed);
+        pair_sr(vk, k, v_seed);
+        store_pair(m + k, mk);
+        store_pair(v + k, vk);
+        write_pair(p, comp, k, next, rounding, seed);
+    }
     for (; k + VecF::size() <= last; k += VecF::size()) {
         VecF pk = load_float(p + k), gk = load_float(g + k);
         if (decoupled) pk = pk - decay * pk;

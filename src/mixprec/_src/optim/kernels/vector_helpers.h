@@ -40,6 +40,23 @@ inline float sr(float x, int64_t pos, int64_t seed) {
     return from_bits((int32_t)((uint32_t)bits_of(x) + (uint32_t)noise) & -(1 << 16));
 }
 
+// two float vectors' worth at once (one whole bf16 vector: a converted half-vector load or store of bf16 costs a
+// round trip through memory): the values at x, ..., x + 2 * VecF::size() - 1
+using VecB = at::vec::Vectorized<c10::BFloat16>;
+inline void load_pair(const float* x, VecF* out) { out[0] = VecF::loadu(x); out[1] = VecF::loadu(x + VecF::size()); }
+inline void load_pair(const c10::BFloat16* x, VecF* out) {
+    std::tie(out[0], out[1]) = at::vec::convert_to_float<c10::BFloat16>(VecB::loadu(x));
+}
+inline void store_pair(float* x, const VecF* in) { in[0].store(x); in[1].store(x + VecF::size()); }
+inline void store_pair(c10::BFloat16* x, const VecF* in) {  // to nearest even, as store_vec
+    at::vec::convert_from_float<c10::BFloat16>(in[0], in[1]).store(x);
+}
+// vec_sr of a pair: the noise of positions pos, ..., pos + 2 * VecF::size() - 1
+inline void pair_sr(VecF* x, int64_t pos, int64_t seed) {
+    x[0] = vec_sr(x[0], pos, seed);
+    x[1] = vec_sr(x[1], pos + VecF::size(), seed);
+}
+
 // the new weights at k, ..., written as rounding says: to nearest (0), bf16-sr's noise (1), kahan.write (2)
 template <typename P>
 inline void write_vec(P* p, c10::BFloat16* comp, int64_t k, const VecF& next, int64_t rounding, int64_t seed) {
@@ -52,6 +69,25 @@ inline void write_vec(P* p, c10::BFloat16* comp, int64_t k, const VecF& next, in
         store_vec(comp + k, sum - load_float(p + k));
     } else {
         store_vec(p + k, next);
+    }
+}
+// write_vec of a pair at k, ..., k + 2 * VecF::size() - 1
+template <typename P>
+inline void write_pair(P* p, c10::BFloat16* comp, int64_t k, VecF* next, int64_t rounding, int64_t seed) {
+    if (rounding == 1) {
+        pair_sr(next, k, seed);
+        store_pair(p + k, next);
+    } else if (rounding == 2) {
+        VecF w[2], c[2], sum[2];
+        load_pair(p + k, w);
+        load_pair(comp + k, c);
+        for (int h = 0; h < 2; ++h) sum[h] = w[h] + ((next[h] - w[h]) + c[h]);
+        store_pair(p + k, sum);
+        load_pair(p + k, w);
+        for (int h = 0; h < 2; ++h) sum[h] = sum[h] - w[h];
+        store_pair(comp + k, sum);
+    } else {
+        store_pair(p + k, next);
     }
 }
 template <typename P>
