@@ -140,6 +140,30 @@ def test_a_checkpoint_loaded_into_the_running_optimizer_is_counted_from() -> Non
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("level", ["bf16-sr", "bf16-kahan"])
+def test_a_moment_replaced_mid_run_is_checked_again(level: str) -> None:
+    """The list takes a weight it took at the last step without checking its moments again only while they are the
+    same tensors: one replaced by an fp32 tensor (a hand-made state) is stepped as a new optimizer given the same
+    state steps it (by the per-tensor kernel), bit for bit."""
+    model, opt = _train(level, _two_groups(), steps=2)
+    saved_model, saved_opt = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    new, new_opt = _train(level, _two_groups(), steps=0)
+    new.load_state_dict(saved_model)
+    new_opt.load_state_dict(saved_opt)
+    g = torch.Generator().manual_seed(7)
+    x, y = torch.randn(8, 16, generator=g), torch.randn(8, 8, generator=g)
+    for m, o in ((model, opt), (new, new_opt)):
+        weight = m[3].weight
+        o.state[weight]["exp_avg"] = o.state[weight]["exp_avg"].float()
+        o.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(m(x), y).backward()
+        o.step()
+    for (name, a), b in zip(model.named_parameters(), new.parameters(), strict=True):
+        assert torch.equal(a, b), name
+        for key, value in opt.state[a].items():
+            assert torch.equal(value, new_opt.state[b][key]), f"{name} {key}"
+
+
 def test_a_grad_scaler_driving_a_fused_adamw_unscales_and_skips() -> None:
     model, opt = _train("bf16-sr", lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True), steps=1)
     plain, plain_opt = _train("bf16-sr", lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), steps=1)
