@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import types
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -34,6 +33,7 @@ from mixprec._src.step.host_counts import HostCounts
 from mixprec._src.step.sr_noise import moved, seed_tensor, shard_seed, sr_bits, tensor_seed
 from mixprec._src.step.state_dicts import capacity, keep_codes_on_load, sharded_codes
 from mixprec._src.step.stochastic_rounding import SEED_KEY, STEP_KEY, Restore, positions, step_eagerly
+from mixprec._src.step.taken_before import TakenBefore
 
 __all__ = ["count_step", "install", "slice_block", "slice_stepper", "sliced"]
 
@@ -52,7 +52,7 @@ def install(optimizer: torch.optim.Optimizer, precision: str, handles: list[Any]
     own = optimizer.__dict__.get("_init_group")  # bf16-sr's, where it is installed
     take_rest = (lambda opt, group, *a, **k: own(group, *a, **k)) if own is not None else type(optimizer)._init_group  # type: ignore[attr-defined]
     counts = HostCounts()
-    ready: dict[int, tuple[Any, ...]] = {}  # _listed's: id(param) -> what it found ready at the last step
+    ready = TakenBefore()  # _listed's: what it found ready at a weight's last step
 
     def _init_group(self: torch.optim.Optimizer, group: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
         decoupled = _decoupled(self, group)
@@ -112,13 +112,12 @@ def _listed(
     local_g: torch.Tensor,
     precision: str,
     momentum: bool,
-    ready: dict[int, tuple[Any, ...]],
+    ready: TakenBefore,
 ) -> bool:
     """Whether ``p``'s step goes in its group's list (``cpu_lists``: one call for all, bitwise the per-tensor step):
     contiguous CPU weight, gradient and state the kernels take (Adam(W) at every state precision, SGD with a bf16
     buffer), its state made ready for them here. An Adam(W) weight found ready at the last step with the same state
-    tensors (``ready``: weak references, so a replaced state is not held), dtypes and size is ready again: its
-    checks are not made twice."""
+    tensors (``ready``), dtypes and size is ready again: its checks are not made twice."""
     if not (fused_adam.NATIVE and local_p.is_contiguous() and local_g.is_contiguous()) or not local_p.is_cpu:
         return False
     state = optimizer.state[p]
@@ -135,14 +134,9 @@ def _listed(
         held = None if buffer is None else sharding.local(buffer)
         return held is None or (held.is_contiguous() and held.is_cpu and held.dtype is torch.bfloat16)
     names = bf16_state.NAMES["adam"] if precision == moments.BF16 else _CODES
-    found = ready.get(id(p))
-    if found is not None and found[:3] == (local_p.dtype, local_g.dtype, local_p.numel()) and local_g.is_cpu:
-        for name, ref in zip(names, found[3:], strict=True):
-            held = state.get(name)
-            if held is None or held is not ref():  # a state tensor gone, or not the one found ready
-                break
-        else:
-            return True
+    key = (local_p.dtype, local_g.dtype, local_p.numel())
+    if local_g.is_cpu and ready.same(p, key, tuple(state.get(n) for n in names)):
+        return True
     if not cpu_lists.lists_build(precision, local_p.dtype, local_g.dtype):
         return False
     if precision == moments.BF16:
@@ -155,7 +149,7 @@ def _listed(
         adam.quantized_moments(state, p, precision, capacity(p))
         if not cpu_adam.available(precision, local_p, local_g):
             return False
-    ready[id(p)] = (local_p.dtype, local_g.dtype, local_p.numel(), *(weakref.ref(state[n]) for n in names))
+    ready.note(p, key, tuple(state[n] for n in names))
     return True
 
 

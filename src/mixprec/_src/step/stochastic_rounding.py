@@ -14,7 +14,6 @@ it and a resumed run rounds exactly as an uninterrupted one. Nothing here syncs 
 from __future__ import annotations
 
 import types
-import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -25,6 +24,7 @@ from mixprec._src.optim import cpu_lists
 from mixprec._src.step.host_counts import HostCounts
 from mixprec._src.step.sr_kernel import adam_scalars, adam_sr_update, compiled_kernel, fused_supported
 from mixprec._src.step.sr_noise import seed_tensor, shard_seed, sr_bits, tensor_seed
+from mixprec._src.step.taken_before import TakenBefore, bf16_adam_row
 
 __all__ = [
     "SEED_KEY",
@@ -134,7 +134,7 @@ def install_fused_adam(
     multi = cpu_lists.available()
     counts = HostCounts()
     local_of = sharding.local if sharded else _itself
-    ready: dict[int, tuple[Any, ...]] = {}  # _taken's: id(param) -> weak references to what the list took
+    taken = TakenBefore()  # what the list took: a weight taken with these moments is taken again on its own checks
 
     def _init_group(self: torch.optim.Optimizer, group: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
         decoupled = bool(group.get("decoupled_weight_decay", isinstance(self, torch.optim.AdamW)))
@@ -151,14 +151,12 @@ def install_fused_adam(
         for p, st, step in zip(ours, states, counts.advance(ours, states), strict=True):
             extra = more(p, st)
             comp = extra if isinstance(extra, torch.Tensor) else None
-            taken = _taken(p, st, comp, ready) if listing else None
-            local = taken or [local_of(t) for t in (p.data, p.grad, st["exp_avg"], st["exp_avg_sq"])]  # type: ignore[arg-type]
-            if taken is None and listing and cpu_lists.takes(*local, *([] if comp is None else [comp])):
-                taken = local
-                _remember(p, st, comp, ready)
-            if taken is not None:
-                lists.setdefault(step, []).append((*local, comp, 0 if comp is not None else extra))
+            state = (st["exp_avg"], st["exp_avg_sq"], *([] if comp is None else [comp]))
+            listed = bf16_adam_row(p, state, taken, local_of) if listing else None
+            if listed is not None:
+                lists.setdefault(step, []).append((*listed, comp, 0 if comp is not None else extra))
                 continue
+            local = [local_of(t) for t in (p.data, p.grad, *state[:2])]  # type: ignore[arg-type]
             device = local[0].device
             scalars = by_step.get((step, device))
             if scalars is None:
@@ -174,43 +172,6 @@ def install_fused_adam(
 
     optimizer._init_group = types.MethodType(_init_group, optimizer)  # type: ignore[attr-defined]
     handles.append(Restore(optimizer, "_init_group"))
-
-
-def _taken(
-    p: torch.Tensor, state: dict[str, Any], comp: torch.Tensor | None, ready: dict[int, tuple[Any, ...]]
-) -> list[torch.Tensor] | None:
-    """``p``'s weight, gradient and moments as the CPU list kernel takes them, where it took ``p`` at an earlier
-    step with these very moments and compensation (``ready``: weak references; their dtype, device and layout do
-    not change) and the weight and gradient are still bf16 CPU tensors (contiguous: :func:`_split`'s); else
-    ``None`` (the whole check runs: ``cpu_lists.takes``)."""
-    found = ready.get(id(p))
-    if found is None:
-        return None
-    m, v, grad = state["exp_avg"], state["exp_avg_sq"], p.grad
-    if found[0]() is not p or found[1]() is not m or found[2]() is not v:
-        return None
-    if (found[3] is _NONE) != (comp is None) or found[3]() is not comp:
-        return None
-    low = torch.bfloat16  # contiguous weight and gradient: _split saw to that
-    if p.dtype is not low or grad.dtype is not low or not (p.is_cpu and grad.is_cpu):  # type: ignore[union-attr]
-        return None
-    return [p, grad, m, v]  # type: ignore[list-item]
-
-
-def _remember(p: torch.Tensor, state: dict[str, Any], comp: torch.Tensor | None, ready: dict[int, Any]) -> None:
-    """Note that the list kernel took ``p`` (a whole tensor: a shard's local tensor is made anew at each step) with
-    these moments and compensation (see :func:`_taken`)."""
-    if sharding.is_sharded(p):
-        return
-    refs = (p, state["exp_avg"], state["exp_avg_sq"])
-    ready[id(p)] = (*(weakref.ref(t) for t in refs), _NONE if comp is None else weakref.ref(comp))
-
-
-def _none() -> None:
-    return None
-
-
-_NONE = _none  # stands for "no compensation" where a weak reference would stand for one
 
 
 def _adam_state(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> dict[str, Any]:
