@@ -24,7 +24,6 @@ from mixprec._src.optim import cpu_lists
 from mixprec._src.step.host_counts import HostCounts
 from mixprec._src.step.sr_kernel import adam_scalars, adam_sr_update, compiled_kernel, fused_supported
 from mixprec._src.step.sr_noise import seed_tensor, shard_seed, sr_bits, tensor_seed
-from mixprec._src.step.taken_before import TakenBefore, bf16_adam_row
 
 __all__ = [
     "SEED_KEY",
@@ -134,7 +133,6 @@ def install_fused_adam(
     multi = cpu_lists.available()
     counts = HostCounts()
     local_of = sharding.local if sharded else _itself
-    taken = TakenBefore()  # what the list took: a weight taken with these moments is taken again on its own checks
 
     def _init_group(self: torch.optim.Optimizer, group: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
         decoupled = bool(group.get("decoupled_weight_decay", isinstance(self, torch.optim.AdamW)))
@@ -144,19 +142,16 @@ def install_fused_adam(
         more = extras(self, group)
         mode = dispatch_modes.active()
         run = eager if mode else kernel
-        listing = multi and not mode
         states = [_adam_state(self, p) for p in ours]
         lists: dict[float, list[Any]] = {}  # step count -> the CPU kernel's rows
         by_step: dict[tuple[float, torch.device], torch.Tensor] = {}
         for p, st, step in zip(ours, states, counts.advance(ours, states), strict=True):
+            local = [local_of(t) for t in (p.data, p.grad, st["exp_avg"], st["exp_avg_sq"])]  # type: ignore[arg-type]
             extra = more(p, st)
             comp = extra if isinstance(extra, torch.Tensor) else None
-            state = (st["exp_avg"], st["exp_avg_sq"], *([] if comp is None else [comp]))
-            listed = bf16_adam_row(p, state, taken, local_of) if listing else None
-            if listed is not None:
-                lists.setdefault(step, []).append((*listed, comp, 0 if comp is not None else extra))
+            if multi and not mode and cpu_lists.takes(*local, *([] if comp is None else [comp])):
+                lists.setdefault(step, []).append((*local, comp, 0 if comp is not None else extra))
                 continue
-            local = [local_of(t) for t in (p.data, p.grad, *state[:2])]  # type: ignore[arg-type]
             device = local[0].device
             scalars = by_step.get((step, device))
             if scalars is None:

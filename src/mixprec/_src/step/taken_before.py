@@ -13,10 +13,7 @@ from typing import Any
 
 import torch
 
-from mixprec._src import sharding
-from mixprec._src.optim import cpu_lists
-
-__all__ = ["TakenBefore", "bf16_adam_row"]
+__all__ = ["TakenBefore"]
 
 
 class TakenBefore:
@@ -39,21 +36,3 @@ class TakenBefore:
     def note(self, p: torch.Tensor, key: Any, tensors: tuple[torch.Tensor, ...]) -> None:
         """Remember that the list took ``p`` with ``key`` and ``tensors``."""
         self.held[id(p)] = (key, tuple(weakref.ref(t) for t in (p, *tensors)))
-
-
-def bf16_adam_row(
-    p: torch.Tensor, state: tuple[torch.Tensor, ...], taken: TakenBefore, local_of: Any
-) -> list[Any] | None:
-    """A bf16 weight's row of ``cpu_lists.adam_step``: ``p``'s weight, gradient and moments as the kernel takes
-    them (``state``: its moments, and its compensation if any), or ``None``. One taken before with this very state
-    has its own dtype and device checked alone (its layout is the caller's to check)."""
-    grad = p.grad
-    low = torch.bfloat16
-    if taken.same(p, None, state) and p.dtype is low and grad.dtype is low and p.is_cpu and grad.is_cpu:  # type: ignore[union-attr]
-        return [p, grad, *state[:2]]
-    local = [local_of(t) for t in (p.data, grad, *state[:2])]
-    if not cpu_lists.takes(*local, *state[2:]):
-        return None
-    if not sharding.is_sharded(p):  # a shard's local tensors are made anew at each step
-        taken.note(p, None, state)
-    return local
