@@ -127,6 +127,29 @@ def test_clipping_after_backward_is_torchs_clip_grad_norm() -> None:
     assert all(torch.equal(a, b) for a, b in zip(_weights(model), _weights(reference), strict=True))
 
 
+@pytest.mark.parametrize("level", ["O1", "bf16-sr"])
+def test_without_clipping_the_norm_is_every_gradients(level: str) -> None:
+    """Not clipping, the step in backward still measures the whole step's gradient norm (``mixprec.grad_norm``):
+    the large parameters' gradients as they come, the small ones' at ``optimizer.step()``, as a plain run's
+    gradients give it."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    mixprec.prepare(model, opt, level, step_in_backward=True)
+    reference = _model()
+    theirs = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    mixprec.prepare(reference, theirs, level)
+    for step in range(3):
+        x, y = _batch(step)
+        for m, o in ((model, opt), (reference, theirs)):
+            o.zero_grad()
+            F.cross_entropy(m(x), y).backward()
+            if m is reference:
+                grads = [p.grad.float() for p in m.parameters()]
+                norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+            o.step()
+        torch.testing.assert_close(mixprec.grad_norm(opt), norm, rtol=1e-5, atol=0)
+
+
 def _clip_by_the_rule(max_norm: float, steps: int, spike_at: int | None) -> list[torch.Tensor]:
     """The rule written out on a plain prepared run (every gradient at hand after backward): each parameter's
     gradient scaled by max_norm / max(previous step's norm, norm of this backward's gradients up to its own); the

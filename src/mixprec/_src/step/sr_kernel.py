@@ -41,13 +41,22 @@ def adam_sr_update(
 
 
 def adam_scalars(group: dict[str, Any], step: float, decoupled: bool) -> torch.Tensor:
-    """The per-step scalars of :func:`adam_sr_update` for one param group."""
+    """The per-step scalars of :func:`adam_sr_update` for one param group (a CPU tensor the kernels only read: the
+    last one made is handed out again for the same values, as a step in backward asks once a weight)."""
     lr, weight_decay, eps = float(group["lr"]), float(group["weight_decay"]), float(group["eps"])
     beta1, beta2 = (float(b) for b in group["betas"])
+    key = (lr, weight_decay, eps, beta1, beta2, step, decoupled)
+    if _last[0] == key:
+        return _last[1]  # type: ignore[no-any-return]
     decay, l2 = (1.0 - lr * weight_decay, 0.0) if decoupled else (1.0, weight_decay)
     step_size = lr / (1.0 - beta1**step)
     inv_bc2_sqrt = 1.0 / (1.0 - beta2**step) ** 0.5
-    return torch.tensor([decay, l2, beta1, 1.0 - beta1, beta2, 1.0 - beta2, step_size, inv_bc2_sqrt, eps])
+    scalars = torch.tensor([decay, l2, beta1, 1.0 - beta1, beta2, 1.0 - beta2, step_size, inv_bc2_sqrt, eps])
+    _last[:] = [key, scalars]
+    return scalars
+
+
+_last: list[Any] = [None, None]  # adam_scalars' last values and tensor
 
 
 _compiled_adam_sr: Callable[..., None] | None = None
