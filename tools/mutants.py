@@ -163,6 +163,8 @@ MUTANTS = (
     Mutant("sr-scalars-cache-stale", "bf16-sr's list reuses the last scalars whatever the step count and lr",
            S + "step/sr_kernel.py", "    if _last[0] == key:", "    if _last[0] is not None:",
            ("tests/step/test_stochastic_rounding.py",)),
+    Mutant("in-backward-held-squares-dropped", "not clipping, the step in backward never sums the squares it held",
+           S + "step/step_in_backward.py", "        if self.squares:\n", "        if False:\n", IN_BACKWARD_TESTS),
     Mutant("pairs-kahan-dropped", "a pair's Kahan write forgets the compensation",
            S + "optim/kernels/vector_helpers.h", "        store_pair(comp + k, sum);\n", "", BF16_STATE_TESTS),
     Mutant("pairs-second-half-noise", "a pair's second vector rounds with the first's noise positions",

@@ -88,6 +88,7 @@ class Stepper:
         self.groups: dict[int, dict[str, Any]] | None = None  # id(param) -> its param group, this round
         self.positions: dict[int, int] | None = None  # id(param) -> its position in the optimizer, this round
         self.waiting: list[torch.Tensor] = []  # small parameters counted into the norm, stepped at step()
+        self.squares: list[torch.Tensor] = []  # gradients' squared norms not yet summed into so_far (not clipping)
         self.raw_step = _unhooked_step(optimizer)
 
     def _round(self) -> dict[int, dict[str, Any]]:
@@ -97,8 +98,12 @@ class Stepper:
         return self.groups
 
     def add_norm(self, grads: list[torch.Tensor]) -> torch.Tensor | None:
-        """Count ``grads`` (local shards) into this backward's norm; the scale of the clipping (or ``None``)."""
+        """Count ``grads`` (local shards) into this backward's norm; the scale of the clipping (or ``None``). Not
+        clipping on one process, their squares are only held, and summed once, at :meth:`finish`."""
         norms = [square_norm(sharding.local(g)) for g in grads]
+        if self.max_norm is None and self.process_group is None:
+            self.squares.extend(norms)
+            return None
         sq = norms[0] if len(norms) == 1 else torch.stack(norms).sum()
         if self.process_group is not None:
             torch.distributed.all_reduce(sq, group=self.process_group)
@@ -182,6 +187,10 @@ class Stepper:
 
     def finish(self, *_: Any) -> None:
         """After ``optimizer.step()``: this step's norm is the next one's ``previous``; a new round starts."""
+        if self.squares:
+            held = torch.stack(self.squares).sum()
+            self.so_far = held if self.so_far is None else self.so_far + held
+            self.squares = []
         if self.so_far is not None:
             self.previous = self.so_far.sqrt()
             self.optimizer.__dict__[_NORM_KEY] = self.previous
