@@ -19,7 +19,8 @@ Clipping (``clip_grad_norm``): a global norm needs every gradient, and a gradien
 parameter is stepped. Each gradient is scaled by ``min(1, max_norm / max(previous, so_far))``: the
 previous step's global norm, or the norm of the gradients seen so far in this backward where that is
 larger (a spike is clipped from the gradient that shows it on); the small parameters by ``so_far`` of
-the whole backward. The first step has only ``so_far``.
+the whole backward. The first step has only ``so_far``. Not clipping, the norm is still measured
+(``grad_norm``): each gradient's squared norm taken as it comes, all summed once at ``optimizer.step()``.
 Under FSDP2 ``so_far`` is summed over ranks (one scalar all-reduce per unit), so every rank scales alike.
 ``previous`` is saved in ``optimizer.state_dict()`` (param-group key ``"mixprec_grad_norm"``, read from the
 device only then), so a resumed run clips as an uninterrupted one.
