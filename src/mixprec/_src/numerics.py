@@ -4,10 +4,11 @@ report), and fp32 rounded to bf16 in a way compilers keep (Kahan-compensated wei
 from __future__ import annotations
 
 import math
+import struct
 
 import torch
 
-__all__ = ["bf16_nearest", "sqnr"]
+__all__ = ["bf16_nearest", "fp32_nearest", "sqnr"]
 
 
 def sqnr(x: torch.Tensor, reference: torch.Tensor) -> float:
@@ -18,6 +19,11 @@ def sqnr(x: torch.Tensor, reference: torch.Tensor) -> float:
     if noise == 0:
         return math.inf
     return 20 * math.log10(signal / noise) if signal > 0 and math.isfinite(noise) else -math.inf
+
+
+def fp32_nearest(value: float) -> float:
+    """A Python float rounded to the nearest fp32 value (ties to even, as a cast), as a Python float."""
+    return struct.unpack("f", struct.pack("f", value))[0]  # type: ignore[no-any-return]
 
 
 def bf16_nearest(x: torch.Tensor) -> torch.Tensor:

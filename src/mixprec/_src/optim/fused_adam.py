@@ -15,14 +15,13 @@ C++ toolchain), the caller takes the eager step. Nothing here syncs with the dev
 from __future__ import annotations
 
 import functools
-import struct
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from mixprec._src import dispatch_modes
-from mixprec._src.numerics import bf16_nearest
+from mixprec._src.numerics import bf16_nearest, fp32_nearest
 from mixprec._src.optim import cpu_adam, moments
 from mixprec._src.optim import quantize as q
 from mixprec._src.optim.adam import quantized_moments
@@ -198,18 +197,13 @@ def step_scalars(group: dict[str, Any], step: torch.Tensor, decoupled: bool, dev
     beta1, beta2 = (float(b) for b in group["betas"])
     here = step.device  # the count's (torch's capturable Adam keeps it on the parameter's device)
     lr, weight_decay = float(group["lr"]), float(group["weight_decay"])
-    applied = _fp32(_fp32(lr) * _fp32(weight_decay)) if decoupled else weight_decay
+    applied = fp32_nearest(fp32_nearest(lr) * fp32_nearest(weight_decay)) if decoupled else weight_decay
     eps = float(group["eps"])
     scalars = torch.tensor([lr, applied, 1 - beta1, 1 - beta2, 0.0, 0.0, eps], dtype=torch.float32, device=here)
     corrections = 1 - torch.tensor([beta1, beta2], dtype=step.dtype, device=here) ** step
     corrections[1:].sqrt_()
     scalars[4:6] = corrections
     return scalars.to(device)
-
-
-def _fp32(value: float) -> float:
-    """``value`` rounded to fp32 (to nearest even, as a cast)."""
-    return struct.unpack("f", struct.pack("f", value))[0]  # type: ignore[no-any-return]
 
 
 def runs(precision: str, p: torch.Tensor, grad: torch.Tensor) -> bool:

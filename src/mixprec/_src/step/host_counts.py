@@ -6,10 +6,11 @@ replaced or written since (a loaded checkpoint, a count set by hand).
 
 from __future__ import annotations
 
-import struct
 from typing import Any
 
 import torch
+
+from mixprec._src.numerics import fp32_nearest
 
 __all__ = ["HostCounts"]
 
@@ -45,7 +46,7 @@ def _as_stored(t: torch.Tensor, value: float) -> float:
     """``value`` as the step tensor ``t`` holds it (fp32 counts stop at 2**24, as torch's do)."""
     if t.dtype is not torch.float32 or (value.is_integer() and -_EXACT <= value <= _EXACT):  # fp32 holds it as is
         return value
-    return struct.unpack("f", struct.pack("f", value))[0]  # type: ignore[no-any-return]
+    return fp32_nearest(value)
 
 
 _EXACT = float(1 << 24)
