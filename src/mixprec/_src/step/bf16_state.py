@@ -35,10 +35,10 @@ __all__ = [
     "NAMES",
     "Writeback",
     "adam_step",
+    "moment_seed",
     "narrow_after_load",
     "ready_adam",
     "ready_sgd",
-    "moment_seed",
     "seed_of",
     "sgd_step",
 ]

@@ -180,11 +180,11 @@ def _step_lists(
     uncounted = momentum and precision != moments.BF16  # SGD's quantized buffer keeps no step count
     steps = [0.0] * len(params) if uncounted else counts.advance(params, states)
     stochastic = writeback == "stochastic"
-    base, next_count = (int(group[SEED_KEY]), int(group[STEP_KEY]) + 1) if stochastic else (0, 0)  # _seed's
+    base, next_count = _seed_counts(group) if stochastic else (0, 0)
     moments_base = int(group[SEED_KEY]) if precision == moments.BF16 else 0  # the bf16 moments' seeds'
     for i, ((p, local_p, local_g), state, count) in enumerate(zip(listed, states, steps, strict=True)):
         low = local_p.dtype is torch.bfloat16
-        seed = shard_seed(tensor_seed(base, next_count, where[id(p)]), p) if low and stochastic else None
+        seed = _weight_seed(base, next_count, where[id(p)], p) if low and stochastic else None
         comp = sharding.local(kahan.compensation(state, p)) if low and writeback == "kahan" else None
         mode = cpu_adam.rounding_mode(stochastic=seed is not None, compensated=comp is not None)
         row: tuple[Any, ...]
@@ -262,9 +262,19 @@ _INSTALLED = "_mixprec_low_bit_state"
 
 
 def _seed(group: dict[str, Any], where: dict[int, int], p: torch.Tensor, offset: int) -> int:
-    """bf16-sr's seed of ``p``'s values from flat position ``offset`` of this rank's shard on (its next count:
-    its step advances it after the weights are written)."""
-    return moved(shard_seed(tensor_seed(int(group[SEED_KEY]), int(group[STEP_KEY]) + 1, where[id(p)]), p), offset)
+    """bf16-sr's seed of ``p``'s values from flat position ``offset`` of this rank's shard on."""
+    return moved(_weight_seed(*_seed_counts(group), where[id(p)], p), offset)
+
+
+def _seed_counts(group: dict[str, Any]) -> tuple[int, int]:
+    """The group's seed and the count bf16-sr's weights are rounded with (its next: its step advances it after the
+    weights are written)."""
+    return int(group[SEED_KEY]), int(group[STEP_KEY]) + 1
+
+
+def _weight_seed(base: int, count: int, position: int, p: torch.Tensor) -> int:
+    """bf16-sr's seed of element 0 of this rank's shard of ``p`` (at ``position`` in the optimizer)."""
+    return shard_seed(tensor_seed(base, count, position), p)
 
 
 def _writeback(
