@@ -156,6 +156,10 @@ MUTANTS = (
     Mutant("taken-before-gone-matches", "a state tensor gone since a list took it matches a missing one",
            S + "step/taken_before.py", "            if t is None or ref() is not t:",
            "            if ref() is not t:", STEP_TESTS),
+    Mutant("in-backward-small-norms-dropped", "not clipping, the step in backward leaves the small parameters out "
+           "of the norm", S + "step/step_in_backward.py",
+           "            if self.max_norm is None:\n                self.add_norm([p.grad for p in waiting])",
+           "            if False:\n                self.add_norm([p.grad for p in waiting])", IN_BACKWARD_TESTS),
     Mutant("sr-scalars-cache-stale", "bf16-sr's list reuses the last scalars whatever the step count and lr",
            S + "step/sr_kernel.py", "    if _last[0] == key:", "    if _last[0] is not None:",
            ("tests/step/test_stochastic_rounding.py",)),

@@ -11,9 +11,9 @@ so the numbers are the plain step's, bit for bit. Where the optimizer keeps Adam
 large GEMM weight's gradient is made and stepped a slice of rows at a time inside its layer's backward
 (``sliced_gradients``), so not even one whole gradient of it is alive. The small parameters (fewer than
 :data:`SMALL` values: biases, norms; their state is never quantized) are counted into the norm as their
-gradients come and stepped together at ``optimizer.step()``, before its own step: one call of the
-optimizer's step for all of them (a call each cost the bench transformer 1% of its training step), their
-gradients (a few kilobytes a layer) kept until then.
+gradients come (without clipping, at ``optimizer.step()``, in one call) and stepped together at
+``optimizer.step()``, before its own step: one call of the optimizer's step for all of them (a call each cost
+the bench transformer 1% of its training step), their gradients (a few kilobytes a layer) kept until then.
 
 Clipping (``clip_grad_norm``): a global norm needs every gradient, and a gradient is gone once its
 parameter is stepped. Each gradient is scaled by ``min(1, max_norm / max(previous, so_far))``: the
@@ -130,18 +130,23 @@ class Stepper:
         self._step_now(params, self.add_norm([p.grad for p in params]))  # type: ignore[misc]
 
     def count(self, p: torch.Tensor) -> None:
-        """Count a small parameter's gradient (whole) into the norm now; :meth:`step_waiting` steps it."""
+        """Hold a small parameter's gradient (whole) for :meth:`step_waiting`; where clipping, count it into the norm
+        now (the norm so far that scales the gradients after it)."""
         if p.grad is not None and id(p) in self._round():
             self.begin(p)
-            self.add_norm([p.grad])
+            if self.max_norm is not None:
+                self.add_norm([p.grad])
             self.stepped.add(id(p))
             self.waiting.append(p)
 
     def step_waiting(self, *_: Any) -> None:
-        """At ``optimizer.step()``: step the counted small parameters together, clipped by the whole step's norm."""
+        """At ``optimizer.step()``: step the held small parameters together, clipped by the whole step's norm (not
+        clipping: their gradients counted into the norm here, in one call)."""
         waiting = [p for p in self.waiting if p.grad is not None]
         self.waiting = []
         if waiting:
+            if self.max_norm is None:
+                self.add_norm([p.grad for p in waiting])  # type: ignore[misc]
             self._step_now(waiting, self._scale())
 
     def _step_now(self, params: list[torch.Tensor], scale: torch.Tensor | None) -> None:
