@@ -195,27 +195,38 @@ def test_o2_a_module_using_its_weight_twice_sums_the_uses_in_the_copy_dtype() ->
     held = master.to(torch.bfloat16).requires_grad_()  # what autocast's cached cast gives: summed in bf16
     loss(F.linear(F.linear(x.bfloat16(), held).relu(), held)).backward()
     assert not torch.equal(held.grad.float(), summed_wide)  # the two ways differ on these values
-    net, _ = mixprec.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1), level="O2")
+    net, opt = mixprec.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1), level="O2")
     loss(net(x)).backward()
     assert torch.equal(net.weight.grad, held.grad.float())
+    for _ in range(2):  # after a step too: each forward's uses summed in bf16 again
+        opt.step()
+        opt.zero_grad()
+        held = net.weight.detach().to(torch.bfloat16).requires_grad_()
+        loss(F.linear(F.linear(x.bfloat16(), held).relu(), held)).backward()
+        loss(net(x)).backward()
+        assert torch.equal(net.weight.grad, held.grad.float())
 
 
 def test_o2_a_torch_layer_reaches_its_master_through_one_view_and_its_hooks_see_the_copy() -> None:
     net = nn.Sequential(nn.Linear(8, 8), _UsesItsWeightTwice())
     net[1].weight = nn.Parameter(torch.randn(8, 8))
-    net, _ = mixprec.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1), level="O2")
+    net, opt = mixprec.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1), level="O2")
     seen: list[torch.Tensor] = []
     for layer in net:  # hooks registered after prepare, as a user's or a profiler's are
         layer.register_forward_pre_hook(lambda m, args: seen.append(m.weight))
         layer.register_forward_hook(lambda m, args, out: seen.append(m.weight))
-    net(torch.randn(2, 8)).sum().backward()
-    assert [w.dtype for w in seen] == [torch.bfloat16] * 4
-    linear, twice = seen[0].grad_fn, seen[2].grad_fn
-    assert type(linear).__name__ == "ViewBackward0"  # one view: straight to the master's accumulator
-    assert linear.next_functions[0][0].variable is net[0].weight
-    inner = twice.next_functions[0][0]  # two: the uses summed in bf16 by the outer one
-    assert type(inner).__name__ == "ViewBackward0" and inner.next_functions[0][0].variable is net[1].weight
-    assert net[0].weight.grad.dtype is net[1].weight.grad.dtype is torch.float32
+    for _ in range(2):  # and after a step: a view made by each forward (one kept would be remade as an as_strided)
+        seen.clear()
+        loss = net(torch.randn(2, 8)).sum()
+        assert [w.dtype for w in seen] == [torch.bfloat16] * 4
+        linear, twice = seen[0].grad_fn, seen[2].grad_fn
+        assert type(linear).__name__ == "ViewBackward0"  # one view: straight to the master's accumulator
+        assert linear.next_functions[0][0].variable is net[0].weight
+        inner = twice.next_functions[0][0]  # two: the uses summed in bf16 by the outer one
+        assert type(inner).__name__ == "ViewBackward0" and inner.next_functions[0][0].variable is net[1].weight
+        loss.backward()
+        assert net[0].weight.grad.dtype is net[1].weight.grad.dtype is torch.float32
+        opt.step()
 
 
 def test_o2_a_sparse_embedding_takes_the_function_route() -> None:
