@@ -417,3 +417,52 @@ def test_sgd_with_a_quantized_momentum_steps_in_one_call_as_each_alone(
         monkeypatch,
         optimizer_state=state,
     )
+
+
+# ----- the step counts kept on the host -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float32,) * 5, (torch.float32, torch.float64, torch.float32)])
+@pytest.mark.parametrize("start", [0.0, 41.0, 16777214.0, 16777216.0, 3e7])
+def test_host_counts_write_what_a_multi_tensor_add_of_one_writes(dtypes: tuple[torch.dtype, ...], start: float) -> None:
+    """Every step tensor holds what torch's ``_foreach_add_(steps, 1)`` makes of it (fp32 counts stop at 2**24, fp64
+    ones do not), written in one call where all are CPU fp32 scalars, counted on from a value set by hand, and each
+    reported written (its version moved) as an add reports it."""
+    from mixprec._src.step.host_counts import HostCounts
+
+    states = [{"step": torch.tensor(start, dtype=d)} for d in dtypes]
+    params = [torch.zeros(1) for _ in dtypes]
+    expected = [s["step"].clone() for s in states]
+    counts = HostCounts()
+    for turn in range(4):
+        if turn == 2:  # a count set by hand: read again
+            for s, e in zip(states, expected, strict=True):
+                s["step"].fill_(start + 7)
+                e.fill_(start + 7)
+        versions = [s["step"]._version for s in states]
+        got = counts.advance(params, states)
+        torch._foreach_add_(expected, 1.0)
+        for s, e, value, version in zip(states, expected, got, versions, strict=True):
+            assert s["step"].dtype is e.dtype and torch.equal(s["step"], e) and value == e.item()
+            assert s["step"]._version > version
+
+
+def test_host_counts_under_a_dispatch_mode_add_as_torch_does() -> None:
+    """Under a dispatch mode the counts are one multi-tensor add the mode sees (not a write it cannot)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from mixprec._src.step.host_counts import HostCounts
+
+    class Ops(TorchDispatchMode):  # type: ignore[no-untyped-call]
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    states = [{"step": torch.tensor(3.0)} for _ in range(3)]
+    with Ops() as seen:
+        assert HostCounts().advance([torch.zeros(1) for _ in states], states) == [4.0] * 3
+    assert "_foreach_add_" in seen.names and all(s["step"].item() == 4.0 for s in states)

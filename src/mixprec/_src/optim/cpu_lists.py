@@ -19,7 +19,9 @@ bitwise as ``cpu_adam`` steps it alone. Nothing here syncs with a device: CPU te
 
 from __future__ import annotations
 
+import array
 import functools
+import itertools
 from typing import Any
 
 import torch
@@ -35,9 +37,11 @@ __all__ = [
     "adam_step",
     "available",
     "bf16_state_step",
+    "counts_build",
     "lists_build",
     "quantized_step",
     "takes",
+    "write_counts",
 ]
 
 #: what the chunked list kernels share: the includes, bf16-sr's constants, cpu_adam's helpers, and the loop that
@@ -68,6 +72,13 @@ def _builds(key: tuple[Any, ...], build: Any, *args: Any) -> bool:
     return True
 
 
+def _table(rows: list[list[int]]) -> torch.Tensor:
+    """``rows`` (of one length) as an int64 tensor, through an array (about 0.7 of ``torch.tensor``'s time)."""
+    return torch.frombuffer(array.array("q", itertools.chain.from_iterable(rows)), dtype=torch.int64).view(
+        len(rows), -1
+    )
+
+
 @functools.cache
 def _compiled() -> Any:
     return _load(["const int64_t*", "int64_t", "const float*", "int64_t"], _SOURCE % {"helpers": _HELPERS})
@@ -96,12 +107,11 @@ def adam_step(
     ``scalars``: ``sr_kernel.adam_scalars``' nine (one step count for the whole list), ``rounding``: :data:`STOCHASTIC`
     (each weight's ``seed``) or :data:`KAHAN` (each its ``compensation``). Call where :func:`available` and every
     row's tensors are :func:`takes`."""
-    table = torch.tensor(
+    table = _table(
         [
             [p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), 0 if c is None else c.data_ptr(), p.numel(), seed]
             for p, g, m, v, c, seed in rows
-        ],
-        dtype=torch.int64,
+        ]
     )
     _compiled()(table, len(rows), scalars.contiguous(), rounding)
 
@@ -161,7 +171,7 @@ def quantized_step(
     p0, g0 = rows[0][0], rows[0][1]
     kernel = _quantized(fmt, p0.dtype, g0.dtype)
     m_table, m_lookup, v_table, v_lookup = cpu_adam._tables(fmt)
-    table = torch.tensor(
+    table = _table(
         [
             [
                 p.data_ptr(),
@@ -176,8 +186,7 @@ def quantized_step(
                 seed,
             ]
             for p, g, st, c, seed in rows
-        ],
-        dtype=torch.int64,
+        ]
     )
     kernel(
         table,
@@ -199,14 +208,36 @@ def bf16_state_step(rows: list[tuple[Any, ...]], scalars: torch.Tensor, decouple
     exp_avg's seed, exp_avg_sq's seed)`` of ``rows`` (one step count, weight and gradient dtypes alike), in one
     call. Call where :func:`lists_build` and ``cpu_adam.bf16_available`` for each row."""
     kernel = _bf16_state(rows[0][0].dtype, rows[0][1].dtype)
-    table = torch.tensor(
+    table = _table(
         [
             [p.data_ptr(), g.data_ptr(), _pointer(c), m.data_ptr(), v.data_ptr(), p.numel(), seed, m_seed, v_seed]
             for p, g, m, v, c, seed, m_seed, v_seed in rows
-        ],
-        dtype=torch.int64,
+        ]
     )
     kernel(table, len(rows), scalars.contiguous(), int(decoupled), rounding)
+
+
+@functools.cache
+def _counts() -> Any:
+    return _load(
+        ["const int64_t*", "const float*", "int64_t"],
+        _PRELUDE % {"helpers": ""} + cpu_adam.kernel_source("step_counts.cpp"),
+    )
+
+
+def counts_build() -> bool:
+    """Whether :func:`write_counts`' kernel builds here (once per process; a failure is remembered)."""
+    return _builds(("counts",), _counts)
+
+
+def write_counts(steps: list[torch.Tensor], values: list[float]) -> None:
+    """Set each fp32 CPU scalar of ``steps`` to the value at its place in ``values`` (each an fp32 value), in one
+    call (ATen adds to 0-dim tensors one at a time, about a microsecond each); their version counters moved, as an
+    in-place add moves them. Call where :func:`counts_build`."""
+    addresses = array.array("q", [t.data_ptr() for t in steps])  # through an array: half torch.tensor's time
+    held = array.array("f", values)
+    _counts()(torch.frombuffer(addresses, dtype=torch.int64), torch.frombuffer(held, dtype=torch.float32), len(steps))
+    torch.autograd.graph.increment_version(steps)
 
 
 _SGD_SOURCE = _PRELUDE + cpu_adam.kernel_source("sgd_lists.cpp")
@@ -243,12 +274,11 @@ def sgd_step(rows: list[tuple[Any, ...]], group: dict[str, Any], rounding: int) 
     momentum = float(group["momentum"])
     flags = NESTEROV * bool(group.get("nesterov")) | MAXIMIZE * bool(group.get("maximize")) | MOMENTUM * (momentum != 0)
     scalars = _sgd_scalars(group)
-    table = torch.tensor(
+    table = _table(
         [
             [p.data_ptr(), g.data_ptr(), _pointer(b), _pointer(c), p.numel(), seed, int(started)]
             for p, g, b, c, seed, started in rows
-        ],
-        dtype=torch.int64,
+        ]
     )
     _sgd()(table, len(rows), scalars, flags, rounding)
 
@@ -276,12 +306,11 @@ def sgd_bf16_state_step(rows: list[tuple[Any, ...]], group: dict[str, Any], roun
     weights)."""
     kernel = _sgd_bf16_state(rows[0][0].dtype, rows[0][1].dtype)
     scalars = _sgd_scalars(group)
-    table = torch.tensor(
+    table = _table(
         [
             [p.data_ptr(), g.data_ptr(), b.data_ptr(), _pointer(c), p.numel(), seed, b_seed, int(started)]
             for p, g, b, c, seed, b_seed, started in rows
-        ],
-        dtype=torch.int64,
+        ]
     )
     kernel(table, len(rows), scalars, int(bool(group["nesterov"])), rounding)
 
@@ -316,7 +345,7 @@ def sgd_quantized_step(fmt: str, rows: list[tuple[Any, ...]], group: dict[str, A
     kernel = _sgd_quantized(fmt, rows[0][0].dtype, rows[0][1].dtype)
     signed_table, signed_lookup, _, _ = cpu_adam._tables(fmt)
     scalars = _sgd_scalars(group)
-    table = torch.tensor(
+    table = _table(
         [
             [
                 p.data_ptr(),
@@ -330,8 +359,7 @@ def sgd_quantized_step(fmt: str, rows: list[tuple[Any, ...]], group: dict[str, A
                 int(started),
             ]
             for p, g, st, c, seed, started in rows
-        ],
-        dtype=torch.int64,
+        ]
     )
     kernel(
         table,
