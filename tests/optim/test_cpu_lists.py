@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import random
 from collections.abc import Callable
 from typing import Any
 
@@ -466,3 +467,26 @@ def test_host_counts_under_a_dispatch_mode_add_as_torch_does() -> None:
     with Ops() as seen:
         assert HostCounts().advance([torch.zeros(1) for _ in states], states) == [4.0] * 3
     assert "_foreach_add_" in seen.names and all(s["step"].item() == 4.0 for s in states)
+
+
+def test_the_step_scalars_made_on_the_host_are_the_ops_scalars() -> None:
+    """The state precisions' list makes its step scalars on the host (the bias corrections by the C library's powf,
+    as ATen's loop makes one value): bit for bit what the seven tensor ops make, over betas, counts (past 2**24),
+    learning rates and decays."""
+    from mixprec._src.optim import fused_adam
+
+    rng = random.Random(7)
+    for _ in range(1500):
+        group = {
+            "lr": rng.choice([1e-3, 3e-4, rng.random()]),
+            "betas": (rng.choice([0.9, 0.95, rng.random()]), rng.choice([0.999, 0.99, rng.random()])),
+            "eps": rng.choice([1e-8, 1e-6]),
+            "weight_decay": rng.choice([0.0, 0.01, rng.random()]),
+        }
+        count = float(torch.tensor(float(rng.choice([1, 2, 3, 1000, rng.randint(1, 1 << 25)]))))  # as fp32 holds it
+        for decoupled in (True, False):
+            want = fused_adam.step_scalars(group, torch.tensor(count), decoupled, torch.device("cpu"))
+            got = fused_adam.host_step_scalars(group, count, decoupled)
+            if got is None:
+                pytest.skip("no C library powf here")
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (group, count, decoupled)

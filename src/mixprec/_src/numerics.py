@@ -1,14 +1,19 @@
 """Numerics shared across subsystems: how far a low-precision result is from fp32's (the per-layer plan, the fp8
-report), and fp32 rounded to bf16 in a way compilers keep (Kahan-compensated weights)."""
+report), fp32 rounded to bf16 in a way compilers keep (Kahan-compensated weights), and fp32 arithmetic on the
+host as ATen's CPU loops make it (the optimizer steps' scalars)."""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import math
 import struct
+from collections.abc import Callable
 
 import torch
 
-__all__ = ["bf16_nearest", "fp32_nearest", "sqnr"]
+__all__ = ["bf16_nearest", "fp32_nearest", "fp32_pow", "sqnr"]
 
 
 def sqnr(x: torch.Tensor, reference: torch.Tensor) -> float:
@@ -24,6 +29,22 @@ def sqnr(x: torch.Tensor, reference: torch.Tensor) -> float:
 def fp32_nearest(value: float) -> float:
     """A Python float rounded to the nearest fp32 value (ties to even, as a cast), as a Python float."""
     return struct.unpack("f", struct.pack("f", value))[0]  # type: ignore[no-any-return]
+
+
+@functools.cache
+def fp32_pow() -> Callable[[float, float], float] | None:
+    """The C library's ``powf``, which ATen's CPU ``pow`` calls for an fp32 tensor shorter than a vector (its
+    element-wise loop's ``std::pow``): ``fp32_pow()(b, e)`` is ``torch.tensor([b]) ** torch.tensor(e)`` bit for bit,
+    on the host, for fp32 values ``b`` and ``e``. ``None`` where the library is not found."""
+    name = ctypes.util.find_library("m")
+    if name is None:
+        return None
+    try:
+        powf = ctypes.CDLL(name).powf
+    except (OSError, AttributeError):
+        return None
+    powf.restype, powf.argtypes = ctypes.c_float, [ctypes.c_float, ctypes.c_float]
+    return powf  # type: ignore[no-any-return]
 
 
 def bf16_nearest(x: torch.Tensor) -> torch.Tensor:

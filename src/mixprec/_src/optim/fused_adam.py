@@ -21,13 +21,13 @@ from typing import Any
 import torch
 
 from mixprec._src import dispatch_modes
-from mixprec._src.numerics import bf16_nearest, fp32_nearest
+from mixprec._src.numerics import bf16_nearest, fp32_nearest, fp32_pow
 from mixprec._src.optim import cpu_adam, moments
 from mixprec._src.optim import quantize as q
 from mixprec._src.optim.adam import quantized_moments
 from mixprec._src.optim.state_precision import StatePrecision
 
-__all__ = ["adam_step", "available", "runs", "step_scalars"]
+__all__ = ["adam_step", "available", "host_step_scalars", "runs", "step_scalars"]
 
 #: ``rounding(values, seed) -> bits``: writes fp32 values to bf16 weights (bits of fp32 with 16 low zeros)
 Rounding = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -204,6 +204,23 @@ def step_scalars(group: dict[str, Any], step: torch.Tensor, decoupled: bool, dev
     corrections[1:].sqrt_()
     scalars[4:6] = corrections
     return scalars.to(device)
+
+
+def host_step_scalars(group: dict[str, Any], count: float, decoupled: bool) -> torch.Tensor | None:
+    """:func:`step_scalars` of an fp32 CPU step count ``count`` (held on the host), in three ops instead of seven:
+    the bias corrections made on the host (``powf``, as ATen's loop makes one value; ``1 - x`` exact in a double,
+    then rounded once), the second's root by torch's ``sqrt`` (MKL's, not correctly rounded: the host's would differ
+    in the last place). ``None`` where the C library's ``powf`` is not found: the caller takes :func:`step_scalars`."""
+    powf = fp32_pow()
+    if powf is None:
+        return None
+    beta1, beta2 = (float(b) for b in group["betas"])
+    lr, weight_decay = float(group["lr"]), float(group["weight_decay"])
+    applied = fp32_nearest(fp32_nearest(lr) * fp32_nearest(weight_decay)) if decoupled else weight_decay
+    corrections = [fp32_nearest(1.0 - powf(fp32_nearest(b), count)) for b in (beta1, beta2)]
+    scalars = torch.tensor([lr, applied, 1 - beta1, 1 - beta2, *corrections, float(group["eps"])], dtype=torch.float32)
+    scalars[5:6].sqrt_()
+    return scalars
 
 
 def runs(precision: str, p: torch.Tensor, grad: torch.Tensor) -> bool:

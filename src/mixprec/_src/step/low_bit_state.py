@@ -217,11 +217,20 @@ def _step_lists(
         if momentum:
             cpu_lists.sgd_quantized_step(precision, rows, group, mode)
             continue
-        scalars = fused_adam.step_scalars(group, torch.tensor(count), decoupled, rows[0][0].device)
+        scalars = _scalars(group, count, decoupled)
         if precision == moments.BF16:
             cpu_lists.bf16_state_step(rows, scalars, decoupled, mode)
         else:
             cpu_lists.quantized_step(precision, rows, scalars, decoupled, mode)
+
+
+def _scalars(group: dict[str, Any], count: float, decoupled: bool) -> torch.Tensor:
+    """The list's step scalars (CPU, fp32): made on the host where the step counts are fp32 (the default dtype's)."""
+    if torch.get_default_dtype() is torch.float32:
+        scalars = fused_adam.host_step_scalars(group, count, decoupled)
+        if scalars is not None:
+            return scalars
+    return fused_adam.step_scalars(group, torch.tensor(count), decoupled, torch.device("cpu"))
 
 
 def _ready_quantized_buffer(state: dict[str, Any], p: torch.Tensor, precision: str) -> bool:
