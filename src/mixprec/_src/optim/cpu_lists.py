@@ -14,7 +14,8 @@ toolchain inductor uses; where it is missing, :func:`available` is false and the
 
 :func:`quantized_step` and :func:`bf16_state_step` do the same for ``cpu_adam``'s kernels (quantized moments, bf16
 moments): its per-tensor kernel, compiled unchanged beside a loop over a table of rows, so every weight steps
-bitwise as ``cpu_adam`` steps it alone. Nothing here syncs with a device: CPU tensors only.
+bitwise as ``cpu_adam`` steps it alone. :func:`write_counts` sets the step counts of a list (``step.host_counts``)
+in one call. Nothing here syncs with a device: CPU tensors only.
 """
 
 from __future__ import annotations
