@@ -107,6 +107,42 @@ def test_gradients_never_pile_up() -> None:
     assert all(not torch.equal(a, b) for a, b in zip(_weights(model), _weights(_model()), strict=True))
 
 
+@pytest.mark.parametrize("level", ["bf16-sr", "O2"])
+def test_the_step_after_a_backward_that_stepped_does_not_grow_with_the_parameters(level: str) -> None:
+    """``optimizer.step()`` (the small parameters held back, their norms, the round's end) dispatches as many ops at
+    8 blocks as at 2 (within 1.5x): the held gradients' norms in one call, the squares summed in one op."""
+    from mixprec.bench import step_cost
+
+    recipe = step_cost.Recipe(level, level, step_in_backward=True)
+    batch = step_cost._batch(2, 8)
+    ops = []
+    for blocks in (2, 8):
+        model, opt = recipe.build(blocks, 64, "adamw-fused")
+        for _ in range(2):
+            step_cost._train_step(model, opt, recipe, batch)
+        step_cost._forward_backward(model, opt, recipe, batch)
+        ops.append(step_cost.count_ops(opt.step))
+    assert ops[1] <= 1.5 * ops[0], ops
+
+
+def test_square_norms_in_one_call_are_each_gradients_alone() -> None:
+    """The held gradients' squared norms made in one call are each one's own, bit for bit, in order."""
+    g = torch.Generator().manual_seed(0)
+    grads = [(torch.randn(n, generator=g) * 10).to(dtype) for n in (1, 15, 64, 4097, 70000, 3) for dtype in
+             (torch.bfloat16,)]  # fmt: skip
+    together = step_in_backward.square_norms(grads)
+    alone = torch.stack([step_in_backward.square_norm(x) for x in grads])
+    assert together.shape == (len(grads),) and torch.equal(together, alone)
+    fp32 = [x.float().view(-1, 1) for x in grads]
+    assert torch.equal(
+        step_in_backward.square_norms(fp32), torch.stack([step_in_backward.square_norm(x) for x in fp32])
+    )
+    mixed = [x if i % 3 else x.float() for i, x in enumerate(grads)]  # the kept norms' fp32 beside bf16 biases
+    assert torch.equal(
+        step_in_backward.square_norms(mixed), torch.stack([step_in_backward.square_norm(x) for x in mixed])
+    )
+
+
 def test_clipping_after_backward_is_torchs_clip_grad_norm() -> None:
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)

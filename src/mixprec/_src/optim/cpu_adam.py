@@ -37,6 +37,7 @@ __all__ = [
     "bf16_expected",
     "rounding_mode",
     "square_norm",
+    "square_norms",
 ]
 
 
@@ -271,25 +272,47 @@ _LOW = {torch.bfloat16: "c10::BFloat16", torch.float16: "c10::Half"}
 
 
 @functools.cache
-def _norm_kernel(dtype: torch.dtype) -> Any:
+def _norm_kernel(dtype: torch.dtype, listed: bool = False) -> Any:
     from torch._inductor.codecache import CppPythonBindingsCodeCache
 
     ctype = _LOW[dtype]
+    first = "const int64_t*" if listed else f"const {ctype}*"
     return CppPythonBindingsCodeCache.load_pybinding(
-        [f"const {ctype}*", "float*", "int64_t"], _NORM_SOURCE % {"x_type": ctype}
+        [first, "float*", "int64_t"], _NORM_SOURCE % {"x_type": ctype, "list": int(listed)}
     )
+
+
+def _norm_builds(dtype: torch.dtype, listed: bool) -> bool:
+    if ("norm", dtype, listed) in _failed:
+        return False
+    try:
+        _norm_kernel(dtype, listed)
+    except Exception:  # no C++ toolchain
+        _failed.add(("norm", dtype, listed))
+        return False
+    return True
 
 
 def square_norm(x: torch.Tensor) -> torch.Tensor | None:
     """The fp32 sum of squares of a contiguous bf16 or fp16 CPU tensor, read where it lies (no fp32 copy); ``None``
     where this does not run here (another dtype or device, no toolchain)."""
-    if x.dtype not in _LOW or x.device.type != "cpu" or not x.is_contiguous() or ("norm", x.dtype) in _failed:
-        return None
-    try:
-        kernel = _norm_kernel(x.dtype)
-    except Exception:  # no C++ toolchain
-        _failed.add(("norm", x.dtype))
+    if x.dtype not in _LOW or x.device.type != "cpu" or not x.is_contiguous() or not _norm_builds(x.dtype, False):
         return None
     out = torch.empty((), dtype=torch.float32)
-    kernel(x, out, x.numel())
+    _norm_kernel(x.dtype)(x, out, x.numel())
+    return out
+
+
+def square_norms(xs: list[torch.Tensor]) -> torch.Tensor | None:
+    """:func:`square_norm` of each of ``xs`` (contiguous CPU tensors of one low-precision dtype) in one call, bit for
+    bit: a 1-D fp32 tensor of their sums of squares in order; ``None`` where this does not run for all of them."""
+    dtype = xs[0].dtype
+    for x in xs:  # a loop, not all() over a generator: this runs at every step
+        if x.dtype is not dtype or x.device.type != "cpu" or not x.is_contiguous():
+            return None
+    if dtype not in _LOW or not _norm_builds(dtype, True):
+        return None
+    out = torch.empty(len(xs), dtype=torch.float32)
+    table = torch.tensor([[x.data_ptr(), x.numel()] for x in xs], dtype=torch.int64)
+    _norm_kernel(dtype, True)(table, out, len(xs))
     return out

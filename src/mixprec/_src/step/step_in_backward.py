@@ -55,6 +55,7 @@ __all__ = [
     "grad_norm",
     "install",
     "square_norm",
+    "square_norms",
 ]
 
 #: ``optimizer.__dict__`` key of the :class:`Stepper` (also read by the GradScaler, which refuses it)
@@ -89,7 +90,7 @@ class Stepper:
         self.groups: dict[int, dict[str, Any]] | None = None  # id(param) -> its param group, this round
         self.positions: dict[int, int] | None = None  # id(param) -> its position in the optimizer, this round
         self.waiting: list[torch.Tensor] = []  # small parameters counted into the norm, stepped at step()
-        self.squares: list[torch.Tensor] = []  # gradients' squared norms not yet summed into so_far (not clipping)
+        self.squares: list[torch.Tensor] = []  # squared norms (0-dim, or 1-D for several) not yet in so_far
         self.raw_step = _unhooked_step(optimizer)
 
     def _round(self) -> dict[int, dict[str, Any]]:
@@ -101,11 +102,12 @@ class Stepper:
     def add_norm(self, grads: list[torch.Tensor]) -> torch.Tensor | None:
         """Count ``grads`` (local shards) into this backward's norm; the scale of the clipping (or ``None``). Not
         clipping on one process, their squares are only held, and summed once, at :meth:`finish`."""
-        norms = [square_norm(sharding.local(g)) for g in grads]
+        one = len(grads) == 1  # a weight's as it comes: a 0-dim tensor; several: a 1-D one, made in one call
+        norms = square_norm(sharding.local(grads[0])) if one else square_norms([sharding.local(g) for g in grads])
         if self.max_norm is None and self.process_group is None:
-            self.squares.extend(norms)
+            self.squares.append(norms)
             return None
-        sq = norms[0] if len(norms) == 1 else torch.stack(norms).sum()
+        sq = norms if one else norms.sum()
         if self.process_group is not None:
             torch.distributed.all_reduce(sq, group=self.process_group)
         self.so_far = sq if self.so_far is None else self.so_far + sq
@@ -188,8 +190,8 @@ class Stepper:
 
     def finish(self, *_: Any) -> None:
         """After ``optimizer.step()``: this step's norm is the next one's ``previous``; a new round starts."""
-        if self.squares:
-            held = torch.stack(self.squares).sum()
+        if self.squares:  # 0-dim and 1-D ones in the order they came, one op: the sum of their stack
+            held = torch.hstack(self.squares).sum()
             self.so_far = held if self.so_far is None else self.so_far + held
             self.squares = []
         if self.so_far is not None:
@@ -225,6 +227,37 @@ def square_norm(g: torch.Tensor) -> torch.Tensor:
         for i in range(0, flat.numel(), NORM_CHUNK)
     ]
     return torch.stack(parts).sum()
+
+
+def square_norms(grads: list[torch.Tensor]) -> torch.Tensor:
+    """Each of ``grads``' :func:`square_norm`, as a 1-D fp32 tensor in their order, in ops that do not grow with
+    their number: the gradients of one dtype together (low-precision CPU ones in one call, ``cpu_adam.square_norms``;
+    fp32 CPU ones by one multi-tensor norm, on the CPU ``vector_norm`` of each: the same values), each group's
+    norms put at their places by one indexed write."""
+    kinds: dict[torch.dtype, list[int]] = {}
+    for i, g in enumerate(grads):
+        kinds.setdefault(g.dtype, []).append(i)
+    if len(kinds) == 1:
+        return _square_norms_alike(grads)
+    out = torch.empty(len(grads), dtype=torch.float32, device=grads[0].device)
+    for places in kinds.values():
+        out[torch.tensor(places, device=out.device)] = _square_norms_alike([grads[i] for i in places])
+    return out
+
+
+def _square_norms_alike(grads: list[torch.Tensor]) -> torch.Tensor:
+    """:func:`square_norms` of gradients of one dtype."""
+    if grads[0].dtype != torch.float32:
+        native = cpu_adam.square_norms(grads)
+        if native is not None:
+            return native
+    else:
+        for g in grads:  # a loop, not all() over a generator: this runs at every step
+            if g.device.type != "cpu":
+                break
+        else:
+            return torch.stack(torch._foreach_norm(grads)).square()
+    return torch.stack([square_norm(g) for g in grads])
 
 
 def _unhooked_step(optimizer: torch.optim.Optimizer) -> Any:

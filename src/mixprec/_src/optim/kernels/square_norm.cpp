@@ -3,20 +3,23 @@
 #include <torch/csrc/inductor/cpp_prefix.h>
 #include <vector>
 
+#define LIST %(list)s
+using X = %(x_type)s;
+
 // the sum of squares of n low-precision values in fp32: fixed chunks (so the sum is the same whatever the
 // threads), each summed in vector lanes, the lanes and then the chunks added in order
-extern "C" void kernel(const %(x_type)s* x, float* out, int64_t n) {
+inline float sum_of_squares(const X* x, int64_t n) {
     using VecF = at::vec::Vectorized<float>;
     constexpr int64_t CHUNK = 1 << 16;
     const int64_t chunks = (n + CHUNK - 1) / CHUNK;
     std::vector<float> partial(chunks);
-    #pragma omp parallel for schedule(static)
+    #pragma omp parallel for schedule(static) if (chunks > 1)
     for (int64_t c = 0; c < chunks; ++c) {
         const int64_t first = c * CHUNK, last = first + CHUNK < n ? first + CHUNK : n;
         VecF acc(0.0f);
         int64_t i = first;
         for (; i + VecF::size() <= last; i += VecF::size()) {
-            const VecF v = at::vec::convert<float>(at::vec::Vectorized<%(x_type)s>::loadu(x + i, VecF::size()));
+            const VecF v = at::vec::convert<float>(at::vec::Vectorized<X>::loadu(x + i, VecF::size()));
             acc = at::vec::fmadd(v, v, acc);
         }
         alignas(64) float lanes[VecF::size()];
@@ -28,5 +31,14 @@ extern "C" void kernel(const %(x_type)s* x, float* out, int64_t n) {
     }
     float total = 0.0f;
     for (int64_t c = 0; c < chunks; ++c) total += partial[c];
-    out[0] = total;
+    return total;
 }
+
+#if LIST
+// n rows of (address, number of values): each tensor's sum of squares into out[i], in one call
+extern "C" void kernel(const int64_t* table, float* out, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) out[i] = sum_of_squares(reinterpret_cast<const X*>(table[2 * i]), table[2 * i + 1]);
+}
+#else
+extern "C" void kernel(const X* x, float* out, int64_t n) { out[0] = sum_of_squares(x, n); }
+#endif
