@@ -252,12 +252,15 @@ def _state_model() -> nn.Module:
 
 
 def _listed_as_alone(switch: str, level: str, make_opt: Callable[[nn.Module], torch.optim.Optimizer], seed: int,
-                     monkeypatch: pytest.MonkeyPatch, **options: Any) -> None:  # fmt: skip
+                     monkeypatch: pytest.MonkeyPatch, each_run: Callable[[pytest.MonkeyPatch], None] | None = None,
+                     **options: Any) -> None:  # fmt: skip
     """Three steps of ``_state_model`` prepared at ``level`` (``options``) with the list kernels, then with
     ``cpu_lists.<switch>`` saying its kernel does not build (the per-tensor step): weights, state keys and every
-    state tensor bit for bit."""
+    state tensor bit for bit. ``each_run``: patches made for both runs."""
     runs = []
     for lists in (True, False):
+        if each_run is not None:
+            each_run(monkeypatch)
         if not lists:
             monkeypatch.setattr(cpu_lists, switch, lambda *_: False)
         model = _state_model()
@@ -351,6 +354,25 @@ def test_a_state_precisions_step_does_not_grow_with_the_parameters(state: str) -
         assert ops[1] <= 1.5 * ops[0], (level, ops)
         whole_step = functools.partial(step_cost._train_step, model, opt, recipe, batch)
         assert step_cost.host_reads(whole_step, opt) == 0
+
+
+@pytest.mark.parametrize("contiguous", [True, False])
+@pytest.mark.parametrize("level", ["O2", "bf16-sr"])
+def test_bf16_moments_seeds_made_in_the_list_kernel_follow_a_shard(
+    level: str, contiguous: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The list kernel makes each bf16 moment's seed as ``bf16_state.moment_seed`` does, for a shard of a weight too
+    (its offset along the whole tensor, or another placement's mixed seed): each weight's large tensors taken as
+    shards starting at an offset of their own, the list's moments bit for bit the per-tensor step's."""
+    from mixprec._src import sharding
+
+    def shards(patch: pytest.MonkeyPatch) -> None:
+        patch.setattr(sharding, "flat_offset", lambda t: (7919 * t.shape[-1] + (1 << 33), contiguous))
+
+    def adamw(model: nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+
+    _listed_as_alone("lists_build", level, adamw, 3, monkeypatch, shards, optimizer_state="bf16")
 
 
 SGD_GROUPS = (

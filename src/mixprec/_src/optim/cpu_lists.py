@@ -146,7 +146,7 @@ def _quantized(fmt: str, p_dtype: torch.dtype, g_dtype: torch.dtype) -> Any:
 def _bf16_state(p_dtype: torch.dtype, g_dtype: torch.dtype) -> Any:
     values = {"p_type": _CTYPES[p_dtype], "g_type": _CTYPES[g_dtype], "helpers": _HELPERS}
     source = (_BF16_SOURCE % values).replace(_ONE, "static void one_tensor(") + _BF16_LIST % values
-    return _load(["const int64_t*", "int64_t", "const float*", "int64_t", "int64_t"], source)
+    return _load(["const int64_t*", "int64_t", "const float*"] + ["int64_t"] * 5, source)
 
 
 def lists_build(kind: str, p_dtype: torch.dtype, g_dtype: torch.dtype) -> bool:
@@ -204,18 +204,27 @@ def quantized_step(
     )
 
 
-def bf16_state_step(rows: list[tuple[Any, ...]], scalars: torch.Tensor, decoupled: bool, rounding: int) -> None:
+def bf16_state_step(
+    rows: list[tuple[Any, ...]],
+    scalars: torch.Tensor,
+    decoupled: bool,
+    rounding: int,
+    keys: tuple[int, int],
+    count: int,
+) -> None:
     """``cpu_adam.bf16_adam_step`` of every ``(weight, gradient, exp_avg, exp_avg_sq, compensation or None, seed,
-    exp_avg's seed, exp_avg_sq's seed)`` of ``rows`` (one step count, weight and gradient dtypes alike), in one
-    call. Call where :func:`lists_build` and ``cpu_adam.bf16_available`` for each row."""
+    position, shard kind, shard offset)`` of ``rows`` (one step count ``count``, weight and gradient dtypes alike),
+    in one call; each moment's seed made in the kernel from its ``keys`` (``bf16_state.moment_key``), the count and
+    the row's position and shard (``bf16_state.moment_seed``'s arithmetic). Call where :func:`lists_build` and
+    ``cpu_adam.bf16_available`` for each row."""
     kernel = _bf16_state(rows[0][0].dtype, rows[0][1].dtype)
     table = _table(
         [
-            [p.data_ptr(), g.data_ptr(), _pointer(c), m.data_ptr(), v.data_ptr(), p.numel(), seed, m_seed, v_seed]
-            for p, g, m, v, c, seed, m_seed, v_seed in rows
+            [p.data_ptr(), g.data_ptr(), _pointer(c), m.data_ptr(), v.data_ptr(), p.numel(), seed, at, kind, offset]
+            for p, g, m, v, c, seed, at, kind, offset in rows
         ]
     )
-    kernel(table, len(rows), scalars.contiguous(), int(decoupled), rounding)
+    kernel(table, len(rows), scalars.contiguous(), int(decoupled), rounding, keys[0], keys[1], count)
 
 
 @functools.cache

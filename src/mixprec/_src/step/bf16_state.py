@@ -35,12 +35,14 @@ __all__ = [
     "NAMES",
     "Writeback",
     "adam_step",
+    "moment_key",
     "moment_seed",
     "narrow_after_load",
     "ready_adam",
     "ready_sgd",
     "seed_of",
     "sgd_step",
+    "shard_code",
 ]
 
 #: values read into fp32 at once: a step's fp32 temporaries stay a few of this size
@@ -63,6 +65,25 @@ def moment_seed(base: int, position: int, p: torch.Tensor, name: str, step: int)
     """The seed of element 0 of this rank's shard of ``p``'s ``moment`` at step count ``step`` (``p`` at
     ``position`` in an optimizer whose group seed is ``base``)."""
     return shard_seed(tensor_seed(base + _SALT[name], step, position), p)
+
+
+def moment_key(base: int, name: str) -> int:
+    """The 64-bit key of ``name``'s seeds in a group whose seed is ``base`` (as the list kernel takes it: signed)."""
+    key = (base + _SALT[name]) & _MASK64
+    return key - (1 << 64) if key >= 1 << 63 else key
+
+
+def shard_code(p: torch.Tensor) -> tuple[int, int]:
+    """Where this rank's shard of ``p`` starts, as the list kernel takes it: ``(kind, offset)``, kind 0 for the whole
+    tensor, 1 for one run of it from ``offset``, 2 for another placement (``sr_noise.shard_seed``'s three cases)."""
+    where = sharding.flat_offset(p)
+    if where is None:
+        return 0, 0
+    offset, contiguous = where
+    return (1 if contiguous else 2), offset
+
+
+_MASK64 = (1 << 64) - 1
 
 
 def _ready(state: dict[str, Any], p: torch.Tensor, names: tuple[str, ...], first_zero: bool) -> None:

@@ -194,19 +194,10 @@ def _step_lists(
             (name,) = bf16_state.NAMES["sgd"]
             buffer_seed = bf16_state.moment_seed(moments_base, where[id(p)], p, name, int(count))
             row = (local_p, local_g, sharding.local(state[name]), comp, seed or 0, buffer_seed, started[i])
-        elif precision == moments.BF16:
+        elif precision == moments.BF16:  # the moments' seeds made by the kernel, from the position and the shard
             m, v = bf16_state.NAMES["adam"]
-            position = where[id(p)]
-            row = (
-                local_p,
-                local_g,
-                sharding.local(state[m]),
-                sharding.local(state[v]),
-                comp,
-                seed or 0,
-                bf16_state.moment_seed(moments_base, position, p, m, int(count)),
-                bf16_state.moment_seed(moments_base, position, p, v, int(count)),
-            )
+            row = (local_p, local_g, sharding.local(state[m]), sharding.local(state[v]), comp, seed or 0, where[id(p)])
+            row += bf16_state.shard_code(p)
         else:
             row = (local_p, local_g, state, comp, 0 if seed is None else seed)
         lists.setdefault((count, local_p.dtype, local_g.dtype, mode), []).append(row)
@@ -219,7 +210,9 @@ def _step_lists(
             continue
         scalars = _scalars(group, count, decoupled)
         if precision == moments.BF16:
-            cpu_lists.bf16_state_step(rows, scalars, decoupled, mode)
+            m, v = bf16_state.NAMES["adam"]
+            keys = (bf16_state.moment_key(moments_base, m), bf16_state.moment_key(moments_base, v))
+            cpu_lists.bf16_state_step(rows, scalars, decoupled, mode, keys, int(count))
         else:
             cpu_lists.quantized_step(precision, rows, scalars, decoupled, mode)
 
