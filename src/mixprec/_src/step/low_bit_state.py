@@ -135,7 +135,7 @@ def _listed(
         return held is None or (held.is_contiguous() and held.is_cpu and held.dtype is torch.bfloat16)
     names = bf16_state.NAMES["adam"] if precision == moments.BF16 else _CODES
     key = (local_p.dtype, local_g.dtype, local_p.numel())
-    if local_g.is_cpu and ready.same(p, key, tuple(state.get(n) for n in names)):
+    if local_g.is_cpu and ready.same(p, key, tuple(map(state.get, names))):
         return True
     if not cpu_lists.lists_build(precision, local_p.dtype, local_g.dtype):
         return False

@@ -13,6 +13,8 @@ it and a resumed run rounds exactly as an uninterrupted one. Nothing here syncs 
 
 from __future__ import annotations
 
+import itertools
+
 import types
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -72,7 +74,8 @@ def positions(optimizer: torch.optim.Optimizer) -> dict[int, int]:
     fixed: dict[int, int] | None = optimizer.__dict__.get(_POSITIONS)
     if fixed is not None:
         return fixed
-    return {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+    every = itertools.chain.from_iterable(g["params"] for g in optimizer.param_groups)
+    return dict(zip(map(id, every), itertools.count()))  # built in C: this runs at every step
 
 
 class fixed_positions:  # noqa: N801 - a context manager named for what holds inside it
