@@ -14,7 +14,6 @@ it and a resumed run rounds exactly as an uninterrupted one. Nothing here syncs 
 from __future__ import annotations
 
 import itertools
-
 import types
 from collections.abc import Callable, Iterable
 from typing import Any
