@@ -151,14 +151,14 @@ def step_temporaries(
 
 #: bytes of the scalars a CPU list step (``optim/cpu_lists.py``) holds beside its table: seven fp32 values for the
 #: state precisions' (``fused_adam.step_scalars``), nine for bf16-sr's and bf16-kahan's Adam, four for SGD's; and
-#: of a row of the table (int64 addresses, sizes and seeds: ten a row for quantized moments, nine for bf16 ones,
+#: of a row of the table (int64 addresses, sizes, seeds and positions: ten a row for quantized and bf16 moments,
 #: eight for SGD's bf16 momentum, nine for its quantized one, seven for bf16 weights with their own state); measured
 LIST_SCALARS = {"cpu-list": 7 * 4, "cpu-list-adam": 9 * 4, "cpu-list-sgd": 4 * 4}
 LIST_ROW = {
     "8bit": 10 * 8,
     "4bit": 10 * 8,
     "fp8": 10 * 8,
-    "bf16": 9 * 8,
+    "bf16": 10 * 8,
     "weights": 7 * 8,
     "sgd-bf16": 8 * 8,
     "sgd-quantized": 9 * 8,
