@@ -598,6 +598,19 @@ def test_the_step_cost_table_counts_and_times_each_recipe() -> None:
     assert len(cells) == 2 and all(len(c) == len(step_cost.HEADER) for c in cells)
 
 
+def test_the_step_cost_table_takes_the_recipes_asked_for(capsys: pytest.CaptureFixture[str]) -> None:
+    """--recipes chooses the rows (torch-amp, the baseline, always in), names outside the table are refused with the
+    list, and without --step-cost the option is refused."""
+    assert cli.main(["bench", "--step-cost", "--recipes", "O2,O3", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown O3" in err and "bf16-sr in backward" in err
+    assert cli.main(["bench", "--recipes", "O2", "--quiet"]) == 2
+    assert "--step-cost" in capsys.readouterr().err
+    assert cli.main(["bench", "--step-cost", "--recipes", "O2", "--size", "tiny", "--steps", "1", "--quiet"]) == 0
+    rows = [line.split("|")[1].strip() for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert set(rows) == {"recipe", "torch-amp", "O2"} and rows.count("O2") == 4  # one a form of the optimizer
+
+
 def test_the_compiled_step_cost_runs_every_recipe_compiled() -> None:
     """Each prepared model compiles graphs of its own on the same frames: past dynamo's default recompile limit (8)
     the later recipes would run eagerly and the compiled table would time them eager. Every recipe of the table

@@ -28,6 +28,8 @@ def run(args: argparse.Namespace) -> int:
     size = args.size or ("quick" if args.quick else "default")
     if args.step_cost:
         return run_step_cost(args, size)
+    if args.recipes is not None:
+        return common.refuse("--recipes chooses the rows of --step-cost; add --step-cost")
     if args.nproc is not None:
         return run_sharded(args, size)
     compile_ = args.compile or args.compile_modes is not None
@@ -170,6 +172,15 @@ def run_step_cost(args: argparse.Namespace, size: str) -> int:
 
     cost_size = "default" if size == "default" else "tiny"
     recipes = step_cost.RECIPES
+    if args.recipes is not None:
+        chosen = {name.strip() for name in args.recipes.split(",") if name.strip()}
+        known = [r.name for r in step_cost.RECIPES]
+        unknown = sorted(chosen - set(known))
+        if unknown or not chosen:
+            return common.refuse(
+                f"--recipes: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(known)}"
+            )
+        recipes = tuple(r for r in step_cost.RECIPES if r.name in chosen or r.name == "torch-amp")
     try:
         device = resolve_device(args.device)
     except ValueError as exc:

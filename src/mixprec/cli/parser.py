@@ -104,6 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--compile also the compiled step of each recipe against compiled torch.amp",
     )
     bench.add_argument(
+        "--recipes",
+        help="with --step-cost: only these recipes, comma-separated (e.g. O2,bf16-sr; torch-amp, the baseline, "
+        "always); fewer models interleaved, steadier ratios",
+    )
+    bench.add_argument(
         "--fp8-kernels",
         action=argparse.BooleanOptionalAction,
         default=True,
