@@ -194,16 +194,22 @@ def step_scalars(group: dict[str, Any], step: torch.Tensor, decoupled: bool, dev
     the product of two fp32 values is exact in a double, so one rounding to fp32 is the fp32 multiply's); the bias
     corrections of both betas in one ``pow`` (a tensor of two values is ATen's element-wise loop, as one is).
     Seven ops a call, nothing read back."""
-    beta1, beta2 = (float(b) for b in group["betas"])
+    lr, applied, beta1, beta2, eps = _group_values(group, decoupled)
     here = step.device  # the count's (torch's capturable Adam keeps it on the parameter's device)
-    lr, weight_decay = float(group["lr"]), float(group["weight_decay"])
-    applied = fp32_nearest(fp32_nearest(lr) * fp32_nearest(weight_decay)) if decoupled else weight_decay
-    eps = float(group["eps"])
     scalars = torch.tensor([lr, applied, 1 - beta1, 1 - beta2, 0.0, 0.0, eps], dtype=torch.float32, device=here)
     corrections = 1 - torch.tensor([beta1, beta2], dtype=step.dtype, device=here) ** step
     corrections[1:].sqrt_()
     scalars[4:6] = corrections
     return scalars.to(device)
+
+
+def _group_values(group: dict[str, Any], decoupled: bool) -> tuple[float, float, float, float, float]:
+    """``group``'s lr, weight decay as applied (decoupled: ``lr * weight_decay`` as the fp32 multiply makes it),
+    betas and eps, as host numbers."""
+    beta1, beta2 = (float(b) for b in group["betas"])
+    lr, weight_decay = float(group["lr"]), float(group["weight_decay"])
+    applied = fp32_nearest(fp32_nearest(lr) * fp32_nearest(weight_decay)) if decoupled else weight_decay
+    return lr, applied, beta1, beta2, float(group["eps"])
 
 
 def host_step_scalars(group: dict[str, Any], count: float, decoupled: bool) -> torch.Tensor | None:
@@ -214,11 +220,9 @@ def host_step_scalars(group: dict[str, Any], count: float, decoupled: bool) -> t
     powf = fp32_pow()
     if powf is None:
         return None
-    beta1, beta2 = (float(b) for b in group["betas"])
-    lr, weight_decay = float(group["lr"]), float(group["weight_decay"])
-    applied = fp32_nearest(fp32_nearest(lr) * fp32_nearest(weight_decay)) if decoupled else weight_decay
+    lr, applied, beta1, beta2, eps = _group_values(group, decoupled)
     corrections = [fp32_nearest(1.0 - powf(fp32_nearest(b), count)) for b in (beta1, beta2)]
-    scalars = torch.tensor([lr, applied, 1 - beta1, 1 - beta2, *corrections, float(group["eps"])], dtype=torch.float32)
+    scalars = torch.tensor([lr, applied, 1 - beta1, 1 - beta2, *corrections, eps], dtype=torch.float32)
     scalars[5:6].sqrt_()
     return scalars
 

@@ -28,7 +28,7 @@ import torch
 
 from mixprec._src import sharding
 from mixprec._src.optim import adam, cpu_adam, fused_adam, moments, sgd
-from mixprec._src.step.sr_noise import moved, seed_tensor, shard_seed, sr_bits, tensor_seed
+from mixprec._src.step.sr_noise import _MASK64, moved, seed_tensor, shard_seed, sr_bits, tensor_seed
 
 __all__ = [
     "CHUNK",
@@ -81,9 +81,6 @@ def shard_code(p: torch.Tensor) -> tuple[int, int]:
         return 0, 0
     offset, contiguous = where
     return (1 if contiguous else 2), offset
-
-
-_MASK64 = (1 << 64) - 1
 
 
 def _ready(state: dict[str, Any], p: torch.Tensor, names: tuple[str, ...], first_zero: bool) -> None:
