@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import mixprec
 
@@ -201,6 +202,35 @@ class HostSyncs:
     def names(self, ignore: tuple[torch.Tensor, ...] = ()) -> list[str]:
         """The reads, by name, except of the tensors in ``ignore`` (host-side by design)."""
         return [name for name, tensor in self.reads if not any(tensor is t for t in ignore)]
+
+
+class OpNames(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """A dispatch mode recording the name of each op it sees (``names``), in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def step_ops_at(recipe: Any, width: int, blocks: tuple[int, ...] = (2, 8)) -> tuple[list[int], nn.Module, Any]:
+    """``optimizer.step()``'s ops (``bench.step_cost.count_ops``) of ``recipe`` (a ``step_cost.Recipe``) on the bench
+    transformer of ``width`` at each of ``blocks``, after two training steps, fused AdamW; the last model and
+    optimizer built."""
+    from mixprec.bench import step_cost
+
+    batch = step_cost._batch(2, 8)
+    ops = []
+    for n in blocks:
+        model, opt = recipe.build(n, width, "adamw-fused")
+        for _ in range(2):
+            step_cost._train_step(model, opt, recipe, batch)
+        step_cost._forward_backward(model, opt, recipe, batch)
+        ops.append(step_cost.count_ops(opt.step))
+    return ops, model, opt
 
 
 # --- GradScaler runs: a small classifier in fp16 autocast, with overflows planted ---

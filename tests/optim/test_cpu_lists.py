@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import mixprec
+from helpers import OpNames, step_ops_at
 from mixprec._src.optim import cpu_lists
 from mixprec._src.prepare.levels import prepared_state
 from mixprec._src.step import kahan, sr_kernel, stochastic_rounding
@@ -201,15 +202,9 @@ def test_a_steps_ops_do_not_grow_with_the_parameters_and_it_reads_nothing(level:
     """With torch's fused AdamW (itself one call), optimizer.step()'s ops at 2 and at 8 blocks within 1.5x; no
     host read in a whole training step."""
     recipe = step_cost.Recipe(level, level)
-    batch = step_cost._batch(2, 8)
-    ops = []
-    for blocks in (2, 8):
-        model, opt = recipe.build(blocks, 32, "adamw-fused")
-        for _ in range(2):
-            step_cost._train_step(model, opt, recipe, batch)
-        step_cost._forward_backward(model, opt, recipe, batch)
-        ops.append(step_cost.count_ops(opt.step))
+    ops, model, opt = step_ops_at(recipe, 32)
     assert ops[1] <= 1.5 * ops[0], ops
+    batch = step_cost._batch(2, 8)
     assert step_cost.host_reads(lambda: step_cost._train_step(model, opt, recipe, batch), opt) == 0
 
 
@@ -272,12 +267,16 @@ def _listed_as_alone(switch: str, level: str, make_opt: Callable[[nn.Module], to
             opt.step()
         monkeypatch.undo()
         runs.append((model, opt))
-    (listed, listed_opt), (alone, alone_opt) = runs
-    for (name, a), b in zip(listed.named_parameters(), alone.parameters(), strict=True):
+    _assert_trained_alike(*runs[0], *runs[1])
+
+
+def _assert_trained_alike(model: nn.Module, opt: Any, other: nn.Module, other_opt: Any) -> None:
+    """Weights, state keys and every state tensor of two runs bit for bit."""
+    for (name, a), b in zip(model.named_parameters(), other.parameters(), strict=True):
         assert torch.equal(a, b), name
-        assert listed_opt.state[a].keys() == alone_opt.state[b].keys(), name
-        for key, value in listed_opt.state[a].items():
-            assert torch.equal(value, alone_opt.state[b][key]), f"{name} {key}"
+        assert opt.state[a].keys() == other_opt.state[b].keys(), name
+        for key, value in opt.state[a].items():
+            assert torch.equal(value, other_opt.state[b][key]), f"{name} {key}"
 
 
 def _sgd(first: dict[str, Any], second: dict[str, Any]) -> Callable[[nn.Module], torch.optim.Optimizer]:
@@ -321,12 +320,7 @@ def test_a_state_of_another_precision_loaded_mid_run_is_made_ready_again(saved: 
         model.load_state_dict(saved_model)
         opt.load_state_dict(copy.deepcopy(saved_opt))
         runs.append(_steps(model, opt, 2, 3))
-    (stepped, stepped_opt), (new, new_opt) = runs
-    for (name, a), b in zip(stepped.named_parameters(), new.parameters(), strict=True):
-        assert torch.equal(a, b), name
-        assert stepped_opt.state[a].keys() == new_opt.state[b].keys(), name
-        for key, value in stepped_opt.state[a].items():
-            assert torch.equal(value, new_opt.state[b][key]), f"{name} {key}"
+    _assert_trained_alike(*runs[0], *runs[1])  # an optimizer that stepped as a new one
 
 
 def _steps(model: nn.Module, opt: torch.optim.Optimizer, steps: int, seed: int) -> tuple[nn.Module, Any]:
@@ -343,16 +337,9 @@ def test_a_state_precisions_step_does_not_grow_with_the_parameters(state: str) -
     """optimizer.step()'s ops at 2 and 8 blocks within 1.5x, and no host read in a whole step."""
     for level in ("O2", "bf16-sr"):
         recipe = step_cost.Recipe(level, level, state)
-        batch = step_cost._batch(2, 8)
-        ops = []
-        for blocks in (2, 8):
-            model, opt = recipe.build(blocks, 64, "adamw-fused")
-            for _ in range(2):
-                step_cost._train_step(model, opt, recipe, batch)
-            step_cost._forward_backward(model, opt, recipe, batch)
-            ops.append(step_cost.count_ops(opt.step))
+        ops, model, opt = step_ops_at(recipe, 64)
         assert ops[1] <= 1.5 * ops[0], (level, ops)
-        whole_step = functools.partial(step_cost._train_step, model, opt, recipe, batch)
+        whole_step = functools.partial(step_cost._train_step, model, opt, recipe, step_cost._batch(2, 8))
         assert step_cost.host_reads(whole_step, opt) == 0
 
 
@@ -472,21 +459,10 @@ def test_host_counts_write_what_a_multi_tensor_add_of_one_writes(dtypes: tuple[t
 
 def test_host_counts_under_a_dispatch_mode_add_as_torch_does() -> None:
     """Under a dispatch mode the counts are one multi-tensor add the mode sees (not a write it cannot)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from mixprec._src.step.host_counts import HostCounts
 
-    class Ops(TorchDispatchMode):  # type: ignore[no-untyped-call]
-        def __init__(self) -> None:
-            super().__init__()
-            self.names: list[str] = []
-
-        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            self.names.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
-
     states = [{"step": torch.tensor(3.0)} for _ in range(3)]
-    with Ops() as seen:
+    with OpNames() as seen:
         assert HostCounts().advance([torch.zeros(1) for _ in states], states) == [4.0] * 3
     assert "_foreach_add_" in seen.names and all(s["step"].item() == 4.0 for s in states)
 

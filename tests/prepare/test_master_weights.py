@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mixprec
-from helpers import HostSyncs, bitwise_equal, one_step, regression_data, regression_model, weights_seen
+from helpers import HostSyncs, OpNames, bitwise_equal, one_step, regression_data, regression_model, weights_seen
 from mixprec._src.prepare.levels import prepared_state
 
 
@@ -430,27 +430,16 @@ def test_training_steps_read_no_device_data(
 def test_o2_refreshes_its_copies_once_per_step_in_one_fused_copy() -> None:
     """The docs' claim: one multi-tensor copy for every optimizer.step(), made by the first forward after it, none
     in the forwards that follow."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Ops(TorchDispatchMode):  # type: ignore[no-untyped-call]
-        def __init__(self) -> None:
-            super().__init__()
-            self.names: list[str] = []
-
-        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            self.names.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
-
     model = regression_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = mixprec.prepare(model, opt, level="O2")
     (x, y), _ = regression_data(2)
     F.mse_loss(model(x), y).backward()
-    with Ops() as during_step:
+    with OpNames() as during_step:
         opt.step()
-    with Ops() as first_forward:
+    with OpNames() as first_forward:
         model(x)
-    with Ops() as during_forward:
+    with OpNames() as during_forward:
         model(x)
     assert "_foreach_copy_" not in during_step.names
     assert first_forward.names.count("_foreach_copy_") == 1 and "copy_" not in first_forward.names

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mixprec
-from helpers import bitwise_equal, init_process_group, requires_cuda, spawn
+from helpers import bitwise_equal, init_process_group, requires_cuda, spawn, step_ops_at
 from mixprec._src.step import step_in_backward
 
 
@@ -113,15 +113,7 @@ def test_the_step_after_a_backward_that_stepped_does_not_grow_with_the_parameter
     8 blocks as at 2 (within 1.5x): the held gradients' norms in one call, the squares summed in one op."""
     from mixprec.bench import step_cost
 
-    recipe = step_cost.Recipe(level, level, step_in_backward=True)
-    batch = step_cost._batch(2, 8)
-    ops = []
-    for blocks in (2, 8):
-        model, opt = recipe.build(blocks, 64, "adamw-fused")
-        for _ in range(2):
-            step_cost._train_step(model, opt, recipe, batch)
-        step_cost._forward_backward(model, opt, recipe, batch)
-        ops.append(step_cost.count_ops(opt.step))
+    ops, _, _ = step_ops_at(step_cost.Recipe(level, level, step_in_backward=True), 64)
     assert ops[1] <= 1.5 * ops[0], ops
 
 
