@@ -45,10 +45,11 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_scaler.py
 	$(BIN)/python benchmarks/bench_monitor.py
 
-# On a CUDA machine: the CUDA tests, the bench eager and compiled, the fp8 GEMM table and the kernel counts, in one
-# report (mixprec-gpu-check/report.md and .json); each piece has a time limit, 11 minutes in all. Refused without CUDA.
+# On a CUDA machine: the CUDA tests, the bench eager and compiled, the fp8 GEMM table and the kernel counts, the
+# step-cost table and a 1.1B Llama at each level, in one report (mixprec-gpu-check/report.md and .json); each piece
+# has a time limit, 19 minutes in all (ONLY=llama,fp8-gemm,step-cost runs some). Refused without CUDA.
 gpu-check: $(STAMP)
-	$(BIN)/python tools/gpu_check.py --out mixprec-gpu-check
+	$(BIN)/python tools/gpu_check.py --out mixprec-gpu-check $(if $(ONLY),--only $(ONLY))
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .mypy_cache .ruff_cache mutants mixprec-gpu-check

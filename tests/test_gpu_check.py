@@ -73,7 +73,7 @@ def test_report_on_the_cpu_with_tiny_sizes(tmp_path: pathlib.Path) -> None:
     data = json.loads((tmp_path / "report.json").read_text())
     assert {name: piece["status"] for name, piece in data["pieces"].items()} == {
         "tests": "not run", "bench": "ok", "bench-compile": "not run", "fp8-gemm": "ok",
-        "step-cost": "not run"}  # fmt: skip
+        "step-cost": "not run", "llama": "not run", "llama-compile": "not run"}  # fmt: skip
     assert set(data["bench"]["workloads"]["mlp"]) == {"torch-amp", "mixprec"}
     assert [(row["m"], row["k"], row["n"]) for row in data["fp8_gemm"]["gemm"]] == [(64, 64, 64)]
     assert set(data["fp8_gemm"]["gemm"][0]["ms"]) == {"bf16", "tensorwise"}
@@ -84,11 +84,34 @@ def test_report_on_the_cpu_with_tiny_sizes(tmp_path: pathlib.Path) -> None:
     assert "| 64x64x64 |" in text and "emulated in fp32 on a CPU" in text
 
 
+def test_the_llama_piece_reports_each_recipes_row(tmp_path: pathlib.Path) -> None:
+    code = gpu_check.main(["--device", "cpu", "--llama-size", "tiny", "--steps", "1", "--only", "llama", "--out",
+                           str(tmp_path)])  # fmt: skip
+    assert code == 0, (tmp_path / "llama.log").read_text()
+    data = json.loads((tmp_path / "report.json").read_text())
+    names = [row.split("|")[1].strip() for row in data["llama"][2:]]
+    assert names == ["torch-amp", "O1", "O2", "bf16-pure", "bf16-sr", "O1+fp8"]
+    text = (tmp_path / "report.md").read_text()
+    assert "## A config-built Llama, eager" in text and data["llama"][3] in text
+    heading = "## The Llama compiled (`mixprec bench --llama --compile --recipes O2,bf16-sr,O1+fp8`)"
+    compiled = text[text.index(heading) :]
+    assert compiled.splitlines()[2] == "Not run."
+
+
+def test_a_llama_piece_stopped_at_its_limit_says_its_rows_are_partial() -> None:
+    piece = gpu_check.Piece("llama-compile", [], 360.0, status="timed out", log="llama-compile.log")
+    rows = ["| recipe | compiled |", "|---|---|", "| torch-amp | no |"]
+    assert gpu_check._llama_lines(rows, piece) == ["Stopped at its limit (360 s): the rows it finished.", "", *rows]
+    assert gpu_check._llama_lines([], piece) == ["No table: see llama-compile.log."]
+    assert "llama-compile" in gpu_check.INTERRUPTIBLE and "llama" not in gpu_check.INTERRUPTIBLE
+
+
 @pytest.mark.slow  # every piece on the CPU, compiling included (a minute or two on 2 cores)
 def test_every_piece_on_the_cpu(tmp_path: pathlib.Path) -> None:
     code = gpu_check.main(["--device", "cpu", "--size", "tiny", "--steps", "3", "--workloads", "mlp", "--modes",
                            "fp32,torch-amp,mixprec", "--compile-modes", "torch-amp,O1", "--shapes", "64x64x64",
-                           "--limit-scale", "3", "--out", str(tmp_path)])  # fmt: skip
+                           "--llama-size", "tiny", "--llama-compiled", "O2", "--limit-scale", "3", "--out",
+                           str(tmp_path)])  # fmt: skip
     assert code == 0
     data = json.loads((tmp_path / "report.json").read_text())
     assert all(piece["status"] == "ok" for piece in data["pieces"].values()), data["pieces"]
@@ -103,3 +126,7 @@ def test_every_piece_on_the_cpu(tmp_path: pathlib.Path) -> None:
     assert "0 passed, 0 failed" in text and "skipped: needs a CUDA GPU" in text
     assert any(row.startswith("| bf16-sr | adamw-fused |") for row in data["step_cost"])
     assert "## What a step costs" in text and "| bf16-sr | adamw-fused |" in text
+    compiled_llama = [row.split("|")[1:3] for row in data["llama_compile"][2:]]
+    assert [(name.strip(), flag.strip()) for name, flag in compiled_llama] == [
+        ("torch-amp", "no"), ("O2", "no"), ("torch-amp", "yes"), ("O2", "yes")]  # fmt: skip
+    assert "--compile --recipes O2`)" in text

@@ -1,7 +1,8 @@
 """``make gpu-check``: what this project tests and measures only on a CUDA GPU, in one run and one report.
 
-Four pieces, each a process of its own with a time limit (one that fails or runs over leaves the
-others' results; the limits and the grace a piece gets after its Ctrl-C add up to 11 minutes):
+Seven pieces, each a process of its own with a time limit (one that fails or runs over leaves the
+others' results; the limits and the grace a piece gets after its Ctrl-C add up to 19 minutes, more than
+one device session lends: run the pieces an issue needs first, e.g. ``--only llama,fp8-gemm,step-cost``):
 
 * ``tests``: the tests skipped without CUDA (``pytest -m cuda``: ``tests/helpers.py``'s
   ``requires_cuda`` marks them), with their pass/fail counts and failures;
@@ -12,14 +13,21 @@ others' results; the limits and the grace a piece gets after its Ctrl-C add up t
   linear, mixprec against torchao. At its limit it is interrupted as Ctrl-C interrupts the bench,
   and the workloads that finished are reported;
 * ``fp8-gemm``: ``benchmarks/bench_fp8.py --quick``: fp8 GEMMs against bf16 per shape and recipe,
-  and training steps of the transformer with fp8 linears.
+  and training steps of the transformer with fp8 linears;
+* ``step-cost``: ``mixprec bench --step-cost --size tiny``: each level's and state precision's step against
+  torch.amp's, ops per ``optimizer.step()``, host reads;
+* ``llama``: ``mixprec bench --llama``: a config-built 1.1B Llama at sequence 2048 and the batch that fits,
+  each level, torch.amp and fp8 linears eager: tokens/s, the ratio to torch.amp (fp8: to O1), peak memory;
+* ``llama-compile``: the same with ``--compile`` for torch.amp, O1, O2, bf16-sr and O1+fp8 (each also eager,
+  in the same process). Rows are printed as they finish: at its limit, those finished are reported.
 
 Writes ``report.md`` and ``report.json`` (and each piece's own output and log) to ``--out``.
 Without CUDA it refuses (exit status 2). ``--device cpu`` runs the same pieces on the CPU, which is
-how the test suite exercises this script (``--size tiny``). Exit status 1 if a piece failed or ran
-over its limit (the compiled bench excepted: what finished is reported).
+how the test suite exercises this script (``--size tiny --llama-size tiny``). Exit status 1 if a piece failed
+or ran over its limit (the compiled benches excepted: what finished is reported).
 
     python tools/gpu_check.py                       # on a CUDA machine: make gpu-check
+    python tools/gpu_check.py --only llama,fp8-gemm,step-cost   # the step's and fp8's figures first
     python tools/gpu_check.py --device cpu --size tiny --only bench,fp8-gemm --out /tmp/check
 """
 
@@ -42,9 +50,14 @@ import torch
 from mixprec.bench import runner
 
 ROOT = Path(__file__).resolve().parent.parent
-PIECES = ("tests", "bench", "bench-compile", "fp8-gemm", "step-cost")
-LIMITS = {"tests": 180, "bench": 60, "bench-compile": 180, "fp8-gemm": 60, "step-cost": 90}  # seconds; 570 in all
-GRACE = {"bench-compile": 30}  # seconds after the Ctrl-C, to write what finished (10 for the others): 640 in all
+PIECES = ("tests", "bench", "bench-compile", "fp8-gemm", "step-cost", "llama", "llama-compile")
+#: seconds; 1080 in all
+LIMITS = {"tests": 180, "bench": 60, "bench-compile": 180, "fp8-gemm": 60, "step-cost": 90, "llama": 150,
+          "llama-compile": 360}  # fmt: skip
+GRACE = {"bench-compile": 30}  # seconds after the Ctrl-C, to write what finished (10 for the others): 1140 in all
+#: where the compiled benches stop at their limit, the rows they finished are the result
+INTERRUPTIBLE = ("bench-compile", "llama-compile")
+LLAMA_COMPILED = "O2,bf16-sr,O1+fp8"  # with torch-amp, and O1 (the fp8 row's baseline)
 EAGER_MODES = "fp32,torch-amp,mixprec,mixprec-cl,O1,O2,bf16-sr,bf16-pure"
 COMPILE_MODES = ",".join(runner.COMPILE_MODES)
 
@@ -92,12 +105,16 @@ def commands(args: argparse.Namespace, out: Path) -> dict[str, list[str]]:
     tests = [python, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "--continue-on-collection-errors"]
     step_cost = [python, "-m", "mixprec.cli", "bench", "--step-cost", "--size", "tiny", "--device", args.device,
                  "--quiet", *(["--steps", str(args.steps)] if args.steps else [])]  # fmt: skip
+    llama = [python, "-m", "mixprec.cli", "bench", "--llama", "--size", args.llama_size, "--device", args.device,
+             "--quiet", *(["--steps", str(args.steps)] if args.steps else [])]  # fmt: skip
     return {
         "tests": [*tests, "--junitxml", str(out / "tests.xml"), *cuda_test_files()],
         "bench": [*bench, "--modes", args.modes, "--out", str(out / "bench")],
         "bench-compile": [*compiled, "--out", str(out / "bench-compile")],
         "fp8-gemm": [*fp8, "--json", str(out / "fp8-gemm.json")],
         "step-cost": step_cost,  # its table is in its log
+        "llama": llama,  # so too these two
+        "llama-compile": [*llama, "--compile", "--recipes", args.llama_compiled],  # recipes last: the report names them
     }
 
 
@@ -216,6 +233,8 @@ def write_report(out: Path, pieces: dict[str, Piece], device: str, seconds: floa
         "bench_compile": _json(out / "bench-compile" / "report.json"),
         "fp8_gemm": _json(out / "fp8-gemm.json"),
         "step_cost": _table_lines(out / "step-cost.log"),
+        "llama": _table_lines(out / "llama.log"),
+        "llama_compile": _table_lines(out / "llama-compile.log"),
     }
     (out / "report.json").write_text(json.dumps(data, indent=2) + "\n")
     lines = ["# mixprec gpu-check", "", f"Device: {data['device']}; torch {data['torch']}; took {seconds:.0f} s.", "",
@@ -252,8 +271,22 @@ def write_report(out: Path, pieces: dict[str, Piece], device: str, seconds: floa
     lines += ["", "## What a step costs (`mixprec bench --step-cost --size tiny`)", ""]
     lines += data["step_cost"] or ["Not run." if pieces["step-cost"].status == "not run" else
                                    "No table: see step-cost.log."]  # fmt: skip
+    lines += ["", "## A config-built Llama, eager (`mixprec bench --llama`)", ""]
+    lines += _llama_lines(data["llama"], pieces["llama"])
+    command = pieces["llama-compile"].command
+    lines += ["", f"## The Llama compiled (`mixprec bench --llama --compile --recipes {command[-1]}`)", ""]
+    lines += _llama_lines(data["llama_compile"], pieces["llama-compile"])
     (out / "report.md").write_text("\n".join(lines).rstrip() + "\n")
     return data
+
+
+def _llama_lines(rows: list[str], piece: Piece) -> list[str]:
+    """A Llama piece's table, said to be partial where the piece ran over its limit."""
+    if not rows:
+        return ["Not run." if piece.status == "not run" else f"No table: see {piece.log}."]
+    if piece.status == "timed out":
+        return [f"Stopped at its limit ({piece.limit_s:.0f} s): the rows it finished.", "", *rows]
+    return rows
 
 
 def _table_lines(path: Path) -> list[str]:
@@ -275,6 +308,10 @@ def parser() -> argparse.ArgumentParser:
                    help="count inductor's kernels per fp8 linear in the compiled bench (default on)")  # fmt: skip
     p.add_argument("--shapes", help="bench_fp8.py's GEMM shapes, MxKxN,... (default its --quick shapes)")
     p.add_argument("--fp8-recipes", help="bench_fp8.py's recipes, comma-separated (default all four)")
+    p.add_argument("--llama-size", choices=["tiny", "quick", "default"], default="default",
+                   help="the Llama pieces' size (default: 1.1B parameters, sequence 2048)")  # fmt: skip
+    p.add_argument("--llama-compiled", default=LLAMA_COMPILED,
+                   help=f"the recipes llama-compile compiles (default {LLAMA_COMPILED}; torch-amp always)")  # fmt: skip
     p.add_argument("--limit-scale", type=float, default=1.0, help="multiply every piece's time limit")
     return p
 
@@ -301,9 +338,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"gpu-check: {name}: {pieces[name].status} in {pieces[name].seconds:.0f} s", flush=True)
     write_report(out, pieces, args.device, time.perf_counter() - begin)
     print(f"gpu-check: wrote {out / 'report.md'} and {out / 'report.json'}", flush=True)
-    # The compiled bench may run over its limit on a slow machine: what finished is reported, and it is no failure.
-    failed = [p.name for p in pieces.values() if p.status == "failed" or (p.status == "timed out" and p.name !=
-              "bench-compile")]  # fmt: skip
+    # The compiled benches may run over their limits on a slow machine: what finished is reported, and it is no failure.
+    failed = [p.name for p in pieces.values()
+              if p.status == "failed" or (p.status == "timed out" and p.name not in INTERRUPTIBLE)]  # fmt: skip
     return 1 if failed else 0
 
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -26,10 +28,16 @@ def run(args: argparse.Namespace) -> int:
     from mixprec.bench.runner import BenchConfig, BenchInterrupted, ModeResult, run
 
     size = args.size or ("quick" if args.quick else "default")
+    if args.step_cost and args.llama:
+        return common.refuse("--step-cost and --llama are two tables: ask for one at a time")
+    if args.batch is not None and not args.llama:
+        return common.refuse("--batch sets the batch of --llama; add --llama")
     if args.step_cost:
         return run_step_cost(args, size)
+    if args.llama:
+        return run_llama(args, size)
     if args.recipes is not None:
-        return common.refuse("--recipes chooses the rows of --step-cost; add --step-cost")
+        return common.refuse("--recipes chooses the rows of --step-cost or --llama; add one of them")
     if args.nproc is not None:
         return run_sharded(args, size)
     compile_ = args.compile or args.compile_modes is not None
@@ -171,16 +179,10 @@ def run_step_cost(args: argparse.Namespace, size: str) -> int:
     from mixprec.bench.tables import markdown_table
 
     cost_size = "default" if size == "default" else "tiny"
-    recipes = step_cost.RECIPES
-    if args.recipes is not None:
-        chosen = {name.strip() for name in args.recipes.split(",") if name.strip()}
-        known = [r.name for r in step_cost.RECIPES]
-        unknown = sorted(chosen - set(known))
-        if unknown or not chosen:
-            return common.refuse(
-                f"--recipes: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(known)}"
-            )
-        recipes = tuple(r for r in step_cost.RECIPES if r.name in chosen or r.name == "torch-amp")
+    chosen, problem = _chosen(args.recipes, [r.name for r in step_cost.RECIPES], ["torch-amp"])
+    if problem:
+        return common.refuse(problem)
+    recipes = tuple(r for r in step_cost.RECIPES if chosen is None or r.name in chosen)
     try:
         device = resolve_device(args.device)
     except ValueError as exc:
@@ -224,6 +226,71 @@ def run_step_cost(args: argparse.Namespace, size: str) -> int:
             flush=True,
         )
         print("\n".join(markdown_table(step_cost.COMPILED_HEADER, step_cost.compiled_table_rows(compiled))), flush=True)
+    return 0
+
+
+def _chosen(names: str | None, known: list[str], always: Iterable[str]) -> tuple[set[str] | None, str | None]:
+    """``--recipes``' names (with ``always``), or the refusal naming the unknown ones; ``None``: every recipe."""
+    if names is None:
+        return None, None
+    chosen = {name.strip() for name in names.split(",") if name.strip()}
+    unknown = sorted(chosen - set(known))
+    if unknown or not chosen:
+        return None, f"--recipes: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(known)}"
+    return chosen | set(always), None
+
+
+def run_llama(args: argparse.Namespace, size: str) -> int:
+    """``mixprec bench --llama``: a config-built Llama at each level (bench/llama.py); each row printed as measured."""
+    from rich.console import Console
+
+    from mixprec.bench import llama
+    from mixprec.bench.devices import resolve_device
+    from mixprec.bench.tables import markdown_table
+
+    known = [r.name for r in llama.RECIPES]
+    chosen, problem = _chosen(args.recipes, known, ["torch-amp"])
+    if problem:
+        return common.refuse(problem)
+    if chosen is not None:  # a ratio needs its baseline
+        chosen |= {r.baseline for r in llama.RECIPES if r.name in chosen}
+    recipes = tuple(r for r in llama.RECIPES if chosen is None or r.name in chosen)
+    if args.batch is not None and args.batch < 1:
+        return common.refuse(f"--batch must be at least 1, not {args.batch}")
+    try:
+        device = resolve_device(args.device)
+    except ValueError as exc:
+        return common.refuse(str(exc))
+    shape = llama.SIZES[size]
+    print(
+        f"mixprec bench --llama: {len(recipes)} recipes{' eager and compiled' if args.compile else ''}, size {size} "
+        f"({shape.parameters() / 1e6:,.1f}M parameters, sequence {shape.seq}), {device.type}, "
+        f"torch {torch.__version__}, fused AdamW",
+        flush=True,
+    )
+    if device.type == "cpu" and any(r.fp8 for r in recipes):
+        print("fp8 GEMMs are emulated in fp32 on a CPU (torch._scaled_mm): the fp8 row says nothing of fp8's speed")
+    quiet = args.quiet or not sys.stderr.isatty()
+    header = iter(markdown_table(llama.HEADER, []))
+    try:
+        with contextlib.nullcontext() if quiet else Console(stderr=True).status("building the model") as status:
+            for row in llama.measure(
+                recipes,
+                size=size,
+                steps=args.steps or 5,
+                device=device,
+                batch=args.batch,
+                compiled=args.compile,
+                progress=None if status is None else status.update,
+            ):
+                for line in header:  # once, above the first row
+                    print(line, flush=True)
+                print(markdown_table(llama.HEADER, [llama.table_row(row)])[-1], flush=True)
+    except KeyboardInterrupt:
+        print("mixprec bench: interrupted; the rows above were measured", file=sys.stderr)
+        return 130
+    except ValueError as exc:
+        return common.refuse(str(exc))
     return 0
 
 

@@ -104,9 +104,22 @@ def build_parser() -> argparse.ArgumentParser:
         "--compile also the compiled step of each recipe against compiled torch.amp",
     )
     bench.add_argument(
+        "--llama",
+        action="store_true",
+        help="instead of training the workloads, train a config-built Hugging Face Llama (--size default: 1.1B "
+        "parameters at sequence 2048; quick: 0.2B at 1024; tiny: a CPU smoke test) at each level, torch.amp's "
+        "autocast and fp8 linears, and print tokens/s, the ratio to torch.amp (fp8: to O1), the bytes held "
+        "and CUDA's peak memory; with --compile also each compiled; --steps timed steps (default 5)",
+    )
+    bench.add_argument(
+        "--batch",
+        type=int,
+        help="with --llama: the batch (default: on CUDA the largest of 16, 8, 4, 2, 1 that fits; else the size's)",
+    )
+    bench.add_argument(
         "--recipes",
-        help="with --step-cost: only these recipes, comma-separated (e.g. O2,bf16-sr; torch-amp, the baseline, "
-        "always); fewer models interleaved, steadier ratios",
+        help="with --step-cost or --llama: only these recipes, comma-separated (e.g. O2,bf16-sr; the baseline, "
+        "torch-amp, always); fewer models interleaved, steadier ratios",
     )
     bench.add_argument(
         "--fp8-kernels",
