@@ -216,16 +216,18 @@ class OpNames(TorchDispatchMode):  # type: ignore[no-untyped-call]
         return func(*args, **(kwargs or {}))
 
 
-def step_ops_at(recipe: Any, width: int, blocks: tuple[int, ...] = (2, 8)) -> tuple[list[int], nn.Module, Any]:
+def step_ops_at(
+    recipe: Any, width: int, blocks: tuple[int, ...] = (2, 8), optimizer: str = "adamw-fused"
+) -> tuple[list[int], nn.Module, Any]:
     """``optimizer.step()``'s ops (``bench.step_cost.count_ops``) of ``recipe`` (a ``step_cost.Recipe``) on the bench
-    transformer of ``width`` at each of ``blocks``, after two training steps, fused AdamW; the last model and
-    optimizer built."""
+    transformer of ``width`` at each of ``blocks``, after two training steps, with ``optimizer`` (a form of
+    ``step_cost.OPTIMIZERS``, fused AdamW by default); the last model and optimizer built."""
     from mixprec.bench import step_cost
 
     batch = step_cost._batch(2, 8)
     ops = []
     for n in blocks:
-        model, opt = recipe.build(n, width, "adamw-fused")
+        model, opt = recipe.build(n, width, optimizer)
         for _ in range(2):
             step_cost._train_step(model, opt, recipe, batch)
         step_cost._forward_backward(model, opt, recipe, batch)

@@ -169,7 +169,7 @@ def memory_plan(
     step_temporary = shadows = 0
     lists: dict[tuple[int, int], int] = {}  # (param group, bytes a value) -> bytes of the tensors torch's foreach steps
     carried: dict[int, int] = {}  # param group -> the denominator torch's for-loop Adam(W) still holds
-    cpu_rows: dict[int, int] = {}  # param group -> the bytes of its CPU list step's table
+    cpu_rows: dict[tuple[int, str], int] = {}  # (param group, form) -> the bytes of that CPU list step's table
     small = largest_listed = 0  # of those: the small parameters' (stepped together in backward), the largest
     sliced = _sliced(model, optimizer, config, world)
     groups = [] if optimizer is None else optimizer.param_groups
@@ -198,11 +198,13 @@ def memory_plan(
             where = group_of.get(id(p))
             group = None if where is None else groups[where]
             state += state_bytes(p, numel, stored, optimizer, group, config, id(p) in lowp)
-            temporary, shadow, form = step_temporaries(p, numel, stored, optimizer, group, config, id(p) in lowp, world)
+            temporary, shadow, form = step_temporaries(
+                p, numel, stored, optimizer, group, config, id(p) in lowp, world, prepared=not plain
+            )
             if form.startswith("cpu-list"):  # a row of its group's table (one step in backward: a table of its own)
-                index = cast(int, where)
-                cpu_rows[index] = temporary if config.step_in_backward else cpu_rows.get(index, 0) + temporary
-                temporary = LIST_SCALARS[form] + cpu_rows[index]
+                table = (cast(int, where), form)  # each stage's table is made and freed before the next stage's
+                cpu_rows[table] = temporary if config.step_in_backward else cpu_rows.get(table, 0) + temporary
+                temporary = LIST_SCALARS[form] + cpu_rows[table]
             elif form == "foreach":  # one temporary per tensor of its list, all alive at once: summed below
                 key = (cast(int, where), stored)
                 lists[key] = lists.get(key, 0) + numel * stored

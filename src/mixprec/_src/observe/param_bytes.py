@@ -14,10 +14,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec._src.optim import cpu_adam, fused_adam, moments
+from mixprec._src.optim import cpu_adam, fp32_lists, fused_adam, moments
 from mixprec._src.prepare import kept
 from mixprec._src.prepare.config import Level, PrepareConfig
-from mixprec._src.step import bf16_state
+from mixprec._src.step import bf16_state, fp32_adam
 
 __all__ = [
     "LIST_ROW",
@@ -115,11 +115,13 @@ def step_temporaries(
     config: PrepareConfig,
     low: bool,
     world: int,
+    prepared: bool = True,
 ) -> tuple[int, int, str]:
     """(temporaries the step makes for ``p`` alone, fp32 copies held with every other parameter's, the form of
     the step that takes ``p``: torch's ``"loop"`` or ``"foreach"`` (its temporaries are its list's: the caller
     sums them), ``"cpu-list"`` (mixprec's CPU kernels, a table row for each weight of the group: the caller sums
-    them) or ``""`` where mixprec's other kernels step it or no optimizer does)."""
+    them) or ``""`` where mixprec's other kernels step it or no optimizer does; ``prepared``: by ``prepare``,
+    else plain torch)."""
     if optimizer is None or group is None:
         return 0, 0, ""
     adam = type(optimizer) in (torch.optim.Adam, torch.optim.AdamW)
@@ -145,15 +147,19 @@ def step_temporaries(
         return 0, 0, ""  # the fused kernel
     if bf16_step:  # fp32 copies of the weight, its gradient and its state, all held at once
         return 0, numel * 4 * (2 + (1 if type(optimizer) is torch.optim.SGD else 2)), ""
+    fp32_list = prepared and adam and on_cpu and world == 1 and stored == 4 and fp32_adam.takes_group(group)
+    if fp32_list and fp32_lists.expected():  # torch's own Adam(W) of the fp32 weights, a group in one call
+        return LIST_ROW["fp32"], 0, "cpu-list-fp32"
     count, foreach = _torch_temporaries(optimizer, group, p, world)
     return (0 if foreach else count * numel * stored), 0, "foreach" if count and foreach else "loop"
 
 
 #: bytes of the scalars a CPU list step (``optim/cpu_lists.py``) holds beside its table: seven fp32 values for the
-#: state precisions' (``fused_adam.step_scalars``), nine for bf16-sr's and bf16-kahan's Adam, four for SGD's; and
-#: of a row of the table (int64 addresses, sizes, seeds and positions: ten a row for quantized and bf16 moments,
-#: eight for SGD's bf16 momentum, nine for its quantized one, seven for bf16 weights with their own state); measured
-LIST_SCALARS = {"cpu-list": 7 * 4, "cpu-list-adam": 9 * 4, "cpu-list-sgd": 4 * 4}
+#: state precisions' (``fused_adam.step_scalars``) and for torch's Adam(W) of fp32 weights, nine for bf16-sr's and
+#: bf16-kahan's Adam, four for SGD's; and of a row of the table (int64 addresses, sizes, seeds and positions: ten a
+#: row for quantized and bf16 moments, eight for SGD's bf16 momentum, nine for its quantized one, seven for bf16
+#: weights with their own state, five for fp32 weights); measured
+LIST_SCALARS = {"cpu-list": 7 * 4, "cpu-list-adam": 9 * 4, "cpu-list-sgd": 4 * 4, "cpu-list-fp32": 7 * 4}
 LIST_ROW = {
     "8bit": 10 * 8,
     "4bit": 10 * 8,
@@ -162,6 +168,7 @@ LIST_ROW = {
     "weights": 7 * 8,
     "sgd-bf16": 8 * 8,
     "sgd-quantized": 9 * 8,
+    "fp32": 5 * 8,
 }
 
 

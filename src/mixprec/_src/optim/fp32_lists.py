@@ -1,0 +1,138 @@
+"""torch's for-loop Adam(W) step of fp32 CPU tensors, a whole list in one call, bit for bit: :func:`step_list`.
+
+torch.optim.Adam and AdamW step each weight of a param group with several ATen ops on the CPU (their for-loop, the
+CPU default; their foreach form runs the same ops a tensor at a time there). This kernel
+(``optim/kernels/adam_fp32_lists.cpp``, built as ``cpu_lists``' are) computes each of those ops as ATen does, in the same
+order and roundings, on the chunks of a table of the tensors' addresses: one C++ call a param group and step count.
+ATen's fp32 square root is MKL's ``vmsSqrt`` (about one root in six differs from the correctly rounded one in the
+last place), which the kernel calls too, from torch's own library. Whether it matches torch on this machine is
+checked once per process (:func:`available`: a probe of a few steps against torch's for-loop); where it does not,
+or does not build, torch's own step runs. Nothing here syncs: CPU tensors only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from typing import Any
+
+import torch
+
+from mixprec._src.optim import cpu_adam, cpu_lists
+
+__all__ = ["available", "expected", "scalars", "step_list", "takes"]
+
+#: values a chunk of the list kernels (their CHUNK): the probe's largest tensor spans two
+CHUNK_VALUES = 4096
+_SOURCE = cpu_lists._PRELUDE + cpu_adam.kernel_source("adam_fp32_lists.cpp")
+#: the kernel's flags
+DECOUPLED, L2, MAXIMIZE = 1, 2, 4
+
+
+@functools.cache
+def _compiled() -> Any:
+    return cpu_lists._load(
+        ["const int64_t*", "int64_t", "const float*", "int64_t", "int64_t"], _SOURCE % {"helpers": cpu_adam._HELPERS}
+    )
+
+
+@functools.cache
+def _aten_root() -> int | None:
+    """The address of the square root ATen's CPU ``sqrt`` calls for fp32 tensors, MKL's ``vmsSqrt`` (about one
+    value in six is a last place from the correctly rounded root), from torch's own library; ``None`` where torch
+    was built without it."""
+    if not torch.backends.mkl.is_available():  # type: ignore[no-untyped-call]
+        return None
+    try:
+        root = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")).vmsSqrt
+    except (OSError, AttributeError):
+        return None
+    return ctypes.cast(root, ctypes.c_void_p).value
+
+
+def expected() -> bool:
+    """Whether torch's Adam(W) of fp32 CPU weights is expected to take :func:`step` (it has not failed to
+    build or match in this process); compiles nothing."""
+    return ("fp32-adam",) not in cpu_lists._failed
+
+
+def available() -> bool:
+    """Whether :func:`step` steps as torch's for-loop Adam(W) does here: its kernel builds, ATen's root is
+    found, and a probe of a few steps of tensors of several sizes (vector loops and tails, both decays, maximize)
+    comes out bitwise equal to torch's for-loop step. Once per process."""
+    return cpu_lists._builds(("fp32-adam",), _probe)
+
+
+@functools.cache
+def _probe() -> None:
+    if _aten_root() is None:
+        raise RuntimeError("ATen's square root was not found")
+    _compiled()
+    g = torch.Generator().manual_seed(0)
+    sizes = (1, 7, 16, 33, CHUNK_VALUES + 5)
+    for kind, options in (
+        (torch.optim.AdamW, {"weight_decay": 0.1}),
+        (torch.optim.Adam, {"weight_decay": 0.01, "maximize": True}),
+    ):
+        weights = [torch.randn(n, generator=g) for n in sizes]
+        grads = [[torch.randn(n, generator=g) * 1e-2 for n in sizes] for _ in range(3)]
+        mine, theirs = [w.clone() for w in weights], [w.clone() for w in weights]
+        ours = kind(mine, lr=1e-2, foreach=False, **options)  # type: ignore[arg-type]
+        torchs = kind(theirs, lr=1e-2, foreach=False, **options)  # type: ignore[arg-type]
+        for step, grad in enumerate(grads, 1):
+            for w, gw in zip(theirs, grad, strict=True):
+                w.grad = gw.clone()
+            torchs.step()
+            group = ours.param_groups[0]
+            states = [ours.state[w] for w in mine]
+            for w, gw, st in zip(mine, grad, states, strict=True):
+                w.grad = gw.clone()
+                if not st:
+                    st.update(exp_avg=torch.zeros_like(w), exp_avg_sq=torch.zeros_like(w), step=torch.tensor(0.0))
+                st["step"] += 1
+            rows = [(w, w.grad, st["exp_avg"], st["exp_avg_sq"]) for w, st in zip(mine, states, strict=True)]
+            step_list(rows, group, float(step), isinstance(ours, torch.optim.AdamW))  # type: ignore[arg-type]
+        for a, b in zip(mine, theirs, strict=True):
+            if not torch.equal(a, b):
+                raise RuntimeError("the fp32 Adam(W) kernel does not step as torch's for-loop here")
+
+
+def scalars(group: dict[str, Any], step: float, decoupled: bool) -> tuple[torch.Tensor, int]:
+    """The fp32 Adam(W) kernel's scalars and flags for ``group`` at ``step``, made as torch's for-loop makes them:
+    in Python floats (doubles), each narrowed to fp32 where ATen applies it to an fp32 tensor."""
+    lr, weight_decay, eps = float(group["lr"]), float(group["weight_decay"]), float(group["eps"])
+    beta1, beta2 = (float(b) for b in group["betas"])
+    bias_correction1, bias_correction2 = 1 - beta1**step, 1 - beta2**step
+    decay = (1 - lr * weight_decay) if decoupled else weight_decay
+    flags = (DECOUPLED if decoupled else L2) * (weight_decay != 0) | MAXIMIZE * bool(group.get("maximize"))
+    values = [decay, 1 - beta1, beta2, 1 - beta2, bias_correction2**0.5, eps, -(lr / bias_correction1)]
+    return torch.tensor(values, dtype=torch.float32), flags
+
+
+def takes(*tensors: torch.Tensor) -> bool:
+    """Whether a weight's tensors (weight, gradient, moments) go in the fp32 kernel's list: contiguous fp32 CPU
+    tensors of one size, none a subclass."""
+    n = tensors[0].numel()
+    for t in tensors:  # a loop, not all() over a generator: this runs for every weight at every step
+        if t.dtype is not torch.float32 or not t.is_cpu or not t.is_contiguous() or t.numel() != n:
+            return False
+        if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
+            return False
+    return True
+
+
+def step_list(
+    rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]],
+    group: dict[str, Any],
+    step: float,
+    decoupled: bool,
+) -> None:
+    """torch.optim.Adam(W)'s for-loop step of every ``(weight, gradient, exp_avg, exp_avg_sq)`` of ``rows`` (fp32 CPU
+    tensors, :func:`takes`) at step count ``step`` (already counted) with ``group``'s options, in one call, bit
+    for bit (``decoupled``: AdamW's decay). Call where :func:`available`."""
+    values, flags = scalars(group, step, decoupled)
+    table = cpu_lists._table(
+        [[p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), p.numel()] for p, g, m, v in rows]
+    )
+    _compiled()(table, len(rows), values, flags, _aten_root())

@@ -1,0 +1,157 @@
+"""torch's own Adam(W) step of fp32 weights in one call a param group on the CPU (step/fp32_adam.py): bit for bit
+torch's for-loop and foreach steps, its ops constant in the model, and torch's own step wherever it cannot be."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import mixprec
+from helpers import step_ops_at
+from mixprec._src.optim import cpu_lists, fp32_lists
+from mixprec._src.step import fp32_adam
+from mixprec.bench import step_cost
+
+
+def test_the_kernel_steps_as_torch_here() -> None:
+    """It builds and its probe matches torch's step on this machine (MKL's square root found in torch's library):
+    else every test below would pass on torch's own step."""
+    assert fp32_lists.available()
+
+
+def _model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)  # sizes that leave vector tails and span chunks of 4096 values
+    return nn.Sequential(nn.Linear(67, 129), nn.LayerNorm(129), nn.Linear(129, 3), nn.Linear(3, 5000))
+
+
+def _groups(model: nn.Module, options: dict[str, Any]) -> list[dict[str, Any]]:
+    first, second = list(model.parameters())[:3], list(model.parameters())[3:]
+    return [{"params": first, **options}, {"params": second, "lr": 0.3, "betas": (0.3, 0.5)}]
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: int = 4) -> None:
+    g = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        opt.zero_grad(set_to_none=True)
+        model(torch.randn(8, 67, generator=g)).square().mean().backward()
+        if step == 1:  # a weight without a gradient this step: its count falls behind the others'
+            model[2].weight.grad = None
+        opt.step()
+
+
+OPTIONS = {
+    "adamw": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
+    "adam-l2": (torch.optim.Adam, {"lr": 1e-2, "weight_decay": 0.05}),
+    "adam-decoupled": (torch.optim.Adam, {"lr": 1e-2, "weight_decay": 0.05, "decoupled_weight_decay": True}),
+    "adamw-maximize": (torch.optim.AdamW, {"lr": 1e-3, "maximize": True, "eps": 1e-3}),
+}
+
+
+@pytest.mark.parametrize("foreach", [False, True], ids=["for-loop", "foreach"])
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_the_fp32_weights_step_as_torchs_step_bit_for_bit(name: str, foreach: bool) -> None:
+    """Two param groups of their own options, a weight whose count falls behind: weights, moments and counts as
+    torch's own step leaves them."""
+    kind, options = OPTIONS[name]
+    models = [_model(), _model()]
+    torchs = kind(_groups(models[0], options), foreach=foreach)
+    ours = kind(_groups(models[1], options), foreach=foreach)
+    handles: list[Any] = []
+    fp32_adam.install(ours, handles)
+    _train(models[0], torchs)
+    _train(models[1], ours)
+    for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
+        assert torch.equal(a, b)
+        for key, value in torchs.state[a].items():
+            assert torch.equal(value, ours.state[b][key]), key
+    assert float(ours.state[models[1][2].weight]["step"]) == 3.0  # one step without a gradient
+    for h in handles:
+        h.remove()
+    assert "_init_group" not in ours.__dict__
+
+
+def test_what_it_does_not_take_is_torchs_step() -> None:
+    """A fused group, an amsgrad group and a bf16 weight stay with torch's step: it takes the rest of their lists."""
+    torch.manual_seed(0)
+    weights = [nn.Parameter(torch.randn(40)) for _ in range(3)] + [nn.Parameter(torch.randn(40, dtype=torch.bfloat16))]
+    copies = [nn.Parameter(w.detach().clone()) for w in weights]
+
+    def groups(ws: list[nn.Parameter]) -> list[dict[str, Any]]:
+        return [{"params": [ws[0]], "amsgrad": True}, {"params": [ws[1], ws[3]]}, {"params": [ws[2]]}]
+
+    torchs, ours = torch.optim.AdamW(groups(weights), lr=0.1), torch.optim.AdamW(groups(copies), lr=0.1)
+    fp32_adam.install(ours, [])
+    taken: list[int] = []
+    real = fp32_lists.step_list
+
+    def counting(rows: Any, *args: Any) -> None:
+        taken.extend(id(r[0]) for r in rows)
+        real(rows, *args)
+
+    fp32_lists.step_list = counting  # type: ignore[assignment]
+    try:
+        for _ in range(3):
+            for a, b in zip(weights, copies, strict=True):
+                a.grad = torch.full_like(a, 0.5)
+                b.grad = torch.full_like(b, 0.5)
+            torchs.step()
+            ours.step()
+    finally:
+        fp32_lists.step_list = real  # type: ignore[assignment]
+    assert set(taken) == {id(copies[1]), id(copies[2])}
+    assert all(torch.equal(a, b) for a, b in zip(weights, copies, strict=True))
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "bf16-sr"])
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw-foreach"])
+def test_a_levels_step_is_one_call_whatever_the_model(level: str, optimizer: str) -> None:
+    """With torch's for-loop (its CPU default) and foreach AdamW, O1's, O2's and bf16-sr's (its kept norms)
+    ``optimizer.step()`` dispatch as many ops at 8 blocks as at 2; torch.amp's grow."""
+    ops, _, _ = step_ops_at(step_cost.Recipe(level, level), 32, optimizer=optimizer)
+    assert ops[0] == ops[1] < 12, ops
+    amp_ops, _, _ = step_ops_at(step_cost.Recipe("torch-amp"), 32, optimizer=optimizer)
+    assert amp_ops[1] > 2 * amp_ops[0]
+
+
+def test_prepare_steps_o2s_masters_as_torch_would() -> None:
+    """O2 with torch's default AdamW: the masters and moments as an O2 whose stage is switched off leaves them."""
+    runs = []
+    for on in (True, False):
+        model = _model()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        model, opt = mixprec.prepare(model, opt, level="O2")
+        if not on:
+            opt.__dict__.pop("_init_group")
+        _train(model, opt)
+        runs.append((model, opt))
+    for a, b in zip(runs[0][0].parameters(), runs[1][0].parameters(), strict=True):
+        assert torch.equal(a, b) and torch.equal(runs[0][1].state[a]["exp_avg_sq"], runs[1][1].state[b]["exp_avg_sq"])
+
+
+def test_a_kernel_that_does_not_match_torch_here_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The probe: where the kernel's step differs from torch's on this machine (here a step size off by a place), it is
+    not used and torch's own step runs: still bit for bit."""
+    real = fp32_lists.scalars
+
+    def off(group: dict[str, Any], step: float, decoupled: bool) -> tuple[torch.Tensor, int]:
+        scalars, flags = real(group, step, decoupled)
+        scalars[6] = torch.nextafter(scalars[6], torch.tensor(0.0))
+        return scalars, flags
+
+    monkeypatch.setattr(fp32_lists, "scalars", off)
+    monkeypatch.setattr(cpu_lists, "_failed", set())
+    fp32_lists._probe.cache_clear()
+    try:
+        assert not fp32_lists.available() and not fp32_lists.expected()
+        models = [_model(), _model()]
+        torchs = torch.optim.AdamW(models[0].parameters(), lr=1e-2, eps=1e-3)
+        ours = torch.optim.AdamW(models[1].parameters(), lr=1e-2, eps=1e-3)
+        fp32_adam.install(ours, [])
+        _train(models[0], torchs)
+        _train(models[1], ours)
+        assert all(torch.equal(a, b) for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True))
+    finally:
+        fp32_lists._probe.cache_clear()
