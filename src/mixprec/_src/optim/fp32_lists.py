@@ -1,13 +1,15 @@
-"""torch's for-loop Adam(W) step of fp32 CPU tensors, a whole list in one call, bit for bit: :func:`step_list`.
+"""torch's for-loop Adam(W) and SGD steps of fp32 CPU tensors, a whole list in one call, bit for bit: :func:`step_list`,
+:func:`sgd_step`.
 
 torch.optim.Adam and AdamW step each weight of a param group with several ATen ops on the CPU (their for-loop, the
 CPU default; their foreach form runs the same ops a tensor at a time there). This kernel
-(``optim/kernels/adam_fp32_lists.cpp``, built as ``cpu_lists``' are) computes each of those ops as ATen does, in the same
-order and roundings, on the chunks of a table of the tensors' addresses: one C++ call a param group and step count.
+(``optim/kernels/adam_fp32_lists.cpp``, built as ``cpu_lists``' are) computes each of those ops as ATen does, in the
+same order and roundings, on the chunks of a table of the tensors' addresses: one C++ call a param group and step count.
 ATen's fp32 square root is MKL's ``vmsSqrt`` (about one root in six differs from the correctly rounded one in the
 last place), which the kernel calls too, from torch's own library. Whether it matches torch on this machine is
 checked once per process (:func:`available`: a probe of a few steps against torch's for-loop); where it does not,
-or does not build, torch's own step runs. Nothing here syncs: CPU tensors only.
+or does not build, torch's own step runs. SGD's for-loop is ``cpu_lists``' SGD kernel on fp32 storage (its
+arithmetic is the for-loop's already: :func:`sgd_step`, probed the same way). Nothing here syncs: CPU tensors only.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 
 from mixprec._src.optim import cpu_adam, cpu_lists
 
-__all__ = ["available", "expected", "scalars", "step_list", "takes"]
+__all__ = ["available", "expected", "scalars", "sgd_available", "sgd_step", "step_list", "takes"]
 
 #: values a chunk of the list kernels (their CHUNK): the probe's largest tensor spans two
 CHUNK_VALUES = 4096
@@ -136,3 +138,59 @@ def step_list(
         [[p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), p.numel()] for p, g, m, v in rows]
     )
     _compiled()(table, len(rows), values, flags, _aten_root())
+
+
+def sgd_available() -> bool:
+    """Whether :func:`sgd_step` steps as torch's for-loop SGD does here: its kernel builds and a probe of a few steps
+    (weight decay, momentum with dampening, nesterov, maximize; tensors with vector tails) matches torch's for-loop
+    bitwise. Once per process."""
+    return cpu_lists._builds(("fp32-sgd",), _probe_sgd)
+
+
+def sgd_expected() -> bool:
+    """Whether torch's SGD of fp32 CPU weights is expected to take :func:`sgd_step`; compiles nothing."""
+    return ("fp32-sgd",) not in cpu_lists._failed
+
+
+@functools.cache
+def _probe_sgd() -> None:
+    cpu_lists._sgd("float")
+    g = torch.Generator().manual_seed(0)
+    sizes = (1, 7, 33, CHUNK_VALUES + 5)
+    for options in ({"momentum": 0.9, "dampening": 0.1, "weight_decay": 0.01}, {"momentum": 0.8, "nesterov": True,
+                    "maximize": True}, {"weight_decay": 0.1}):  # fmt: skip
+        weights = [torch.randn(n, generator=g) for n in sizes]
+        mine, theirs = [w.clone() for w in weights], [w.clone() for w in weights]
+        torchs = torch.optim.SGD(theirs, lr=0.1, foreach=False, **options)  # type: ignore[arg-type]
+        group = torch.optim.SGD(mine, lr=0.1, foreach=False, **options).param_groups[0]  # type: ignore[arg-type]
+        buffers: list[torch.Tensor | None] = [None] * len(mine)
+        for _ in range(3):
+            grads = [torch.randn(n, generator=g) for n in sizes]
+            for w, gw in zip(theirs, grads, strict=True):
+                w.grad = gw.clone()
+            torchs.step()
+            rows = []
+            for i, (w, gw) in enumerate(zip(mine, grads, strict=True)):
+                started = buffers[i] is not None
+                if group["momentum"] != 0 and buffers[i] is None:
+                    buffers[i] = torch.empty_like(w)
+                rows.append((w, gw, buffers[i], started))
+            sgd_step(rows, group)
+        if not all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True)):
+            raise RuntimeError("the fp32 SGD kernel does not step as torch's for-loop here")
+
+
+def sgd_step(rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, bool]], group: dict[str, Any]) -> None:
+    """torch.optim.SGD's for-loop step of every ``(weight, gradient, momentum buffer or None, buffer started)`` of
+    ``rows`` (fp32 CPU tensors, :func:`takes`) with ``group``'s options, in one call, bit for bit; a buffer not
+    started yet is written as torch makes it (the gradient, with decay). Call where :func:`sgd_available`."""
+    momentum = float(group["momentum"])
+    flags = (
+        cpu_lists.NESTEROV * bool(group.get("nesterov"))
+        | cpu_lists.MAXIMIZE * bool(group.get("maximize"))
+        | cpu_lists.MOMENTUM * (momentum != 0)
+    )
+    table = cpu_lists._table(
+        [[p.data_ptr(), g.data_ptr(), 0 if b is None else b.data_ptr(), 0, p.numel(), 0, int(s)] for p, g, b, s in rows]
+    )
+    cpu_lists._sgd("float")(table, len(rows), cpu_lists._sgd_scalars(group), flags, cpu_lists.NEAREST)

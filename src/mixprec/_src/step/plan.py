@@ -20,8 +20,8 @@ parameters it does not take to the next:
 1. clipping (a step pre-hook, after a GradScaler's unscale);
 2. the state precision's step (the large weights of Adam(W) and SGD);
 3. the write rule's step (the other low-precision weights of Adam(W); any optimizer's, on fp32 copies);
-4. torch's own step (fp32 weights, and the rest): on the CPU, Adam(W)'s for-loop and foreach step of the fp32
-   weights in one call a param group (``step.fp32_adam``, bit for bit torch's);
+4. torch's own step (fp32 weights, and the rest): on the CPU, Adam(W)'s and SGD's for-loop and foreach steps of
+   the fp32 weights in one call a param group (``step.fp32_weights``, bit for bit torch's);
 5. in backward, the per-parameter hooks that run 2-4 for one parameter as its gradient is whole.
 
 Nothing here syncs with the device: the seeds and step counts are host integers.
@@ -37,7 +37,7 @@ import torch
 
 from mixprec._src.optim import cpu_lists, moments
 from mixprec._src.optim.state_precision import StatePrecision
-from mixprec._src.step import fp32_adam, kahan, low_bit_state, sr_noise, state_dicts, stochastic_rounding
+from mixprec._src.step import fp32_weights, kahan, low_bit_state, sr_noise, state_dicts, stochastic_rounding
 from mixprec._src.step import step_in_backward as in_backward
 
 __all__ = ["WRITES", "StepPlan", "install", "narrow_state"]
@@ -95,8 +95,8 @@ class StepPlan:
         if self.bf16_weights and self.write != "nearest":
             how = "in one call a param group" if lists and self.optimizer != "other" else "on fp32 copies"
             parts.append(f"bf16 weights written {self.write} {how}")
-        if self.optimizer == "adam" and lists:
-            parts.append("fp32 weights of a for-loop or foreach Adam(W) in one call a param group (as torch's step)")
+        if self.optimizer != "other" and lists:
+            parts.append("fp32 weights of a for-loop or foreach step in one call a param group (as torch's step)")
         parts.append("the rest by the optimizer's own step")
         when = "in backward, a parameter at a time" if self.in_backward else "after backward"
         return f"{'; '.join(parts)}; {when}"
@@ -147,8 +147,8 @@ def install(
         low_bit_state.install(optimizer, plan.state, handles, plan.write if plan.bf16_weights else "nearest")
     else:  # a checkpoint of quantized state loads as the level's moments
         state_dicts.dequantize_on_load(optimizer, handles)
-    # outermost: the fp32 weights every stage above hands on to torch's own Adam(W) step, in one call on the CPU
-    fp32_adam.install(optimizer, handles)
+    # outermost: the fp32 weights every stage above hands on to torch's own Adam(W) or SGD, in one call on the CPU
+    fp32_weights.install(optimizer, handles)
     if plan.in_backward:  # after every change to the optimizer's step: it steps with all of them
         in_backward.install(model, optimizer, plan.clip, handles, slices=slices)
     return fused

@@ -1,10 +1,12 @@
 // sgd_lists.cpp: C++ for optim/cpu_lists.py, which builds it with inductor's toolchain.
 
 
-// torch.optim.SGD's for-loop step on fp32 copies, as ATen computes it (add with alpha is one fused multiply-add, in
-// its vector loop and its tail alike; mul rounds), the momentum buffer stored back to nearest; s: weight decay,
+// torch.optim.SGD's for-loop step (and its foreach step, the same ATen ops on the CPU) on fp32 values, as ATen
+// computes it (add with alpha is one fused multiply-add, in its vector loop and its tail alike; mul rounds): on fp32
+// tensors, or on bf16 ones as on their fp32 copies, the momentum buffer stored back to nearest; s: weight decay,
 // momentum, 1 - dampening, -lr; flags: 1 nesterov, 2 maximize, 4 momentum
-inline void sgd(BF16* p, const BF16* g, BF16* buf, BF16* comp, int64_t first, int64_t last, const float* s,
+template <typename T>
+inline void sgd(T* p, const T* g, T* buf, BF16* comp, int64_t first, int64_t last, const float* s,
                 int64_t flags, bool started, int64_t rounding, int64_t seed) {
     const bool nesterov = flags & 1, maximize = flags & 2, momentum = flags & 4;
     const VecF wd(s[0]), m(s[1]), damp(s[2]), neg_lr(s[3]);
@@ -39,7 +41,8 @@ inline void sgd(BF16* p, const BF16* g, BF16* buf, BF16* comp, int64_t first, in
 // table: n rows of (weight, gradient, momentum buffer or 0, compensation or 0, numel, seed, buffer started)
 extern "C" void kernel(const int64_t* table, int64_t n, const float* s, int64_t flags, int64_t rounding) {
     over_chunks(table, n, 7, 4, CHUNK, [&](const int64_t* row, int64_t first, int64_t last) {
-        sgd(reinterpret_cast<BF16*>(row[0]), reinterpret_cast<const BF16*>(row[1]), reinterpret_cast<BF16*>(row[2]),
+        using T = %(storage)s;  // BF16 or float
+        sgd(reinterpret_cast<T*>(row[0]), reinterpret_cast<const T*>(row[1]), reinterpret_cast<T*>(row[2]),
             reinterpret_cast<BF16*>(row[3]), first, last, s, flags, row[6] != 0, rounding, row[5]);
     });
 }

@@ -1,5 +1,6 @@
-"""torch's own Adam(W) step of fp32 weights in one call a param group on the CPU (step/fp32_adam.py): bit for bit
-torch's for-loop and foreach steps, its ops constant in the model, and torch's own step wherever it cannot be."""
+"""torch's own Adam(W) and SGD steps of fp32 weights in one call a param group on the CPU (step/fp32_weights.py): bit
+for bit torch's for-loop and foreach steps, their ops constant in the model, and torch's own step wherever they cannot
+be."""
 
 from __future__ import annotations
 
@@ -12,14 +13,14 @@ from torch import nn
 import mixprec
 from helpers import step_ops_at
 from mixprec._src.optim import cpu_lists, fp32_lists
-from mixprec._src.step import fp32_adam
+from mixprec._src.step import fp32_weights
 from mixprec.bench import step_cost
 
 
-def test_the_kernel_steps_as_torch_here() -> None:
-    """It builds and its probe matches torch's step on this machine (MKL's square root found in torch's library):
+def test_the_kernels_step_as_torch_here() -> None:
+    """They build and their probes match torch's steps on this machine (MKL's square root found in torch's library):
     else every test below would pass on torch's own step."""
-    assert fp32_lists.available()
+    assert fp32_lists.available() and fp32_lists.sgd_available()
 
 
 def _model(seed: int = 0) -> nn.Module:
@@ -60,7 +61,7 @@ def test_the_fp32_weights_step_as_torchs_step_bit_for_bit(name: str, foreach: bo
     torchs = kind(_groups(models[0], options), foreach=foreach)
     ours = kind(_groups(models[1], options), foreach=foreach)
     handles: list[Any] = []
-    fp32_adam.install(ours, handles)
+    fp32_weights.install(ours, handles)
     _train(models[0], torchs)
     _train(models[1], ours)
     for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
@@ -83,7 +84,7 @@ def test_what_it_does_not_take_is_torchs_step() -> None:
         return [{"params": [ws[0]], "amsgrad": True}, {"params": [ws[1], ws[3]]}, {"params": [ws[2]]}]
 
     torchs, ours = torch.optim.AdamW(groups(weights), lr=0.1), torch.optim.AdamW(groups(copies), lr=0.1)
-    fp32_adam.install(ours, [])
+    fp32_weights.install(ours, [])
     taken: list[int] = []
     real = fp32_lists.step_list
 
@@ -105,11 +106,36 @@ def test_what_it_does_not_take_is_torchs_step() -> None:
     assert all(torch.equal(a, b) for a, b in zip(weights, copies, strict=True))
 
 
+SGD_OPTIONS = {
+    "momentum-dampening-decay": {"lr": 0.05, "momentum": 0.9, "dampening": 0.2, "weight_decay": 0.01},
+    "nesterov-maximize": {"lr": 0.05, "momentum": 0.8, "nesterov": True, "maximize": True},
+    "plain-decay": {"lr": 0.1, "weight_decay": 0.1},
+}
+
+
+@pytest.mark.parametrize("foreach", [False, True], ids=["for-loop", "foreach"])
+@pytest.mark.parametrize("name", list(SGD_OPTIONS))
+def test_sgds_fp32_weights_step_as_torchs_step_bit_for_bit(name: str, foreach: bool) -> None:
+    """SGD's weights and momentum buffers (made at a weight's first step, one made a step later for the weight that
+    had no gradient) as torch's own step leaves them."""
+    models = [_model(), _model()]
+    torchs = torch.optim.SGD(_groups(models[0], SGD_OPTIONS[name]), lr=0.01, foreach=foreach)
+    ours = torch.optim.SGD(_groups(models[1], SGD_OPTIONS[name]), lr=0.01, foreach=foreach)
+    fp32_weights.install(ours, [])
+    _train(models[0], torchs)
+    _train(models[1], ours)
+    for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
+        assert torch.equal(a, b)
+        assert set(torchs.state[a]) == set(ours.state[b])
+        for key, value in torchs.state[a].items():
+            assert torch.equal(value, ours.state[b][key]), key
+
+
 @pytest.mark.parametrize("level", ["O1", "O2", "bf16-sr"])
-@pytest.mark.parametrize("optimizer", ["adamw", "adamw-foreach"])
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw-foreach", "sgd"])
 def test_a_levels_step_is_one_call_whatever_the_model(level: str, optimizer: str) -> None:
-    """With torch's for-loop (its CPU default) and foreach AdamW, O1's, O2's and bf16-sr's (its kept norms)
-    ``optimizer.step()`` dispatch as many ops at 8 blocks as at 2; torch.amp's grow."""
+    """With torch's for-loop (its CPU default) and foreach AdamW and with SGD, O1's, O2's and bf16-sr's (its kept
+    norms) ``optimizer.step()`` dispatch as many ops at 8 blocks as at 2; torch.amp's grow."""
     ops, _, _ = step_ops_at(step_cost.Recipe(level, level), 32, optimizer=optimizer)
     assert ops[0] == ops[1] < 12, ops
     amp_ops, _, _ = step_ops_at(step_cost.Recipe("torch-amp"), 32, optimizer=optimizer)
@@ -149,7 +175,7 @@ def test_a_kernel_that_does_not_match_torch_here_is_not_used(monkeypatch: pytest
         models = [_model(), _model()]
         torchs = torch.optim.AdamW(models[0].parameters(), lr=1e-2, eps=1e-3)
         ours = torch.optim.AdamW(models[1].parameters(), lr=1e-2, eps=1e-3)
-        fp32_adam.install(ours, [])
+        fp32_weights.install(ours, [])
         _train(models[0], torchs)
         _train(models[1], ours)
         assert all(torch.equal(a, b) for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True))
