@@ -14,10 +14,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec._src.optim import cpu_adam, fp32_lists, fused_adam, moments
+from mixprec._src.optim import aten_lists, cpu_adam, fused_adam, moments
 from mixprec._src.prepare import kept
 from mixprec._src.prepare.config import Level, PrepareConfig
-from mixprec._src.step import bf16_state, fp32_weights
+from mixprec._src.step import bf16_state, own_step
 
 __all__ = [
     "LIST_ROW",
@@ -147,27 +147,32 @@ def step_temporaries(
         return 0, 0, ""  # the fused kernel
     if bf16_step:  # fp32 copies of the weight, its gradient and its state, all held at once
         return 0, numel * 4 * (2 + (1 if type(optimizer) is torch.optim.SGD else 2)), ""
-    # torch's own Adam(W) or SGD of the fp32 weights, a param group in one call
-    if prepared and on_cpu and world == 1 and stored == 4 and fp32_weights.takes_group(optimizer, group):
-        if adam and fp32_lists.expected():
-            return LIST_ROW["fp32"], 0, "cpu-list-fp32"
-        if not adam and fp32_lists.sgd_expected():
+    # the optimizer's own Adam(W) or SGD of what no other stage takes, a param group in one call (step.own_step)
+    if prepared and on_cpu and world == 1 and own_step.takes_group(optimizer, group):
+        decoupled = bool(group.get("decoupled_weight_decay", type(optimizer) is torch.optim.AdamW))
+        if adam and stored == 4 and aten_lists.expected():
+            return LIST_ROW["aten"], 0, "cpu-list-aten"
+        bf16_taken = aten_lists.supports(group, torch.bfloat16, decoupled) and aten_lists.expected(torch.bfloat16)
+        if adam and stored == 2 and bf16_taken:  # bf16-pure's weights: another table, made after the fp32 ones'
+            return LIST_ROW["aten"], 0, "cpu-list-aten-bf16"
+        if not adam and stored == 4 and aten_lists.sgd_expected():
             return LIST_ROW["sgd-fp32"], 0, "cpu-list-sgd-fp32"
     count, foreach = _torch_temporaries(optimizer, group, p, world)
     return (0 if foreach else count * numel * stored), 0, "foreach" if count and foreach else "loop"
 
 
-#: bytes of the scalars a CPU list step (``optim/cpu_lists.py``, ``optim/fp32_lists.py``) holds beside its table:
-#: seven fp32 values for the state precisions' (``fused_adam.step_scalars``) and for torch's Adam(W) of fp32
-#: weights, nine for bf16-sr's and bf16-kahan's Adam, four for SGD's (of bf16 or fp32 weights); and of a row of the
-#: table (int64 addresses, sizes, seeds and positions: ten a row for quantized and bf16 moments, eight for SGD's bf16
-#: momentum, nine for its quantized one, seven for bf16 weights with their own state and for SGD's fp32 weights,
-#: five for Adam(W)'s fp32 weights); measured
+#: bytes of the scalars a CPU list step (``optim/cpu_lists.py``, ``optim/aten_lists.py``) holds beside its table:
+#: seven fp32 values for the state precisions' (``fused_adam.step_scalars``) and for torch's Adam(W) of fp32 and
+#: bf16 weights, nine for bf16-sr's and bf16-kahan's Adam, four for SGD's (of bf16 or fp32 weights); and of a row of
+#: the table (int64 addresses, sizes, seeds and positions: ten a row for quantized and bf16 moments, eight for SGD's
+#: bf16 momentum, nine for its quantized one, seven for bf16 weights with their own state and for SGD's fp32
+#: weights, five for Adam(W)'s fp32 and bf16 weights); measured
 LIST_SCALARS = {
     "cpu-list": 7 * 4,
     "cpu-list-adam": 9 * 4,
     "cpu-list-sgd": 4 * 4,
-    "cpu-list-fp32": 7 * 4,
+    "cpu-list-aten": 7 * 4,
+    "cpu-list-aten-bf16": 7 * 4,
     "cpu-list-sgd-fp32": 4 * 4,
 }
 LIST_ROW = {
@@ -178,7 +183,7 @@ LIST_ROW = {
     "weights": 7 * 8,
     "sgd-bf16": 8 * 8,
     "sgd-quantized": 9 * 8,
-    "fp32": 5 * 8,
+    "aten": 5 * 8,
     "sgd-fp32": 7 * 8,
 }
 

@@ -258,7 +258,7 @@ NESTEROV, MAXIMIZE, MOMENTUM = 1, 2, 4
 @functools.cache
 def _sgd(storage: str = "BF16") -> Any:
     """SGD's list kernel on bf16 weights (as on their fp32 copies), or on fp32 ones (``storage`` ``"float"``:
-    ``fp32_lists.sgd_step``)."""
+    ``aten_lists.sgd_step``)."""
     return _load(
         ["const int64_t*", "int64_t", "const float*", "int64_t", "int64_t"],
         _SGD_SOURCE % {"helpers": _HELPERS, "storage": storage},

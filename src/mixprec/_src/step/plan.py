@@ -21,7 +21,8 @@ parameters it does not take to the next:
 2. the state precision's step (the large weights of Adam(W) and SGD);
 3. the write rule's step (the other low-precision weights of Adam(W); any optimizer's, on fp32 copies);
 4. torch's own step (fp32 weights, and the rest): on the CPU, Adam(W)'s and SGD's for-loop and foreach steps of
-   the fp32 weights in one call a param group (``step.fp32_weights``, bit for bit torch's);
+   the fp32 weights (and Adam(W)'s of bf16-pure's bf16 ones) in one call a param group (``step.own_step``, bit for
+   bit torch's);
 5. in backward, the per-parameter hooks that run 2-4 for one parameter as its gradient is whole.
 
 Nothing here syncs with the device: the seeds and step counts are host integers.
@@ -37,7 +38,7 @@ import torch
 
 from mixprec._src.optim import cpu_lists, moments
 from mixprec._src.optim.state_precision import StatePrecision
-from mixprec._src.step import fp32_weights, kahan, low_bit_state, sr_noise, state_dicts, stochastic_rounding
+from mixprec._src.step import kahan, low_bit_state, own_step, sr_noise, state_dicts, stochastic_rounding
 from mixprec._src.step import step_in_backward as in_backward
 
 __all__ = ["WRITES", "StepPlan", "install", "narrow_state"]
@@ -96,7 +97,7 @@ class StepPlan:
             how = "in one call a param group" if lists and self.optimizer != "other" else "on fp32 copies"
             parts.append(f"bf16 weights written {self.write} {how}")
         if self.optimizer != "other" and lists:
-            parts.append("fp32 weights of a for-loop or foreach step in one call a param group (as torch's step)")
+            parts.append("the rest of a for-loop or foreach step in one call a param group (as torch's own step)")
         parts.append("the rest by the optimizer's own step")
         when = "in backward, a parameter at a time" if self.in_backward else "after backward"
         return f"{'; '.join(parts)}; {when}"
@@ -148,7 +149,7 @@ def install(
     else:  # a checkpoint of quantized state loads as the level's moments
         state_dicts.dequantize_on_load(optimizer, handles)
     # outermost: the fp32 weights every stage above hands on to torch's own Adam(W) or SGD, in one call on the CPU
-    fp32_weights.install(optimizer, handles)
+    own_step.install(optimizer, handles)
     if plan.in_backward:  # after every change to the optimizer's step: it steps with all of them
         in_backward.install(model, optimizer, plan.clip, handles, slices=slices)
     return fused

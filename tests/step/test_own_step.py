@@ -1,4 +1,4 @@
-"""torch's own Adam(W) and SGD steps of fp32 weights in one call a param group on the CPU (step/fp32_weights.py): bit
+"""torch's own Adam(W) and SGD steps of fp32 weights in one call a param group on the CPU (step/own_step.py): bit
 for bit torch's for-loop and foreach steps, their ops constant in the model, and torch's own step wherever they cannot
 be."""
 
@@ -12,15 +12,15 @@ from torch import nn
 
 import mixprec
 from helpers import step_ops_at
-from mixprec._src.optim import cpu_lists, fp32_lists
-from mixprec._src.step import fp32_weights
+from mixprec._src.optim import aten_lists, cpu_lists
+from mixprec._src.step import own_step
 from mixprec.bench import step_cost
 
 
 def test_the_kernels_step_as_torch_here() -> None:
     """They build and their probes match torch's steps on this machine (MKL's square root found in torch's library):
     else every test below would pass on torch's own step."""
-    assert fp32_lists.available() and fp32_lists.sgd_available()
+    assert aten_lists.available() and aten_lists.sgd_available()
 
 
 def _model(seed: int = 0) -> nn.Module:
@@ -53,7 +53,7 @@ OPTIONS = {
 
 @pytest.mark.parametrize("foreach", [False, True], ids=["for-loop", "foreach"])
 @pytest.mark.parametrize("name", list(OPTIONS))
-def test_the_fp32_weights_step_as_torchs_step_bit_for_bit(name: str, foreach: bool) -> None:
+def test_the_own_step_step_as_torchs_step_bit_for_bit(name: str, foreach: bool) -> None:
     """Two param groups of their own options, a weight whose count falls behind: weights, moments and counts as
     torch's own step leaves them."""
     kind, options = OPTIONS[name]
@@ -61,7 +61,7 @@ def test_the_fp32_weights_step_as_torchs_step_bit_for_bit(name: str, foreach: bo
     torchs = kind(_groups(models[0], options), foreach=foreach)
     ours = kind(_groups(models[1], options), foreach=foreach)
     handles: list[Any] = []
-    fp32_weights.install(ours, handles)
+    own_step.install(ours, handles)
     _train(models[0], torchs)
     _train(models[1], ours)
     for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
@@ -75,24 +75,25 @@ def test_the_fp32_weights_step_as_torchs_step_bit_for_bit(name: str, foreach: bo
 
 
 def test_what_it_does_not_take_is_torchs_step() -> None:
-    """A fused group, an amsgrad group and a bf16 weight stay with torch's step: it takes the rest of their lists."""
+    """An amsgrad group and an fp64 weight stay with torch's step: it takes the rest of their lists."""
     torch.manual_seed(0)
-    weights = [nn.Parameter(torch.randn(40)) for _ in range(3)] + [nn.Parameter(torch.randn(40, dtype=torch.bfloat16))]
+    weights = [nn.Parameter(torch.randn(40)) for _ in range(3)] + [nn.Parameter(torch.randn(40, dtype=torch.float64))]
     copies = [nn.Parameter(w.detach().clone()) for w in weights]
 
     def groups(ws: list[nn.Parameter]) -> list[dict[str, Any]]:
         return [{"params": [ws[0]], "amsgrad": True}, {"params": [ws[1], ws[3]]}, {"params": [ws[2]]}]
 
     torchs, ours = torch.optim.AdamW(groups(weights), lr=0.1), torch.optim.AdamW(groups(copies), lr=0.1)
-    fp32_weights.install(ours, [])
+    own_step.install(ours, [])
+    assert aten_lists.available(torch.bfloat16)  # its probe run before the count starts
     taken: list[int] = []
-    real = fp32_lists.step_list
+    real = aten_lists.step_list
 
     def counting(rows: Any, *args: Any) -> None:
         taken.extend(id(r[0]) for r in rows)
         real(rows, *args)
 
-    fp32_lists.step_list = counting  # type: ignore[assignment]
+    aten_lists.step_list = counting  # type: ignore[assignment]
     try:
         for _ in range(3):
             for a, b in zip(weights, copies, strict=True):
@@ -101,7 +102,7 @@ def test_what_it_does_not_take_is_torchs_step() -> None:
             torchs.step()
             ours.step()
     finally:
-        fp32_lists.step_list = real  # type: ignore[assignment]
+        aten_lists.step_list = real  # type: ignore[assignment]
     assert set(taken) == {id(copies[1]), id(copies[2])}
     assert all(torch.equal(a, b) for a, b in zip(weights, copies, strict=True))
 
@@ -115,13 +116,13 @@ SGD_OPTIONS = {
 
 @pytest.mark.parametrize("foreach", [False, True], ids=["for-loop", "foreach"])
 @pytest.mark.parametrize("name", list(SGD_OPTIONS))
-def test_sgds_fp32_weights_step_as_torchs_step_bit_for_bit(name: str, foreach: bool) -> None:
+def test_sgds_own_step_step_as_torchs_step_bit_for_bit(name: str, foreach: bool) -> None:
     """SGD's weights and momentum buffers (made at a weight's first step, one made a step later for the weight that
     had no gradient) as torch's own step leaves them."""
     models = [_model(), _model()]
     torchs = torch.optim.SGD(_groups(models[0], SGD_OPTIONS[name]), lr=0.01, foreach=foreach)
     ours = torch.optim.SGD(_groups(models[1], SGD_OPTIONS[name]), lr=0.01, foreach=foreach)
-    fp32_weights.install(ours, [])
+    own_step.install(ours, [])
     _train(models[0], torchs)
     _train(models[1], ours)
     for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
@@ -131,13 +132,54 @@ def test_sgds_fp32_weights_step_as_torchs_step_bit_for_bit(name: str, foreach: b
             assert torch.equal(value, ours.state[b][key]), key
 
 
-@pytest.mark.parametrize("level", ["O1", "O2", "bf16-sr"])
+@pytest.mark.parametrize("foreach", [False, True], ids=["for-loop", "foreach"])
+@pytest.mark.parametrize("name", ["adamw", "adam-l2", "adamw-maximize"])
+def test_bf16_weights_step_as_torchs_step_bit_for_bit(name: str, foreach: bool) -> None:
+    """bf16 weights and moments (bf16-pure's), each op rounded to bf16 as ATen rounds it; Adam's L2 decay of a bf16
+    weight is left to torch's step (the same bits either way)."""
+    kind, options = OPTIONS[name]
+    models = [_model().bfloat16(), _model().bfloat16()]
+    torchs = kind(_groups(models[0], options), foreach=foreach)
+    ours = kind(_groups(models[1], options), foreach=foreach)
+    own_step.install(ours, [])
+    assert aten_lists.available(torch.bfloat16)  # its probe run before the count starts
+    taken: list[int] = []
+    real = aten_lists.step_list
+
+    def counting(rows: Any, *args: Any) -> None:
+        taken.extend(id(r[0]) for r in rows if r[0].dtype is torch.bfloat16)
+        real(rows, *args)
+
+    aten_lists.step_list = counting  # type: ignore[assignment]
+    try:
+        for model, opt in zip(models, (torchs, ours), strict=True):
+            g = torch.Generator().manual_seed(1)
+            for _ in range(4):
+                opt.zero_grad(set_to_none=True)
+                model(torch.randn(8, 67, generator=g).bfloat16()).float().square().mean().backward()
+                opt.step()
+    finally:
+        aten_lists.step_list = real  # type: ignore[assignment]
+    for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
+        assert torch.equal(a, b)
+        for key, value in torchs.state[a].items():
+            assert torch.equal(value, ours.state[b][key]), key
+    decayed = {id(p) for p in ours.param_groups[0]["params"]}  # the first group's: the options' decay
+    assert set(taken) == {id(p) for g in ours.param_groups for p in g["params"]} - (
+        decayed if name == "adam-l2" else set()
+    )
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "bf16-sr", "bf16-pure"])
 @pytest.mark.parametrize("optimizer", ["adamw", "adamw-foreach", "sgd"])
 def test_a_levels_step_is_one_call_whatever_the_model(level: str, optimizer: str) -> None:
-    """With torch's for-loop (its CPU default) and foreach AdamW and with SGD, O1's, O2's and bf16-sr's (its kept
-    norms) ``optimizer.step()`` dispatch as many ops at 8 blocks as at 2; torch.amp's grow."""
+    """With torch's for-loop (its CPU default) and foreach AdamW and with SGD, O1's, O2's, bf16-sr's (its kept
+    norms) and bf16-pure's (but with SGD, whose bf16 step stays torch's) ``optimizer.step()`` dispatch as many ops at
+    8 blocks as at 2; torch.amp's grow."""
+    if level == "bf16-pure" and optimizer == "sgd":
+        pytest.skip("torch's own SGD steps bf16 weights")
     ops, _, _ = step_ops_at(step_cost.Recipe(level, level), 32, optimizer=optimizer)
-    assert ops[0] == ops[1] < 12, ops
+    assert ops[0] == ops[1] < 16, ops
     amp_ops, _, _ = step_ops_at(step_cost.Recipe("torch-amp"), 32, optimizer=optimizer)
     assert amp_ops[1] > 2 * amp_ops[0]
 
@@ -160,24 +202,24 @@ def test_prepare_steps_o2s_masters_as_torch_would() -> None:
 def test_a_kernel_that_does_not_match_torch_here_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
     """The probe: where the kernel's step differs from torch's on this machine (here a step size off by a place), it is
     not used and torch's own step runs: still bit for bit."""
-    real = fp32_lists.scalars
+    real = aten_lists.scalars
 
     def off(group: dict[str, Any], step: float, decoupled: bool) -> tuple[torch.Tensor, int]:
         scalars, flags = real(group, step, decoupled)
         scalars[6] = torch.nextafter(scalars[6], torch.tensor(0.0))
         return scalars, flags
 
-    monkeypatch.setattr(fp32_lists, "scalars", off)
+    monkeypatch.setattr(aten_lists, "scalars", off)
     monkeypatch.setattr(cpu_lists, "_failed", set())
-    fp32_lists._probe.cache_clear()
+    aten_lists._probe.cache_clear()
     try:
-        assert not fp32_lists.available() and not fp32_lists.expected()
+        assert not aten_lists.available() and not aten_lists.expected()
         models = [_model(), _model()]
         torchs = torch.optim.AdamW(models[0].parameters(), lr=1e-2, eps=1e-3)
         ours = torch.optim.AdamW(models[1].parameters(), lr=1e-2, eps=1e-3)
-        fp32_weights.install(ours, [])
+        own_step.install(ours, [])
         _train(models[0], torchs)
         _train(models[1], ours)
         assert all(torch.equal(a, b) for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True))
     finally:
-        fp32_lists._probe.cache_clear()
+        aten_lists._probe.cache_clear()

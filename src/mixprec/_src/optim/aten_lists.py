@@ -1,14 +1,16 @@
-"""torch's for-loop Adam(W) and SGD steps of fp32 CPU tensors, a whole list in one call, bit for bit: :func:`step_list`,
+"""torch's for-loop Adam(W) and SGD steps on the CPU, a whole list in one call, bit for bit: :func:`step_list`,
 :func:`sgd_step`.
 
 torch.optim.Adam and AdamW step each weight of a param group with several ATen ops on the CPU (their for-loop, the
 CPU default; their foreach form runs the same ops a tensor at a time there). This kernel
-(``optim/kernels/adam_fp32_lists.cpp``, built as ``cpu_lists``' are) computes each of those ops as ATen does, in the
-same order and roundings, on the chunks of a table of the tensors' addresses: one C++ call a param group and step count.
-ATen's fp32 square root is MKL's ``vmsSqrt`` (about one root in six differs from the correctly rounded one in the
-last place), which the kernel calls too, from torch's own library. Whether it matches torch on this machine is
-checked once per process (:func:`available`: a probe of a few steps against torch's for-loop); where it does not,
-or does not build, torch's own step runs. SGD's for-loop is ``cpu_lists``' SGD kernel on fp32 storage (its
+(``optim/kernels/adam_aten_lists.cpp``, built as ``cpu_lists``' are) computes each of those ops as ATen does, in the
+same order and roundings, on the chunks of a table of the tensors' addresses: one C++ call a param group, dtype
+and step count. On fp32 tensors ATen's square root is MKL's ``vmsSqrt`` (about one root in six differs from the
+correctly rounded one in the last place), which the kernel calls too, from torch's own library; on bf16 tensors
+every op's result is rounded to bf16, the scalars as ATen applies them (eps added as a bf16 value; the foreach
+form's decay and beta2 multiplied as bf16 values). Whether it matches torch on this machine is checked once per
+process and dtype (:func:`available`: a probe of a few steps against torch); where it does not, or does not
+build, torch's own step runs. SGD's for-loop on fp32 weights is ``cpu_lists``' SGD kernel on fp32 storage (its
 arithmetic is the for-loop's already: :func:`sgd_step`, probed the same way). Nothing here syncs: CPU tensors only.
 """
 
@@ -17,25 +19,39 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import struct
 from typing import Any
 
 import torch
 
 from mixprec._src.optim import cpu_adam, cpu_lists
 
-__all__ = ["available", "expected", "scalars", "sgd_available", "sgd_step", "step_list", "takes"]
+__all__ = [
+    "available",
+    "expected",
+    "scalars",
+    "sgd_available",
+    "sgd_expected",
+    "sgd_step",
+    "step_list",
+    "supports",
+    "takes",
+]
 
 #: values a chunk of the list kernels (their CHUNK): the probe's largest tensor spans two
 CHUNK_VALUES = 4096
-_SOURCE = cpu_lists._PRELUDE + cpu_adam.kernel_source("adam_fp32_lists.cpp")
+_SOURCE = cpu_lists._PRELUDE + cpu_adam.kernel_source("adam_aten_lists.cpp")
 #: the kernel's flags
 DECOUPLED, L2, MAXIMIZE = 1, 2, 4
+#: the storage dtypes the Adam(W) kernel steps, and their C++ types
+_STORAGE = {torch.float32: "float", torch.bfloat16: "BF16"}
 
 
 @functools.cache
-def _compiled() -> Any:
+def _compiled(dtype: torch.dtype) -> Any:
     return cpu_lists._load(
-        ["const int64_t*", "int64_t", "const float*", "int64_t", "int64_t"], _SOURCE % {"helpers": cpu_adam._HELPERS}
+        ["const int64_t*", "int64_t", "const float*", "int64_t", "int64_t"],
+        _SOURCE % {"helpers": cpu_adam._HELPERS, "storage": _STORAGE[dtype]},
     )
 
 
@@ -53,35 +69,46 @@ def _aten_root() -> int | None:
     return ctypes.cast(root, ctypes.c_void_p).value
 
 
-def expected() -> bool:
-    """Whether torch's Adam(W) of fp32 CPU weights is expected to take :func:`step` (it has not failed to
+def expected(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether torch's Adam(W) of ``dtype`` CPU weights is expected to take :func:`step_list` (it has not failed to
     build or match in this process); compiles nothing."""
-    return ("fp32-adam",) not in cpu_lists._failed
+    return dtype in _STORAGE and ("aten-adam", dtype) not in cpu_lists._failed
 
 
-def available() -> bool:
-    """Whether :func:`step` steps as torch's for-loop Adam(W) does here: its kernel builds, ATen's root is
-    found, and a probe of a few steps of tensors of several sizes (vector loops and tails, both decays, maximize)
-    comes out bitwise equal to torch's for-loop step. Once per process."""
-    return cpu_lists._builds(("fp32-adam",), _probe)
+def available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether :func:`step_list` steps ``dtype`` weights (fp32, bf16) as torch's for-loop Adam(W) does here: its
+    kernel builds, ATen's root is found, and a probe of a few steps of tensors of several sizes (vector loops and
+    tails, the decays it takes, maximize, a beta1 past 0.5) comes out bitwise equal to torch's for-loop step. Once
+    per process and dtype."""
+    return dtype in _STORAGE and cpu_lists._builds(("aten-adam", dtype), _probe, dtype)
+
+
+def supports(group: dict[str, Any], dtype: torch.dtype, decoupled: bool) -> bool:
+    """Whether the kernel has ``group``'s arithmetic for ``dtype`` weights: all but Adam's L2 decay of bf16 ones
+    (its gradient plus decay rounds where the kernel does not follow it)."""
+    return dtype is torch.float32 or decoupled or not float(group["weight_decay"])
 
 
 @functools.cache
-def _probe() -> None:
+def _probe(dtype: torch.dtype) -> None:
     if _aten_root() is None:
         raise RuntimeError("ATen's square root was not found")
-    _compiled()
+    _compiled(dtype)
     g = torch.Generator().manual_seed(0)
-    sizes = (1, 7, 16, 33, CHUNK_VALUES + 5)
-    for kind, options in (
-        (torch.optim.AdamW, {"weight_decay": 0.1}),
-        (torch.optim.Adam, {"weight_decay": 0.01, "maximize": True}),
-    ):
-        weights = [torch.randn(n, generator=g) for n in sizes]
-        grads = [[torch.randn(n, generator=g) * 1e-2 for n in sizes] for _ in range(3)]
+    sizes = (1, 7, 16, 33, 47, CHUNK_VALUES + 5)
+    cases: list[tuple[type[torch.optim.Optimizer], dict[str, Any]]] = [
+        (torch.optim.AdamW, {"weight_decay": 0.1, "lr": 0.3}),
+        (torch.optim.AdamW, {"weight_decay": 0.1, "lr": 0.3, "foreach": True, "betas": (0.9, 0.95)}),
+        (torch.optim.Adam, {"maximize": True, "betas": (0.3, 0.99)}),
+    ]
+    if dtype is torch.float32:
+        cases.append((torch.optim.Adam, {"weight_decay": 0.01, "maximize": True}))
+    for kind, options in cases:
+        weights = [torch.randn(n, generator=g).to(dtype) for n in sizes]
+        grads = [[(torch.randn(n, generator=g) * 1e-2).to(dtype) for n in sizes] for _ in range(3)]
         mine, theirs = [w.clone() for w in weights], [w.clone() for w in weights]
-        ours = kind(mine, lr=1e-2, foreach=False, **options)  # type: ignore[arg-type]
-        torchs = kind(theirs, lr=1e-2, foreach=False, **options)  # type: ignore[arg-type]
+        options = {"lr": 1e-2, "foreach": False, **options}
+        ours, torchs = kind(mine, **options), kind(theirs, **options)
         for step, grad in enumerate(grads, 1):
             for w, gw in zip(theirs, grad, strict=True):
                 w.grad = gw.clone()
@@ -96,30 +123,46 @@ def _probe() -> None:
             rows = [(w, w.grad, st["exp_avg"], st["exp_avg_sq"]) for w, st in zip(mine, states, strict=True)]
             step_list(rows, group, float(step), isinstance(ours, torch.optim.AdamW))  # type: ignore[arg-type]
         for a, b in zip(mine, theirs, strict=True):
-            if not torch.equal(a, b):
-                raise RuntimeError("the fp32 Adam(W) kernel does not step as torch's for-loop here")
+            if not torch.equal(a, b) or not torch.equal(ours.state[a]["exp_avg_sq"], torchs.state[b]["exp_avg_sq"]):
+                raise RuntimeError(f"the {dtype} Adam(W) kernel does not step as torch's for-loop here")
 
 
-def scalars(group: dict[str, Any], step: float, decoupled: bool) -> tuple[torch.Tensor, int]:
-    """The fp32 Adam(W) kernel's scalars and flags for ``group`` at ``step``, made as torch's for-loop makes them:
-    in Python floats (doubles), each narrowed to fp32 where ATen applies it to an fp32 tensor."""
+def scalars(group: dict[str, Any], step: float, decoupled: bool, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+    """The Adam(W) kernel's scalars and flags for ``group`` at ``step``, made as torch's for-loop makes them: in
+    Python floats (doubles), each narrowed to fp32 where ATen applies it to a tensor; on bf16 tensors, eps to bf16
+    (``add_`` adds it as one), and in the foreach form (``group["foreach"]``) the decay and beta2 too (its
+    ``_foreach_mul_`` multiplies by a bf16 scalar)."""
     lr, weight_decay, eps = float(group["lr"]), float(group["weight_decay"]), float(group["eps"])
     beta1, beta2 = (float(b) for b in group["betas"])
     bias_correction1, bias_correction2 = 1 - beta1**step, 1 - beta2**step
     decay = (1 - lr * weight_decay) if decoupled else weight_decay
     flags = (DECOUPLED if decoupled else L2) * (weight_decay != 0) | MAXIMIZE * bool(group.get("maximize"))
+    if dtype is torch.bfloat16:
+        eps = _bf16(eps)
+        if group.get("foreach"):
+            decay, beta2_applied = (_bf16(decay) if decoupled else decay), _bf16(beta2)
+            values = [decay, 1 - beta1, beta2_applied, 1 - beta2, bias_correction2**0.5, eps, -(lr / bias_correction1)]
+            return torch.tensor(values, dtype=torch.float32), flags
     values = [decay, 1 - beta1, beta2, 1 - beta2, bias_correction2**0.5, eps, -(lr / bias_correction1)]
     return torch.tensor(values, dtype=torch.float32), flags
 
 
-def takes(*tensors: torch.Tensor) -> bool:
-    """Whether a weight's tensors (weight, gradient, moments) go in the fp32 kernel's list: contiguous fp32 CPU
+def _bf16(value: float) -> float:
+    """``value`` as ATen applies a scalar to a bf16 tensor: rounded to fp32, then to bf16 (to nearest even), on the
+    host."""
+    bits = struct.unpack("<I", struct.pack("<f", value))[0]
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return struct.unpack("<f", struct.pack("<I", bits))[0]  # type: ignore[no-any-return]
+
+
+def takes(*tensors: torch.Tensor, dtype: torch.dtype = torch.float32) -> bool:
+    """Whether a weight's tensors (weight, gradient, state) go in a kernel's list: contiguous dense ``dtype`` CPU
     tensors of one size, none a subclass."""
     n = tensors[0].numel()
     for t in tensors:  # a loop, not all() over a generator: this runs for every weight at every step
-        if t.dtype is not torch.float32 or not t.is_cpu or not t.is_contiguous() or t.numel() != n:
+        if t.dtype is not dtype or not t.is_cpu or t.layout is not torch.strided or t.numel() != n:
             return False
-        if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
+        if not t.is_contiguous() or (type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter):
             return False
     return True
 
@@ -130,14 +173,15 @@ def step_list(
     step: float,
     decoupled: bool,
 ) -> None:
-    """torch.optim.Adam(W)'s for-loop step of every ``(weight, gradient, exp_avg, exp_avg_sq)`` of ``rows`` (fp32 CPU
-    tensors, :func:`takes`) at step count ``step`` (already counted) with ``group``'s options, in one call, bit
-    for bit (``decoupled``: AdamW's decay). Call where :func:`available`."""
-    values, flags = scalars(group, step, decoupled)
+    """torch.optim.Adam(W)'s for-loop step of every ``(weight, gradient, exp_avg, exp_avg_sq)`` of ``rows`` (CPU
+    tensors of one dtype, :func:`takes`) at step count ``step`` (already counted) with ``group``'s options, in one
+    call, bit for bit (``decoupled``: AdamW's decay). Call where :func:`available` and :func:`supports`."""
+    dtype = rows[0][0].dtype
+    values, flags = scalars(group, step, decoupled, dtype)
     table = cpu_lists._table(
         [[p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), p.numel()] for p, g, m, v in rows]
     )
-    _compiled()(table, len(rows), values, flags, _aten_root())
+    _compiled(dtype)(table, len(rows), values, flags, _aten_root())
 
 
 def sgd_available() -> bool:
