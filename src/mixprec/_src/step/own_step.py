@@ -50,11 +50,11 @@ def install(optimizer: torch.optim.Optimizer, handles: list[Any]) -> None:
         take = _sgd_lists
     else:
         return
-    inner = optimizer.__dict__.get("_init_group")  # another stage's, or None: the class's own
-    collect = inner if inner is not None else types.MethodType(type(optimizer)._init_group, optimizer)  # type: ignore[attr-defined]
+    inner = optimizer.__dict__.get("_init_group")  # another stage's (a method of this optimizer), or the class's own
+    collect = inner.__func__ if inner is not None else type(optimizer)._init_group  # type: ignore[attr-defined]
 
     def _init_group(self: torch.optim.Optimizer, group: dict[str, Any], *lists: list[Any]) -> Any:
-        found = collect(group, *lists)
+        found = collect(self, group, *lists)
         if lists[0] and takes_group(self, group) and not torch.compiler.is_compiling():
             take(self, group, *lists)
         return found
