@@ -147,6 +147,9 @@ MUTANTS = (
     Mutant("aten-adam-bf16-foreach-scalars-unrounded", "the ATen Adam(W) kernel takes foreach's decay and beta2 on "
            "bf16 tensors as fp32 values (_foreach_mul_ rounds them to bf16)", S + "optim/aten_lists.py",
            "(_bf16(decay) if decoupled else decay), _bf16(beta2)", "decay, beta2", ("tests/step/test_own_step.py",)),
+    Mutant("aten-probe-seen-by-modes", "the own step's probes run under the dispatch modes around the first step",
+           S + "optim/aten_lists.py", "    with _disable_current_modes():", "    with torch.no_grad():",
+           ("tests/step/test_own_step.py",)),
     Mutant("llama-fp8-without-its-baseline", "bench --llama --recipes O1+fp8 leaves O1, the fp8 row's baseline, out",
            "src/mixprec/cli/bench.py", "chosen |= {r.baseline for r in llama.RECIPES if r.name in chosen}",
            "chosen |= set()", ("tests/test_llama_bench.py",)),

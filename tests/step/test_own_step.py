@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import mixprec
-from helpers import step_ops_at
+from helpers import OpNames, step_ops_at
 from mixprec._src.optim import aten_lists, cpu_lists
 from mixprec._src.step import own_step
 from mixprec.bench import step_cost
@@ -211,6 +211,7 @@ def test_a_kernel_that_does_not_match_torch_here_is_not_used(monkeypatch: pytest
 
     monkeypatch.setattr(aten_lists, "scalars", off)
     monkeypatch.setattr(cpu_lists, "_failed", set())
+    monkeypatch.setattr(aten_lists, "_done", set())
     aten_lists._probe.cache_clear()
     try:
         assert not aten_lists.available() and not aten_lists.expected()
@@ -223,3 +224,28 @@ def test_a_kernel_that_does_not_match_torch_here_is_not_used(monkeypatch: pytest
         assert all(torch.equal(a, b) for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True))
     finally:
         aten_lists._probe.cache_clear()
+
+
+def test_a_dispatch_mode_around_the_first_step_sees_the_step_and_not_the_probe(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The probes run at the first step that needs them, with the thread's dispatch modes set aside: a mode around
+    that step (FlopCounterMode, a memory tracker) sees the ops it sees where the probe ran before."""
+
+    def first_step() -> list[str]:
+        model = _model()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        own_step.install(opt, [])
+        model(torch.randn(8, 67)).square().mean().backward()
+        with OpNames() as mode:
+            opt.step()
+        return mode.names
+
+    assert aten_lists.available()
+    probed_before = first_step()
+    monkeypatch.setattr(cpu_lists, "_failed", set())
+    monkeypatch.setattr(aten_lists, "_done", set())
+    aten_lists._probe.cache_clear()
+    try:
+        probed_now = first_step()
+    finally:
+        aten_lists._probe.cache_clear()
+    assert probed_now == probed_before and len(probed_now) < 40, probed_now

@@ -23,6 +23,7 @@ import struct
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from mixprec._src.optim import cpu_adam, cpu_lists
 
@@ -80,13 +81,30 @@ def available(dtype: torch.dtype = torch.float32) -> bool:
     kernel builds, ATen's root is found, and a probe of a few steps of tensors of several sizes (vector loops and
     tails, the decays it takes, maximize, a beta1 past 0.5) comes out bitwise equal to torch's for-loop step. Once
     per process and dtype."""
-    return dtype in _STORAGE and cpu_lists._builds(("aten-adam", dtype), _probe, dtype)
+    return dtype in _STORAGE and _probed(("aten-adam", dtype), _probe, dtype)
 
 
 def supports(group: dict[str, Any], dtype: torch.dtype, decoupled: bool) -> bool:
     """Whether the kernel has ``group``'s arithmetic for ``dtype`` weights: all but Adam's L2 decay of bf16 ones
     (its gradient plus decay rounds where the kernel does not follow it)."""
     return dtype is torch.float32 or decoupled or not float(group["weight_decay"])
+
+
+_done: set[tuple[Any, ...]] = set()  # the kernels whose probe matched torch in this process
+
+
+def _probed(key: tuple[Any, ...], probe: Any, *args: Any) -> bool:
+    """Whether ``probe(*args)`` built its kernel and matched torch (once per process and ``key``; it runs with the
+    thread's dispatch modes set aside: a mode around the first step sees the step, not the probe)."""
+    if key in _done:
+        return True
+    if key in cpu_lists._failed:
+        return False
+    with _disable_current_modes():
+        matched = cpu_lists._builds(key, probe, *args)
+    if matched:
+        _done.add(key)
+    return matched
 
 
 @functools.cache
@@ -188,7 +206,7 @@ def sgd_available() -> bool:
     """Whether :func:`sgd_step` steps as torch's for-loop SGD does here: its kernel builds and a probe of a few steps
     (weight decay, momentum with dampening, nesterov, maximize; tensors with vector tails) matches torch's for-loop
     bitwise. Once per process."""
-    return cpu_lists._builds(("fp32-sgd",), _probe_sgd)
+    return _probed(("fp32-sgd",), _probe_sgd)
 
 
 def sgd_expected() -> bool:
