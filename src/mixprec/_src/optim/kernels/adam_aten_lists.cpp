@@ -10,8 +10,16 @@
 using Root = void (*)(int, const float*, float*, long long);
 constexpr long long ROOT_MODE = 0x2 | 0x100 | 0x140000;  // VML_HA | VML_ERRMODE_IGNORE | VML_FTZDAZ_OFF, as ATen's
 
+inline void adam_part(float* p, const float* g, float* m, float* v, int64_t first, int64_t last, const float* s,
+                      int64_t flags, Root root);
+// a chunk in parts of PART values: the three passes of a part (moments, MKL's root, weights) stay in the L1 cache
+constexpr int64_t PART = 1024;
 inline void adam(float* p, const float* g, float* m, float* v, int64_t first, int64_t last, const float* s,
                  int64_t flags, Root root) {
+    for (int64_t k = first; k < last; k += PART) adam_part(p, g, m, v, k, std::min(k + PART, last), s, flags, root);
+}
+inline void adam_part(float* p, const float* g, float* m, float* v, int64_t first, int64_t last, const float* s,
+                      int64_t flags, Root root) {
     const bool decoupled = flags & 1, l2 = flags & 2, maximize = flags & 4;
     const VecF decay(s[0]), beta2(s[2]), omb2(s[3]), bc2(s[4]), eps(s[5]), step(s[6]);
     int64_t k = first;
@@ -32,7 +40,7 @@ inline void adam(float* p, const float* g, float* m, float* v, int64_t first, in
         v[k] = std::fma(s[3] * gk, gk, v[k] * s[2]);
         p[k] = pk;
     }
-    float denom[CHUNK];
+    float denom[PART];
     root(static_cast<int>(last - first), v + first, denom, ROOT_MODE);
     k = first;
     for (; k + VecF::size() <= last; k += VecF::size()) {
