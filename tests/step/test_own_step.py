@@ -204,26 +204,22 @@ def test_a_kernel_that_does_not_match_torch_here_is_not_used(monkeypatch: pytest
     not used and torch's own step runs: still bit for bit."""
     real = aten_lists.scalars
 
-    def off(group: dict[str, Any], step: float, decoupled: bool) -> tuple[torch.Tensor, int]:
-        scalars, flags = real(group, step, decoupled)
+    def off(group: dict[str, Any], step: float, decoupled: bool, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+        scalars, flags = real(group, step, decoupled, dtype)
         scalars[6] = torch.nextafter(scalars[6], torch.tensor(0.0))
         return scalars, flags
 
     monkeypatch.setattr(aten_lists, "scalars", off)
     monkeypatch.setattr(cpu_lists, "_failed", set())
     monkeypatch.setattr(aten_lists, "_done", set())
-    aten_lists._probe.cache_clear()
-    try:
-        assert not aten_lists.available() and not aten_lists.expected()
-        models = [_model(), _model()]
-        torchs = torch.optim.AdamW(models[0].parameters(), lr=1e-2, eps=1e-3)
-        ours = torch.optim.AdamW(models[1].parameters(), lr=1e-2, eps=1e-3)
-        own_step.install(ours, [])
-        _train(models[0], torchs)
-        _train(models[1], ours)
-        assert all(torch.equal(a, b) for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True))
-    finally:
-        aten_lists._probe.cache_clear()
+    assert not aten_lists.available() and not aten_lists.expected()
+    models = [_model(), _model()]
+    torchs = torch.optim.AdamW(models[0].parameters(), lr=1e-2, eps=1e-3)
+    ours = torch.optim.AdamW(models[1].parameters(), lr=1e-2, eps=1e-3)
+    own_step.install(ours, [])
+    _train(models[0], torchs)
+    _train(models[1], ours)
+    assert all(torch.equal(a, b) for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True))
 
 
 def test_a_dispatch_mode_around_the_first_step_sees_the_step_and_not_the_probe(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -243,9 +239,5 @@ def test_a_dispatch_mode_around_the_first_step_sees_the_step_and_not_the_probe(m
     probed_before = first_step()
     monkeypatch.setattr(cpu_lists, "_failed", set())
     monkeypatch.setattr(aten_lists, "_done", set())
-    aten_lists._probe.cache_clear()
-    try:
-        probed_now = first_step()
-    finally:
-        aten_lists._probe.cache_clear()
+    probed_now = first_step()
     assert probed_now == probed_before and len(probed_now) < 40, probed_now

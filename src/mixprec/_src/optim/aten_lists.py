@@ -90,7 +90,7 @@ def supports(group: dict[str, Any], dtype: torch.dtype, decoupled: bool) -> bool
     return dtype is torch.float32 or decoupled or not float(group["weight_decay"])
 
 
-_done: set[tuple[Any, ...]] = set()  # the kernels whose probe matched torch in this process
+_done: set[tuple[Any, ...]] = set()  # the kernels whose probe matched torch in this process (cpu_lists._failed: not)
 
 
 def _probed(key: tuple[Any, ...], probe: Any, *args: Any) -> bool:
@@ -107,7 +107,6 @@ def _probed(key: tuple[Any, ...], probe: Any, *args: Any) -> bool:
     return matched
 
 
-@functools.cache
 def _probe(dtype: torch.dtype) -> None:
     if _aten_root() is None:
         raise RuntimeError("ATen's square root was not found")
@@ -214,7 +213,6 @@ def sgd_expected() -> bool:
     return ("fp32-sgd",) not in cpu_lists._failed
 
 
-@functools.cache
 def _probe_sgd() -> None:
     cpu_lists._sgd("float")
     g = torch.Generator().manual_seed(0)
@@ -246,13 +244,4 @@ def sgd_step(rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, b
     """torch.optim.SGD's for-loop step of every ``(weight, gradient, momentum buffer or None, buffer started)`` of
     ``rows`` (fp32 CPU tensors, :func:`takes`) with ``group``'s options, in one call, bit for bit; a buffer not
     started yet is written as torch makes it (the gradient, with decay). Call where :func:`sgd_available`."""
-    momentum = float(group["momentum"])
-    flags = (
-        cpu_lists.NESTEROV * bool(group.get("nesterov"))
-        | cpu_lists.MAXIMIZE * bool(group.get("maximize"))
-        | cpu_lists.MOMENTUM * (momentum != 0)
-    )
-    table = cpu_lists._table(
-        [[p.data_ptr(), g.data_ptr(), 0 if b is None else b.data_ptr(), 0, p.numel(), 0, int(s)] for p, g, b, s in rows]
-    )
-    cpu_lists._sgd("float")(table, len(rows), cpu_lists._sgd_scalars(group), flags, cpu_lists.NEAREST)
+    cpu_lists.sgd_step([(p, g, b, None, 0, s) for p, g, b, s in rows], group, cpu_lists.NEAREST, storage="float")

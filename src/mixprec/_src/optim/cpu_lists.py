@@ -279,11 +279,12 @@ def _sgd_scalars(group: dict[str, Any]) -> torch.Tensor:
     )
 
 
-def sgd_step(rows: list[tuple[Any, ...]], group: dict[str, Any], rounding: int) -> None:
+def sgd_step(rows: list[tuple[Any, ...]], group: dict[str, Any], rounding: int, storage: str = "BF16") -> None:
     """torch.optim.SGD's step of every ``(weight, gradient, momentum buffer or None, compensation or None, seed,
     buffer started)`` of ``rows`` (bf16 CPU tensors, contiguous) with ``group``'s options, in one call, as torch's
     for-loop steps fp32 copies of them (bit for bit); the buffers (bf16) written back rounded to nearest, the
-    weights with bf16-sr's noise (``rounding`` :data:`STOCHASTIC`, each its ``seed``) or Kahan's compensation."""
+    weights with bf16-sr's noise (``rounding`` :data:`STOCHASTIC`, each its ``seed``) or Kahan's compensation.
+    ``storage`` ``"float"``: fp32 tensors, as torch's for-loop steps them (``rounding`` :data:`NEAREST`)."""
     momentum = float(group["momentum"])
     flags = NESTEROV * bool(group.get("nesterov")) | MAXIMIZE * bool(group.get("maximize")) | MOMENTUM * (momentum != 0)
     scalars = _sgd_scalars(group)
@@ -293,7 +294,7 @@ def sgd_step(rows: list[tuple[Any, ...]], group: dict[str, Any], rounding: int) 
             for p, g, b, c, seed, started in rows
         ]
     )
-    _sgd()(table, len(rows), scalars, flags, rounding)
+    _sgd(storage)(table, len(rows), scalars, flags, rounding)
 
 
 _SGD_BF16_STATE = _PRELUDE + cpu_adam.kernel_source("sgd_bf16_state.cpp")

@@ -83,8 +83,7 @@ class _AdamLists:
         for i, (p, g, m, v, t) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, state_steps, strict=True)):
             dtype = p.dtype
             mine = (
-                (dtype is torch.float32 or dtype is torch.bfloat16)
-                and aten_lists.takes(p, g, m, v, dtype=dtype)
+                aten_lists.takes(p, g, m, v, dtype=dtype)
                 and t.dtype is torch.float32
                 and t.is_cpu
                 and t.dim() == 0

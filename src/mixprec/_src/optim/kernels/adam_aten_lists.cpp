@@ -1,4 +1,4 @@
-// adam_aten_lists.cpp: C++ for optim/cpu_lists.py, which builds it with inductor's toolchain.
+// adam_aten_lists.cpp: C++ for optim/aten_lists.py, which builds it as cpu_lists' kernels are built.
 
 
 // torch.optim.Adam(W)'s for-loop step (and its foreach step, the same ATen ops on the CPU) on fp32 tensors, op for
@@ -10,14 +10,10 @@
 using Root = void (*)(int, const float*, float*, long long);
 constexpr long long ROOT_MODE = 0x2 | 0x100 | 0x140000;  // VML_HA | VML_ERRMODE_IGNORE | VML_FTZDAZ_OFF, as ATen's
 
-inline void adam_part(float* p, const float* g, float* m, float* v, int64_t first, int64_t last, const float* s,
-                      int64_t flags, Root root);
-// a chunk in parts of PART values: the three passes of a part (moments, MKL's root, weights) stay in the L1 cache
+// values a part: adam passes over a chunk a part at a time, whose three passes (moments, MKL's root, weights) stay in
+// the L1 cache
 constexpr int64_t PART = 1024;
-inline void adam(float* p, const float* g, float* m, float* v, int64_t first, int64_t last, const float* s,
-                 int64_t flags, Root root) {
-    for (int64_t k = first; k < last; k += PART) adam_part(p, g, m, v, k, std::min(k + PART, last), s, flags, root);
-}
+
 inline void adam_part(float* p, const float* g, float* m, float* v, int64_t first, int64_t last, const float* s,
                       int64_t flags, Root root) {
     const bool decoupled = flags & 1, l2 = flags & 2, maximize = flags & 4;
@@ -51,6 +47,10 @@ inline void adam_part(float* p, const float* g, float* m, float* v, int64_t firs
         const float d = denom[k - first] / s[4] + s[5];
         p[k] = p[k] + s[6] * m[k] / d;
     }
+}
+inline void adam(float* p, const float* g, float* m, float* v, int64_t first, int64_t last, const float* s,
+                 int64_t flags, Root root) {
+    for (int64_t k = first; k < last; k += PART) adam_part(p, g, m, v, k, std::min(k + PART, last), s, flags, root);
 }
 
 // the same ops on bf16 tensors, as ATen computes each on them: in fp32 from the bf16 values, every op's result
