@@ -12,7 +12,7 @@ from torch import nn
 
 import mixprec
 from helpers import OpNames, step_ops_at
-from mixprec._src.optim import aten_lists, cpu_lists
+from mixprec._src.optim import aten_lists, cpu_lists, fused_lists
 from mixprec._src.step import own_step
 from mixprec.bench import step_cost
 
@@ -20,7 +20,7 @@ from mixprec.bench import step_cost
 def test_the_kernels_step_as_torch_here() -> None:
     """They build and their probes match torch's steps on this machine (MKL's square root found in torch's library):
     else every test below would pass on torch's own step."""
-    assert aten_lists.available() and aten_lists.sgd_available()
+    assert aten_lists.available() and aten_lists.sgd_available() and fused_lists.available()
 
 
 def _model(seed: int = 0) -> nn.Module:
@@ -51,15 +51,18 @@ OPTIONS = {
 }
 
 
-@pytest.mark.parametrize("foreach", [False, True], ids=["for-loop", "foreach"])
+FORMS = {"for-loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
+
+
+@pytest.mark.parametrize("form", list(FORMS))
 @pytest.mark.parametrize("name", list(OPTIONS))
-def test_the_own_step_step_as_torchs_step_bit_for_bit(name: str, foreach: bool) -> None:
+def test_the_own_step_step_as_torchs_step_bit_for_bit(name: str, form: str) -> None:
     """Two param groups of their own options, a weight whose count falls behind: weights, moments and counts as
-    torch's own step leaves them."""
+    torch's own step (its for-loop, foreach and fused forms) leaves them."""
     kind, options = OPTIONS[name]
     models = [_model(), _model()]
-    torchs = kind(_groups(models[0], options), foreach=foreach)
-    ours = kind(_groups(models[1], options), foreach=foreach)
+    torchs = kind(_groups(models[0], options), **FORMS[form])
+    ours = kind(_groups(models[1], options), **FORMS[form])
     handles: list[Any] = []
     own_step.install(ours, handles)
     _train(models[0], torchs)
@@ -87,13 +90,13 @@ def test_what_it_does_not_take_is_torchs_step() -> None:
     own_step.install(ours, [])
     assert aten_lists.available(torch.bfloat16)  # its probe run before the count starts
     taken: list[int] = []
-    real = aten_lists.step_list
+    real = aten_lists.table
 
-    def counting(rows: Any, *args: Any) -> None:
+    def counting(rows: Any) -> Any:  # the tables the step makes (at a group's first step, and where its lists change)
         taken.extend(id(r[0]) for r in rows)
-        real(rows, *args)
+        return real(rows)
 
-    aten_lists.step_list = counting  # type: ignore[assignment]
+    aten_lists.table = counting  # type: ignore[assignment]
     try:
         for _ in range(3):
             for a, b in zip(weights, copies, strict=True):
@@ -102,7 +105,7 @@ def test_what_it_does_not_take_is_torchs_step() -> None:
             torchs.step()
             ours.step()
     finally:
-        aten_lists.step_list = real  # type: ignore[assignment]
+        aten_lists.table = real  # type: ignore[assignment]
     assert set(taken) == {id(copies[1]), id(copies[2])}
     assert all(torch.equal(a, b) for a, b in zip(weights, copies, strict=True))
 
@@ -144,13 +147,13 @@ def test_bf16_weights_step_as_torchs_step_bit_for_bit(name: str, foreach: bool) 
     own_step.install(ours, [])
     assert aten_lists.available(torch.bfloat16)  # its probe run before the count starts
     taken: list[int] = []
-    real = aten_lists.step_list
+    real = aten_lists.table
 
-    def counting(rows: Any, *args: Any) -> None:
+    def counting(rows: Any) -> Any:
         taken.extend(id(r[0]) for r in rows if r[0].dtype is torch.bfloat16)
-        real(rows, *args)
+        return real(rows)
 
-    aten_lists.step_list = counting  # type: ignore[assignment]
+    aten_lists.table = counting  # type: ignore[assignment]
     try:
         for model, opt in zip(models, (torchs, ours), strict=True):
             g = torch.Generator().manual_seed(1)
@@ -159,7 +162,7 @@ def test_bf16_weights_step_as_torchs_step_bit_for_bit(name: str, foreach: bool) 
                 model(torch.randn(8, 67, generator=g).bfloat16()).float().square().mean().backward()
                 opt.step()
     finally:
-        aten_lists.step_list = real  # type: ignore[assignment]
+        aten_lists.table = real  # type: ignore[assignment]
     for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
         assert torch.equal(a, b)
         for key, value in torchs.state[a].items():
@@ -168,6 +171,80 @@ def test_bf16_weights_step_as_torchs_step_bit_for_bit(name: str, foreach: bool) 
     assert set(taken) == {id(p) for g in ours.param_groups for p in g["params"]} - (
         decayed if name == "adam-l2" else set()
     )
+
+
+@pytest.mark.parametrize("form", list(FORMS))
+def test_a_groups_kept_tables_step_as_torch_through_what_changes(form: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A param group whose lists hold the tensors of its last step steps from the tables kept then (the new gradients'
+    addresses written in): bit for bit torch's step through a learning rate changed, a state loaded (new tensors),
+    a weight without a gradient, one whose gradient is not contiguous and one stored anew; and the tables are not made
+    anew at the steps where nothing changed."""
+    assert aten_lists.available() and fused_lists.available()  # their probes run before the count starts
+    made: list[int] = []
+    for module in (aten_lists, fused_lists):
+        real = module.table
+        monkeypatch.setattr(module, "table", lambda rows, real=real: (made.append(len(rows)), real(rows))[1])
+    models = [_model(), _model()]
+    opts = [torch.optim.AdamW(_groups(m, {"weight_decay": 0.1}), lr=1e-2, **FORMS[form]) for m in models]
+    own_step.install(opts[1], [])
+    g = torch.Generator().manual_seed(1)
+    for step in range(9):
+        x = torch.randn(8, 67, generator=g)
+        for model, opt in zip(models, opts, strict=True):
+            opt.zero_grad(set_to_none=True)
+            model(x).square().mean().backward()
+            if step == 3:
+                opt.param_groups[1]["lr"] *= 0.5
+            if step == 5:
+                opt.load_state_dict(opt.state_dict())
+            if step == 6:
+                model[0].weight.grad = model[0].weight.grad.t().contiguous().t()
+                model[2].weight.data = model[2].weight.data.clone()  # the same tensor, stored elsewhere
+            if step == 7:
+                model[3].bias.grad = None
+            opt.step()
+    for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
+        assert torch.equal(a, b)
+        for key, value in opts[0].state[a].items():
+            assert torch.equal(value, opts[1].state[b][key]), key
+    assert len(made) <= 2 * 9 - 2 * 4, made  # none at steps 1 to 4 (a learning rate changed at 3)
+
+
+@pytest.mark.parametrize("form", ["for-loop", "fused"])
+def test_o2s_copies_are_those_of_its_masters_whichever_step_wrote_them(form: str) -> None:
+    """O2 with AdamW (the fused form writes the masters' bf16 copies in its pass; an amsgrad group is torch's own,
+    whose copies the forward refreshes; a master written in place after a step is copied again; two steps before a
+    forward, the second leaving a weight to torch's step): each forward's output and the masters as with the stage
+    switched off."""
+    runs = []
+    for on in (True, False):
+        model = _model()
+        first, second = list(model.parameters())[:3], list(model.parameters())[3:]
+        groups = [{"params": first, "amsgrad": True}, {"params": second}]
+        opt = torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.1, **FORMS[form])
+        model, opt = mixprec.prepare(model, opt, level="O2")
+        if not on:
+            opt.__dict__.pop("_init_group")
+        g = torch.Generator().manual_seed(1)
+        outputs = []
+        for step in range(5):
+            opt.zero_grad(set_to_none=True)
+            out = model(torch.randn(8, 67, generator=g))
+            out.float().square().mean().backward()
+            opt.step()
+            outputs.append(out.detach())
+            if step == 1:  # a second step before the next forward, the weight whose copy the first wrote left to torch
+                for p in model.parameters():  # (its gradient not contiguous)
+                    p.grad = torch.full_like(p, 1e-3) if p is not model[3].weight else torch.ones(3, 5000).t()
+                opt.step()
+            if step == 2:
+                with torch.no_grad():
+                    model[3].weight.mul_(0.5)
+        runs.append((model, outputs))
+    for a, b in zip(runs[0][0].parameters(), runs[1][0].parameters(), strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(runs[0][1], runs[1][1], strict=True):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("level", ["O1", "O2", "bf16-sr", "bf16-pure"])

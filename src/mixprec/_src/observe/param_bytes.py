@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec._src.optim import aten_lists, cpu_adam, fused_adam, moments
+from mixprec._src.optim import aten_lists, cpu_adam, fused_adam, fused_lists, moments
 from mixprec._src.prepare import kept
 from mixprec._src.prepare.config import Level, PrepareConfig
 from mixprec._src.step import bf16_state, own_step
@@ -150,12 +150,15 @@ def step_temporaries(
     # the optimizer's own Adam(W) or SGD of what no other stage takes, a param group in one call (step.own_step)
     if prepared and on_cpu and world == 1 and own_step.takes_group(optimizer, group):
         decoupled = bool(group.get("decoupled_weight_decay", type(optimizer) is torch.optim.AdamW))
-        if adam and stored == 4 and aten_lists.expected():
+        if adam and group.get("fused"):  # torch's fused arithmetic on fp32 weights (O2's copies written beside)
+            if stored == 4 and fused_lists.expected():
+                return LIST_ROW["fused"], 0, "cpu-list-fused"
+        elif adam and stored == 4 and aten_lists.expected():
             return LIST_ROW["aten"], 0, "cpu-list-aten"
-        bf16_taken = aten_lists.supports(group, torch.bfloat16, decoupled) and aten_lists.expected(torch.bfloat16)
-        if adam and stored == 2 and bf16_taken:  # bf16-pure's weights: another table, made after the fp32 ones'
-            return LIST_ROW["aten"], 0, "cpu-list-aten-bf16"
-        if not adam and stored == 4 and aten_lists.sgd_expected():
+        elif adam and stored == 2:  # bf16-pure's weights: another table, made after the fp32 ones'
+            if aten_lists.supports(group, torch.bfloat16, decoupled) and aten_lists.expected(torch.bfloat16):
+                return LIST_ROW["aten"], 0, "cpu-list-aten-bf16"
+        elif not adam and stored == 4 and aten_lists.sgd_expected():
             return LIST_ROW["sgd-fp32"], 0, "cpu-list-sgd-fp32"
     count, foreach = _torch_temporaries(optimizer, group, p, world)
     return (0 if foreach else count * numel * stored), 0, "foreach" if count and foreach else "loop"
@@ -166,13 +169,14 @@ def step_temporaries(
 #: bf16 weights, nine for bf16-sr's and bf16-kahan's Adam, four for SGD's (of bf16 or fp32 weights); and of a row of
 #: the table (int64 addresses, sizes, seeds and positions: ten a row for quantized and bf16 moments, eight for SGD's
 #: bf16 momentum, nine for its quantized one, seven for bf16 weights with their own state and for SGD's fp32
-#: weights, five for Adam(W)'s fp32 and bf16 weights); measured
+#: weights, five for Adam(W)'s fp32 and bf16 weights, six for its fused form's fp32 weights); measured
 LIST_SCALARS = {
     "cpu-list": 7 * 4,
     "cpu-list-adam": 9 * 4,
     "cpu-list-sgd": 4 * 4,
     "cpu-list-aten": 7 * 4,
     "cpu-list-aten-bf16": 7 * 4,
+    "cpu-list-fused": 7 * 4,
     "cpu-list-sgd-fp32": 4 * 4,
 }
 LIST_ROW = {
@@ -184,6 +188,7 @@ LIST_ROW = {
     "sgd-bf16": 8 * 8,
     "sgd-quantized": 9 * 8,
     "aten": 5 * 8,
+    "fused": 6 * 8,
     "sgd-fp32": 7 * 8,
 }
 

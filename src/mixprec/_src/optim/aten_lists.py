@@ -28,6 +28,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from mixprec._src.optim import cpu_adam, cpu_lists
 
 __all__ = [
+    "GRADS",
     "available",
     "expected",
     "scalars",
@@ -35,7 +36,9 @@ __all__ = [
     "sgd_expected",
     "sgd_step",
     "step_list",
+    "step_table",
     "supports",
+    "table",
     "takes",
 ]
 
@@ -184,6 +187,22 @@ def takes(*tensors: torch.Tensor, dtype: torch.dtype = torch.float32) -> bool:
     return True
 
 
+def table(rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]) -> cpu_lists.Table:
+    """The kernel's table of ``rows`` (weight, gradient, exp_avg, exp_avg_sq): their addresses and sizes, a row each
+    (the gradients' in column ``GRADS``)."""
+    return cpu_lists.Table([[p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), p.numel()] for p, g, m, v in rows])
+
+
+#: the column of a table that holds the gradients' addresses
+GRADS = 1
+
+
+def step_table(table: cpu_lists.Table, dtype: torch.dtype, group: dict[str, Any], step: float, decoupled: bool) -> None:
+    """:func:`step_list` of the rows a :func:`table` holds (``dtype`` tensors)."""
+    values, flags = scalars(group, step, decoupled, dtype)
+    _compiled(dtype)(table.tensor, table.rows, values, flags, _aten_root())
+
+
 def step_list(
     rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]],
     group: dict[str, Any],
@@ -193,12 +212,7 @@ def step_list(
     """torch.optim.Adam(W)'s for-loop step of every ``(weight, gradient, exp_avg, exp_avg_sq)`` of ``rows`` (CPU
     tensors of one dtype, :func:`takes`) at step count ``step`` (already counted) with ``group``'s options, in one
     call, bit for bit (``decoupled``: AdamW's decay). Call where :func:`available` and :func:`supports`."""
-    dtype = rows[0][0].dtype
-    values, flags = scalars(group, step, decoupled, dtype)
-    table = cpu_lists._table(
-        [[p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), p.numel()] for p, g, m, v in rows]
-    )
-    _compiled(dtype)(table, len(rows), values, flags, _aten_root())
+    step_table(table(rows), rows[0][0].dtype, group, step, decoupled)
 
 
 def sgd_available() -> bool:

@@ -80,6 +80,27 @@ def _table(rows: list[list[int]]) -> torch.Tensor:
     )
 
 
+class Table:
+    """A kernel's table of addresses and sizes (``rows``, of one length) kept from step to step in an array (host
+    memory), whose columns the host rewrites in place (:meth:`set_column`: no ATen op); :attr:`tensor` is a tensor
+    over it, made at each call (as a table made anew at each step is, and no more)."""
+
+    __slots__ = ("held", "rows", "width")
+
+    def __init__(self, rows: list[list[int]]) -> None:
+        self.rows, self.width = len(rows), len(rows[0])
+        self.held = array.array("q", itertools.chain.from_iterable(rows))
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The table as an int64 tensor over the array (``rows`` by ``width``)."""
+        return torch.frombuffer(self.held, dtype=torch.int64).view(self.rows, self.width)
+
+    def set_column(self, column: int, values: list[int]) -> None:
+        """Write ``values`` (one a row) into ``column``."""
+        self.held[column :: self.width] = array.array("q", values)
+
+
 @functools.cache
 def _compiled() -> Any:
     return _load(["const int64_t*", "int64_t", "const float*", "int64_t"], _SOURCE % {"helpers": _HELPERS})

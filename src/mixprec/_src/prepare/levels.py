@@ -244,6 +244,7 @@ def prepare(
         state.handles,
         group=sharding.process_group(model) if sharded else None,
         slices=level is not Level.O2,
+        copies=state.copies,
     )
 
     # Bound to the model (a deep copy rebinds them to the copy). _call_impl runs before every

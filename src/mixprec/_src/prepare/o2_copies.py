@@ -22,8 +22,9 @@ class ComputeCopies:
     """O2's low-precision copies of fp32 parameters, made once per change of the parameter.
 
     Refreshed together after each optimizer step (one multi-tensor copy, made when the first copy is
-    asked for after :meth:`stale` was called: a compiled forward never asks) and, one by one, whenever
-    a parameter's version counter moved since (``load_state_dict``, ``nn.init``, in-place writes under
+    asked for after :meth:`stale` was called: a compiled forward never asks) but for those the step wrote
+    itself (:meth:`wrote`: the optimizer's own step on the CPU writes a master's copy with it), and, one by one,
+    whenever a parameter's version counter moved since (``load_state_dict``, ``nn.init``, in-place writes under
     ``no_grad``). Checking a version is host-side: no sync.
     """
 
@@ -33,23 +34,42 @@ class ComputeCopies:
         self.copies: dict[int, torch.Tensor] = {}
         self.versions: dict[int, int] = {}
         self.behind = False  # an optimizer step wrote the parameters since the last refresh
+        # while behind: id -> version at the write, of the parameters every step since wrote the copies of
+        self.current: dict[int, int] = {}
+        self.written: dict[int, int] = {}  # the same, of the step under way (until stale() is called)
         self.refresh()
 
+    def wrote(self, params: list[torch.Tensor]) -> None:
+        """The step under way wrote the copies of ``params`` with them (a write after it moves their versions)."""
+        self.written.update((id(p), p._version) for p in params)
+
     def stale(self) -> None:
-        """Every copy is behind its parameter (an optimizer step): all are refreshed together at the next use."""
+        """The copies are behind their parameters (an optimizer step), but those the step wrote itself (and every
+        step before it since the last refresh): refreshed together at the next use."""
+        written, current = self.written, self.current
+        self.current = written if not self.behind else {k: v for k, v in written.items() if k in current}
+        self.written = {}
         self.behind = True
 
     def refresh(self) -> None:
-        """Copy every parameter into its low-precision copy."""
-        self.behind = False
+        """Copy every parameter (after a step: every one the steps did not write the copy of) into its
+        low-precision copy."""
+        current = self.current if self.behind else {}
+        self.behind, self.current = False, {}
+        versions = {id(p): p._version for p in self.params}
         with torch.no_grad():
+            behind = []
             for p in self.params:
                 held = self.copies.get(id(p))
                 if held is None or held.shape != p.shape or held.device != p.device:
                     self.copies[id(p)] = torch.empty_like(p, dtype=self.dtype, memory_format=torch.preserve_format)
-            if self.params:  # one multi-tensor copy (no detach a parameter: under no_grad they are not recorded)
-                torch._foreach_copy_([self.copies[id(p)] for p in self.params], list[torch.Tensor](self.params))
-        self.versions = {id(p): p._version for p in self.params}
+                elif id(p) in current:  # as its parameter was when the step wrote it: of() sees a write since
+                    versions[id(p)] = current[id(p)]
+                    continue
+                behind.append(p)
+            if behind:  # one multi-tensor copy (no detach a parameter: under no_grad they are not recorded)
+                torch._foreach_copy_([self.copies[id(p)] for p in behind], list[torch.Tensor](behind))
+        self.versions = versions
 
     def of(self, param: torch.Tensor) -> torch.Tensor:
         """``param``'s copy, refreshed first if the parameter was written since."""
@@ -77,6 +97,7 @@ class ComputeCopies:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.dtype, self.params, self.behind = state["dtype"], state["params"], False
+        self.current, self.written = {}, {}
         self.copies = {id(p): c for p, c in zip(self.params, state["copies"], strict=True) if c is not None}
         self.versions = {id(p): p._version for p in self.params if id(p) in self.copies}
 
@@ -174,12 +195,23 @@ class _Swap:
             for name, master in self.pairs:
                 params[name] = master.to(self.copies.dtype)  # type: ignore[assignment,union-attr]
         else:
-            grad, of, sparse = torch.is_grad_enabled(), self.copies.of, self.sparse
+            copies, grad, sparse = self.copies, torch.is_grad_enabled(), self.sparse
             once = self.torch_layer and "forward" not in module.__dict__  # fp8 and per-layer forwards are others
-            for name, master in self.pairs:
-                held = of(master)  # type: ignore[arg-type]
+            if copies.behind:
+                copies.refresh()
+            held_by, versions = copies.copies, copies.versions
+            for name, master in self.pairs:  # ComputeCopies.of and _from_copy written out: the usual case
+                held, key = held_by[id(master)], id(master)
+                moved = master._version != versions[key]  # type: ignore[union-attr]
+                if moved or held.shape != master.shape or held.device != master.device:  # type: ignore[union-attr]
+                    held = copies.of(master)  # type: ignore[arg-type]
                 if grad and master.requires_grad:  # type: ignore[union-attr]
-                    held = _from_copy(master, held, sparse, once)  # type: ignore[arg-type]
+                    if once and not sparse and type(master) is nn.Parameter:
+                        widen = master.view_as(master)  # the inner view of _from_copy alone
+                        widen.data = held
+                        held = widen
+                    else:
+                        held = _from_copy(master, held, sparse, once)  # type: ignore[arg-type]
                 params[name] = held  # type: ignore[assignment]
         if self.rnn:
             module._init_flat_weights()  # type: ignore[operator]

@@ -14,7 +14,7 @@ from mixprec._src import dispatch_modes
 from mixprec._src.numerics import fp32_nearest
 from mixprec._src.optim import cpu_lists
 
-__all__ = ["HostCounts"]
+__all__ = ["HostCounts", "write"]
 
 
 class HostCounts:
@@ -42,13 +42,13 @@ class HostCounts:
             after.append(count)
             ids.append(key)
         if steps:
-            _write(steps, after)
+            write(steps, after)
         for key, t, count in zip(ids, steps, after, strict=True):
             held[key] = (t, t._version, count)
         return after
 
 
-def _write(steps: list[torch.Tensor], after: list[float]) -> None:
+def write(steps: list[torch.Tensor], after: list[float]) -> None:
     """The new counts into the step tensors: one C++ call where every one is a CPU fp32 scalar and no dispatch mode
     is on (the values an fp32 add of one makes: ``after``), else one multi-tensor add, which a mode sees."""
     if not dispatch_modes.active() and cpu_lists.counts_build():

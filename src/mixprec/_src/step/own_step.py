@@ -10,19 +10,25 @@ op as ATen does, MKL's square root included; a probe checks them where they run,
 torch's own step runs). Installed outermost on the optimizer's ``_init_group``: whatever the other stages handed
 on to torch's step (the lists ``_init_group`` fills) is taken from the lists, stepped, counted (Adam's step
 counts; SGD's new momentum buffers put in its state, as its step puts them), and torch's step gets what is left.
-The fused forms keep torch's fused kernels (one call a group already; their arithmetic is their own). Nothing
-here syncs: step counts are counted on the host.
+Adam(W)'s fused form (``fused=True``) on fp32 weights takes ``optim.fused_lists`` the same way: one call a param
+group for what torch runs one kernel a tensor for, bit for bit torch's fused kernel, and O2's bf16 copies of those
+weights written in the same pass (``prepare.o2_copies.ComputeCopies.wrote``: the forward after the step copies
+only the rest). SGD's fused form stays torch's. A param group whose lists hold the same tensors as at its last
+step (the usual step) is not checked tensor by tensor again: its tables are kept, the new gradients' addresses
+written in. Nothing here syncs: step counts are counted on the host.
 """
 
 from __future__ import annotations
 
+import operator
 import types
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import torch
 
-from mixprec._src.optim import aten_lists
+from mixprec._src.optim import aten_lists, cpu_lists, fused_lists
+from mixprec._src.step import host_counts
 from mixprec._src.step.host_counts import HostCounts
 from mixprec._src.step.stochastic_rounding import Restore
 
@@ -31,21 +37,32 @@ __all__ = ["install", "takes_group"]
 _ADAMS = (torch.optim.Adam, torch.optim.AdamW)
 
 
+class ComputeCopies(Protocol):
+    """What the step reads of O2's compute copies (``prepare.o2_copies.ComputeCopies``)."""
+
+    dtype: torch.dtype
+    copies: dict[int, torch.Tensor]  # id(master) -> its copy
+
+    def wrote(self, params: list[torch.Tensor]) -> None: ...
+
+
 def takes_group(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> bool:
-    """Whether torch steps ``group`` with its for-loop or foreach arithmetic, which the kernels have: Adam(W) or SGD,
-    not fused, capturable, differentiable or amsgrad."""
+    """Whether torch steps ``group`` with arithmetic the kernels have: Adam(W)'s or SGD's for-loop or foreach form
+    (not capturable, differentiable or amsgrad), or Adam(W)'s fused one (``fused_lists.supports``)."""
+    if type(optimizer) in _ADAMS and group.get("fused"):
+        return fused_lists.supports(optimizer, group)
     if type(optimizer) not in (*_ADAMS, torch.optim.SGD):
         return False
     return not (group.get("fused") or group.get("capturable") or group.get("differentiable") or group.get("amsgrad"))
 
 
-def install(optimizer: torch.optim.Optimizer, handles: list[Any]) -> None:
+def install(optimizer: torch.optim.Optimizer, handles: list[Any], copies: ComputeCopies | None = None) -> None:
     """Step the CPU weights torch's Adam(W) or SGD would step one by one in one call a param group (see the
-    module)."""
+    module); ``copies``: O2's compute copies, which the fused form writes with their masters."""
     if not any(p.is_cpu for g in optimizer.param_groups for p in g["params"]):
         return
     if type(optimizer) in _ADAMS:
-        take: Callable[..., None] = _AdamLists()
+        take: Callable[..., None] = _AdamLists(copies)
     elif type(optimizer) is torch.optim.SGD:
         take = _sgd_lists
     else:
@@ -68,16 +85,69 @@ def _keep(lists: tuple[list[Any], ...], left: list[int]) -> None:
         held[:] = [held[i] for i in left]
 
 
+class _Taken:
+    """What the own step took of a param group at its last step: the lists' items (compared by identity at the next
+    step), which it took and left, their tables (a dtype each; the gradients' column rewritten at each step), the
+    O2 copies the tables write, and the step counts as the tensors hold them."""
+
+    __slots__ = ("copies", "counts", "left", "lists", "ptrs", "tables", "taken", "versions", "wrote")
+
+    def __init__(self, lists: tuple[list[torch.Tensor], ...], taken: list[int], left: list[int]) -> None:
+        self.lists = tuple(list(held) for held in lists)  # params, exp_avgs, exp_avg_sqs, state_steps
+        self.taken, self.left = taken, left
+        self.ptrs = _addresses(lists, taken)
+        self.tables: list[tuple[torch.dtype, list[int], cpu_lists.Table]] = []  # (dtype, places in taken, table)
+        self.counts = 0.0
+        self.versions: list[int] = []
+        self.wrote: list[torch.Tensor] = []  # the masters whose O2 copies the tables write
+        self.copies: list[torch.Tensor] = []  # and those copies
+
+    def holds(self, lists: tuple[list[torch.Tensor], ...], grads: list[torch.Tensor], copies: Any) -> bool:
+        """Whether this step's lists hold the same tensors as the last one's (at the same addresses; step counts not
+        written since; the same O2 copies) and the gradients of the weights taken go in a table as they are
+        (contiguous, none a subclass: autograd and the ``.grad`` setter hold a gradient to its weight's dtype,
+        size and device)."""
+        for held, now in zip(self.lists, lists, strict=True):
+            if len(held) != len(now) or not all(map(operator.is_, held, now)):
+                return False
+        for i in self.taken:  # a loop, not all() over a generator: this runs at every step
+            g = grads[i]
+            if type(g) is not torch.Tensor or not g.is_contiguous():
+                return False
+        if self.wrote and not all(map(operator.is_, [copies.copies.get(id(p)) for p in self.wrote], self.copies)):
+            return False
+        steps = lists[3]
+        return _addresses(lists, self.taken) == self.ptrs and [steps[i]._version for i in self.taken] == self.versions
+
+
+def _addresses(lists: tuple[list[torch.Tensor], ...], taken: list[int]) -> list[int]:
+    params, exp_avgs, exp_avg_sqs = lists[0], lists[1], lists[2]
+    return [t.data_ptr() for i in taken for t in (params[i], exp_avgs[i], exp_avg_sqs[i])]
+
+
 class _AdamLists:
     """Takes Adam(W)'s fp32 and bf16 weights out of the lists ``_init_group`` filled and steps them, a dtype and step
-    count at a time."""
+    count at a time. A param group whose lists hold the same tensors as at its last step (the usual step) is not
+    checked tensor by tensor again: its tables are kept, and only the gradients' addresses written into them."""
 
-    def __init__(self) -> None:
+    def __init__(self, copies: ComputeCopies | None = None) -> None:
         self.counts = HostCounts()
+        self.copies = copies
+        self.last: dict[int, _Taken] = {}  # id(param group) -> what its last step took
 
     def __call__(self, opt: torch.optim.Optimizer, group: dict[str, Any], *lists: list[torch.Tensor]) -> None:
         params, grads, exp_avgs, exp_avg_sqs, _, state_steps = lists
         decoupled = bool(group.get("decoupled_weight_decay", isinstance(opt, torch.optim.AdamW)))
+        fused = bool(group.get("fused"))
+        held = (params, exp_avgs, exp_avg_sqs, state_steps)
+        if self.last and (id(group) not in self.last or len(self.last) > len(opt.param_groups)):
+            current = {id(g) for g in opt.param_groups}  # the step in backward steps copies of the groups: only
+            self.last = {k: v for k, v in self.last.items() if k in current}  # the optimizer's groups' are kept
+        last = self.last.pop(id(group), None)
+        if last is not None and last.holds(held, grads, self.copies) and self._again(last, group, grads, decoupled):
+            self.last[id(group)] = last
+            _keep((params, grads, exp_avgs, exp_avg_sqs, state_steps), last.left)
+            return
         taken: list[int] = []
         left: list[int] = []
         for i, (p, g, m, v, t) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, state_steps, strict=True)):
@@ -87,20 +157,85 @@ class _AdamLists:
                 and t.dtype is torch.float32
                 and t.is_cpu
                 and t.dim() == 0
-                and aten_lists.supports(group, dtype, decoupled)
-                and aten_lists.available(dtype)
+                and (
+                    (dtype is torch.float32 and fused_lists.available())
+                    if fused
+                    else aten_lists.supports(group, dtype, decoupled) and aten_lists.available(dtype)
+                )
             )
             (taken if mine else left).append(i)
         if not taken:
             return
         chosen = [params[i] for i in taken]
-        by_kind: dict[tuple[torch.dtype, float], list[tuple[torch.Tensor, ...]]] = {}
-        for i, count in zip(taken, self.counts.advance(chosen, [opt.state[p] for p in chosen]), strict=True):
-            by_kind.setdefault((params[i].dtype, count), []).append((params[i], grads[i], exp_avgs[i], exp_avg_sqs[i]))
+        counts = self.counts.advance(chosen, [opt.state[p] for p in chosen])
+        by_kind: dict[tuple[torch.dtype, float], list[int]] = {}
+        for place, (i, count) in enumerate(zip(taken, counts, strict=True)):
+            by_kind.setdefault((params[i].dtype, count), []).append(place)
+        plan = _Taken(held, taken, left) if len(set(counts)) == 1 and counts[0] < _EXACT - 1 else None
         with torch.no_grad():
-            for (_, count), rows in by_kind.items():
-                aten_lists.step_list(rows, group, count, decoupled)  # type: ignore[arg-type]
+            for (dtype, count), places in by_kind.items():
+                rows = [(params[taken[k]], grads[taken[k]], exp_avgs[taken[k]], exp_avg_sqs[taken[k]]) for k in places]
+                if fused:
+                    with_copies = self._with_copies(rows)
+                    table = fused_lists.table(with_copies)
+                    fused_lists.step_table(table, group, count, decoupled)
+                    if plan is not None:
+                        plan.wrote += [row[0] for row in with_copies if row[4] is not None]
+                        plan.copies += [row[4] for row in with_copies if row[4] is not None]
+                else:
+                    table = aten_lists.table(rows)
+                    aten_lists.step_table(table, dtype, group, count, decoupled)
+                if plan is not None:
+                    plan.tables.append((dtype, places, table))
+        if plan is not None:  # the next step of the same tensors counts on the host, one added to each
+            plan.counts, plan.versions = counts[0], [state_steps[i]._version for i in taken]
+            self.last[id(group)] = plan
         _keep((params, grads, exp_avgs, exp_avg_sqs, state_steps), left)
+
+    def _again(self, last: _Taken, group: dict[str, Any], grads: list[torch.Tensor], decoupled: bool) -> bool:
+        """Step a param group's weights as at its last step (its tables, the new gradients' addresses written in),
+        every count one more; whether it did (not where the counts would pass what fp32 counts exactly, nor where
+        the group's options are no longer the kernel's)."""
+        now = last.counts + 1.0
+        fused = bool(group.get("fused"))
+        if now >= _EXACT:
+            return False
+        if not fused and not all(aten_lists.supports(group, d, decoupled) for d, _, _ in last.tables):
+            return False
+        steps = [last.lists[3][i] for i in last.taken]
+        host_counts.write(steps, [now] * len(steps))
+        last.counts, last.versions = now, [t._version for t in steps]
+        taken = last.taken
+        with torch.no_grad():
+            for dtype, places, table in last.tables:
+                table.set_column(aten_lists.GRADS, [grads[taken[k]].data_ptr() for k in places])
+                if fused:
+                    fused_lists.step_table(table, group, now, decoupled)
+                else:
+                    aten_lists.step_table(table, dtype, group, now, decoupled)
+        if last.wrote and self.copies is not None:
+            self.copies.wrote(last.wrote)
+        return True
+
+    def _with_copies(self, rows: Sequence[tuple[torch.Tensor, ...]]) -> list[Any]:
+        """``rows`` with each weight's O2 compute copy where it has a bf16 one of its size the kernel can write
+        (told to the copies: the forward after the step does not copy it again), else ``None``."""
+        copies = self.copies
+        if copies is None or copies.dtype is not torch.bfloat16:
+            return [(*row, None) for row in rows]
+        held, out, wrote = copies.copies, [], []
+        for row in rows:
+            c = held.get(id(row[0]))
+            if c is not None and c.shape == row[0].shape and c.is_cpu and c.is_contiguous():
+                wrote.append(row[0])
+            else:
+                c = None
+            out.append((*row, c))
+        copies.wrote(wrote)
+        return out
+
+
+_EXACT = float(1 << 24)  # fp32 step counts are exact below
 
 
 def _sgd_lists(opt: torch.optim.Optimizer, group: dict[str, Any], *lists: list[Any]) -> None:

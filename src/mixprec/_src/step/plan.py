@@ -21,8 +21,8 @@ parameters it does not take to the next:
 2. the state precision's step (the large weights of Adam(W) and SGD);
 3. the write rule's step (the other low-precision weights of Adam(W); any optimizer's, on fp32 copies);
 4. torch's own step (fp32 weights, and the rest): on the CPU, Adam(W)'s and SGD's for-loop and foreach steps of
-   the fp32 weights (and Adam(W)'s of bf16-pure's bf16 ones) in one call a param group (``step.own_step``, bit for
-   bit torch's);
+   the fp32 weights (and Adam(W)'s of bf16-pure's bf16 ones), and fused Adam(W)'s of the fp32 weights (O2's copies
+   written beside), in one call a param group (``step.own_step``, bit for bit torch's);
 5. in backward, the per-parameter hooks that run 2-4 for one parameter as its gradient is whole.
 
 Nothing here syncs with the device: the seeds and step counts are host integers.
@@ -97,7 +97,7 @@ class StepPlan:
             how = "in one call a param group" if lists and self.optimizer != "other" else "on fp32 copies"
             parts.append(f"bf16 weights written {self.write} {how}")
         if self.optimizer != "other" and lists:
-            parts.append("the rest of a for-loop or foreach step in one call a param group (as torch's own step)")
+            parts.append("the rest of a for-loop, foreach or fused Adam(W) step in one call a param group (as torch's)")
         parts.append("the rest by the optimizer's own step")
         when = "in backward, a parameter at a time" if self.in_backward else "after backward"
         return f"{'; '.join(parts)}; {when}"
@@ -126,10 +126,12 @@ def install(
     *,
     group: Any = None,
     slices: bool = True,
+    copies: Any = None,
 ) -> bool:
     """Put ``plan`` on ``optimizer`` (``lowp``: the low-precision weights; ``group``: the process group of a
     sharded model, whose ranks share one seed; ``slices``: the step in backward may take a large weight's gradient
-    a slice at a time). Each stage's handles go to ``handles``. Returns whether Adam(W)'s fused kernel steps
+    a slice at a time; ``copies``: O2's compute copies, which the own step of fused Adam(W) writes with their
+    masters). Each stage's handles go to ``handles``. Returns whether Adam(W)'s fused kernel steps
     the bf16 weights. A collective where the model is sharded and something rounds stochastically (one
     broadcast of the seed)."""
     if plan.clip is not None and not plan.in_backward:  # before bf16-sr's widening
@@ -149,7 +151,7 @@ def install(
     else:  # a checkpoint of quantized state loads as the level's moments
         state_dicts.dequantize_on_load(optimizer, handles)
     # outermost: the fp32 weights every stage above hands on to torch's own Adam(W) or SGD, in one call on the CPU
-    own_step.install(optimizer, handles)
+    own_step.install(optimizer, handles, copies)
     if plan.in_backward:  # after every change to the optimizer's step: it steps with all of them
         in_backward.install(model, optimizer, plan.clip, handles, slices=slices)
     return fused
