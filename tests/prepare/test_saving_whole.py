@@ -85,3 +85,22 @@ def test_a_prepared_model_saves_and_loads_whole(level: str, options: str) -> Non
         _step(net, again, 7)
         runs.append([p.detach().clone() for p in net.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "bf16-sr"])
+def test_a_prepared_optimizer_is_not_copied_without_its_stages(level: str) -> None:
+    """``copy.copy``, ``copy.deepcopy`` and ``torch.save`` of a prepared optimizer raise, saying what to do (torch
+    copies an optimizer's defaults, state and param groups alone: the copy would step as a plain torch optimizer, at
+    bf16-sr rounding to nearest); the prepared model still copies and saves whole, and the optimizer copies again
+    once exported."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    mixprec.prepare(model, opt, level)
+    _step(model, opt, 0)
+    for copier in (copy.copy, copy.deepcopy, lambda o: torch.save(o, io.BytesIO())):
+        with pytest.raises(mixprec.PrepareOrderError, match=r"optimizer\.state_dict"):
+            copier(opt)
+    copied = copy.deepcopy(model)
+    assert prepared_state(copied) is not None and prepared_state(_saved_and_loaded(model)) is not None
+    mixprec.export_fp32(model, opt)
+    assert isinstance(copy.deepcopy(opt), torch.optim.AdamW)

@@ -160,6 +160,8 @@ def step_temporaries(
                 return LIST_ROW["aten"], 0, "cpu-list-aten-bf16"
         elif not adam and stored == 4 and aten_lists.sgd_expected():
             return LIST_ROW["sgd-fp32"], 0, "cpu-list-sgd-fp32"
+        elif not adam and stored == 2 and aten_lists.sgd_bf16_expected():  # bf16-pure's: after the fp32 ones' table
+            return LIST_ROW["sgd-aten-bf16"], 0, "cpu-list-sgd-aten-bf16"
     count, foreach = _torch_temporaries(optimizer, group, p, world)
     return (0 if foreach else count * numel * stored), 0, "foreach" if count and foreach else "loop"
 
@@ -169,7 +171,8 @@ def step_temporaries(
 #: bf16 weights, nine for bf16-sr's and bf16-kahan's Adam, four for SGD's (of bf16 or fp32 weights); and of a row of
 #: the table (int64 addresses, sizes, seeds and positions: ten a row for quantized and bf16 moments, eight for SGD's
 #: bf16 momentum, nine for its quantized one, seven for bf16 weights with their own state and for SGD's fp32
-#: weights, five for Adam(W)'s fp32 and bf16 weights, six for its fused form's fp32 weights); measured
+#: weights, five for Adam(W)'s fp32 and bf16 weights and for SGD's bf16 ones (whose scalars are five), six for Adam(W)'s
+#: fused form's fp32 weights); measured
 LIST_SCALARS = {
     "cpu-list": 7 * 4,
     "cpu-list-adam": 9 * 4,
@@ -178,6 +181,7 @@ LIST_SCALARS = {
     "cpu-list-aten-bf16": 7 * 4,
     "cpu-list-fused": 7 * 4,
     "cpu-list-sgd-fp32": 4 * 4,
+    "cpu-list-sgd-aten-bf16": 5 * 4,
 }
 LIST_ROW = {
     "8bit": 10 * 8,
@@ -190,6 +194,7 @@ LIST_ROW = {
     "aten": 5 * 8,
     "fused": 6 * 8,
     "sgd-fp32": 7 * 8,
+    "sgd-aten-bf16": 5 * 8,
 }
 
 

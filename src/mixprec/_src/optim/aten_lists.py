@@ -11,7 +11,11 @@ every op's result is rounded to bf16, the scalars as ATen applies them (eps adde
 form's decay and beta2 multiplied as bf16 values). Whether it matches torch on this machine is checked once per
 process and dtype (:func:`available`: a probe of a few steps against torch); where it does not, or does not
 build, torch's own step runs. SGD's for-loop on fp32 weights is ``cpu_lists``' SGD kernel on fp32 storage (its
-arithmetic is the for-loop's already: :func:`sgd_step`, probed the same way). Nothing here syncs: CPU tensors only.
+arithmetic is the for-loop's already: :func:`sgd_step`, probed the same way). SGD on bf16 weights
+(``optim/kernels/sgd_aten_bf16.cpp``, :func:`sgd_bf16_step`) follows ATen's bf16 add with alpha where it falls: one
+rounding in its vector loop, two in the tail of each thread's share of a tensor (the shares at::parallel_for makes
+for the threads torch runs now, the tail the share's length past a whole number of ATen's bf16 vectors), probed
+the same way. Nothing here syncs: CPU tensors only.
 """
 
 from __future__ import annotations
@@ -33,6 +37,9 @@ __all__ = [
     "expected",
     "scalars",
     "sgd_available",
+    "sgd_bf16_available",
+    "sgd_bf16_expected",
+    "sgd_bf16_step",
     "sgd_expected",
     "sgd_step",
     "step_list",
@@ -259,3 +266,79 @@ def sgd_step(rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, b
     ``rows`` (fp32 CPU tensors, :func:`takes`) with ``group``'s options, in one call, bit for bit; a buffer not
     started yet is written as torch makes it (the gradient, with decay). Call where :func:`sgd_available`."""
     cpu_lists.sgd_step([(p, g, b, None, 0, s) for p, g, b, s in rows], group, cpu_lists.NEAREST, storage="float")
+
+
+_SGD_BF16_SOURCE = cpu_lists._PRELUDE + cpu_adam.kernel_source("sgd_aten_bf16.cpp")
+#: bf16 values a vector of ATen's CPU kernels holds, by the capability torch dispatches to
+_BF16_WIDTHS = {"AVX512": 32, "AVX2": 16}
+
+
+@functools.cache
+def _sgd_bf16() -> Any:
+    argtypes = ["const int64_t*", "int64_t", "const float*", "int64_t", "int64_t", "int64_t"]
+    return cpu_lists._load(argtypes, _SGD_BF16_SOURCE % {"helpers": cpu_adam._HELPERS})
+
+
+def sgd_bf16_available() -> bool:
+    """Whether :func:`sgd_bf16_step` steps bf16 weights as torch's for-loop and foreach SGD do here: ATen's vector
+    width is known, the kernel builds and a probe of a few steps (tensors split across threads, with tails of their
+    shares; decay, momentum with dampening, nesterov, maximize; both forms) matches torch bitwise. Once per
+    process."""
+    return torch.backends.cpu.get_cpu_capability() in _BF16_WIDTHS and _probed(("bf16-sgd",), _probe_sgd_bf16)
+
+
+def sgd_bf16_expected() -> bool:
+    """Whether torch's SGD of bf16 CPU weights is expected to take :func:`sgd_bf16_step`; compiles nothing."""
+    return torch.backends.cpu.get_cpu_capability() in _BF16_WIDTHS and ("bf16-sgd",) not in cpu_lists._failed
+
+
+def sgd_bf16_step(rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, bool]], group: dict[str, Any],
+                  all_started: bool) -> None:  # fmt: skip
+    """torch.optim.SGD's step of every ``(weight, gradient, momentum buffer or None, buffer started)`` of ``rows``
+    (bf16 CPU tensors, :func:`takes`) with ``group``'s options, in one call, bit for bit its for-loop or foreach
+    form (``group["foreach"]``); ``all_started``: every bf16 buffer of the group's list was started before this step
+    (the foreach form multiplies them by a bf16 momentum then, else each by an fp32 one). A buffer not started is
+    written as torch makes it (the gradient, with decay). Call where :func:`sgd_bf16_available`."""
+    momentum = float(group["momentum"])
+    flags = cpu_lists.NESTEROV * bool(group.get("nesterov")) | cpu_lists.MAXIMIZE * bool(group.get("maximize"))
+    flags |= cpu_lists.MOMENTUM * (momentum != 0)
+    applied = _bf16(momentum) if group.get("foreach") and all_started else momentum
+    values = [_bf16(float(group["weight_decay"])), applied, _bf16(1.0 - float(group["dampening"]))]
+    values += [_bf16(-float(group["lr"])), _bf16(momentum)]
+    table = cpu_lists._table([[p.data_ptr(), g.data_ptr(), 0 if b is None else b.data_ptr(), p.numel(), int(started)]
+                              for p, g, b, started in rows])  # fmt: skip
+    width = _BF16_WIDTHS[torch.backends.cpu.get_cpu_capability()]
+    _sgd_bf16()(table, len(rows), torch.tensor(values, dtype=torch.float32), flags, torch.get_num_threads(), width)
+
+
+def _probe_sgd_bf16() -> None:
+    _sgd_bf16()
+    g = torch.Generator().manual_seed(0)
+    sizes = (1, 33, 95, 1000, CHUNK_VALUES + 37, 2 * 32768 + 41)
+    cases = (
+        {"momentum": 0.9, "dampening": 0.1, "weight_decay": 0.01},
+        {"momentum": 0.8, "nesterov": True, "maximize": True},
+        {"weight_decay": 0.1},
+    )
+    for foreach in (False, True):
+        for options in cases:
+            weights = [torch.randn(n, generator=g).bfloat16() for n in sizes]
+            mine, theirs = [w.clone() for w in weights], [w.clone() for w in weights]
+            torchs = torch.optim.SGD(theirs, lr=0.1, foreach=foreach, **options)  # type: ignore[arg-type]
+            group = torch.optim.SGD(mine, lr=0.1, foreach=foreach, **options).param_groups[0]  # type: ignore[arg-type]
+            buffers: list[torch.Tensor | None] = [None] * len(mine)
+            for _ in range(3):
+                grads = [torch.randn(n, generator=g).bfloat16() for n in sizes]
+                for w, gw in zip(theirs, grads, strict=True):
+                    w.grad = gw.clone()
+                torchs.step()
+                started = all(b is not None for b in buffers)
+                rows = []
+                for i, (w, gw) in enumerate(zip(mine, grads, strict=True)):
+                    began = buffers[i] is not None
+                    if group["momentum"] != 0 and buffers[i] is None:
+                        buffers[i] = torch.empty_like(w)
+                    rows.append((w, gw, buffers[i], began))
+                sgd_bf16_step(rows, group, started)
+            if not all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True)):
+                raise RuntimeError("the bf16 SGD kernel does not step as torch's SGD here")

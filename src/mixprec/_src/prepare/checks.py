@@ -11,7 +11,14 @@ from torch import nn
 from mixprec._src import input_checks, sharding
 from mixprec._src.errors import PrepareOrderError
 
-__all__ = ["Fingerprint", "check_model_and_optimizer", "check_not_sharded_since", "check_still_ours", "check_wrapping"]
+__all__ = [
+    "Fingerprint",
+    "NoCopy",
+    "check_model_and_optimizer",
+    "check_not_sharded_since",
+    "check_still_ours",
+    "check_wrapping",
+]
 
 
 class _Prepared(Protocol):
@@ -111,3 +118,31 @@ def check_still_ours(
             "then build the optimizer and call mixprec.prepare"
         )
     seen.take(model, optimizer)
+
+
+def _refuse_copy(*_: Any) -> Any:
+    raise PrepareOrderError(
+        "a prepared optimizer cannot be copied or pickled: torch.optim.Optimizer copies only its defaults, state and "
+        "param groups, so the copy would step without what mixprec.prepare installed (bf16-sr's stochastic rounding, "
+        "the state precisions, the clipping) and its state_dict would leave out their seeds and counters. Save "
+        "optimizer.state_dict() and load it into an optimizer prepared the same way, or copy the model and the "
+        "optimizer before mixprec.prepare and prepare the copy"
+    )
+
+
+class NoCopy:
+    """A prepared optimizer refuses ``copy.copy``, ``copy.deepcopy`` and pickling (``torch.save(optimizer)``) with
+    an error that says what to do, instead of a copy that steps as a plain torch optimizer (see
+    :func:`_refuse_copy`). ``remove()`` (``export_fp32``) lifts it."""
+
+    KEYS = ("__deepcopy__", "__reduce_ex__")  # looked up on the instance by copy and pickle
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        for key in self.KEYS:
+            optimizer.__dict__[key] = _refuse_copy
+
+    def remove(self) -> None:
+        for key in self.KEYS:
+            if self.optimizer.__dict__.get(key) is _refuse_copy:
+                del self.optimizer.__dict__[key]

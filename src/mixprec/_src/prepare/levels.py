@@ -262,6 +262,7 @@ def prepare(
         or isinstance(h, kept.OwnForward | o2_copies.SwapCall)
     ]
     model.__dict__[_ATTR] = optimizer.__dict__[_ATTR] = state
+    state.handles.append(checks.NoCopy(optimizer))  # a copy would step without the stages: refused, with what to do
     return model, optimizer
 
 

@@ -239,26 +239,39 @@ _EXACT = float(1 << 24)  # fp32 step counts are exact below
 
 
 def _sgd_lists(opt: torch.optim.Optimizer, group: dict[str, Any], *lists: list[Any]) -> None:
-    """Takes SGD's fp32 weights out of the lists ``_init_group`` filled and steps them; a momentum buffer made at a
-    weight's first step goes in its state, as SGD's step puts it there."""
+    """Takes SGD's fp32 and bf16 weights out of the lists ``_init_group`` filled and steps them, a dtype at a time; a
+    momentum buffer made at a weight's first step goes in its state, as SGD's step puts it there."""
     params, grads, buffers = lists
-    if not aten_lists.sgd_available():
-        return
     momentum = float(group["momentum"]) != 0
-    taken: list[int] = []
+    taken: dict[torch.dtype, list[int]] = {torch.float32: [], torch.bfloat16: []}
     left: list[int] = []
     for i, (p, g) in enumerate(zip(params, grads, strict=True)):
         buffer = buffers[i] if momentum else None
-        (taken if aten_lists.takes(p, g, *([] if buffer is None else [buffer])) else left).append(i)
-    if not taken:
+        dtype = p.dtype
+        mine = (
+            dtype in taken
+            and aten_lists.takes(p, g, *([] if buffer is None else [buffer]), dtype=dtype)
+            and (aten_lists.sgd_available() if dtype is torch.float32 else aten_lists.sgd_bf16_available())
+        )
+        (taken[dtype] if mine else left).append(i)
+    if not (taken[torch.float32] or taken[torch.bfloat16]):
         return
-    rows = []
-    for i in taken:
-        p, buffer = params[i], buffers[i] if momentum else None
-        started = buffer is not None
-        if momentum and buffer is None:
-            buffer = opt.state[p]["momentum_buffer"] = torch.empty_like(p, memory_format=torch.contiguous_format)
-        rows.append((p, grads[i], buffer, started))
+    # torch's foreach form multiplies its bf16 buffers by a bf16 momentum where all of them were started
+    all_started = not momentum or all(
+        b is not None for p, b in zip(params, buffers, strict=True) if p.dtype is torch.bfloat16
+    )
     with torch.no_grad():
-        aten_lists.sgd_step(rows, group)
+        for dtype, places in taken.items():
+            rows = []
+            for i in places:
+                p, buffer = params[i], buffers[i] if momentum else None
+                started = buffer is not None
+                if momentum and buffer is None:
+                    made = torch.empty_like(p, memory_format=torch.contiguous_format)
+                    buffer = opt.state[p]["momentum_buffer"] = made
+                rows.append((p, grads[i], buffer, started))
+            if rows and dtype is torch.float32:
+                aten_lists.sgd_step(rows, group)
+            elif rows:
+                aten_lists.sgd_bf16_step(rows, group, all_started)
     _keep((params, grads, *([buffers] if momentum else [])), left)
