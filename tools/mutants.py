@@ -152,6 +152,10 @@ MUTANTS = (
            "where one was started late", S + "optim/aten_lists.py",
            'applied = _bf16(momentum) if group.get("foreach") and all_started else momentum',
            'applied = _bf16(momentum) if group.get("foreach") else momentum', ("tests/step/test_own_step.py",)),
+    Mutant("o2-copies-written-unread", "the fused step writes O2's copies where no eager forward read them (a "
+           "compiled model's)", S + "step/own_step.py",
+           "return copies is not None and copies.dtype is torch.bfloat16 and copies.read",
+           "return copies is not None and copies.dtype is torch.bfloat16", ("tests/step/test_own_step.py",)),
     Mutant("own-step-kept-table-weights-moved", "a kept table is used after a weight was stored anew (.data)",
            S + "step/own_step.py", "return _addresses(lists, self.taken) == self.ptrs and [",
            "return [", ("tests/step/test_own_step.py",)),

@@ -13,6 +13,7 @@ from torch import nn
 import mixprec
 from helpers import OpNames, step_ops_at
 from mixprec._src.optim import aten_lists, cpu_lists, fused_lists
+from mixprec._src.prepare.levels import prepared_state
 from mixprec._src.step import own_step
 from mixprec.bench import step_cost
 
@@ -360,3 +361,23 @@ def test_a_dispatch_mode_around_the_first_step_sees_the_step_and_not_the_probe(m
     monkeypatch.setattr(aten_lists, "_done", set())
     probed_now = first_step()
     assert probed_now == probed_before and len(probed_now) < 40, probed_now
+
+
+def test_o2s_copies_are_not_written_where_no_eager_forward_reads_them() -> None:
+    """The fused step writes O2's copies where an eager forward read them since the last step (a compiled forward
+    casts the masters in its graph and reads none): a second step with no forward between leaves them as they
+    were, and the next forward copies the masters then."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    model, opt = mixprec.prepare(model, opt, level="O2")
+    state = prepared_state(model)
+    assert state is not None and state.copies is not None
+    x = torch.randn(8, 67)
+    model(x).float().square().mean().backward()
+    opt.step()
+    copies = {k: c.clone() for k, c in state.copies.copies.items()}
+    assert all(torch.equal(copies[id(p)], p.detach().bfloat16()) for p in state.copies.params)
+    opt.step()  # the same gradients again, no forward between
+    assert all(torch.equal(c, state.copies.copies[k]) for k, c in copies.items())
+    model(x)
+    assert all(torch.equal(state.copies.copies[id(p)], p.detach().bfloat16()) for p in state.copies.params)

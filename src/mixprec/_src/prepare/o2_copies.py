@@ -23,7 +23,8 @@ class ComputeCopies:
 
     Refreshed together after each optimizer step (one multi-tensor copy, made when the first copy is
     asked for after :meth:`stale` was called: a compiled forward never asks) but for those the step wrote
-    itself (:meth:`wrote`: the optimizer's own step on the CPU writes a master's copy with it), and, one by one,
+    itself (:meth:`wrote`: the optimizer's own step on the CPU writes a master's copy with it where an eager forward
+    read the copies since the last step, :attr:`read`), and, one by one,
     whenever a parameter's version counter moved since (``load_state_dict``, ``nn.init``, in-place writes under
     ``no_grad``). Checking a version is host-side: no sync.
     """
@@ -37,6 +38,7 @@ class ComputeCopies:
         # while behind: id -> version at the write, of the parameters every step since wrote the copies of
         self.current: dict[int, int] = {}
         self.written: dict[int, int] = {}  # the same, of the step under way (until stale() is called)
+        self.read = True  # an eager forward used the copies since the last step (a compiled one casts its own)
         self.refresh()
 
     def wrote(self, params: list[torch.Tensor]) -> None:
@@ -49,7 +51,7 @@ class ComputeCopies:
         written, current = self.written, self.current
         self.current = written if not self.behind else {k: v for k, v in written.items() if k in current}
         self.written = {}
-        self.behind = True
+        self.behind, self.read = True, False
 
     def refresh(self) -> None:
         """Copy every parameter (after a step: every one the steps did not write the copy of) into its
@@ -73,6 +75,7 @@ class ComputeCopies:
 
     def of(self, param: torch.Tensor) -> torch.Tensor:
         """``param``'s copy, refreshed first if the parameter was written since."""
+        self.read = True
         if self.behind:
             self.refresh()
         held = self.copies[id(param)]
@@ -97,7 +100,7 @@ class ComputeCopies:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.dtype, self.params, self.behind = state["dtype"], state["params"], False
-        self.current, self.written = {}, {}
+        self.current, self.written, self.read = {}, {}, True
         self.copies = {id(p): c for p, c in zip(self.params, state["copies"], strict=True) if c is not None}
         self.versions = {id(p): p._version for p in self.params if id(p) in self.copies}
 
@@ -197,6 +200,7 @@ class _Swap:
         else:
             copies, grad, sparse = self.copies, torch.is_grad_enabled(), self.sparse
             once = self.torch_layer and "forward" not in module.__dict__  # fp8 and per-layer forwards are others
+            copies.read = True
             if copies.behind:
                 copies.refresh()
             held_by, versions = copies.copies, copies.versions

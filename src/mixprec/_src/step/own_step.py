@@ -42,6 +42,7 @@ class ComputeCopies(Protocol):
 
     dtype: torch.dtype
     copies: dict[int, torch.Tensor]  # id(master) -> its copy
+    read: bool  # an eager forward read them since the last step (a compiled one does not: none written then)
 
     def wrote(self, params: list[torch.Tensor]) -> None: ...
 
@@ -90,7 +91,7 @@ class _Taken:
     step), which it took and left, their tables (a dtype each; the gradients' column rewritten at each step), the
     O2 copies the tables write, and the step counts as the tensors hold them."""
 
-    __slots__ = ("copies", "counts", "left", "lists", "ptrs", "tables", "taken", "versions", "wrote")
+    __slots__ = ("copies", "counts", "left", "lists", "ptrs", "tables", "taken", "versions", "wants", "wrote")
 
     def __init__(self, lists: tuple[list[torch.Tensor], ...], taken: list[int], left: list[int]) -> None:
         self.lists = tuple(list(held) for held in lists)  # params, exp_avgs, exp_avg_sqs, state_steps
@@ -101,6 +102,7 @@ class _Taken:
         self.versions: list[int] = []
         self.wrote: list[torch.Tensor] = []  # the masters whose O2 copies the tables write
         self.copies: list[torch.Tensor] = []  # and those copies
+        self.wants = False  # whether the step wrote the copies (an eager forward read them)
 
     def holds(self, lists: tuple[list[torch.Tensor], ...], grads: list[torch.Tensor], copies: Any) -> bool:
         """Whether this step's lists hold the same tensors as the last one's (at the same addresses; step counts not
@@ -114,10 +116,17 @@ class _Taken:
             g = grads[i]
             if type(g) is not torch.Tensor or not g.is_contiguous():
                 return False
+        if self.wants != _wants(copies):
+            return False
         if self.wrote and not all(map(operator.is_, [copies.copies.get(id(p)) for p in self.wrote], self.copies)):
             return False
         steps = lists[3]
         return _addresses(lists, self.taken) == self.ptrs and [steps[i]._version for i in self.taken] == self.versions
+
+
+def _wants(copies: ComputeCopies | None) -> bool:
+    """Whether the fused kernel writes O2's copies: bf16 ones an eager forward read since the last step."""
+    return copies is not None and copies.dtype is torch.bfloat16 and copies.read
 
 
 def _addresses(lists: tuple[list[torch.Tensor], ...], taken: list[int]) -> list[int]:
@@ -172,6 +181,8 @@ class _AdamLists:
         for place, (i, count) in enumerate(zip(taken, counts, strict=True)):
             by_kind.setdefault((params[i].dtype, count), []).append(place)
         plan = _Taken(held, taken, left) if len(set(counts)) == 1 and counts[0] < _EXACT - 1 else None
+        if plan is not None:
+            plan.wants = _wants(self.copies)
         with torch.no_grad():
             for (dtype, count), places in by_kind.items():
                 rows = [(params[taken[k]], grads[taken[k]], exp_avgs[taken[k]], exp_avg_sqs[taken[k]]) for k in places]
@@ -219,9 +230,10 @@ class _AdamLists:
 
     def _with_copies(self, rows: Sequence[tuple[torch.Tensor, ...]]) -> list[Any]:
         """``rows`` with each weight's O2 compute copy where it has a bf16 one of its size the kernel can write
-        (told to the copies: the forward after the step does not copy it again), else ``None``."""
+        (told to the copies: the forward after the step does not copy it again), else ``None``; none where no eager
+        forward read the copies since the last step (a compiled model's: its graph casts the masters)."""
         copies = self.copies
-        if copies is None or copies.dtype is not torch.bfloat16:
+        if copies is None or not _wants(copies):
             return [(*row, None) for row in rows]
         held, out, wrote = copies.copies, [], []
         for row in rows:
