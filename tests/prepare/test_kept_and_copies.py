@@ -147,7 +147,7 @@ def test_o2_copies_view_route_gives_the_functions_gradient_in_cxx() -> None:
     assert bitwise_equal(_o2_grads(o2_copies._from_copy), _o2_grads(o2_copies._FromCopy.apply))
     master = torch.randn(4, 4, requires_grad=True)
     weight = o2_copies._from_copy(master, master.detach().to(torch.bfloat16))
-    assert type(weight.grad_fn).__name__ == "ViewBackward0"  # no Python call in backward
+    assert type(weight.grad_fn).__name__ == "AliasBackward0"  # no Python call in backward
     assert master.grad is None and _o2_grads(o2_copies._from_copy)[0].dtype is torch.float32
 
 
@@ -220,10 +220,10 @@ def test_o2_a_torch_layer_reaches_its_master_through_one_view_and_its_hooks_see_
         loss = net(torch.randn(2, 8)).sum()
         assert [w.dtype for w in seen] == [torch.bfloat16] * 4
         linear, twice = seen[0].grad_fn, seen[2].grad_fn
-        assert type(linear).__name__ == "ViewBackward0"  # one view: straight to the master's accumulator
+        assert type(linear).__name__ == "AliasBackward0"  # one alias: straight to the master's accumulator
         assert linear.next_functions[0][0].variable is net[0].weight
         inner = twice.next_functions[0][0]  # two: the uses summed in bf16 by the outer one
-        assert type(inner).__name__ == "ViewBackward0" and inner.next_functions[0][0].variable is net[1].weight
+        assert type(inner).__name__ == "AliasBackward0" and inner.next_functions[0][0].variable is net[1].weight
         loss.backward()
         assert net[0].weight.grad.dtype is net[1].weight.grad.dtype is torch.float32
         opt.step()

@@ -125,27 +125,28 @@ class _FromCopy(torch.autograd.Function):
 def _from_copy(master: torch.Tensor, held: torch.Tensor, sparse: bool = False, once: bool = False) -> torch.Tensor:
     """``held``'s values with ``master``'s autograd history.
 
-    A view of a view of the master whose data is the copy: their backwards are views' (C++, no Python call).
+    An alias of an alias of the master (``master[...]``) whose data is the copy: their backwards pass the gradient
+    on (C++, no Python call, no op).
     The outer one sums the gradients of the weight's uses in the copy's dtype (as :class:`_FromCopy` and a
     cached autocast cast do); autograd's engine casts that sum to the master's dtype on its way into the
     inner one, recorded before its data was swapped, and the master's own accumulator takes it, so the
     master's hooks (DDP's reducer, a step in backward) fire as for any parameter. With ``once`` (a forward
-    that uses the weight once: there is nothing to sum) the inner view alone: one node fewer, the same bits.
-    The view shares the master's version counter: a step or a write into the master between this forward
+    that uses the weight once: there is nothing to sum) the inner alias alone: one node fewer, the same bits.
+    The alias (a view) shares the master's version counter: a step or a write into the master between this forward
     and its backward is reported by autograd, as it would be for the master itself. Three C++ calls, no
-    kernel. Where the gradient is sparse (``nn.Embedding(sparse=True)``: a view's backward reshapes) or the
+    kernel. Where the gradient is sparse (``nn.Embedding(sparse=True)``) or the
     master a tensor subclass, the copy goes through :class:`_FromCopy`.
     """
     if sparse or (type(master) is not nn.Parameter and type(master) is not torch.Tensor):
         return cast(torch.Tensor, _FromCopy.apply(master, held))  # type: ignore[no-untyped-call]
-    widen = master.view_as(master)  # its backward's input was recorded in the master's dtype: the engine widens
+    widen = master[...]  # its backward's input was recorded in the master's dtype: the engine widens
     widen.data = held
     if once:
         return widen
-    return widen.view_as(widen)  # recorded in the copy's dtype: the uses' gradients are summed in it, as before
+    return widen[...]  # recorded in the copy's dtype: the uses' gradients are summed in it, as before
 
 
-#: torch's layers whose forward (the class's own) uses each parameter once: their copies need no outer view
+#: torch's layers whose forward (the class's own) uses each parameter once: their copies need no outer alias
 _USED_ONCE = frozenset(
     {
         nn.Linear,
@@ -211,7 +212,7 @@ class _Swap:
                     held = copies.of(master)  # type: ignore[arg-type]
                 if grad and master.requires_grad:  # type: ignore[union-attr]
                     if once and not sparse and type(master) is nn.Parameter:
-                        widen = master.view_as(master)  # the inner view of _from_copy alone
+                        widen = master[...]  # the inner alias of _from_copy alone
                         widen.data = held
                         held = widen
                     else:
