@@ -164,6 +164,10 @@ MUTANTS = (
            S + "optim/kernels/adam_fused_lists.cpp",
            "const int64_t grouped = k + (last - k) / TAIL_GROUP * TAIL_GROUP;", "const int64_t grouped = k;",
            ("tests/step/test_own_step.py",)),
+    Mutant("fused-lists-bf16-l2-unfused", "the fused Adam(W) kernel adds Adam's L2 decay to bf16 weights' gradients "
+           "in two roundings (torch's compiler fused them): the probe sends bf16-pure's fused step back to torch's",
+           S + "optim/kernels/adam_fused_lists.cpp", "if (l2) gk[h] = at::vec::fmadd(pk[h], decay, gk[h]);",
+           "if (l2) gk[h] = gk[h] + pk[h] * decay;", ("tests/step/test_own_step.py",)),
     Mutant("fused-lists-copies-unwritten", "the fused Adam(W) kernel leaves O2's copies unwritten (told written)",
            S + "optim/kernels/adam_fused_lists.cpp", "        if (copy != nullptr) copy[k] = BF16(pk);\n",
            "", ("tests/step/test_own_step.py",)),

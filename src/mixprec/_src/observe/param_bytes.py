@@ -150,9 +150,11 @@ def step_temporaries(
     # the optimizer's own Adam(W) or SGD of what no other stage takes, a param group in one call (step.own_step)
     if prepared and on_cpu and world == 1 and own_step.takes_group(optimizer, group):
         decoupled = bool(group.get("decoupled_weight_decay", type(optimizer) is torch.optim.AdamW))
-        if adam and group.get("fused"):  # torch's fused arithmetic on fp32 weights (O2's copies written beside)
+        if adam and group.get("fused"):  # torch's fused arithmetic (O2's copies written beside fp32 weights)
             if stored == 4 and fused_lists.expected():
                 return LIST_ROW["fused"], 0, "cpu-list-fused"
+            if stored == 2 and fused_lists.expected(torch.bfloat16):  # bf16-pure's: after the fp32 ones' table
+                return LIST_ROW["fused"], 0, "cpu-list-fused-bf16"
         elif adam and stored == 4 and aten_lists.expected():
             return LIST_ROW["aten"], 0, "cpu-list-aten"
         elif adam and stored == 2:  # bf16-pure's weights: another table, made after the fp32 ones'
@@ -180,6 +182,7 @@ LIST_SCALARS = {
     "cpu-list-aten": 7 * 4,
     "cpu-list-aten-bf16": 7 * 4,
     "cpu-list-fused": 7 * 4,
+    "cpu-list-fused-bf16": 7 * 4,
     "cpu-list-sgd-fp32": 4 * 4,
     "cpu-list-sgd-aten-bf16": 5 * 4,
 }

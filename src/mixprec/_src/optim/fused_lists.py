@@ -26,27 +26,28 @@ from mixprec._src.optim import aten_lists, cpu_adam, cpu_lists
 __all__ = ["available", "expected", "scalars", "step_list", "step_table", "supports", "table"]
 
 _SOURCE = cpu_lists._PRELUDE + cpu_adam.kernel_source("adam_fused_lists.cpp")
-_KEY = ("fused-adam",)
+#: the storage dtypes the kernel steps, and their C++ types
+_STORAGE = {torch.float32: "float", torch.bfloat16: "BF16"}
 
 
 @functools.cache
-def _compiled() -> Any:
+def _compiled(dtype: torch.dtype = torch.float32) -> Any:
     argtypes = ["const int64_t*", "int64_t", "const float*", "int64_t"]
-    return cpu_lists._load(argtypes, _SOURCE % {"helpers": cpu_adam._HELPERS})
+    return cpu_lists._load(argtypes, _SOURCE % {"helpers": cpu_adam._HELPERS, "storage": _STORAGE[dtype]})
 
 
-def expected() -> bool:
-    """Whether torch's fused Adam(W) of fp32 CPU weights is expected to take :func:`step_list` (it has not failed to
-    build or match in this process); compiles nothing."""
-    return _KEY not in cpu_lists._failed
+def expected(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether torch's fused Adam(W) of ``dtype`` CPU weights is expected to take :func:`step_list` (it has not
+    failed to build or match in this process); compiles nothing."""
+    return dtype in _STORAGE and ("fused-adam", dtype) not in cpu_lists._failed
 
 
-def available() -> bool:
-    """Whether :func:`step_list` steps fp32 weights as torch's fused Adam(W) does here: its kernel builds, and a
-    probe of a few steps of tensors of several sizes (vector loops, tails of whole groups and of single values, a
-    chunk boundary; AdamW's and Adam's decays, maximize, a beta1 past 0.5) comes out bitwise equal to torch's fused
-    step, with bf16 copies equal to ``copy_``'s. Once per process."""
-    return aten_lists._probed(_KEY, _probe)
+def available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether :func:`step_list` steps ``dtype`` weights (fp32, bf16) as torch's fused Adam(W) does here: its kernel
+    builds, and a probe of a few steps of tensors of several sizes (vector loops, tails of whole groups and of single
+    values, a chunk boundary; AdamW's and Adam's decays, maximize, a beta1 past 0.5) comes out bitwise equal to
+    torch's fused step, with (fp32 weights) bf16 copies equal to ``copy_``'s. Once per process and dtype."""
+    return dtype in _STORAGE and aten_lists._probed(("fused-adam", dtype), _probe, dtype)
 
 
 def supports(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> bool:
@@ -85,10 +86,10 @@ def table(
     )
 
 
-def step_table(table: cpu_lists.Table, group: dict[str, Any], step: float, decoupled: bool) -> None:
-    """:func:`step_list` of the rows a :func:`table` holds."""
+def step_table(table: cpu_lists.Table, dtype: torch.dtype, group: dict[str, Any], step: float, decoupled: bool) -> None:
+    """:func:`step_list` of the rows a :func:`table` holds (``dtype`` tensors)."""
     values, flags = scalars(group, step, decoupled)
-    _compiled()(table.tensor, table.rows, values, flags)
+    _compiled(dtype)(table.tensor, table.rows, values, flags)
 
 
 def step_list(
@@ -98,16 +99,16 @@ def step_list(
     decoupled: bool,
 ) -> None:
     """torch's fused Adam(W) step of every ``(weight, gradient, exp_avg, exp_avg_sq, bf16 copy or None)`` of ``rows``
-    (fp32 CPU tensors, ``aten_lists.takes``; a copy contiguous, of the weight's size) at step count ``step``
-    (already counted) with ``group``'s options, in one call, bit for bit (``decoupled``: AdamW's decay); each copy
-    written with its weight. Call where :func:`available` and :func:`supports`."""
-    step_table(table(rows), group, step, decoupled)
+    (CPU tensors of one dtype, ``aten_lists.takes``; a copy, of fp32 weights only, contiguous, of the weight's size)
+    at step count ``step`` (already counted) with ``group``'s options, in one call, bit for bit (``decoupled``:
+    AdamW's decay); each copy written with its weight. Call where :func:`available` and :func:`supports`."""
+    step_table(table(rows), rows[0][0].dtype, group, step, decoupled)
 
 
-def _probe() -> None:
-    _compiled()
+def _probe(dtype: torch.dtype) -> None:
+    _compiled(dtype)
     g = torch.Generator().manual_seed(0)
-    sizes = (1, 7, 15, 16, 23, 47, aten_lists.CHUNK_VALUES + 29)
+    sizes = (1, 7, 15, 16, 23, 31, 47, 63, aten_lists.CHUNK_VALUES + 29, 250007)  # the last: rare roundings show
     cases: list[tuple[type[torch.optim.Optimizer], dict[str, Any]]] = [
         (torch.optim.AdamW, {"weight_decay": 0.1, "lr": 0.3}),
         (torch.optim.AdamW, {"betas": (0.9, 0.95)}),
@@ -115,14 +116,14 @@ def _probe() -> None:
         (torch.optim.Adam, {"weight_decay": 0.01}),
     ]
     for kind, options in cases:
-        weights = [torch.randn(n, generator=g) for n in sizes]
+        weights = [torch.randn(n, generator=g).to(dtype) for n in sizes]
         mine, theirs = [w.clone() for w in weights], [w.clone() for w in weights]
-        copies = [torch.empty(n, dtype=torch.bfloat16) for n in sizes]
+        copies = [torch.empty(n, dtype=torch.bfloat16) if dtype is torch.float32 else None for n in sizes]
         options = {"lr": 1e-2, **options}
         ours, torchs = kind(mine, **options), kind(theirs, fused=True, **options)  # type: ignore[arg-type,call-arg]
         group = ours.param_groups[0]
         for step in range(1, 4):
-            grads = [torch.randn(n, generator=g) * 1e-2 for n in sizes]
+            grads = [(torch.randn(n, generator=g) * 1e-2).to(dtype) for n in sizes]
             for w, gw in zip(theirs, grads, strict=True):
                 w.grad = gw.clone()
             torchs.step()
@@ -135,7 +136,7 @@ def _probe() -> None:
             step_list(rows, group, float(step), kind is torch.optim.AdamW)
         for a, b, c in zip(mine, theirs, copies, strict=True):
             sa, sb = ours.state[a], torchs.state[b]
-            if not (torch.equal(a, b) and torch.equal(sa["exp_avg"], sb["exp_avg"])):
-                raise RuntimeError("the fused Adam(W) kernel does not step as torch's fused step here")
-            if not (torch.equal(sa["exp_avg_sq"], sb["exp_avg_sq"]) and torch.equal(c, b.to(torch.bfloat16))):
-                raise RuntimeError("the fused Adam(W) kernel does not step as torch's fused step here")
+            same = torch.equal(a, b) and torch.equal(sa["exp_avg"], sb["exp_avg"])
+            same = same and torch.equal(sa["exp_avg_sq"], sb["exp_avg_sq"])
+            if not same or (c is not None and not torch.equal(c, b.to(torch.bfloat16))):
+                raise RuntimeError(f"the {dtype} fused Adam(W) kernel does not step as torch's fused step here")

@@ -10,12 +10,12 @@ op as ATen does, MKL's square root included; a probe checks them where they run,
 torch's own step runs). Installed outermost on the optimizer's ``_init_group``: whatever the other stages handed
 on to torch's step (the lists ``_init_group`` fills) is taken from the lists, stepped, counted (Adam's step
 counts; SGD's new momentum buffers put in its state, as its step puts them), and torch's step gets what is left.
-Adam(W)'s fused form (``fused=True``) on fp32 weights takes ``optim.fused_lists`` the same way: one call a param
-group for what torch runs one kernel a tensor for, bit for bit torch's fused kernel, and O2's bf16 copies of those
-weights written in the same pass (``prepare.o2_copies.ComputeCopies.wrote``: the forward after the step copies
-only the rest). SGD's fused form stays torch's. A param group whose lists hold the same tensors as at its last
-step (the usual step) is not checked tensor by tensor again: its tables are kept, the new gradients' addresses
-written in. Nothing here syncs: step counts are counted on the host.
+Adam(W)'s fused form (``fused=True``) on fp32 and bf16 weights takes ``optim.fused_lists`` the same way: one call a
+param group (and dtype) for what torch runs one kernel a tensor for, bit for bit torch's fused kernel, and O2's bf16
+copies of fp32 weights written in the same pass (``prepare.o2_copies.ComputeCopies.wrote``: the forward after the
+step copies only the rest). SGD's fused form stays torch's. A param group whose lists hold the same tensors as at
+its last step (the usual step) is not checked tensor by tensor again: its tables are kept, the new gradients'
+addresses written in. Nothing here syncs: step counts are counted on the host.
 """
 
 from __future__ import annotations
@@ -167,7 +167,7 @@ class _AdamLists:
                 and t.is_cpu
                 and t.dim() == 0
                 and (
-                    (dtype is torch.float32 and fused_lists.available())
+                    fused_lists.available(dtype)
                     if fused
                     else aten_lists.supports(group, dtype, decoupled) and aten_lists.available(dtype)
                 )
@@ -189,7 +189,7 @@ class _AdamLists:
                 if fused:
                     with_copies = self._with_copies(rows)
                     table = fused_lists.table(with_copies)
-                    fused_lists.step_table(table, group, count, decoupled)
+                    fused_lists.step_table(table, dtype, group, count, decoupled)
                     if plan is not None:
                         plan.wrote += [row[0] for row in with_copies if row[4] is not None]
                         plan.copies += [row[4] for row in with_copies if row[4] is not None]
@@ -221,7 +221,7 @@ class _AdamLists:
             for dtype, places, table in last.tables:
                 table.set_column(aten_lists.GRADS, [grads[taken[k]].data_ptr() for k in places])
                 if fused:
-                    fused_lists.step_table(table, group, now, decoupled)
+                    fused_lists.step_table(table, dtype, group, now, decoupled)
                 else:
                     aten_lists.step_table(table, dtype, group, now, decoupled)
         if last.wrote and self.copies is not None:
@@ -238,7 +238,7 @@ class _AdamLists:
         held, out, wrote = copies.copies, [], []
         for row in rows:
             c = held.get(id(row[0]))
-            if c is not None and c.shape == row[0].shape and c.is_cpu and c.is_contiguous():
+            if c is not None and row[0].dtype is torch.float32 and c.shape == row[0].shape and c.is_contiguous():
                 wrote.append(row[0])
             else:
                 c = None

@@ -48,13 +48,55 @@ inline void fused_adam(float* p, const float* g, float* m, float* v, BF16* copy,
         if (copy != nullptr) copy[k] = BF16(pk);
     }
 }
+
+// the same on bf16 tensors, as torch's fused kernel computes them: in fp32 from the bf16 values, the moments stored
+// rounded to bf16 but the update computed from their fp32 values, the weight rounded once; its vector loop takes 32
+// values at a time (two float vectors), its tail the rest as above (no copy: bf16 weights have none)
+inline void fused_adam(BF16* p, const BF16* g, BF16* m, BF16* v, BF16*, int64_t first, int64_t last, const float* s,
+                       int64_t flags) {
+    const bool decoupled = flags & 1, l2 = flags & 2, maximize = flags & 4;
+    const VecF decay(s[0]), beta2(s[2]), omb2(s[3]), bc2(s[4]), eps(s[5]), step(s[6]);
+    const int64_t width = 2 * VecF::size();
+    const int64_t whole = first + (last - first) / width * width;
+    int64_t k = first;
+    for (; k < whole; k += width) {
+        VecF pk[2], gk[2], mk[2], vk[2];
+        load_pair(p + k, pk);
+        load_pair(g + k, gk);
+        load_pair(m + k, mk);
+        load_pair(v + k, vk);
+        for (int h = 0; h < 2; ++h) {
+            if (maximize) gk[h] = gk[h].neg();
+            if (decoupled) pk[h] = pk[h] * decay;
+            if (l2) gk[h] = at::vec::fmadd(pk[h], decay, gk[h]);
+            mk[h] = vec_lerp(mk[h], gk[h], s[1]);
+            vk[h] = at::vec::fmadd(omb2 * gk[h], gk[h], vk[h] * beta2);
+            pk[h] = pk[h] + step * mk[h] / (vk[h].sqrt() / bc2 + eps);
+        }
+        store_pair(p + k, pk);
+        store_pair(m + k, mk);
+        store_pair(v + k, vk);
+    }
+    const int64_t in_groups = k + (last - k) / TAIL_GROUP * TAIL_GROUP;
+    for (; k < last; ++k) {
+        float pk = static_cast<float>(p[k]), gk = static_cast<float>(g[k]);
+        if (maximize) gk = -gk;
+        if (decoupled) pk = pk * s[0];
+        if (l2) gk = std::fma(pk, s[0], gk);
+        const float mk = lerp(static_cast<float>(m[k]), gk, s[1]), v0 = static_cast<float>(v[k]);
+        const float vk = k < in_groups ? std::fma(s[3] * gk, gk, v0 * s[2]) : std::fma(v0, s[2], s[3] * gk * gk);
+        m[k] = BF16(mk);
+        v[k] = BF16(vk);
+        p[k] = BF16(pk + s[6] * mk / (std::sqrt(vk) / s[4] + s[5]));
+    }
+}
 }  // namespace
 
-// table: n rows of (weight, gradient, exp_avg, exp_avg_sq, numel, bf16 copy or 0), all fp32 but the copy
+// table: n rows of (weight, gradient, exp_avg, exp_avg_sq, numel, bf16 copy or 0), all %(storage)s but the copy
 extern "C" void kernel(const int64_t* table, int64_t n, const float* s, int64_t flags) {
+    using T = %(storage)s;
     over_chunks(table, n, 6, 4, CHUNK, [&](const int64_t* row, int64_t first, int64_t last) {
-        fused_adam(reinterpret_cast<float*>(row[0]), reinterpret_cast<const float*>(row[1]),
-                   reinterpret_cast<float*>(row[2]), reinterpret_cast<float*>(row[3]),
-                   reinterpret_cast<BF16*>(row[5]), first, last, s, flags);
+        fused_adam(reinterpret_cast<T*>(row[0]), reinterpret_cast<const T*>(row[1]), reinterpret_cast<T*>(row[2]),
+                   reinterpret_cast<T*>(row[3]), reinterpret_cast<BF16*>(row[5]), first, last, s, flags);
     });
 }
