@@ -200,10 +200,11 @@ MUTANTS = (
            "buffer = made", ("tests/step/test_own_step.py",)),
     Mutant("aten-adam-bf16-eps-unrounded", "the ATen Adam(W) kernel adds eps to bf16 values as an fp32 value (add_ "
            "rounds it to bf16): the probe sends bf16-pure's step back to torch's ops", S + "optim/aten_lists.py",
-           "        eps = _bf16(eps)", "        eps = eps", ("tests/step/test_own_step.py",)),
+           "        values[5] = _bf16(values[5])", "        pass", ("tests/step/test_own_step.py",)),
     Mutant("aten-adam-bf16-foreach-scalars-unrounded", "the ATen Adam(W) kernel takes foreach's decay and beta2 on "
            "bf16 tensors as fp32 values (_foreach_mul_ rounds them to bf16)", S + "optim/aten_lists.py",
-           "(_bf16(decay) if decoupled else decay), _bf16(beta2)", "decay, beta2", ("tests/step/test_own_step.py",)),
+           "            values[0] = _bf16(values[0]) if decoupled else values[0]\n"
+           "            values[2] = _bf16(values[2])\n", "            pass\n", ("tests/step/test_own_step.py",)),
     Mutant("aten-probe-seen-by-modes", "the own step's probes run under the dispatch modes around the first step",
            S + "optim/aten_lists.py", "    with _disable_current_modes():", "    with torch.no_grad():",
            ("tests/step/test_own_step.py",)),

@@ -33,6 +33,7 @@ from mixprec._src.optim import cpu_adam, cpu_lists
 
 __all__ = [
     "GRADS",
+    "adam_values",
     "available",
     "expected",
     "scalars",
@@ -154,23 +155,30 @@ def _probe(dtype: torch.dtype) -> None:
                 raise RuntimeError(f"the {dtype} Adam(W) kernel does not step as torch's for-loop here")
 
 
-def scalars(group: dict[str, Any], step: float, decoupled: bool, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
-    """The Adam(W) kernel's scalars and flags for ``group`` at ``step``, made as torch's for-loop makes them: in
-    Python floats (doubles), each narrowed to fp32 where ATen applies it to a tensor; on bf16 tensors, eps to bf16
-    (``add_`` adds it as one), and in the foreach form (``group["foreach"]``) the decay and beta2 too (its
-    ``_foreach_mul_`` multiplies by a bf16 scalar)."""
+def adam_values(group: dict[str, Any], step: float, decoupled: bool, root: Any = None) -> tuple[list[float], int]:
+    """The Adam(W) kernels' scalars (as Python floats) and flags for ``group`` at ``step``: AdamW's decay (1 - lr *
+    weight decay) or Adam's weight decay, 1 - beta1, beta2, 1 - beta2, the root of the second bias correction
+    (``root`` of it: the for-loop's ``** 0.5`` where ``None``), eps, -lr / the first bias correction."""
     lr, weight_decay, eps = float(group["lr"]), float(group["weight_decay"]), float(group["eps"])
     beta1, beta2 = (float(b) for b in group["betas"])
     bias_correction1, bias_correction2 = 1 - beta1**step, 1 - beta2**step
     decay = (1 - lr * weight_decay) if decoupled else weight_decay
     flags = (DECOUPLED if decoupled else L2) * (weight_decay != 0) | MAXIMIZE * bool(group.get("maximize"))
+    corrected = bias_correction2**0.5 if root is None else root(bias_correction2)
+    return [decay, 1 - beta1, beta2, 1 - beta2, corrected, eps, -(lr / bias_correction1)], flags
+
+
+def scalars(group: dict[str, Any], step: float, decoupled: bool, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+    """The Adam(W) kernel's scalars and flags for ``group`` at ``step``, made as torch's for-loop makes them: in
+    Python floats (doubles), each narrowed to fp32 where ATen applies it to a tensor; on bf16 tensors, eps to bf16
+    (``add_`` adds it as one), and in the foreach form (``group["foreach"]``) the decay and beta2 too (its
+    ``_foreach_mul_`` multiplies by a bf16 scalar)."""
+    values, flags = adam_values(group, step, decoupled)
     if dtype is torch.bfloat16:
-        eps = _bf16(eps)
+        values[5] = _bf16(values[5])
         if group.get("foreach"):
-            decay, beta2_applied = (_bf16(decay) if decoupled else decay), _bf16(beta2)
-            values = [decay, 1 - beta1, beta2_applied, 1 - beta2, bias_correction2**0.5, eps, -(lr / bias_correction1)]
-            return torch.tensor(values, dtype=torch.float32), flags
-    values = [decay, 1 - beta1, beta2, 1 - beta2, bias_correction2**0.5, eps, -(lr / bias_correction1)]
+            values[0] = _bf16(values[0]) if decoupled else values[0]
+            values[2] = _bf16(values[2])
     return torch.tensor(values, dtype=torch.float32), flags
 
 
@@ -236,29 +244,44 @@ def sgd_expected() -> bool:
 
 def _probe_sgd() -> None:
     cpu_lists._sgd("float")
+    _probe_sgd_of(torch.float32, (False,), (1, 7, 33, CHUNK_VALUES + 5), lambda rows, group, _: sgd_step(rows, group))
+
+
+#: the SGD probes' options: momentum with dampening and decay, nesterov with maximize, plain decay
+_SGD_CASES: tuple[dict[str, Any], ...] = (
+    {"momentum": 0.9, "dampening": 0.1, "weight_decay": 0.01},
+    {"momentum": 0.8, "nesterov": True, "maximize": True},
+    {"weight_decay": 0.1},
+)
+
+
+def _probe_sgd_of(dtype: torch.dtype, forms: tuple[bool, ...], sizes: tuple[int, ...], step: Any) -> None:
+    """Three steps of ``step(rows, group, every buffer started)`` against torch's SGD (its for-loop, and its foreach
+    form where ``forms`` has ``True``) on ``dtype`` weights of ``sizes``, for each of :data:`_SGD_CASES`; raises where
+    the weights differ."""
     g = torch.Generator().manual_seed(0)
-    sizes = (1, 7, 33, CHUNK_VALUES + 5)
-    for options in ({"momentum": 0.9, "dampening": 0.1, "weight_decay": 0.01}, {"momentum": 0.8, "nesterov": True,
-                    "maximize": True}, {"weight_decay": 0.1}):  # fmt: skip
-        weights = [torch.randn(n, generator=g) for n in sizes]
-        mine, theirs = [w.clone() for w in weights], [w.clone() for w in weights]
-        torchs = torch.optim.SGD(theirs, lr=0.1, foreach=False, **options)  # type: ignore[arg-type]
-        group = torch.optim.SGD(mine, lr=0.1, foreach=False, **options).param_groups[0]  # type: ignore[arg-type]
-        buffers: list[torch.Tensor | None] = [None] * len(mine)
-        for _ in range(3):
-            grads = [torch.randn(n, generator=g) for n in sizes]
-            for w, gw in zip(theirs, grads, strict=True):
-                w.grad = gw.clone()
-            torchs.step()
-            rows = []
-            for i, (w, gw) in enumerate(zip(mine, grads, strict=True)):
-                started = buffers[i] is not None
-                if group["momentum"] != 0 and buffers[i] is None:
-                    buffers[i] = torch.empty_like(w)
-                rows.append((w, gw, buffers[i], started))
-            sgd_step(rows, group)
-        if not all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True)):
-            raise RuntimeError("the fp32 SGD kernel does not step as torch's for-loop here")
+    for foreach in forms:
+        for options in _SGD_CASES:
+            weights = [torch.randn(n, generator=g).to(dtype) for n in sizes]
+            mine, theirs = [w.clone() for w in weights], [w.clone() for w in weights]
+            torchs = torch.optim.SGD(theirs, lr=0.1, foreach=foreach, **options)  # type: ignore[arg-type]
+            group = torch.optim.SGD(mine, lr=0.1, foreach=foreach, **options).param_groups[0]  # type: ignore[arg-type]
+            buffers: list[torch.Tensor | None] = [None] * len(mine)
+            for _ in range(3):
+                grads = [torch.randn(n, generator=g).to(dtype) for n in sizes]
+                for w, gw in zip(theirs, grads, strict=True):
+                    w.grad = gw.clone()
+                torchs.step()
+                started = all(b is not None for b in buffers)
+                rows = []
+                for i, (w, gw) in enumerate(zip(mine, grads, strict=True)):
+                    began = buffers[i] is not None
+                    if group["momentum"] != 0 and buffers[i] is None:
+                        buffers[i] = torch.empty_like(w)
+                    rows.append((w, gw, buffers[i], began))
+                step(rows, group, started)
+            if not all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True)):
+                raise RuntimeError(f"the {dtype} SGD kernel does not step as torch's SGD here")
 
 
 def sgd_step(rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, bool]], group: dict[str, Any]) -> None:
@@ -313,32 +336,4 @@ def sgd_bf16_step(rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | No
 
 def _probe_sgd_bf16() -> None:
     _sgd_bf16()
-    g = torch.Generator().manual_seed(0)
-    sizes = (1, 33, 95, 1000, CHUNK_VALUES + 37, 2 * 32768 + 41)
-    cases = (
-        {"momentum": 0.9, "dampening": 0.1, "weight_decay": 0.01},
-        {"momentum": 0.8, "nesterov": True, "maximize": True},
-        {"weight_decay": 0.1},
-    )
-    for foreach in (False, True):
-        for options in cases:
-            weights = [torch.randn(n, generator=g).bfloat16() for n in sizes]
-            mine, theirs = [w.clone() for w in weights], [w.clone() for w in weights]
-            torchs = torch.optim.SGD(theirs, lr=0.1, foreach=foreach, **options)  # type: ignore[arg-type]
-            group = torch.optim.SGD(mine, lr=0.1, foreach=foreach, **options).param_groups[0]  # type: ignore[arg-type]
-            buffers: list[torch.Tensor | None] = [None] * len(mine)
-            for _ in range(3):
-                grads = [torch.randn(n, generator=g).bfloat16() for n in sizes]
-                for w, gw in zip(theirs, grads, strict=True):
-                    w.grad = gw.clone()
-                torchs.step()
-                started = all(b is not None for b in buffers)
-                rows = []
-                for i, (w, gw) in enumerate(zip(mine, grads, strict=True)):
-                    began = buffers[i] is not None
-                    if group["momentum"] != 0 and buffers[i] is None:
-                        buffers[i] = torch.empty_like(w)
-                    rows.append((w, gw, buffers[i], began))
-                sgd_bf16_step(rows, group, started)
-            if not all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True)):
-                raise RuntimeError("the bf16 SGD kernel does not step as torch's SGD here")
+    _probe_sgd_of(torch.bfloat16, (False, True), (1, 33, 95, 1000, CHUNK_VALUES + 37, 2 * 32768 + 41), sgd_bf16_step)

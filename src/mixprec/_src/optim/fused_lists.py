@@ -63,13 +63,7 @@ def supports(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> bool:
 def scalars(group: dict[str, Any], step: float, decoupled: bool) -> tuple[torch.Tensor, int]:
     """The kernel's scalars and flags for ``group`` at ``step``, made as torch's fused step makes them: in doubles
     (the root of the second bias correction a square root), each narrowed to fp32."""
-    lr, weight_decay, eps = float(group["lr"]), float(group["weight_decay"]), float(group["eps"])
-    beta1, beta2 = (float(b) for b in group["betas"])
-    decay = (1 - lr * weight_decay) if decoupled else weight_decay
-    flags = (aten_lists.DECOUPLED if decoupled else aten_lists.L2) * (weight_decay != 0)
-    flags |= aten_lists.MAXIMIZE * bool(group.get("maximize"))
-    root = math.sqrt(1 - beta2**step)
-    values = [decay, 1 - beta1, beta2, 1 - beta2, root, eps, -(lr / (1 - beta1**step))]
+    values, flags = aten_lists.adam_values(group, step, decoupled, math.sqrt)
     return torch.tensor(values, dtype=torch.float32), flags
 
 

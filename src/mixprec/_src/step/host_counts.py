@@ -14,7 +14,7 @@ from mixprec._src import dispatch_modes
 from mixprec._src.numerics import fp32_nearest
 from mixprec._src.optim import cpu_lists
 
-__all__ = ["HostCounts", "write"]
+__all__ = ["EXACT", "HostCounts", "write"]
 
 
 class HostCounts:
@@ -36,7 +36,7 @@ class HostCounts:
             t, key = st["step"], id(p)
             last = held.get(key)
             count = (last[2] if last is not None and last[0] is t and last[1] == t._version else float(t)) + 1.0
-            if t.dtype is torch.float32 and not (count.is_integer() and count <= _EXACT and count >= -_EXACT):
+            if t.dtype is torch.float32 and not (count.is_integer() and count <= EXACT and count >= -EXACT):
                 count = fp32_nearest(count)  # as the tensor holds it: fp32 counts stop at 2**24, as torch's do
             steps.append(t)
             after.append(count)
@@ -61,4 +61,4 @@ def write(steps: list[torch.Tensor], after: list[float]) -> None:
     torch._foreach_add_(steps, 1.0)
 
 
-_EXACT = float(1 << 24)
+EXACT = float(1 << 24)  # fp32 step counts are exact up to here

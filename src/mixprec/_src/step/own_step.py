@@ -180,7 +180,7 @@ class _AdamLists:
         by_kind: dict[tuple[torch.dtype, float], list[int]] = {}
         for place, (i, count) in enumerate(zip(taken, counts, strict=True)):
             by_kind.setdefault((params[i].dtype, count), []).append(place)
-        plan = _Taken(held, taken, left) if len(set(counts)) == 1 and counts[0] < _EXACT - 1 else None
+        plan = _Taken(held, taken, left) if len(set(counts)) == 1 and counts[0] < host_counts.EXACT - 1 else None
         if plan is not None:
             plan.wants = _wants(self.copies)
         with torch.no_grad():
@@ -209,7 +209,7 @@ class _AdamLists:
         the group's options are no longer the kernel's)."""
         now = last.counts + 1.0
         fused = bool(group.get("fused"))
-        if now >= _EXACT:
+        if now >= host_counts.EXACT:
             return False
         if not fused and not all(aten_lists.supports(group, d, decoupled) for d, _, _ in last.tables):
             return False
@@ -245,9 +245,6 @@ class _AdamLists:
             out.append((*row, c))
         copies.wrote(wrote)
         return out
-
-
-_EXACT = float(1 << 24)  # fp32 step counts are exact below
 
 
 def _sgd_lists(opt: torch.optim.Optimizer, group: dict[str, Any], *lists: list[Any]) -> None:
