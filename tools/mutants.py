@@ -438,6 +438,15 @@ MUTANTS = (
            S + "prepare/o2_copies.py", "once = self.torch_layer and ", "once = True or ", KEPT_TESTS),
     Mutant("o2-one-view-nowhere", "a torch layer's O2 copy takes the two views (a backward node more a weight)",
            S + "prepare/o2_copies.py", "once = self.torch_layer and ", "once = False and ", KEPT_TESTS),
+    Mutant("o2-view-kept-past-a-write", "O2's kept view of a master is used after the master was written in place "
+           "(autograd remakes its node as a strided copy)", S + "prepare/o2_copies.py",
+           "kept[1] is held and kept[2] == version else", "kept[1] is held else", KEPT_TESTS),
+    Mutant("o2-view-kept-for-an-old-copy", "O2's kept view holds the copy of a master since stored anew",
+           S + "prepare/o2_copies.py", "kept[1] is held and kept[2] == version else", "kept[2] == version else",
+           KEPT_TESTS),
+    Mutant("o2-view-kept-with-a-users-hook", "O2's kept view is used again after a hook was put on it (the hook "
+           "runs once more each forward)", S + "prepare/o2_copies.py",
+           "if widen is None or widen._backward_hooks is not None:", "if widen is None:", KEPT_TESTS),
     Mutant("o2-swap-after-hooks-only", "O2's copies go in place inside the module's hooks, not around them",
            S + "prepare/o2_copies.py", "            module._call_impl = call  # type: ignore[method-assign]\n",
            "            module._call_impl = call  # type: ignore[method-assign]\n"

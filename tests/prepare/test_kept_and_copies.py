@@ -14,7 +14,7 @@ from torch import nn
 
 import mixprec
 from helpers import bitwise_equal
-from mixprec._src.prepare import o2_copies
+from mixprec._src.prepare import levels, o2_copies
 
 
 class _LayerNorm(nn.LayerNorm):  # a subclass: kept by the hooks
@@ -215,7 +215,7 @@ def test_o2_a_torch_layer_reaches_its_master_through_one_view_and_its_hooks_see_
     for layer in net:  # hooks registered after prepare, as a user's or a profiler's are
         layer.register_forward_pre_hook(lambda m, args: seen.append(m.weight))
         layer.register_forward_hook(lambda m, args, out: seen.append(m.weight))
-    for _ in range(2):  # and after a step: a view made by each forward (one kept would be remade as an as_strided)
+    for _ in range(2):  # and after torch's step, which writes the masters: a view made anew (test below)
         seen.clear()
         loss = net(torch.randn(2, 8)).sum()
         assert [w.dtype for w in seen] == [torch.bfloat16] * 4
@@ -227,6 +227,66 @@ def test_o2_a_torch_layer_reaches_its_master_through_one_view_and_its_hooks_see_
         loss.backward()
         assert net[0].weight.grad.dtype is net[1].weight.grad.dtype is torch.float32
         opt.step()
+
+
+class _Forget(dict):  # type: ignore[type-arg]
+    """O2's kept views, never kept: every forward makes its own (the path before views were kept)."""
+
+    def __setitem__(self, key: object, value: object) -> None:
+        pass
+
+
+def _o2_training(forget: bool, fused: bool) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Embedding(32, 16), nn.Linear(16, 16), nn.ReLU(), _UsesItsWeightTwice(), nn.Linear(16, 4))
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2, fused=fused)
+    net, opt = mixprec.prepare(net, opt, level="O2")
+    if forget:
+        levels.prepared_state(net).copies.aliases = _Forget()  # type: ignore[union-attr]
+    calls: list[int] = []
+
+    def hook_the_weight(module: nn.Module, args: object) -> None:  # a user's hook on the weight the forward uses
+        module.weight.register_hook(lambda g: calls.append(1))
+
+    net[1].register_forward_pre_hook(hook_the_weight)
+    x = torch.randint(0, 32, (4, 8))
+    out: list[torch.Tensor] = []
+    for step in range(4):
+        for _ in range(1 + step % 2):  # two forwards (then three with the second) before one backward
+            loss = sum(net(x[:, i : i + 4]).float().square().sum() for i in range(1 + step // 2))
+            loss.backward()  # type: ignore[union-attr]
+        out += [p.grad.clone() for p in net.parameters()]
+        opt.step()
+        opt.zero_grad()
+        if step == 1:
+            with torch.no_grad():  # a master written in place: its version moves
+                net[4].weight.mul_(0.5)
+    assert len(calls) == sum((1 + s % 2) * (1 + s // 2) for s in range(4))  # the user's hook once a use
+    return out + [p.detach().clone() for p in net.parameters()]
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["torch-step", "fused-own-step"])
+def test_o2_views_kept_across_forwards_give_each_forwards_gradients(fused: bool) -> None:
+    # a torch layer's view of its master is made once and kept until the master is written (torch's for-loop step
+    # writes it, the own fused step does not move its version): the same gradients, several forwards to a backward
+    assert bitwise_equal(_o2_training(False, fused), _o2_training(True, fused))
+
+
+def test_o2_a_torch_layers_view_is_kept_until_its_master_or_its_copy_changes() -> None:
+    net = nn.Sequential(nn.Linear(8, 8, bias=False))
+    net, opt = mixprec.prepare(net, torch.optim.AdamW(net.parameters(), lr=0.1, fused=True), level="O2")
+    seen: list[torch.Tensor] = []
+    net[0].register_forward_pre_hook(lambda m, args: seen.append(m.weight))
+    for _ in range(3):
+        net(torch.randn(2, 8)).sum().backward()
+        opt.step()
+    with torch.no_grad():
+        net[0].weight.add_(1.0)  # its version moves
+    net(torch.randn(2, 8)).sum().backward()
+    assert seen[0] is seen[1] is seen[2] and seen[3] is not seen[2]
+    assert type(seen[3].grad_fn).__name__ == "AliasBackward0" and net[0].weight.grad.dtype is torch.float32
+    net[0].weight.data = torch.randn(4, 8)  # a master stored anew, its version where it was: a new copy
+    assert net(torch.randn(2, 8)).shape == (2, 4) and seen[4] is not seen[3]
 
 
 def test_o2_a_sparse_embedding_takes_the_function_route() -> None:

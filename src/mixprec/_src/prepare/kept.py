@@ -91,13 +91,16 @@ def _leave(device_type: str, module: nn.Module, args: tuple[Any, ...], output: A
     _keep_exit(device_type)
 
 
+_fp32 = torch.float32
+
+
 def _fp32_input(device_type: str, input: torch.Tensor) -> torch.Tensor:
     """The input a kept module's hooks would give it: cast to fp32 where autocast is on (eligible tensors)."""
     if torch.compiler.is_compiling():
         compiled_backward.backward_like_eager()
-    if torch.is_autocast_enabled(device_type) and casting.eligible(input, device_type):
+    if input.dtype is not _fp32 and torch.is_autocast_enabled(device_type) and casting.eligible(input, device_type):
         return input.float()
-    return input
+    return input  # fp32 already (O1's stream): nothing to check
 
 
 def _layer_norm(device_type: str, module: nn.LayerNorm, input: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,9 @@ optimizer step (one multi-tensor copy, at the first eager forward after it: a co
 its graph and never reads them) and one by one when a parameter was written since (its version
 counter, read on the host: no sync). :func:`install_copies` puts a module's copies in place
 around its call (:class:`SwapCall`), as FSDP2 puts gathered parameters; their gradients flow into the
-fp32 masters, widened. Compiled, the forward casts the master in the graph instead.
+fp32 masters, widened, through an alias of each master made once and kept until the master is written or stored
+anew (:attr:`ComputeCopies.aliases`: no op a weight a forward). Compiled, the forward casts the master in the graph
+instead.
 """
 
 from __future__ import annotations
@@ -39,6 +41,10 @@ class ComputeCopies:
         self.current: dict[int, int] = {}
         self.written: dict[int, int] = {}  # the same, of the step under way (until stale() is called)
         self.read = True  # an eager forward used the copies since the last step (a compiled one casts its own)
+        # id -> (the inner alias of _from_copy, the copy it holds, its master's version when it was made): an
+        # alias has no saved tensor, so its backward node serves every forward until its master is written (a
+        # write moves the version the alias shares with it: autograd would remake its node as a strided copy)
+        self.aliases: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
         self.refresh()
 
     def wrote(self, params: list[torch.Tensor]) -> None:
@@ -100,7 +106,7 @@ class ComputeCopies:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.dtype, self.params, self.behind = state["dtype"], state["params"], False
-        self.current, self.written, self.read = {}, {}, True
+        self.current, self.written, self.read, self.aliases = {}, {}, True, {}
         self.copies = {id(p): c for p, c in zip(self.params, state["copies"], strict=True) if c is not None}
         self.versions = {id(p): p._version for p in self.params if id(p) in self.copies}
 
@@ -204,17 +210,22 @@ class _Swap:
             copies.read = True
             if copies.behind:
                 copies.refresh()
-            held_by, versions = copies.copies, copies.versions
+            held_by, versions, aliases = copies.copies, copies.versions, copies.aliases
             for name, master in self.pairs:  # ComputeCopies.of and _from_copy written out: the usual case
                 held, key = held_by[id(master)], id(master)
-                moved = master._version != versions[key]  # type: ignore[union-attr]
-                if moved or held.shape != master.shape or held.device != master.device:  # type: ignore[union-attr]
+                version = master._version  # type: ignore[union-attr]
+                if version != versions[key] or held.shape != master.shape or held.device != master.device:  # type: ignore[union-attr]
                     held = copies.of(master)  # type: ignore[arg-type]
                 if grad and master.requires_grad:  # type: ignore[union-attr]
-                    if once and not sparse and type(master) is nn.Parameter:
-                        widen = master[...]  # the inner alias of _from_copy alone
-                        widen.data = held
-                        held = widen
+                    if not sparse and type(master) is nn.Parameter:
+                        kept = aliases.get(key)  # _from_copy's inner alias, made once (see ComputeCopies.aliases)
+                        widen = kept[0] if kept is not None and kept[1] is held and kept[2] == version else None
+                        if widen is None or widen._backward_hooks is not None:  # none, or a user's hook on it
+                            widen = master[...]
+                            widen.data = held
+                            if type(widen) is torch.Tensor:  # not one a dispatch mode made (a fake tensor)
+                                aliases[key] = (widen, held, version)
+                        held = widen if once else widen[...]
                     else:
                         held = _from_copy(master, held, sparse, once)  # type: ignore[arg-type]
                 params[name] = held  # type: ignore[assignment]
