@@ -380,8 +380,11 @@ MUTANTS = (
            S + "gemms/sites.py", "        if reason is not None:\n            out.append((name, reason))\n", "",
            GEMM_TESTS),
     Mutant("gemm-fused-path-kept", "an encoder layer with layers of their own precision keeps torch's fused path",
-           S + "gemms/fused_paths.py", "            layer.register_forward_pre_hook(_no_fused_path)\n", "",
+           S + "gemms/fused_paths.py", "            _uncalled(layer).register_forward_pre_hook(_no_fused_path)\n", "",
            GEMM_TESTS),
+    Mutant("gemm-fused-path-hook-on-the-layer", "the hook turning the fused encoder path off sits on the layer (every "
+           "training call takes _call_impl's slow path)", S + "gemms/fused_paths.py",
+           "        return attention.out_proj\n", "        return layer\n", KEPT_TESTS),
     Mutant("gemm-patch-order", "a patch convolution lays out its patches kernel before channels",
            S + "gemms/kinds.py", "order = [0, *(2 + 2 * i for i in range(n)), 1, *(3 + 2 * i for i in range(n))]",
            "order = [0, *(2 + 2 * i for i in range(n)), *(3 + 2 * i for i in range(n)), 1]", GEMM_TESTS),

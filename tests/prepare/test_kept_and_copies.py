@@ -110,6 +110,7 @@ def test_eval_keeps_the_encoders_fused_path_off_where_a_norm_has_its_own_forward
     calls.clear()
     enc, _ = mixprec.prepare(enc, torch.optim.SGD(enc.parameters(), lr=0.1), level="O1")
     assert "forward" in enc.layers[0].norm1.__dict__
+    assert not enc.layers[0]._forward_pre_hooks  # on its attention's uncalled out_proj: no cost when training
     with torch.no_grad():
         enc(torch.randn(2, 5, 16))
     assert not calls

@@ -6,8 +6,10 @@ In evaluation without gradients, ``nn.TransformerEncoderLayer`` runs one fused k
 for it. A layer given a forward of its own (fp8, a precision, a routed attention) or a call of its own (O2's
 copies) would then be skipped: the evaluation would compute in another precision than the training did, silently.
 :func:`keep_layers_called` turns the fused path off where it would skip such a layer, as torch
-itself does where a layer has a hook: an encoder layer gets a no-op forward pre-hook, and its
-encoder stops making nested tensors (padded positions then hold computed values, not zeros).
+itself does where a module inside the layer has a hook: the layer's attention's ``out_proj`` (never called: the
+attention reads its weight) or else the layer gets a no-op forward pre-hook, and its encoder stops making nested
+tensors (padded positions then hold computed values, not zeros). On ``out_proj`` the hook costs the training
+forward nothing; on the layer, every call takes ``_call_impl``'s slower path.
 """
 
 from __future__ import annotations
@@ -30,6 +32,15 @@ def _has_own_forward(module: nn.Module) -> bool:
     return any("forward" in m.__dict__ or "_call_impl" in m.__dict__ for m in module.modules())
 
 
+def _uncalled(layer: nn.TransformerEncoderLayer) -> nn.Module:
+    """A module inside ``layer`` its forward never calls (torch's attention reads ``out_proj.weight``), else the
+    layer: a hook there turns the fused path off without running."""
+    attention = layer.self_attn
+    if type(attention) is nn.MultiheadAttention and isinstance(attention.out_proj, nn.Linear):
+        return attention.out_proj
+    return layer
+
+
 def keep_layers_called(model: nn.Module) -> int:
     """Turn torch's fused encoder path off where a layer inside has a forward of its own (in place;
     idempotent); returns how many encoder layers were newly marked."""
@@ -38,7 +49,7 @@ def keep_layers_called(model: nn.Module) -> int:
         if not isinstance(layer, nn.TransformerEncoderLayer) or _MARK in layer.__dict__:
             continue
         if _has_own_forward(layer):
-            layer.register_forward_pre_hook(_no_fused_path)
+            _uncalled(layer).register_forward_pre_hook(_no_fused_path)
             layer.__dict__[_MARK] = True
             marked += 1
     for encoder in model.modules():
