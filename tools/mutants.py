@@ -140,6 +140,9 @@ MUTANTS = (
            S + "optim/kernels/sgd_aten_bf16.cpp",
            "return tail ? rb(self + rb(other * alpha)) : rb(self + other * alpha);", "return rb(self + other * alpha);",
            ("tests/step/test_own_step.py",)),
+    Mutant("aten-sgd-bf16-pair-buffer-unrounded", "the bf16 SGD kernel's vector loop adds the buffer times momentum "
+           "unrounded (ATen's mul_ rounds it to bf16)", S + "optim/kernels/sgd_aten_bf16.cpp",
+           "            rb_pair(m);\n", "", ("tests/step/test_own_step.py",)),
     Mutant("aten-sgd-bf16-shares-unsplit", "the bf16 SGD kernel takes a large tensor as one thread's share",
            S + "optim/kernels/sgd_aten_bf16.cpp",
            "const int64_t shares = (n < GRAIN || threads <= 1) ? 1 : std::min(threads, (n + GRAIN - 1) / GRAIN);",
@@ -171,6 +174,12 @@ MUTANTS = (
     Mutant("fused-lists-copies-unwritten", "the fused Adam(W) kernel leaves O2's copies unwritten (told written)",
            S + "optim/kernels/adam_fused_lists.cpp", "        if (copy != nullptr) copy[k] = BF16(pk);\n",
            "", ("tests/step/test_own_step.py",)),
+    Mutant("fused-lists-copies-pair-half", "the fused Adam(W) kernel writes half of each pair of vectors' O2 copies",
+           S + "optim/kernels/adam_fused_lists.cpp", "            store_pair(copy + k, pair);\n",
+           "            store_vec(copy + k, pair[0]);\n", ("tests/step/test_own_step.py",)),
+    Mutant("fused-lists-copies-last-vector-unwritten", "the fused Adam(W) kernel leaves the copy of a vector left "
+           "after the pairs unwritten", S + "optim/kernels/adam_fused_lists.cpp",
+           "        if (copy != nullptr) store_vec(copy + k, pk);\n", "", ("tests/step/test_own_step.py",)),
     Mutant("o2-copies-written-version-now", "a copy the step wrote is taken as current whatever wrote its master "
            "since", S + "prepare/o2_copies.py", "                    versions[id(p)] = current[id(p)]\n", "",
            ("tests/step/test_own_step.py",)),

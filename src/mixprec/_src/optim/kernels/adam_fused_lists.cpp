@@ -20,8 +20,7 @@ inline void fused_adam(float* p, const float* g, float* m, float* v, BF16* copy,
     const VecF decay(s[0]), beta2(s[2]), omb2(s[3]), bc2(s[4]), eps(s[5]), step(s[6]);
     // the vector loop stops where torch's does: at the tensor's last whole 16 values (a chunk holds whole ones)
     const int64_t whole = first + (last - first) / 16 * 16;
-    int64_t k = first;
-    for (; k + VecF::size() <= whole; k += VecF::size()) {
+    auto vector = [&](int64_t k) {  // the float vector at k: the new weights
         VecF pk = VecF::loadu(p + k), gk = VecF::loadu(g + k);
         if (maximize) gk = gk.neg();
         if (decoupled) pk = pk * decay;
@@ -32,6 +31,17 @@ inline void fused_adam(float* p, const float* g, float* m, float* v, BF16* copy,
         vk.store(v + k);
         pk = pk + step * mk / (vk.sqrt() / bc2 + eps);
         pk.store(p + k);
+        return pk;
+    };
+    int64_t k = first;
+    if (copy != nullptr) {  // two float vectors a time: their copy one whole bf16 vector (a half one is a memcpy)
+        for (; k + 2 * VecF::size() <= whole; k += 2 * VecF::size()) {
+            const VecF pair[2] = {vector(k), vector(k + VecF::size())};
+            store_pair(copy + k, pair);
+        }
+    }
+    for (; k + VecF::size() <= whole; k += VecF::size()) {
+        const VecF pk = vector(k);
         if (copy != nullptr) store_vec(copy + k, pk);
     }
     const int64_t grouped = k + (last - k) / TAIL_GROUP * TAIL_GROUP;

@@ -13,20 +13,29 @@
 constexpr int64_t GRAIN = 32768;  // at::internal::GRAIN_SIZE
 
 inline float rb(float x) { return static_cast<float>(BF16(x)); }
-inline VecF rbv(const VecF& x) { BF16 held[VecF::size()]; store_vec(held, x); return load_float(held); }
+
+// a pair of float vectors (one whole bf16 vector) rounded to bf16 and back in registers
+inline void rb_pair(VecF* x) {
+    std::tie(x[0], x[1]) = at::vec::convert_to_float<BF16>(at::vec::convert_from_float<BF16>(x[0], x[1]));
+}
 
 // self + other * alpha as ATen's bf16 add computes it at a value of its vector loop (vec) or of its tail
 inline float add_alpha(float self, float other, float alpha, bool tail) {
     return tail ? rb(self + rb(other * alpha)) : rb(self + other * alpha);
 }
-inline VecF add_alpha(const VecF& self, const VecF& other, const VecF& alpha) { return rbv(self + other * alpha); }
+// the same at a pair of its vector loop's float vectors, into out (which may be self or other)
+inline void add_alpha(VecF* out, const VecF* self, const VecF* other, const VecF& alpha) {
+    out[0] = self[0] + other[0] * alpha;
+    out[1] = self[1] + other[1] * alpha;
+    rb_pair(out);
+}
 
 struct Step {
     const float* s;
     bool nesterov, maximize, momentum, started;
 };
 
-// one value (tail or not) or one vector of values (never a tail's)
+// one value (tail or not)
 inline void sgd_one(BF16* p, const BF16* g, BF16* buf, int64_t k, const Step& st, bool tail) {
     const float* s = st.s;
     float gk = static_cast<float>(g[k]), pk = static_cast<float>(p[k]);
@@ -40,18 +49,31 @@ inline void sgd_one(BF16* p, const BF16* g, BF16* buf, int64_t k, const Step& st
     }
     p[k] = BF16(add_alpha(pk, gk, s[3], tail));
 }
-inline void sgd_vec(BF16* p, const BF16* g, BF16* buf, int64_t k, const Step& st) {
+// two float vectors of values (one whole bf16 vector; never a tail's)
+inline void sgd_pair(BF16* p, const BF16* g, BF16* buf, int64_t k, const Step& st) {
     const float* s = st.s;
-    VecF gk = load_float(g + k), pk = load_float(p + k);
-    if (st.maximize) gk = gk.neg();
-    if (s[0] != 0.0f) gk = add_alpha(gk, pk, VecF(s[0]));
+    VecF gk[2], pk[2];
+    load_pair(g + k, gk);
+    load_pair(p + k, pk);
+    if (st.maximize) gk[0] = gk[0].neg(), gk[1] = gk[1].neg();
+    if (s[0] != 0.0f) add_alpha(gk, gk, pk, VecF(s[0]));
     if (st.momentum) {
-        VecF b = gk;
-        if (st.started) b = add_alpha(rbv(load_float(buf + k) * VecF(s[1])), gk, VecF(s[2]));
-        store_vec(buf + k, b);
-        gk = st.nesterov ? add_alpha(gk, b, VecF(s[4])) : b;
+        VecF b[2] = {gk[0], gk[1]};
+        if (st.started) {
+            VecF m[2];
+            load_pair(buf + k, m);
+            m[0] = m[0] * VecF(s[1]);
+            m[1] = m[1] * VecF(s[1]);
+            rb_pair(m);
+            add_alpha(b, m, gk, VecF(s[2]));
+        }
+        store_pair(buf + k, b);
+        if (st.nesterov) add_alpha(gk, gk, b, VecF(s[4]));
+        else gk[0] = b[0], gk[1] = b[1];
     }
-    store_vec(p + k, add_alpha(pk, gk, VecF(s[3])));
+    VecF out[2];
+    add_alpha(out, pk, gk, VecF(s[3]));
+    store_pair(p + k, out);
 }
 
 // the values [first, last) of a tensor of n values, each as ATen computes it where it falls
@@ -64,7 +86,7 @@ inline void sgd(BF16* p, const BF16* g, BF16* buf, int64_t n, int64_t first, int
         const int64_t start = k / share * share, end = std::min(n, start + share);  // the share k falls in
         const int64_t tail = start + (end - start) / width * width;  // its tail's first value
         const int64_t upto = std::min(last, tail);
-        for (; k + VecF::size() <= upto; k += VecF::size()) sgd_vec(p, g, buf, k, st);
+        for (; k + 2 * VecF::size() <= upto; k += 2 * VecF::size()) sgd_pair(p, g, buf, k, st);
         for (; k < upto; ++k) sgd_one(p, g, buf, k, st, false);
         for (; k < std::min(last, end); ++k) sgd_one(p, g, buf, k, st, true);
     }
