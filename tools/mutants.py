@@ -255,7 +255,8 @@ MUTANTS = (
            S + "prepare/o2_copies.py", "        if self.behind:\n            self.refresh()\n        held =",
            "        held =", ("tests/prepare/test_master_weights.py",)),
     Mutant("sgd-list-nesterov-ignored", "the SGD list steps a Nesterov group with the plain momentum",
-           S + "optim/kernels/sgd_lists.cpp", "gk = nesterov ? at::vec::fmadd(b, m, gk) : b;", "gk = b;", STEP_TESTS),
+           S + "optim/kernels/sgd_lists.cpp", "gk[h] = nesterov ? at::vec::fmadd(b[h], m, gk[h]) : b[h];",
+           "gk[h] = b[h];", STEP_TESTS),
     Mutant("sgd-list-buffer-restarted", "the SGD list starts every momentum buffer again from the gradient",
            S + "step/stochastic_rounding.py", "rows.append((local_p, local_g, None if buffer is None else "
            "sharding.local(buffer), comp, seed, started))", "rows.append((local_p, local_g, None if buffer is None "
@@ -263,8 +264,8 @@ MUTANTS = (
     Mutant("sgd-list-damping-ignored", "the SGD list adds the whole gradient to the momentum, dampening aside",
            S + "optim/cpu_lists.py", '1.0 - float(group["dampening"])', "1.0", STEP_TESTS),
     Mutant("sgd-bf16-buffer-weights-noise", "the bf16 momentum list rounds each buffer with its weight's noise",
-           S + "optim/kernels/sgd_bf16_state.cpp", "store_vec(buf + k, vec_sr(b, k, buf_seed));",
-           "store_vec(buf + k, vec_sr(b, k, seed));", STEP_TESTS),
+           S + "optim/kernels/sgd_bf16_state.cpp", "        pair_sr(b, k, buf_seed);\n",
+           "        pair_sr(b, k, seed);\n", STEP_TESTS),
     Mutant("sgd-quantized-list-unsigned", "the quantized momentum list codes the buffer with the unsigned codebook",
            S + "optim/cpu_lists.py", "signed_table, signed_lookup, _, _ = cpu_adam._tables(fmt)",
            "_, _, signed_table, signed_lookup = cpu_adam._tables(fmt)", STEP_TESTS),

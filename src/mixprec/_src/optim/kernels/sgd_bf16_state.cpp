@@ -8,6 +8,21 @@ inline void sgd(%(p_type)s* p, const %(g_type)s* g, BF16* buf, BF16* comp, int64
                 bool nesterov, bool started, int64_t rounding, int64_t seed, int64_t buf_seed) {
     const VecF wd(s[0]), m(s[1]), damp(s[2]), neg_lr(s[3]);
     int64_t k = first;
+    for (; k + 2 * VecF::size() <= last; k += 2 * VecF::size()) {  // the loop below's, two vectors at a time
+        VecF pk[2], gk[2], b[2], next[2];
+        load_pair(p + k, pk);
+        load_pair(g + k, gk);
+        if (started) load_pair(buf + k, b);
+        for (int h = 0; h < 2; ++h) {
+            if (s[0] != 0.0f) gk[h] = at::vec::fmadd(pk[h], wd, gk[h]);
+            b[h] = started ? at::vec::fmadd(gk[h], damp, b[h] * m) : gk[h];
+            const VecF d = nesterov ? at::vec::fmadd(b[h], m, gk[h]) : b[h];
+            next[h] = at::vec::fmadd(d, neg_lr, pk[h]);
+        }
+        pair_sr(b, k, buf_seed);
+        store_pair(buf + k, b);
+        write_pair(p, comp, k, next, rounding, seed);
+    }
     for (; k + VecF::size() <= last; k += VecF::size()) {
         const VecF pk = load_float(p + k);
         VecF gk = load_float(g + k);

@@ -11,6 +11,23 @@ inline void sgd(T* p, const T* g, T* buf, BF16* comp, int64_t first, int64_t las
     const bool nesterov = flags & 1, maximize = flags & 2, momentum = flags & 4;
     const VecF wd(s[0]), m(s[1]), damp(s[2]), neg_lr(s[3]);
     int64_t k = first;
+    for (; k + 2 * VecF::size() <= last; k += 2 * VecF::size()) {  // the loop below's, two vectors at a time
+        VecF pk[2], gk[2], b[2], next[2];
+        load_pair(p + k, pk);
+        load_pair(g + k, gk);
+        if (momentum && started) load_pair(buf + k, b);
+        for (int h = 0; h < 2; ++h) {
+            if (maximize) gk[h] = gk[h].neg();
+            if (s[0] != 0.0f) gk[h] = at::vec::fmadd(pk[h], wd, gk[h]);
+            if (momentum) {
+                b[h] = started ? at::vec::fmadd(gk[h], damp, b[h] * m) : gk[h];
+                gk[h] = nesterov ? at::vec::fmadd(b[h], m, gk[h]) : b[h];
+            }
+            next[h] = at::vec::fmadd(gk[h], neg_lr, pk[h]);
+        }
+        if (momentum) store_pair(buf + k, b);
+        write_pair(p, comp, k, next, rounding, seed);
+    }
     for (; k + VecF::size() <= last; k += VecF::size()) {
         const VecF pk = load_float(p + k);
         VecF gk = load_float(g + k);
