@@ -180,6 +180,24 @@ MUTANTS = (
     Mutant("fused-lists-copies-last-vector-unwritten", "the fused Adam(W) kernel leaves the copy of a vector left "
            "after the pairs unwritten", S + "optim/kernels/adam_fused_lists.cpp",
            "        if (copy != nullptr) store_vec(copy + k, pk);\n", "", ("tests/step/test_own_step.py",)),
+    Mutant("own-step-versions-still", "the own step writes the weights without moving their versions (a step between a "
+           "forward and its backward goes unreported, where torch's for-loop reports it)", S + "step/own_step.py",
+           "                torch.autograd.graph.increment_version(stepped)", "                pass",
+           ("tests/step/test_own_step.py",)),
+    Mutant("own-step-fused-versions-moved", "the own step of torch's fused form moves the weights' versions (torch's "
+           "fused kernel does not)", S + "step/own_step.py", 'if stepped and not group.get("fused"):',
+           "if stepped:", ("tests/step/test_own_step.py",)),
+    Mutant("sr-list-versions-still", "bf16-sr's Adam(W) list writes the bf16 weights without moving their versions",
+           S + "step/stochastic_rounding.py",
+           'torch.autograd.graph.increment_version([] if group.get("fused") else ours)',
+           "pass", ("tests/step/test_own_step.py",)),
+    Mutant("sr-sgd-list-versions-still", "bf16-sr's SGD list writes the bf16 weights without moving their versions",
+           S + "step/stochastic_rounding.py",
+           'torch.autograd.graph.increment_version([p for p in group["params"] if id(p) in listed])', "pass",
+           ("tests/step/test_own_step.py",)),
+    Mutant("state-list-versions-still", "the state precisions' list writes the weights without moving their versions",
+           S + "step/low_bit_state.py", "        torch.autograd.graph.increment_version(params)", "        pass",
+           ("tests/step/test_own_step.py",)),
     Mutant("o2-copies-written-version-now", "a copy the step wrote is taken as current whatever wrote its master "
            "since", S + "prepare/o2_copies.py", "                    versions[id(p)] = current[id(p)]\n", "",
            ("tests/step/test_own_step.py",)),

@@ -381,3 +381,43 @@ def test_o2s_copies_are_not_written_where_no_eager_forward_reads_them() -> None:
     assert all(torch.equal(c, state.copies.copies[k]) for k, c in copies.items())
     model(x)
     assert all(torch.equal(state.copies.copies[id(p)], p.detach().bfloat16()) for p in state.copies.params)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw-foreach", "adamw-fused", "sgd"])
+@pytest.mark.parametrize(
+    ("level", "state"),
+    [(level, "fp32") for level in ("O1", "O2", "bf16-pure", "bf16-sr", "bf16-kahan")]
+    + [("O2", "8bit"), ("O2", "bf16"), ("bf16-sr", "8bit"), ("bf16-sr", "bf16")],
+)
+def test_a_weight_stepped_between_forward_and_backward_is_reported_as_torch_reports_it(
+    level: str, state: str, optimizer: str
+) -> None:
+    # torch's for-loop and foreach steps write the weights with in-place ops (their versions move: autograd reports
+    # a backward through a weight written since its forward); its fused kernel does not move them
+    kind, options = step_cost.OPTIMIZERS[optimizer]
+
+    def stepped_between(prepared: bool) -> bool:
+        torch.manual_seed(0)
+        # the norm's fp32 weight is saved; the first weight is large enough for a state precision
+        model = nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64), nn.Linear(64, 2))
+        if not prepared:
+            model = model.to(torch.bfloat16)
+        opt = kind(model.parameters(), **options)
+        if prepared:
+            model, opt = mixprec.prepare(model, opt, level=level, optimizer_state=state)
+        x = torch.randn(4, 64, dtype=torch.float32 if prepared else torch.bfloat16)
+        model(x).float().sum().backward()
+        opt.step()
+        loss = model(x).float().sum()
+        before = [p._version for p in model.parameters()]
+        opt.step()  # between the forward and its backward
+        moved = [p._version != v for p, v in zip(model.parameters(), before, strict=True)]
+        assert moved == [optimizer != "adamw-fused"] * len(moved)  # every weight's, whichever stage stepped it
+        try:
+            loss.backward()
+        except RuntimeError as e:
+            assert "modified by an inplace operation" in str(e)
+            return True
+        return False
+
+    assert stepped_between(True) == stepped_between(False) == (optimizer != "adamw-fused")

@@ -215,6 +215,8 @@ def _step_lists(
             cpu_lists.bf16_state_step(rows, scalars, decoupled, mode, keys, int(count))
         else:
             cpu_lists.quantized_step(precision, rows, scalars, decoupled, mode)
+    if not group.get("fused"):  # the weights' versions move as the user's form's in-place ops would move them
+        torch.autograd.graph.increment_version(params)
 
 
 def _scalars(group: dict[str, Any], count: float, decoupled: bool) -> torch.Tensor:

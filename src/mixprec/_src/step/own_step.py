@@ -15,7 +15,10 @@ param group (and dtype) for what torch runs one kernel a tensor for, bit for bit
 copies of fp32 weights written in the same pass (``prepare.o2_copies.ComputeCopies.wrote``: the forward after the
 step copies only the rest). SGD's fused form stays torch's. A param group whose lists hold the same tensors as at
 its last step (the usual step) is not checked tensor by tensor again: its tables are kept, the new gradients'
-addresses written in. Nothing here syncs: step counts are counted on the host.
+addresses written in. The weights' version counters move as torch's for-loop and foreach in-place ops move them (a
+write between a forward and its backward is reported by autograd), not with the fused form (torch's fused kernel
+does not move them: O2's aliases of the masters then live across steps). Nothing here syncs: step counts are counted
+on the host.
 """
 
 from __future__ import annotations
@@ -63,7 +66,7 @@ def install(optimizer: torch.optim.Optimizer, handles: list[Any], copies: Comput
     if not any(p.is_cpu for g in optimizer.param_groups for p in g["params"]):
         return
     if type(optimizer) in _ADAMS:
-        take: Callable[..., None] = _AdamLists(copies)
+        take: Callable[..., list[torch.Tensor]] = _AdamLists(copies)
     elif type(optimizer) is torch.optim.SGD:
         take = _sgd_lists
     else:
@@ -74,7 +77,9 @@ def install(optimizer: torch.optim.Optimizer, handles: list[Any], copies: Comput
     def _init_group(self: torch.optim.Optimizer, group: dict[str, Any], *lists: list[Any]) -> Any:
         found = collect(self, group, *lists)
         if lists[0] and takes_group(self, group) and not torch.compiler.is_compiling():
-            take(self, group, *lists)
+            stepped = take(self, group, *lists)
+            if stepped and not group.get("fused"):  # as torch's for-loop and foreach in-place ops do (its fused
+                torch.autograd.graph.increment_version(stepped)  # kernel does not): autograd sees the weights written
         return found
 
     optimizer._init_group = types.MethodType(_init_group, optimizer)  # type: ignore[attr-defined]
@@ -91,11 +96,24 @@ class _Taken:
     step), which it took and left, their tables (a dtype each; the gradients' column rewritten at each step), the
     O2 copies the tables write, and the step counts as the tensors hold them."""
 
-    __slots__ = ("copies", "counts", "left", "lists", "ptrs", "tables", "taken", "versions", "wants", "wrote")
+    __slots__ = (
+        "copies",
+        "counts",
+        "left",
+        "lists",
+        "ptrs",
+        "stepped",
+        "tables",
+        "taken",
+        "versions",
+        "wants",
+        "wrote",
+    )
 
     def __init__(self, lists: tuple[list[torch.Tensor], ...], taken: list[int], left: list[int]) -> None:
         self.lists = tuple(list(held) for held in lists)  # params, exp_avgs, exp_avg_sqs, state_steps
         self.taken, self.left = taken, left
+        self.stepped = [lists[0][i] for i in taken]  # the weights it steps
         self.ptrs = _addresses(lists, taken)
         self.tables: list[tuple[torch.dtype, list[int], cpu_lists.Table]] = []  # (dtype, places in taken, table)
         self.counts = 0.0
@@ -144,7 +162,10 @@ class _AdamLists:
         self.copies = copies
         self.last: dict[int, _Taken] = {}  # id(param group) -> what its last step took
 
-    def __call__(self, opt: torch.optim.Optimizer, group: dict[str, Any], *lists: list[torch.Tensor]) -> None:
+    def __call__(
+        self, opt: torch.optim.Optimizer, group: dict[str, Any], *lists: list[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        """Step what the kernels take of ``lists`` (taken out of them); the weights stepped."""
         params, grads, exp_avgs, exp_avg_sqs, _, state_steps = lists
         decoupled = bool(group.get("decoupled_weight_decay", isinstance(opt, torch.optim.AdamW)))
         fused = bool(group.get("fused"))
@@ -156,7 +177,7 @@ class _AdamLists:
         if last is not None and last.holds(held, grads, self.copies) and self._again(last, group, grads, decoupled):
             self.last[id(group)] = last
             _keep((params, grads, exp_avgs, exp_avg_sqs, state_steps), last.left)
-            return
+            return last.stepped
         taken: list[int] = []
         left: list[int] = []
         for i, (p, g, m, v, t) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, state_steps, strict=True)):
@@ -174,7 +195,7 @@ class _AdamLists:
             )
             (taken if mine else left).append(i)
         if not taken:
-            return
+            return []
         chosen = [params[i] for i in taken]
         counts = self.counts.advance(chosen, [opt.state[p] for p in chosen])
         by_kind: dict[tuple[torch.dtype, float], list[int]] = {}
@@ -202,6 +223,7 @@ class _AdamLists:
             plan.counts, plan.versions = counts[0], [state_steps[i]._version for i in taken]
             self.last[id(group)] = plan
         _keep((params, grads, exp_avgs, exp_avg_sqs, state_steps), left)
+        return chosen
 
     def _again(self, last: _Taken, group: dict[str, Any], grads: list[torch.Tensor], decoupled: bool) -> bool:
         """Step a param group's weights as at its last step (its tables, the new gradients' addresses written in),
@@ -247,9 +269,10 @@ class _AdamLists:
         return out
 
 
-def _sgd_lists(opt: torch.optim.Optimizer, group: dict[str, Any], *lists: list[Any]) -> None:
+def _sgd_lists(opt: torch.optim.Optimizer, group: dict[str, Any], *lists: list[Any]) -> list[torch.Tensor]:
     """Takes SGD's fp32 and bf16 weights out of the lists ``_init_group`` filled and steps them, a dtype at a time; a
-    momentum buffer made at a weight's first step goes in its state, as SGD's step puts it there."""
+    momentum buffer made at a weight's first step goes in its state, as SGD's step puts it there. The weights
+    stepped."""
     params, grads, buffers = lists
     momentum = float(group["momentum"]) != 0
     taken: dict[torch.dtype, list[int]] = {torch.float32: [], torch.bfloat16: []}
@@ -264,7 +287,7 @@ def _sgd_lists(opt: torch.optim.Optimizer, group: dict[str, Any], *lists: list[A
         )
         (taken[dtype] if mine else left).append(i)
     if not (taken[torch.float32] or taken[torch.bfloat16]):
-        return
+        return []
     # torch's foreach form multiplies its bf16 buffers by a bf16 momentum where all of them were started
     all_started = not momentum or all(
         b is not None for p, b in zip(params, buffers, strict=True) if p.dtype is torch.bfloat16
@@ -283,4 +306,6 @@ def _sgd_lists(opt: torch.optim.Optimizer, group: dict[str, Any], *lists: list[A
                 aten_lists.sgd_step(rows, group)
             elif rows:
                 aten_lists.sgd_bf16_step(rows, group, all_started)
+    stepped = [params[i] for places in taken.values() for i in places]
     _keep((params, grads, *([buffers] if momentum else [])), left)
+    return stepped

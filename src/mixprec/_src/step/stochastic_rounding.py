@@ -126,7 +126,8 @@ def install_fused_adam(
     local shards, bitwise the same update. Under a Python dispatch mode (``FlopCounterMode``), where
     compiled code cannot run, ``eager`` (the kernel's uncompiled function) steps each, and the mode sees its ops.
 
-    Whatever the form of the user's Adam(W) (``foreach``, ``fused``), the bf16 weights take this kernel. A
+    Whatever the form of the user's Adam(W) (``foreach``, ``fused``), the bf16 weights take this kernel, and their
+    version counters move as that form's would (not with ``fused``: torch's fused kernel does not move them). A
     GradScaler that drives a fused Adam(W) (it sets ``grad_scale`` and ``found_inf`` on it and leaves
     unscaling and skipping to the optimizer) is honoured: the bf16 gradients are unscaled in place and
     ``found_inf`` is read once (a host sync: bf16 needs no loss scaling; a disabled scaler costs nothing).
@@ -163,6 +164,7 @@ def install_fused_adam(
             run(*flat, comp.view(-1) if comp is not None else seed_tensor(int(extra), device), scalars)
         for step, rows in lists.items():
             cpu_lists.adam_step(rows, adam_scalars(group, step, decoupled), rounding)
+        torch.autograd.graph.increment_version([] if group.get("fused") else ours)  # as the for-loop's ops move them
         if not rest:  # Adam's own would collect nothing: no complex parameter among none
             return False
         return adams_own(self, {**group, "params": rest}, *args, **kwargs)
@@ -283,6 +285,7 @@ def install_generic(
             shadows.append((group, i, param, shadow, seed))
         if rows:
             cpu_lists.sgd_step(rows, group, rounding)
+            torch.autograd.graph.increment_version([p for p in group["params"] if id(p) in listed])  # as SGD's ops
         return listed
 
     def narrow(opt: torch.optim.Optimizer, *_: Any) -> None:
