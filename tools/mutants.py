@@ -138,11 +138,12 @@ MUTANTS = (
     Mutant("aten-sgd-bf16-tail-as-vector", "the bf16 SGD kernel computes the tails of ATen's shares as its vector "
            "loop (one rounding): the probe sends bf16-pure's SGD step back to torch's ops",
            S + "optim/kernels/sgd_aten_bf16.cpp",
-           "return tail ? rb(self + rb(other * alpha)) : rb(self + other * alpha);", "return rb(self + other * alpha);",
+           "return tail ? round_bf16(self + round_bf16(other * alpha)) : round_bf16(self + other * alpha);",
+           "return round_bf16(self + other * alpha);",
            ("tests/step/test_own_step.py",)),
     Mutant("aten-sgd-bf16-pair-buffer-unrounded", "the bf16 SGD kernel's vector loop adds the buffer times momentum "
            "unrounded (ATen's mul_ rounds it to bf16)", S + "optim/kernels/sgd_aten_bf16.cpp",
-           "            rb_pair(m);\n", "", ("tests/step/test_own_step.py",)),
+           "            round_pair(m);\n", "", ("tests/step/test_own_step.py",)),
     Mutant("aten-sgd-bf16-shares-unsplit", "the bf16 SGD kernel takes a large tensor as one thread's share",
            S + "optim/kernels/sgd_aten_bf16.cpp",
            "const int64_t shares = (n < GRAIN || threads <= 1) ? 1 : std::min(threads, (n + GRAIN - 1) / GRAIN);",

@@ -56,8 +56,6 @@ inline void adam(float* p, const float* g, float* m, float* v, int64_t first, in
 // the same ops on bf16 tensors, as ATen computes each on them: in fp32 from the bf16 values, every op's result
 // rounded to bf16 (to nearest even); the scalars fp32 but eps, which add_ takes as a bf16 value (s[5] is that);
 // the root a correctly rounded fp32 one (ATen's bf16 sqrt computes in fp32 vectors, not MKL's); no L2 decay
-inline void round_pair(VecF* x) { std::tie(x[0], x[1]) = at::vec::convert_to_float<BF16>(at::vec::convert_from_float<BF16>(x[0], x[1])); }
-inline float rb(float x) { return static_cast<float>(BF16(x)); }
 
 inline void adam(BF16* p, const BF16* g, BF16* m, BF16* v, int64_t first, int64_t last, const float* s,
                  int64_t flags, Root) {
@@ -95,10 +93,10 @@ inline void adam(BF16* p, const BF16* g, BF16* m, BF16* v, int64_t first, int64_
     for (; k < last; ++k) {
         float pk = static_cast<float>(p[k]), gk = static_cast<float>(g[k]);
         if (maximize) gk = -gk;
-        if (decoupled) pk = rb(pk * s[0]);
-        const float mk = rb(lerp(static_cast<float>(m[k]), gk, s[1]));
-        const float vk = rb(std::fma(s[3] * gk, gk, rb(static_cast<float>(v[k]) * s[2])));
-        const float d = rb(rb(rb(std::sqrt(vk)) / s[4]) + s[5]);
+        if (decoupled) pk = round_bf16(pk * s[0]);
+        const float mk = round_bf16(lerp(static_cast<float>(m[k]), gk, s[1]));
+        const float vk = round_bf16(std::fma(s[3] * gk, gk, round_bf16(static_cast<float>(v[k]) * s[2])));
+        const float d = round_bf16(round_bf16(round_bf16(std::sqrt(vk)) / s[4]) + s[5]);
         p[k] = BF16(pk + s[6] * mk / d);
         m[k] = BF16(mk);
         v[k] = BF16(vk);

@@ -12,22 +12,15 @@
 
 constexpr int64_t GRAIN = 32768;  // at::internal::GRAIN_SIZE
 
-inline float rb(float x) { return static_cast<float>(BF16(x)); }
-
-// a pair of float vectors (one whole bf16 vector) rounded to bf16 and back in registers
-inline void rb_pair(VecF* x) {
-    std::tie(x[0], x[1]) = at::vec::convert_to_float<BF16>(at::vec::convert_from_float<BF16>(x[0], x[1]));
-}
-
 // self + other * alpha as ATen's bf16 add computes it at a value of its vector loop (vec) or of its tail
 inline float add_alpha(float self, float other, float alpha, bool tail) {
-    return tail ? rb(self + rb(other * alpha)) : rb(self + other * alpha);
+    return tail ? round_bf16(self + round_bf16(other * alpha)) : round_bf16(self + other * alpha);
 }
 // the same at a pair of its vector loop's float vectors, into out (which may be self or other)
 inline void add_alpha(VecF* out, const VecF* self, const VecF* other, const VecF& alpha) {
     out[0] = self[0] + other[0] * alpha;
     out[1] = self[1] + other[1] * alpha;
-    rb_pair(out);
+    round_pair(out);
 }
 
 struct Step {
@@ -43,7 +36,7 @@ inline void sgd_one(BF16* p, const BF16* g, BF16* buf, int64_t k, const Step& st
     if (s[0] != 0.0f) gk = add_alpha(gk, pk, s[0], tail);
     if (st.momentum) {
         float b = gk;
-        if (st.started) b = add_alpha(rb(static_cast<float>(buf[k]) * s[1]), gk, s[2], tail);
+        if (st.started) b = add_alpha(round_bf16(static_cast<float>(buf[k]) * s[1]), gk, s[2], tail);
         buf[k] = BF16(b);
         gk = st.nesterov ? add_alpha(gk, b, s[4], tail) : b;
     }
@@ -64,7 +57,7 @@ inline void sgd_pair(BF16* p, const BF16* g, BF16* buf, int64_t k, const Step& s
             load_pair(buf + k, m);
             m[0] = m[0] * VecF(s[1]);
             m[1] = m[1] * VecF(s[1]);
-            rb_pair(m);
+            round_pair(m);
             add_alpha(b, m, gk, VecF(s[2]));
         }
         store_pair(buf + k, b);

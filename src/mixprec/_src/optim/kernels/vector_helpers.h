@@ -51,6 +51,12 @@ inline void store_pair(float* x, const VecF* in) { in[0].store(x); in[1].store(x
 inline void store_pair(c10::BFloat16* x, const VecF* in) {  // to nearest even, as store_vec
     at::vec::convert_from_float<c10::BFloat16>(in[0], in[1]).store(x);
 }
+// a pair rounded to bf16 (to nearest even) and back to fp32 in registers, as ATen rounds each op's result on bf16
+inline void round_pair(VecF* x) {
+    std::tie(x[0], x[1]) = at::vec::convert_to_float<c10::BFloat16>(at::vec::convert_from_float<c10::BFloat16>(x[0],
+                                                                                                            x[1]));
+}
+inline float round_bf16(float x) { return static_cast<float>(c10::BFloat16(x)); }  // round_pair's scalar
 // vec_sr of a pair: the noise of positions pos, ..., pos + 2 * VecF::size() - 1
 inline void pair_sr(VecF* x, int64_t pos, int64_t seed) {
     x[0] = vec_sr(x[0], pos, seed);
