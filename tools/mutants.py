@@ -68,6 +68,7 @@ CPU_ADAM_TESTS = ("tests/optim/test_cpu_adam.py",)
 IN_BACKWARD_TESTS = ("tests/step/test_step_in_backward.py",)
 SLICED_TESTS = ("tests/step/test_sliced_gradients.py",)
 KEPT_TESTS = ("tests/prepare/test_kept_and_copies.py",)
+WHOLE_TESTS = ("tests/prepare/test_whole_swap.py",)
 STATE_CHECKPOINT_TESTS = ("tests/step/test_state_precision_checkpoints.py",)
 _BEFORE_STEP = """        grad_x = grad_bias = None
         if ctx.needs_input_grad[0]:  # with the weight as the forward used it, before its step
@@ -464,8 +465,8 @@ MUTANTS = (
            S + "prepare/o2_copies.py", "    return widen[...]  # recorded", "    return widen  # recorded",
            KEPT_TESTS),
     Mutant("o2-one-view-grad-lost", "a torch layer's O2 copy (one view) passes no gradient to the fp32 parameter",
-           S + "prepare/o2_copies.py", "    if once:\n        return widen\n", "    if once:\n        return held\n",
-           PREPARE_TESTS),
+           S + "prepare/o2_copies.py", "                        held = widen if once else widen[...]",
+           "                        held = held if once else widen[...]", PREPARE_TESTS),
     Mutant("o2-one-view-everywhere", "every module's O2 copy is one view: a weight used twice is summed in fp32",
            S + "prepare/o2_copies.py", "once = self.torch_layer and ", "once = True or ", KEPT_TESTS),
     Mutant("o2-one-view-nowhere", "a torch layer's O2 copy takes the two views (a backward node more a weight)",
@@ -485,6 +486,38 @@ MUTANTS = (
            "            module.__dict__.pop('_call_impl')\n"
            "            module.register_forward_pre_hook(call.swap.enter, prepend=True)\n"
            "            module.register_forward_hook(call.swap.leave, always_call=True)\n", KEPT_TESTS),
+    Mutant("o2-kept-swap-past-a-replacement", "a layer's kept swap is put over a parameter replaced since (the "
+           "optimizer no longer steps it, silently)", S + "prepare/o2_copies.py",
+           "                params[name] is not master\n                or master._version",
+           "                False\n                or master._version", KEPT_TESTS + WHOLE_TESTS),
+    Mutant("o2-kept-swap-past-a-write", "a layer's kept swap is put after its master was written (a stale copy)",
+           S + "prepare/o2_copies.py", "                or master._version != version\n", "", KEPT_TESTS),
+    Mutant("o2-kept-swap-past-new-data", "a layer's kept swap is put after its master's data was stored anew",
+           S + "prepare/o2_copies.py", "                or master.data_ptr() != address\n", "", KEPT_TESTS),
+    Mutant("o2-kept-swap-past-a-thaw", "a layer's kept swap (a copy without history) is put after its master was "
+           "thawed: no gradient", S + "prepare/o2_copies.py", "                or master.requires_grad is not wants\n",
+           "", WHOLE_TESTS),
+    Mutant("o2-kept-swap-past-a-hook", "a layer's kept swap is put again after a user's hook went on it",
+           S + "prepare/o2_copies.py", "                or put._backward_hooks is not None\n", "", KEPT_TESTS),
+    Mutant("o2-attention-out-proj-cast", "an attention's out_proj's weight is cast at each use (not swapped with it)",
+           S + "prepare/o2_copies.py", "                attention.swap.inner = (out.module, out.swap)",
+           "                pass", WHOLE_TESTS),
+    Mutant("o2-whole-swap-off", "O2's copies go in place one layer call at a time: a parent reads the master",
+           S + "prepare/levels.py", "        and o2_copies.enter_whole(copies)\n", "        and False\n",
+           WHOLE_TESTS),
+    Mutant("o2-whole-swap-calls-kept-lifted", "after the model's call the layers keep no call of their own",
+           S + "prepare/o2_copies.py", '        module.__dict__["_call_impl"] = call  # not through',
+           "        (call  # not", WHOLE_TESTS),
+    Mutant("o2-whole-swap-unwound-early", "a layer failing to swap leaves those lifted before it without calls",
+           S + "prepare/o2_copies.py", "    except BaseException:\n        leave_whole(copies)\n        raise\n",
+           "    except BaseException:\n        copies.lifted = None\n        raise\n", WHOLE_TESTS),
+    Mutant("o2-refresh-some-written-as-all", "O2's refresh skips every copy where the step wrote some of them",
+           S + "prepare/o2_copies.py", "        if current and current.keys() == self.versions.keys():",
+           "        if current:", PREPARE_TESTS + KEPT_TESTS + WHOLE_TESTS + ("tests/step/test_own_step.py",)),
+    Mutant("plan-o2-swap-per-call", "the memory plan swaps O2's copies around each layer's call (counts the casts "
+           "of weights read outside it, which the whole-model swap does not make)",
+           S + "observe/activation_trace.py", "whole = config.fp8 is None and o2_copies.swapped_whole(module)",
+           "whole = False", ("tests/observe/test_memory_plan.py",)),
     Mutant("fused-path-ignores-o2-calls", "eval's fused encoder kernel skips O2's layers (it reads the fp32 masters)",
            S + "gemms/fused_paths.py", ' or "_call_impl" in m.__dict__ for m', " for m", KEPT_TESTS),
     Mutant("step-cost-compiled-at-default-limit", "the compiled step-cost table leaves dynamo's recompile limit at 8",

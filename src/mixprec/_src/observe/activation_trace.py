@@ -20,7 +20,7 @@ from mixprec._src import casting
 from mixprec._src.amp.autocast import autocast
 from mixprec._src.observe.backward_timeline import BackwardTimeline, storage_key
 from mixprec._src.policy.rules import default_policy
-from mixprec._src.prepare import kept
+from mixprec._src.prepare import kept, o2_copies
 from mixprec._src.prepare.config import Level, PrepareConfig
 
 __all__ = ["activations"]
@@ -71,9 +71,11 @@ def activations(
     handles: list[Any] = []
 
     with FakeTensorMode(allow_non_fake_inputs=True) as mode, contextlib.ExitStack() as stack:
-        # O2 on one process computes each module's forward with copies of its own parameters (o2_copies), and a
-        # master read outside its module's forward (an attention's out_proj.weight, a tied head) is cast by
-        # autocast, a copy saved for backward: the masters stay fp32 here and the same swap puts copies in place.
+        # O2 on one process computes with copies of the parameters (o2_copies): a training forward puts torch
+        # layers' copies in place for the model's whole call (an attention's out_proj.weight, a tied head read
+        # outside their layer's call are copies too), other modules' around their own call (a master read outside
+        # it is cast by autocast, a copy saved for backward): the masters stay fp32 here and the same swaps put
+        # copies in place. fp8 gives layers forwards of their own: with it, each swaps around its own call.
         # Under FSDP2 every parameter is gathered in low precision: low-precision values throughout.
         swap = config.level is Level.O2 and world == 1
         fake_params: dict[int, torch.Tensor] = {}
@@ -98,7 +100,8 @@ def activations(
             for module in model.modules():
                 own = [n for n, q in module._parameters.items() if q is not None and id(q) in lowp]
                 if own and id(module) not in inside:
-                    _swap_copies(module, own, copies, handles)
+                    whole = config.fp8 is None and o2_copies.swapped_whole(module)
+                    _swap_copies(model if whole else module, own, copies, handles, owner=module if whole else None)
             # fp8 conversion routes each attention: its out_proj then runs as a module, on its own copy
             for module in model.modules() if config.fp8 is not None else ():
                 if isinstance(module, nn.MultiheadAttention) and id(module) not in inside:

@@ -396,9 +396,22 @@ def _prepared_call(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
     if state is not None and not state.sharded and sharding.is_fsdp_module(model):
         checks.check_not_sharded_since(model, state)
     own = None if state is None else state.own_call
-    if own is not None:
-        return own(*args, **kwargs)
-    return type(model)._call_impl(model, *args, **kwargs)  # type: ignore[no-untyped-call]
+    copies = None if state is None else state.copies
+    # every torch layer's copies at once (eager, with gradients), not one call a layer
+    whole = (
+        not torch.compiler.is_compiling()  # compiled: each layer casts its masters in the graph
+        and copies is not None
+        and bool(copies.calls)
+        and torch.is_grad_enabled()
+        and o2_copies.enter_whole(copies)
+    )
+    try:
+        if own is not None:
+            return own(*args, **kwargs)
+        return type(model)._call_impl(model, *args, **kwargs)  # type: ignore[no-untyped-call]
+    finally:
+        if whole:
+            o2_copies.leave_whole(copies)  # type: ignore[arg-type]
 
 
 def _convert(param: nn.Parameter, dtype: torch.dtype) -> None:

@@ -17,7 +17,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-__all__ = ["ComputeCopies", "SwapCall", "install_copies"]
+__all__ = ["ComputeCopies", "SwapCall", "enter_whole", "install_copies", "leave_whole", "swapped_whole"]
 
 
 class ComputeCopies:
@@ -45,6 +45,8 @@ class ComputeCopies:
         # alias has no saved tensor, so its backward node serves every forward until its master is written (a
         # write moves the version the alias shares with it: autograd would remake its node as a strided copy)
         self.aliases: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
+        self.calls: list[SwapCall] = []  # torch layers' calls, put in place together around the model's (WholeSwap)
+        self.lifted: list[SwapCall] | None = None  # those lifted for the model's call under way
         self.refresh()
 
     def wrote(self, params: list[torch.Tensor]) -> None:
@@ -64,6 +66,9 @@ class ComputeCopies:
         low-precision copy."""
         current = self.current if self.behind else {}
         self.behind, self.current = False, {}
+        if current and current.keys() == self.versions.keys():  # the steps wrote every copy: each as then
+            self.versions = current
+            return
         versions = {id(p): p._version for p in self.params}
         with torch.no_grad():
             behind = []
@@ -102,11 +107,13 @@ class ComputeCopies:
         """Pickled (``torch.save(model)``) with each copy beside its parameter: the dicts are keyed by ``id``."""
         if self.behind:  # the loaded copies are taken as current
             self.refresh()
-        return {"dtype": self.dtype, "params": self.params, "copies": [self.copies.get(id(p)) for p in self.params]}
+        copies = [self.copies.get(id(p)) for p in self.params]
+        return {"dtype": self.dtype, "params": self.params, "copies": copies, "calls": self.calls}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.dtype, self.params, self.behind = state["dtype"], state["params"], False
         self.current, self.written, self.read, self.aliases = {}, {}, True, {}
+        self.calls, self.lifted = state.get("calls", []), None
         self.copies = {id(p): c for p, c in zip(self.params, state["copies"], strict=True) if c is not None}
         self.versions = {id(p): p._version for p in self.params if id(p) in self.copies}
 
@@ -128,7 +135,7 @@ class _FromCopy(torch.autograd.Function):
         return grad.to(ctx.master_dtype), None
 
 
-def _from_copy(master: torch.Tensor, held: torch.Tensor, sparse: bool = False, once: bool = False) -> torch.Tensor:
+def _from_copy(master: torch.Tensor, held: torch.Tensor, sparse: bool = False) -> torch.Tensor:
     """``held``'s values with ``master``'s autograd history.
 
     An alias of an alias of the master (``master[...]``) whose data is the copy: their backwards pass the gradient
@@ -136,8 +143,8 @@ def _from_copy(master: torch.Tensor, held: torch.Tensor, sparse: bool = False, o
     The outer one sums the gradients of the weight's uses in the copy's dtype (as :class:`_FromCopy` and a
     cached autocast cast do); autograd's engine casts that sum to the master's dtype on its way into the
     inner one, recorded before its data was swapped, and the master's own accumulator takes it, so the
-    master's hooks (DDP's reducer, a step in backward) fire as for any parameter. With ``once`` (a forward
-    that uses the weight once: there is nothing to sum) the inner alias alone: one node fewer, the same bits.
+    master's hooks (DDP's reducer, a step in backward) fire as for any parameter. A torch layer's forward, which
+    uses each weight once (nothing to sum), gets the inner alias alone (:class:`_Swap`): one node fewer, the same bits.
     The alias (a view) shares the master's version counter: a step or a write into the master between this forward
     and its backward is reported by autograd, as it would be for the master itself. Three C++ calls, no
     kernel. Where the gradient is sparse (``nn.Embedding(sparse=True)``) or the
@@ -147,8 +154,6 @@ def _from_copy(master: torch.Tensor, held: torch.Tensor, sparse: bool = False, o
         return cast(torch.Tensor, _FromCopy.apply(master, held))  # type: ignore[no-untyped-call]
     widen = master[...]  # its backward's input was recorded in the master's dtype: the engine widens
     widen.data = held
-    if once:
-        return widen
     return widen[...]  # recorded in the copy's dtype: the uses' gradients are summed in it, as before
 
 
@@ -170,8 +175,20 @@ _USED_ONCE = frozenset(
 )
 
 
+#: one weight a torch layer's swap keeps: (name, master, its version, its data's address, requires_grad, what was put)
+_Entry = tuple[str, torch.Tensor, int, int, bool, torch.Tensor]
+
+
 class _Swap:
-    """Puts one module's parameters' copies in place around its forward, as FSDP2 puts gathered ones."""
+    """Puts one module's parameters' copies in place around its forward, as FSDP2 puts gathered ones.
+
+    What a torch layer's forward with gradients was given is kept (:attr:`kept`) and put in place again, one dict
+    update, while each master is still the module's, its version counter, the address of its data (a copy is
+    stored anew only for new data) and ``requires_grad`` are as they were, and no hook was put on what the forward
+    saw: a few attribute reads a weight a call. torch's ``nn.MultiheadAttention`` reads its ``out_proj``'s weight and
+    bias without calling it: its call puts them in place too (:attr:`inner`), where autocast would cast them, to the
+    same values.
+    """
 
     def __init__(self, module: nn.Module, names: list[str], copies: ComputeCopies) -> None:
         self.masters = {n: module._parameters[n] for n in names}
@@ -181,18 +198,54 @@ class _Swap:
         self.rnn = isinstance(module, nn.RNNBase)  # RNNs read weights from a list made when they are set
         self.sparse = bool(getattr(module, "sparse", False))  # nn.Embedding(sparse=True), EmbeddingBag
         self.torch_layer = type(module) in _USED_ONCE  # with its class's forward, each weight is used once
+        self.kept: tuple[tuple[_Entry, ...], dict[str, torch.Tensor]] | None = None  # (entries, what they put)
+        self.inner: tuple[nn.Module, _Swap] | None = None  # an attention's out_proj and its swap
+        self.inside = False  # this call entered inner's swap
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled and deep-copied without what was kept (views with autograd history): made again at the next call."""
+        return {**self.__dict__, "kept": None, "inside": False}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """A pickle of an older version (its hooks call :meth:`enter` and :meth:`leave`) has no ``pairs``."""
         self.__dict__.update(state)
         self.pairs = tuple(self.masters.items())
         self.torch_layer = state.get("torch_layer", False)
+        self.kept, self.inner, self.inside = None, state.get("inner"), False
 
     def enter(self, module: nn.Module, *hook_args: Any) -> None:
         self.depth += 1
         if self.depth > 1:
             return
-        params = module._parameters
+        params, kept, copies = module._parameters, self.kept, self.copies
+        if kept is not None and not torch.compiler.is_compiling() and torch.is_grad_enabled():
+            copies.read = True
+            if copies.behind:
+                copies.refresh()
+            if "forward" not in module.__dict__ and self.put_kept(params):
+                self._enter_inner(module)
+                return
+        self._put(module, params)
+        self._enter_inner(module)
+
+    def put_kept(self, params: dict[str, Any]) -> bool:
+        """Put what the last call with gradients was given in place again, where it still holds (see the class)."""
+        kept = self.kept
+        if kept is None:
+            return False
+        for name, master, version, address, wants, put in kept[0]:
+            if (
+                params[name] is not master
+                or master._version != version
+                or master.data_ptr() != address
+                or master.requires_grad is not wants
+                or put._backward_hooks is not None
+            ):
+                return False
+        params.update(kept[1])
+        return True
+
+    def _put(self, module: nn.Module, params: dict[str, Any]) -> None:
         for name, master in self.pairs:
             if params[name] is not master:
                 self.depth -= 1
@@ -201,6 +254,7 @@ class _Swap:
                     "(fully_shard, load_state_dict(assign=True), to_empty); the prepared optimizer no longer steps "
                     "it. Set the model up first, then build the optimizer and call mixprec.prepare"
                 )
+        self.kept = None
         if torch.compiler.is_compiling():  # a cast in the graph: fresh whatever wrote the weight
             for name, master in self.pairs:
                 params[name] = master.to(self.copies.dtype)  # type: ignore[assignment,union-attr]
@@ -211,12 +265,14 @@ class _Swap:
             if copies.behind:
                 copies.refresh()
             held_by, versions, aliases = copies.copies, copies.versions, copies.aliases
+            entries: list[_Entry] | None = [] if grad and once and not sparse else None
             for name, master in self.pairs:  # ComputeCopies.of and _from_copy written out: the usual case
                 held, key = held_by[id(master)], id(master)
                 version = master._version  # type: ignore[union-attr]
                 if version != versions[key] or held.shape != master.shape or held.device != master.device:  # type: ignore[union-attr]
                     held = copies.of(master)  # type: ignore[arg-type]
-                if grad and master.requires_grad:  # type: ignore[union-attr]
+                wants = master.requires_grad  # type: ignore[union-attr]
+                if grad and wants:
                     if not sparse and type(master) is nn.Parameter:
                         kept = aliases.get(key)  # _from_copy's inner alias, made once (see ComputeCopies.aliases)
                         widen = kept[0] if kept is not None and kept[1] is held and kept[2] == version else None
@@ -225,17 +281,38 @@ class _Swap:
                             widen.data = held
                             if type(widen) is torch.Tensor:  # not one a dispatch mode made (a fake tensor)
                                 aliases[key] = (widen, held, version)
+                        if entries is not None and (aliases.get(key) or (None,))[0] is not widen:
+                            entries = None  # made for this call alone: not kept
                         held = widen if once else widen[...]
                     else:
-                        held = _from_copy(master, held, sparse, once)  # type: ignore[arg-type]
+                        held = _from_copy(master, held, sparse)  # type: ignore[arg-type]
+                if entries is not None and type(master) is nn.Parameter:
+                    entries.append((name, master, version, master.data_ptr(), wants, held))  # type: ignore[union-attr]
                 params[name] = held  # type: ignore[assignment]
+            if entries is not None and len(entries) == len(self.pairs):
+                self.kept = (tuple(entries), {e[0]: e[5] for e in entries})
         if self.rnn:
             module._init_flat_weights()  # type: ignore[operator]
+
+    def _enter_inner(self, module: nn.Module) -> None:
+        """An attention's ``out_proj``, whose weight and bias its forward reads without calling it: swapped with it."""
+        inner = self.inner
+        if inner is not None and "forward" not in module.__dict__ and module._modules.get("out_proj") is inner[0]:
+            try:
+                inner[1].enter(inner[0])
+            except BaseException:
+                self.leave(module)
+                raise
+            self.inside = True
 
     def leave(self, module: nn.Module, *hook_args: Any) -> None:
         self.depth -= 1
         if self.depth:
             return
+        if self.inside:
+            self.inside = False
+            inner = cast(tuple[nn.Module, _Swap], self.inner)
+            inner[1].leave(inner[0])
         module._parameters.update(self.masters)
         if self.rnn:
             module._init_flat_weights()  # type: ignore[operator]
@@ -269,11 +346,67 @@ class SwapCall:
 
 def install_copies(modules: list[nn.Module], copies: ComputeCopies, handles: list[Any]) -> None:
     """Give each module holding parameters of ``copies`` a :class:`SwapCall` (the root model's is called by
-    ``prepare``'s own call, which takes the instance's place)."""
+    ``prepare``'s own call, which takes the instance's place); torch's attention's swap enters its ``out_proj``'s."""
     ours = {id(p) for p in copies.params}
+    calls: dict[int, SwapCall] = {}
     for module in modules:
         names = [n for n, p in module._parameters.items() if p is not None and id(p) in ours]
         if names:
-            call = SwapCall(_Swap(module, names, copies), module)
+            call = calls[id(module)] = SwapCall(_Swap(module, names, copies), module)
             module._call_impl = call  # type: ignore[method-assign]
             handles.append(call)
+            if call.swap.torch_layer:  # swapped_whole's class test: the forward is tested at each call
+                copies.calls.append(call)
+    for module in modules:
+        attention = calls.get(id(module))
+        if attention is not None and type(module) is nn.MultiheadAttention:
+            out = calls.get(id(module._modules.get("out_proj")))
+            if out is not None:
+                attention.swap.inner = (out.module, out.swap)
+
+
+def swapped_whole(module: nn.Module) -> bool:
+    """Whether :func:`enter_whole` puts ``module``'s copies in place for the model's whole call: a torch layer with
+    its class's forward (each weight used once, in its own call or read by its parent)."""
+    return type(module) in _USED_ONCE and "forward" not in module.__dict__
+
+
+def enter_whole(copies: ComputeCopies) -> bool:
+    """Put every torch layer's copies in place at once for the prepared model's call (eager, with gradients), and
+    lift their calls (:class:`SwapCall`) for its length: one pass over the layers, no Python call a layer call.
+
+    A layer's weight read outside its own call inside the model's forward (a parent's ``F.linear(x,
+    self.head.weight)``) is then the copy, as with FSDP2's gathered unit; a layer with a forward of its own (fp8, a
+    precision), one being called, or one whose call was removed keeps its own call. ``False`` where a call of the
+    model is under way already (a nested call). Undone by :func:`leave_whole`, which must follow.
+    """
+    if copies.lifted is not None:
+        return False
+    lifted: list[SwapCall] = []
+    copies.lifted, copies.read = lifted, True
+    if copies.behind:
+        copies.refresh()
+    try:
+        for call in copies.calls:
+            module, swap = call.module, call.swap
+            found = module.__dict__
+            if found.get("_call_impl") is call and not swap.depth and "forward" not in found:
+                swap.depth = 1  # each is put in place here: an attention's out_proj too (not by its attention)
+                if not swap.put_kept(module._parameters):
+                    swap.depth = 0
+                    swap.enter(module)
+                del found["_call_impl"]
+                lifted.append(call)
+    except BaseException:
+        leave_whole(copies)
+        raise
+    return True
+
+
+def leave_whole(copies: ComputeCopies) -> None:
+    """Give the layers :func:`enter_whole` lifted their calls and their masters back."""
+    lifted, copies.lifted = copies.lifted or [], None
+    for call in reversed(lifted):
+        module = call.module
+        module.__dict__["_call_impl"] = call  # not through nn.Module.__setattr__
+        call.swap.leave(module)
