@@ -94,6 +94,30 @@ def test_o2_a_torch_layers_weight_read_by_its_parent_is_its_copy_with_gradients(
     assert net.seen[-1] is net.proj.weight
 
 
+class _ReadsAChildsDtype(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # as Hugging Face's T5 reads its projection's dtype
+        return self.proj(x).to(self.proj.weight.dtype) * torch.finfo(self.proj.weight.dtype).eps
+
+
+def test_o2_compiled_a_parent_reads_what_the_eager_forward_reads() -> None:
+    torch.manual_seed(0)
+    net = _ReadsAChildsDtype()
+    net, _ = mixprec.prepare(net, torch.optim.AdamW(net.parameters(), lr=0.1, fused=True), level="O2")
+    x = torch.randn(3, 8)
+    eager = net(x)
+    torch._dynamo.reset()
+    compiled = torch.compile(net, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(x), eager)
+    assert eager.dtype is torch.float32 and torch.equal(eager, (net.proj(x.bfloat16()) * 2**-7).float())
+    with torch.no_grad():  # without gradients, in its own call alone: fp32 outside it, eager and compiled
+        plain = net(x)
+        assert torch.equal(compiled(x), plain) and not torch.equal(plain, eager)
+
+
 class _Fails(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -397,13 +397,12 @@ def _prepared_call(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
         checks.check_not_sharded_since(model, state)
     own = None if state is None else state.own_call
     copies = None if state is None else state.copies
-    # every torch layer's copies at once (eager, with gradients), not one call a layer
+    # every torch layer's copies at once (with gradients), not one call a layer; compiled, cast in the graph
     whole = (
-        not torch.compiler.is_compiling()  # compiled: each layer casts its masters in the graph
-        and copies is not None
+        copies is not None
         and bool(copies.calls)
         and torch.is_grad_enabled()
-        and o2_copies.enter_whole(copies)
+        and o2_copies.enter_whole(copies, torch.compiler.is_compiling())
     )
     try:
         if own is not None:

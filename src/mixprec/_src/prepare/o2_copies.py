@@ -371,26 +371,33 @@ def swapped_whole(module: nn.Module) -> bool:
     return type(module) in _USED_ONCE and "forward" not in module.__dict__
 
 
-def enter_whole(copies: ComputeCopies) -> bool:
-    """Put every torch layer's copies in place at once for the prepared model's call (eager, with gradients), and
+def enter_whole(copies: ComputeCopies, compiling: bool = False) -> bool:
+    """Put every torch layer's copies in place at once for the prepared model's call (with gradients), and, eager,
     lift their calls (:class:`SwapCall`) for its length: one pass over the layers, no Python call a layer call.
 
     A layer's weight read outside its own call inside the model's forward (a parent's ``F.linear(x,
     self.head.weight)``) is then the copy, as with FSDP2's gathered unit; a layer with a forward of its own (fp8, a
-    precision), one being called, or one whose call was removed keeps its own call. ``False`` where a call of the
-    model is under way already (a nested call). Undone by :func:`leave_whole`, which must follow.
+    precision), one being called, or one whose call was removed keeps its own call. ``compiling``: each layer's
+    masters cast in the graph instead (its call stays, and passes through), the same values where each is read.
+    ``False`` where a call of the model is under way already (a nested call). Undone by :func:`leave_whole`.
     """
     if copies.lifted is not None:
         return False
     lifted: list[SwapCall] = []
-    copies.lifted, copies.read = lifted, True
-    if copies.behind:
-        copies.refresh()
+    copies.lifted = lifted
+    if not compiling:
+        copies.read = True
+        if copies.behind:
+            copies.refresh()
     try:
         for call in copies.calls:
             module, swap = call.module, call.swap
             found = module.__dict__
             if found.get("_call_impl") is call and not swap.depth and "forward" not in found:
+                if compiling:
+                    swap.enter(module)
+                    lifted.append(call)
+                    continue
                 swap.depth = 1  # each is put in place here: an attention's out_proj too (not by its attention)
                 if not swap.put_kept(module._parameters):
                     swap.depth = 0
@@ -404,9 +411,11 @@ def enter_whole(copies: ComputeCopies) -> bool:
 
 
 def leave_whole(copies: ComputeCopies) -> None:
-    """Give the layers :func:`enter_whole` lifted their calls and their masters back."""
+    """Give the layers :func:`enter_whole` put in place their masters back, and their calls where it lifted them."""
     lifted, copies.lifted = copies.lifted or [], None
     for call in reversed(lifted):
         module = call.module
-        module.__dict__["_call_impl"] = call  # not through nn.Module.__setattr__
+        found = module.__dict__
+        if "_call_impl" not in found:
+            found["_call_impl"] = call  # not through nn.Module.__setattr__
         call.swap.leave(module)
