@@ -179,3 +179,46 @@ def test_o2_a_swap_keeps_nothing_with_history_in_a_pickle() -> None:
     assert twin[0].__dict__["_call_impl"].swap.kept is None
     twin(torch.randn(2, 4)).sum().backward()
     assert twin[0].weight.grad is not None and twin[0].weight is not net[0].weight
+
+
+@pytest.mark.parametrize("forwards_before", [0, 1, 2], ids=["none", "one", "two"])
+def test_o2_a_master_stored_anew_through_data_is_copied_again(forwards_before: int) -> None:
+    # p.data = t keeps p's version counter: its data's new address is what tells the copy is behind
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+    net, opt = mixprec.prepare(net, torch.optim.AdamW(net.parameters(), lr=0.1, fused=True), level="O2")
+    x = torch.randn(3, 8)
+    for _ in range(forwards_before):
+        net(x).float().sum().backward()
+        opt.step()
+    new = torch.randn(8, 8)
+    net[0].weight.data = new.clone()
+    expected = F.linear(
+        F.linear(x.bfloat16(), new.bfloat16(), net[0].bias.bfloat16()),
+        *(p.bfloat16() for p in (net[1].weight.detach(), net[1].bias.detach())),
+    )
+    assert torch.equal(net(x), expected.float())
+    with torch.no_grad():
+        assert torch.equal(net(x), expected.float())
+
+
+def test_o2_a_step_that_moves_no_version_and_writes_no_copy_is_seen_by_the_next_forward() -> None:
+    # torch's own fused kernel (amsgrad is left to it) writes the masters in place without moving their versions:
+    # each layer's kept swap still holds, and the copies are refreshed before it is put again
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+    opt = torch.optim.AdamW(net.parameters(), lr=0.1, fused=True, amsgrad=True)
+    net, opt = mixprec.prepare(net, opt, level="O2")
+    x = torch.randn(3, 8)
+    for _ in range(3):
+        versions = [p._version for p in net.parameters()]
+        out = net(x)
+        expected = F.linear(
+            F.linear(x.bfloat16(), *(p.detach().bfloat16() for p in net[0].parameters())),
+            *(p.detach().bfloat16() for p in net[1].parameters()),
+        )
+        assert torch.equal(out, expected.float())
+        out.float().sum().backward()
+        opt.step()
+        opt.zero_grad()
+        assert [p._version for p in net.parameters()] == versions  # the kept swaps hold across the step

@@ -28,7 +28,8 @@ class ComputeCopies:
     itself (:meth:`wrote`: the optimizer's own step on the CPU writes a master's copy with it where an eager forward
     read the copies since the last step, :attr:`read`), and, one by one,
     whenever a parameter's version counter moved since (``load_state_dict``, ``nn.init``, in-place writes under
-    ``no_grad``). Checking a version is host-side: no sync.
+    ``no_grad``) or its data was stored anew (``p.data = t``: the version stays, the address moves). Checking a
+    version or an address is host-side: no sync.
     """
 
     def __init__(self, dtype: torch.dtype, params: list[nn.Parameter]) -> None:
@@ -36,6 +37,7 @@ class ComputeCopies:
         self.params = params
         self.copies: dict[int, torch.Tensor] = {}
         self.versions: dict[int, int] = {}
+        self.addresses: dict[int, int] = {}  # id -> the address of the parameter's data when its copy was made
         self.behind = False  # an optimizer step wrote the parameters since the last refresh
         # while behind: id -> version at the write, of the parameters every step since wrote the copies of
         self.current: dict[int, int] = {}
@@ -83,21 +85,24 @@ class ComputeCopies:
             if behind:  # one multi-tensor copy (no detach a parameter: under no_grad they are not recorded)
                 torch._foreach_copy_([self.copies[id(p)] for p in behind], list[torch.Tensor](behind))
         self.versions = versions
+        self.addresses.update((id(p), address(p)) for p in behind)  # a written one's: as at its last copy
 
     def of(self, param: torch.Tensor) -> torch.Tensor:
-        """``param``'s copy, refreshed first if the parameter was written since."""
-        self.read = True
-        if self.behind:
-            self.refresh()
-        held = self.copies[id(param)]
-        if param._version != self.versions[id(param)] or held.device != param.device or held.shape != param.shape:
+        """``param``'s copy, made again if the parameter was written or stored anew since (after :meth:`refresh`)."""
+        held, key = self.copies[id(param)], id(param)
+        if (
+            param._version != self.versions[key]
+            or address(param) != self.addresses.get(key)
+            or held.device != param.device
+            or held.shape != param.shape
+        ):
             with torch.no_grad():
                 if held.device != param.device or held.shape != param.shape:
                     held = self.copies[id(param)] = torch.empty_like(
                         param, dtype=self.dtype, memory_format=torch.preserve_format
                     )
                 held.copy_(param)
-            self.versions[id(param)] = param._version
+            self.versions[key], self.addresses[key] = param._version, address(param)
         return held
 
     def nbytes(self) -> int:
@@ -116,6 +121,12 @@ class ComputeCopies:
         self.calls, self.lifted = state.get("calls", []), None
         self.copies = {id(p): c for p, c in zip(self.params, state["copies"], strict=True) if c is not None}
         self.versions = {id(p): p._version for p in self.params if id(p) in self.copies}
+        self.addresses = {id(p): address(p) for p in self.params if id(p) in self.copies}
+
+
+def address(param: torch.Tensor) -> int:
+    """Where ``param``'s data is (0 for a tensor subclass, whose data is its own): a new address is new data."""
+    return param.data_ptr() if type(param) is nn.Parameter or type(param) is torch.Tensor else 0
 
 
 class _FromCopy(torch.autograd.Function):
@@ -233,11 +244,11 @@ class _Swap:
         kept = self.kept
         if kept is None:
             return False
-        for name, master, version, address, wants, put in kept[0]:
+        for name, master, version, at, wants, put in kept[0]:
             if (
                 params[name] is not master
                 or master._version != version
-                or master.data_ptr() != address
+                or master.data_ptr() != at
                 or master.requires_grad is not wants
                 or put._backward_hooks is not None
             ):
@@ -264,12 +275,17 @@ class _Swap:
             copies.read = True
             if copies.behind:
                 copies.refresh()
-            held_by, versions, aliases = copies.copies, copies.versions, copies.aliases
+            held_by, versions, addresses, aliases = copies.copies, copies.versions, copies.addresses, copies.aliases
             entries: list[_Entry] | None = [] if grad and once and not sparse else None
             for name, master in self.pairs:  # ComputeCopies.of and _from_copy written out: the usual case
                 held, key = held_by[id(master)], id(master)
                 version = master._version  # type: ignore[union-attr]
-                if version != versions[key] or held.shape != master.shape or held.device != master.device:  # type: ignore[union-attr]
+                if (
+                    version != versions[key]
+                    or address(master) != addresses.get(key)  # type: ignore[arg-type]
+                    or held.shape != master.shape  # type: ignore[union-attr]
+                    or held.device != master.device  # type: ignore[union-attr]
+                ):
                     held = copies.of(master)  # type: ignore[arg-type]
                 wants = master.requires_grad  # type: ignore[union-attr]
                 if grad and wants:
