@@ -55,6 +55,12 @@ class ComputeCopies:
         """The step under way wrote the copies of ``params`` with them (a write after it moves their versions)."""
         self.written.update((id(p), p._version) for p in params)
 
+    def use(self) -> None:
+        """An eager forward reads the copies: those a step left behind are refreshed first."""
+        self.read = True
+        if self.behind:
+            self.refresh()
+
     def stale(self) -> None:
         """The copies are behind their parameters (an optimizer step), but those the step wrote itself (and every
         step before it since the last refresh): refreshed together at the next use."""
@@ -230,9 +236,7 @@ class _Swap:
             return
         params, kept, copies = module._parameters, self.kept, self.copies
         if kept is not None and not torch.compiler.is_compiling() and torch.is_grad_enabled():
-            copies.read = True
-            if copies.behind:
-                copies.refresh()
+            copies.use()
             if "forward" not in module.__dict__ and self.put_kept(params):
                 self._enter_inner(module)
                 return
@@ -272,9 +276,7 @@ class _Swap:
         else:
             copies, grad, sparse = self.copies, torch.is_grad_enabled(), self.sparse
             once = self.torch_layer and "forward" not in module.__dict__  # fp8 and per-layer forwards are others
-            copies.read = True
-            if copies.behind:
-                copies.refresh()
+            copies.use()
             held_by, versions, addresses, aliases = copies.copies, copies.versions, copies.addresses, copies.aliases
             entries: list[_Entry] | None = [] if grad and once and not sparse else None
             for name, master in self.pairs:  # ComputeCopies.of and _from_copy written out: the usual case
@@ -402,9 +404,7 @@ def enter_whole(copies: ComputeCopies, compiling: bool = False) -> bool:
     lifted: list[SwapCall] = []
     copies.lifted = lifted
     if not compiling:
-        copies.read = True
-        if copies.behind:
-            copies.refresh()
+        copies.use()
     try:
         for call in copies.calls:
             module, swap = call.module, call.swap
