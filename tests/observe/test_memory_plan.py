@@ -432,6 +432,42 @@ def test_a_quantized_states_list_step_makes_what_the_plan_says(make: str, level:
     _assert_the_state_steps_temporaries_are_planned(make, level, "8bit")
 
 
+@pytest.mark.parametrize("bucket", [3000, 1 << 20])
+@pytest.mark.parametrize("clip", [None, 1e3])
+def test_the_gradients_the_step_in_backward_holds_are_planned(
+    bucket: int, clip: float | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stepping in backward on one process without clipping, gradients wait in a bucket: the most gradient bytes
+    alive after any gradient's hooks is at most the plan's ``gradients_in_flight``, and is it where the bucket
+    holds them all (or, clipping, where the small ones wait for the step beside the largest)."""
+    from mixprec._src.step import step_in_backward
+
+    monkeypatch.setattr(step_in_backward, "BUCKET", bucket)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 128), nn.LayerNorm(128), nn.ReLU(), nn.Linear(128, 96), nn.ReLU(),
+                          nn.Linear(96, 8))  # fmt: skip
+    optimizer = torch.optim.AdamW(model.parameters())
+    config = mixprec.PrepareConfig(level="bf16-sr", step_in_backward=True, clip_grad_norm=clip)
+    plan = mixprec.memory_plan(model, optimizer, config)
+    mixprec.prepare(model, optimizer, config)
+    params = list(model.parameters())
+    alive: list[int] = []
+    for p in params:  # after prepare's hook: what waits once p was held or stepped
+        p.register_post_accumulate_grad_hook(lambda _: alive.append(sum(q.grad.nbytes for q in params
+                                                                        if q.grad is not None)))  # fmt: skip
+    model(torch.randn(4, 32)).square().sum().backward()
+    optimizer.step()
+    assert sum(p.numel() >= step_in_backward.SMALL for p in params) == 2
+    assert len(alive) == len(params) and max(alive) <= plan.gradients_in_flight
+    everything = sum(p.numel() * p.element_size() for p in params)  # the kept norm's fp32, the rest bf16
+    if clip is None and bucket > everything:
+        assert plan.gradients_in_flight == max(alive) == everything
+    if clip is not None:  # the small ones wait for the step, the largest is made beside them
+        small = sum(p.numel() * p.element_size() for p in params if p.numel() < step_in_backward.SMALL)
+        largest = max(p.numel() * p.element_size() for p in params)
+        assert plan.gradients_in_flight == small + largest and max(alive) == small
+
+
 def test_a_meta_model_is_planned_as_on_the_cpu_with_the_step_in_backward() -> None:
     """The docs' promise, with the step in backward at a bf16 level (a bf16 gradient's norm read where it lies):
     the same bytes from a model built on the meta device as from the same model on the CPU."""

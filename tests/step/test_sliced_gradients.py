@@ -315,14 +315,20 @@ def test_memory_plan_counts_a_slice_in_flight(state: str, monkeypatch: pytest.Mo
     model, opt = _prepared(False, monkeypatch, state=state)
     _train(model, opt, steps=1)
     small = [p for p in model.parameters() if p.numel() < step_in_backward.SMALL]
-    waiting = sum(p.numel() * p.element_size() for p in small)  # kept until step(): the norm's in fp32
+    waiting = sum(p.numel() * p.element_size() for p in small)  # held in the bucket: the norm's in fp32
     assert small and waiting > 2 * sum(p.numel() for p in small)
     assert all(p.numel() < step_in_backward.SMALL for p in model.parameters() if p.dim() < 2 or p is model.head.weight)
-    assert plan.gradients_in_flight == 2 * max(n for _, _, n in slices) + waiting  # bf16 slices
+    # a weight made a slice at a time steps the bucket first: its slices or the bucket's gradients, not both
+    assert plan.gradients_in_flight == max(2 * max(n for _, _, n in slices), waiting)  # bf16 slices
+    clipped = mixprec.memory_plan(
+        net, torch.optim.AdamW(net.parameters()), dataclasses.replace(config, clip_grad_norm=1.0)
+    )
+    assert clipped.gradients_in_flight == 2 * max(n for _, _, n in slices) + waiting  # the small ones wait for step()
     assert plan.largest_gradient == 2 * model.b.weight.numel()  # stepping after backward: whole
     fp32_state = dataclasses.replace(config, optimizer_state="fp32")
     fp32 = mixprec.memory_plan(net, torch.optim.AdamW(net.parameters()), fp32_state)
-    assert fp32.gradients_in_flight == 2 * model.b.weight.numel() + waiting  # not sliced: torch's own step
+    every = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert fp32.gradients_in_flight == every < step_in_backward.BUCKET  # not sliced: all fit in the bucket
 
 
 def _gpt2() -> nn.Module:

@@ -59,8 +59,16 @@ def _weights(model: nn.Module) -> list[torch.Tensor]:
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
 @pytest.mark.parametrize("state", ["fp32", "8bit"])
 @pytest.mark.parametrize("level", ["O1", "O2", "bf16-sr", "bf16-pure"])
-def test_stepping_in_backward_is_the_plain_step_bit_for_bit(level: str, state: str, optimizer: str) -> None:
+@pytest.mark.parametrize("bucket", ["whole", "a gradient", "none"])
+def test_stepping_in_backward_is_the_plain_step_bit_for_bit(
+    level: str, state: str, optimizer: str, bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whether the gradients wait in the bucket until the backward ends (this model's all fit in it), each fills it
+    (stepped as it comes, through the bucket), or there is none (clipping's path): the plain step's numbers."""
     plain, plain_opt, _ = _run(level, optimizer, optimizer_state=state)
+    monkeypatch.setattr(
+        step_in_backward, "BUCKET", {"whole": step_in_backward.BUCKET, "a gradient": 1, "none": 0}[bucket]
+    )
     model, opt, _ = _run(level, optimizer, optimizer_state=state, step_in_backward=True)
     assert all(torch.equal(a, b) for a, b in zip(_weights(model), _weights(plain), strict=True))
     ours, theirs = opt.state_dict()["state"], plain_opt.state_dict()["state"]
@@ -81,12 +89,93 @@ def test_on_cuda_stepping_in_backward_is_the_plain_step_bit_for_bit(level: str, 
     assert all(bitwise_equal(ours[i], theirs[i]) for i in ours)
 
 
-def test_gradients_never_pile_up() -> None:
-    """A large parameter's gradient is freed as the parameter is stepped; the small ones' (biases, norms, below
-    ``SMALL`` values) wait for ``optimizer.step()``, which steps them together."""
+def _alive_after_each_hook(params: list[nn.Parameter]) -> list[list[int]]:
+    """The bytes of each gradient alive after each parameter's gradient hooks ran (registered after prepare's, so
+    after the parameter was held or stepped)."""
+    live: list[list[int]] = []
+    for p in params:
+        p.register_post_accumulate_grad_hook(
+            lambda _: live.append([q.grad.nbytes for q in params if q.grad is not None])
+        )
+    return live
+
+
+@pytest.mark.parametrize("bucket", [20_000, step_in_backward.BUCKET])
+def test_gradients_wait_in_a_bucket_and_are_stepped_together(bucket: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On one process without clipping, whole gradients wait until they fill the bucket, then step together and are
+    freed; the rest step as the backward ends. Fewer than a bucket's bytes wait after any gradient's hook; after
+    ``backward()`` every weight is stepped and every gradient freed; ``optimizer.step()`` then only finishes."""
+    monkeypatch.setattr(step_in_backward, "BUCKET", bucket)
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    mixprec.prepare(model, opt, "O1", step_in_backward=True)
+    params = list(model.parameters())
+    live = _alive_after_each_hook(params)
+    before = _weights(model)
+    x, y = _batch(0)
+    F.cross_entropy(model(x), y).backward()
+    assert len(live) == len(params) and all(sum(alive) < bucket for alive in live)
+    assert max(map(len, live)) > 1  # several waited together
+    if bucket < sum(p.numel() * 4 for p in params):
+        assert any(len(a) < len(b) for a, b in zip(live[1:], live, strict=False))  # a full bucket was stepped
+    else:
+        assert len(live[-1]) == len(params)  # all of them waited for the backward's end
+    assert all(p.grad is None for p in params) and mixprec.memory_report(model, opt).gradients == 0
+    assert all(not torch.equal(a, b) for a, b in zip(before, _weights(model), strict=True))  # all stepped
+    stepped = _weights(model)
+    opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(stepped, _weights(model), strict=True))
+    assert mixprec.grad_norm(opt) is not None
+
+
+@pytest.mark.parametrize("level", ["O1", "bf16-sr"])
+def test_the_norm_is_the_same_whether_gradients_wait_in_the_bucket(level: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``mixprec.grad_norm`` bit for bit whether the gradients wait in the bucket or step one by one: their squares
+    summed in the order they came, the small parameters' after the others'."""
+    norms = []
+    for bucket in (step_in_backward.BUCKET, 1, 0):
+        monkeypatch.setattr(step_in_backward, "BUCKET", bucket)
+        _, opt, _ = _run(level, steps=2, step_in_backward=True)
+        norms.append(mixprec.grad_norm(opt))
+    assert all(torch.equal(norm, norms[-1]) for norm in norms), norms
+
+
+def test_a_bucket_left_by_a_backward_that_raised_is_stepped_at_the_step() -> None:
+    """A backward that raises does not end: what waited in the bucket is stepped at ``optimizer.step()``, not
+    dropped (nor stepped twice)."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    mixprec.prepare(model, opt, "bf16-sr", step_in_backward=True)
+    params = list(model.parameters())
+    seen: list[int] = []
+
+    def fail_third(p: torch.Tensor) -> None:
+        seen.append(1)
+        if len(seen) == 3:
+            raise RuntimeError("stop here")
+
+    for p in params:
+        p.register_post_accumulate_grad_hook(fail_third)
+    before = _weights(model)
+    x, y = _batch(0)
+    with pytest.raises(RuntimeError, match="stop here"):
+        F.cross_entropy(model(x), y).backward()
+    waiting = [p.grad is not None for p in params]
+    assert sum(waiting) == 3  # held, not stepped
+    assert all(torch.equal(a, b) for a, b in zip(before, _weights(model), strict=True))
+    opt.step()
+    assert all(p.grad is None for p in params)
+    assert [not torch.equal(a, b) for a, b in zip(before, _weights(model), strict=True)] == waiting
+    assert [float(opt.state[p]["step"]) for p, held in zip(params, waiting, strict=True) if held] == [1.0] * 3
+
+
+def test_clipping_steps_each_large_gradient_as_it_comes_and_the_small_ones_at_the_step() -> None:
+    """Clipping scales each gradient by the norm up to it: no bucket. A large parameter's gradient is freed as the
+    parameter is stepped; the small ones' (biases, norms, below ``SMALL`` values) wait for ``optimizer.step()``,
+    which steps them together."""
     model = _model()
     opt = torch.optim.AdamW(model.parameters())
-    mixprec.prepare(model, opt, "bf16-sr", optimizer_state="8bit", step_in_backward=True)
+    mixprec.prepare(model, opt, "bf16-sr", optimizer_state="8bit", step_in_backward=True, clip_grad_norm=1e3)
     params = list(model.parameters())
     small = {id(p) for p in params if p.numel() < step_in_backward.SMALL}
     assert 0 < len(small) < len(params)

@@ -68,8 +68,11 @@ def test_a_budget_nothing_fits_is_refused_with_the_smallest_figure() -> None:
 
 
 def test_o2_gives_up_its_fp32_moments_for_bf16_ones_before_quantizing_them() -> None:
-    """Between the step in backward and fp8 state: bf16 moments (O2 at 14 bytes a parameter instead of 18)."""
-    model, batch = _mlp()
+    """Between the step in backward and fp8 state: bf16 moments (O2 at 14 bytes a parameter instead of 18). Seven
+    1 MB gradients: the step in backward's bucket (1 MiB beside the largest) holds a part of them."""
+    torch.manual_seed(0)
+    layers = [m for _ in range(6) for m in (nn.GELU(), nn.Linear(512, 512))]
+    model, batch = nn.Sequential(nn.Linear(64, 512), *layers, nn.GELU(), nn.Linear(512, 8)), torch.randn(16, 64)
     optimizer = torch.optim.AdamW(model.parameters())
 
     def peak(**options: object) -> int:

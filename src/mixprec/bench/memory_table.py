@@ -3,8 +3,8 @@ transformer holds, the largest bench transformer (more layers at the size's widt
 in the budget, and the mode's final loss against fp32 AdamW where the run trained it.
 
 Bytes come from :func:`mixprec.memory_plan` (byte for byte what ``memory_report`` counts after a step); the largest
-model from its predicted peak, which grows by the same bytes with each layer: two plans give the slope, a third
-checks the answer. Nothing here trains or allocates a model's weights beyond the size's own.
+model from its predicted peak, which grows by about the same bytes with each layer: two plans give the slope, and
+a search from there finds the last that fits. Nothing here trains or allocates a model's weights beyond the size's own.
 """
 
 from __future__ import annotations
@@ -57,12 +57,29 @@ def _peak(layers: int, dim: int, tokens: torch.Tensor, config: Any) -> int:
 
 
 def largest(config: Any, dim: int, tokens: torch.Tensor, budget: int) -> tuple[int, int]:
-    """(layers, parameters) of the largest bench transformer whose predicted peak fits ``budget`` (0 layers: none)."""
+    """(layers, parameters) of the largest bench transformer whose predicted peak fits ``budget`` (0 layers: none).
+
+    The peak grows by about the same bytes a layer: the slope of the first two layers' peaks gives a first guess,
+    then the guess is moved down while it does not fit and up (doubling the stride, then halving it) while the next
+    fits: a step in backward's bucket of gradients fills within the first layers, so the slope there overstates the
+    rest."""
+
+    def fits(layers: int) -> bool:
+        return _peak(layers, dim, tokens, config) <= budget
+
     one, two = _peak(1, dim, tokens, config), _peak(2, dim, tokens, config)
     slope = max(1, two - one)
     layers = max(0, int((budget - one) // slope) + 1)
-    while layers > 0 and _peak(layers, dim, tokens, config) > budget:
+    while layers > 0 and not fits(layers):
         layers -= 1
+    if layers:  # the largest that fits is at or above the guess: find the first that does not, then the last that does
+        stride = 1
+        while fits(layers + stride):
+            layers, stride = layers + stride, stride * 2
+        while stride > 1:
+            stride //= 2
+            if fits(layers + stride):
+                layers += stride
     return layers, (_plan(layers, dim, tokens, config)[1] if layers else 0)
 
 

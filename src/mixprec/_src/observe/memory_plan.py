@@ -48,7 +48,9 @@ class MemoryPlan:
             after a step (the same meanings; gradients are 0 where the step runs in backward).
         gradients_in_flight: the most gradient bytes alive at once during backward where the step
             runs in backward (the largest parameter's gradient, or its slice, the small parameters'
-            gradients kept until the step, and the fp32 chunk a norm is taken from); else ``gradients``.
+            gradients kept until the step, and the fp32 chunk a norm is taken from; on one process without
+            clipping, the gradients held in the step's bucket beside the largest: at most
+            ``step_in_backward.BUCKET`` bytes more, at most all of them); else ``gradients``.
         transient: the most bytes the optimizer step makes and frees: torch's own Adam(W) makes two
             temporaries of a parameter's size (the square root and the division), SGD one; the compiled
             kernels (quantized state, bf16-sr's and bf16-kahan's Adam) none; bf16 levels stepping another
@@ -171,6 +173,9 @@ def memory_plan(
     carried: dict[int, int] = {}  # param group -> the denominator torch's for-loop Adam(W) still holds
     cpu_rows: dict[tuple[int, str], int] = {}  # (param group, form) -> the bytes of that CPU list step's table
     small = largest_listed = 0  # of those: the small parameters' (stepped together in backward), the largest
+    # stepping in backward on one process without clipping, whole gradients wait in a bucket (step_in_backward.BUCKET)
+    bucket = config.step_in_backward and world == 1 and config.clip_grad_norm is None
+    held = largest_held = 0  # the gradients that go in the bucket (not those made a slice at a time): all, largest
     sliced = _sliced(model, optimizer, config, world)
     groups = [] if optimizer is None else optimizer.param_groups
     group_of = {id(q): i for i, g in enumerate(groups) for q in g["params"]}  # id(param) -> its group's index
@@ -190,6 +195,8 @@ def memory_plan(
             grad_bytes[id(p)] = grad
             largest_gradient = max(largest_gradient, grad)
             made = sliced.get(id(p), numel)  # values of its gradient alive at once in backward
+            if bucket and id(p) not in sliced:
+                held, largest_held = held + grad, max(largest_held, grad)
             if world == 1 and p.numel() < step_in_backward.SMALL:  # kept until step() where not in a unit
                 waiting += grad
             elif made * stored > in_flight:
@@ -203,7 +210,8 @@ def memory_plan(
             )
             if form.startswith("cpu-list"):  # a row of its group's table (one step in backward: a table of its own)
                 table = (cast(int, where), form)  # each stage's table is made and freed before the next stage's
-                cpu_rows[table] = temporary if config.step_in_backward else cpu_rows.get(table, 0) + temporary
+                alone = config.step_in_backward and not bucket
+                cpu_rows[table] = temporary if alone else cpu_rows.get(table, 0) + temporary
                 temporary = LIST_SCALARS[form] + cpu_rows[table]
             elif form == "foreach":  # one temporary per tensor of its list, all alive at once: summed below
                 key = (cast(int, where), stored)
@@ -218,7 +226,9 @@ def memory_plan(
     if lists:  # stepping in backward, a parameter's list is itself, or the small parameters stepped together
         step_temporary = max(
             step_temporary,
-            max(small, largest_listed)
+            min(sum(lists.values()), largest_listed + step_in_backward.BUCKET)
+            if bucket
+            else max(small, largest_listed)
             if config.step_in_backward
             else foreach_peak(lists, type(optimizer) is torch.optim.SGD),
         )
@@ -229,6 +239,8 @@ def memory_plan(
         if in_flight < largest * 4 and largest_on not in ("cpu", "cuda", "meta"):
             in_flight += min(largest, step_in_backward.NORM_CHUNK) * 4
         grads, in_flight = 0, in_flight + waiting
+        if bucket:  # a bucket's bytes at most wait beside the gradient being made; a slice steps the bucket first
+            in_flight = max(in_flight - waiting, min(held, largest_held + step_in_backward.BUCKET))
     activations = checkpointed = backward = None
     names: tuple[str, ...] = ()
     if batch is not None:

@@ -188,6 +188,7 @@ class _Layer:
             self.kept = whole if self.kept is None else self.kept + whole
             return
         stepper, optimizer = self.stepper, self.optimizer
+        stepper.flush()  # the gradients held before this one are stepped first (their norms summed first)
         group = stepper.begin(weight)
         cols = math.prod(weight.shape[1:])
         with torch.no_grad(), fixed_positions(optimizer):
