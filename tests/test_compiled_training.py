@@ -234,16 +234,19 @@ def test_prepare_options_compile_whole_and_train_as_eager(options: dict[str, Any
 
 
 @pytest.mark.parametrize("level", ["O2", "bf16-sr"])
-def test_stepping_in_backward_with_quantized_state_compiles_whole_and_trains_as_eager(level: str) -> None:
+def test_stepping_in_backward_with_quantized_state_compiles_whole_and_trains_as_eager(
+    level: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # the parameters are stepped from hooks that run after the compiled backward, eagerly
     _assert_compiles_like_eager(NET, level, optimizer_state="8bit", step_in_backward=True, clip_grad_norm=0.5)
+    monkeypatch.setattr(step_in_backward, "BUCKET", 1)  # each gradient fills the bucket: stepped as it comes
     model, opt = _prepared(NET, level, optimizer_state="8bit", step_in_backward=True)
     batch = NET.batch(0)
     NET.loss(_call(torch.compile(model, fullgraph=True, backend="aot_eager"), batch), batch).backward()
     large = [p for p in model.parameters() if p.numel() >= step_in_backward.SMALL]
     assert large and all(p.grad is None and opt.state[p] for p in large)  # stepped in the backward
     assert any(k.endswith("_codes") for p in model.parameters() for k in opt.state[p])
-    opt.step()  # the small ones
+    opt.step()
     assert all(p.grad is None and opt.state[p] for p in model.parameters())
 
 

@@ -16,8 +16,10 @@ and the caller takes another path. Nothing here syncs with a device: CPU tensors
 
 from __future__ import annotations
 
+import array
 import functools
 import importlib.resources
+import itertools
 from typing import Any
 
 import torch
@@ -313,6 +315,7 @@ def square_norms(xs: list[torch.Tensor]) -> torch.Tensor | None:
     if dtype not in _LOW or not _norm_builds(dtype, True):
         return None
     out = torch.empty(len(xs), dtype=torch.float32)
-    table = torch.tensor([[x.data_ptr(), x.numel()] for x in xs], dtype=torch.int64)
-    _norm_kernel(dtype, True)(table, out, len(xs))
+    # the (address, size) rows through an array: about a third of torch.tensor's time for a list of lists
+    held = array.array("q", itertools.chain.from_iterable((x.data_ptr(), x.numel()) for x in xs))
+    _norm_kernel(dtype, True)(torch.frombuffer(held, dtype=torch.int64), out, len(xs))
     return out

@@ -7,7 +7,7 @@ state in the optimizer's step (``low_bit_state``, ``bf16_state``; which optimize
 state dicts: ``state_dicts``; what their list took at a weight's last step: ``taken_before``), step counts on
 the host (``host_counts``), the optimizer's own Adam(W) and SGD of what the others leave, in
 one call on the CPU (``own_step``), and the
-step in backward (``step_in_backward``, ``sliced_gradients``). The kernels
+step in backward (``step_in_backward``, the norms it counts ``grad_norms``, ``sliced_gradients``). The kernels
 it runs are ``optim``'s.
 May import: the base modules, ``gemms`` and ``optim``.
 """

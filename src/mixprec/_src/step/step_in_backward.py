@@ -13,9 +13,9 @@ large GEMM weight's gradient is made and stepped a slice of rows at a time insid
 
 On one process without clipping, whole gradients wait in a bucket until they add up to :data:`BUCKET` bytes, then
 step together, one call of the optimizer's step for the bucket (with a call a weight, the bench's tiny transformer
-trained at 0.84x the plain step's speed; with the bucket, 0.88-0.90x); what is left steps as the backward ends (a
-callback of autograd's engine), or at ``optimizer.step()`` after a backward that raised. A gradient larger than the
-bucket fills it alone and steps as it comes: fewer than :data:`BUCKET` bytes wait beside the gradient being made.
+trained at 0.84x the plain step's speed); what the bucket holds at ``optimizer.step()`` steps with that step's own
+walk of the stages (its gradients freed after it). A gradient larger than the bucket fills it alone and steps as it
+comes: fewer than :data:`BUCKET` bytes wait beside the gradient being made.
 Clipping, or under FSDP2, each large parameter steps as its gradient comes, and the small parameters (fewer than
 :data:`SMALL` values: biases, norms; their state is never quantized) are counted into the norm as their gradients
 come (without clipping, at ``optimizer.step()``, in one call) and stepped together at ``optimizer.step()``, before
@@ -107,7 +107,7 @@ class Stepper:
         self.bucket = BUCKET if max_norm is None and group is None else 0
         self.held: list[torch.Tensor] = []  # the parameters whose gradients wait in the bucket, in the order they came
         self.held_bytes = 0
-        self.queued = False  # the flush at the end of this backward is queued
+        self.stepping: list[torch.Tensor] = []  # what the bucket held at optimizer.step(): its own step steps them
         self.small_squares: list[torch.Tensor] = []  # the small parameters' squared norms, summed after the others'
 
     def _round(self) -> dict[int, dict[str, Any]]:
@@ -118,37 +118,34 @@ class Stepper:
 
     def hold(self, p: torch.Tensor) -> None:
         """Hold ``p``'s whole gradient in the bucket (it counts as stepped: a second gradient raises); the bucket is
-        stepped once it holds :attr:`bucket` bytes, and at the end of the backward."""
+        stepped once it holds :attr:`bucket` bytes, and what it holds at ``optimizer.step()`` by that step."""
         if p.grad is None or id(p) not in self._round():
             return
         self.begin(p)
         self.stepped.add(id(p))
-        if not self.queued:  # the bucket's rest is stepped as the backward ends, before anything reads the weights
-            torch.autograd.Variable._execution_engine.queue_callback(self.flush)
-            self.queued = True
         self.held.append(p)
         self.held_bytes += p.grad.nbytes
         if self.held_bytes >= self.bucket:
             self.flush()
 
     def flush(self) -> None:
-        """Step the gradients held in the bucket together (:meth:`hold`), and free them. Their squared norms are
-        held in the order they came, the small parameters' apart: summed after the others', as where they wait for
-        ``optimizer.step()``."""
-        self.queued = False
-        if not self.held:
-            return
+        """Step the gradients held in the bucket together (:meth:`hold`), and free them."""
+        held = self._take_held()
+        if held:
+            self._step_now(held, None)
+
+    def _take_held(self) -> list[torch.Tensor]:
+        """The parameters the bucket holds (with a gradient), the bucket emptied; their squared norms held in the
+        order they came, the small parameters' apart: summed after the others', as where they wait for the step."""
         held = [p for p in self.held if p.grad is not None]
         self.held, self.held_bytes = [], 0
-        if not held:
-            return
         large = [p.grad for p in held if p.numel() >= SMALL]
         small = [p.grad for p in held if p.numel() < SMALL]
         if large:
             self.squares.append(self._norms(large))  # type: ignore[arg-type]
         if small:
             self.small_squares.append(self._norms(small))  # type: ignore[arg-type]
-        self._step_now(held, None)
+        return held
 
     def add_norm(self, grads: list[torch.Tensor]) -> torch.Tensor | None:
         """Count ``grads`` (local shards) into this backward's norm; the scale of the clipping (or ``None``). Not
@@ -207,7 +204,8 @@ class Stepper:
     def step_waiting(self, *_: Any) -> None:
         """At ``optimizer.step()``: step the held small parameters together, clipped by the whole step's norm (not
         clipping: their gradients counted into the norm here, in one call)."""
-        self.flush()  # what a backward that did not end (it raised) left in the bucket
+        # what the bucket holds steps with the optimizer's own step, which comes next (one walk of the stages, not two)
+        self.stepping = self._take_held()
         waiting = [p for p in self.waiting if p.grad is not None]
         self.waiting = []
         if waiting:
@@ -254,7 +252,9 @@ class Stepper:
 
     def finish(self, *_: Any) -> None:
         """After ``optimizer.step()``: this step's norm is the next one's ``previous``; a new round starts."""
-        self.flush()  # stepped at step_waiting already: nothing held here
+        for p in self.stepping:  # stepped by the optimizer's own step: their gradients freed, as the bucket's are
+            p.grad = None
+        self.stepping = []
         self.squares += self.small_squares
         self.small_squares = []
         if self.squares:  # 0-dim and 1-D ones in the order they came, one op: the sum of their stack

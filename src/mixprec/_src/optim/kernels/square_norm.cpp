@@ -35,8 +35,13 @@ inline float sum_of_squares(const X* x, int64_t n) {
 }
 
 #if LIST
-// n rows of (address, number of values): each tensor's sum of squares into out[i], in one call
+// n rows of (address, number of values): each tensor's sum of squares into out[i], in one call. Where no row has
+// more than one chunk, the rows are shared out across the threads (each row's sum is one thread's, in its order);
+// else a row at a time, its chunks shared out: the same sums either way
 extern "C" void kernel(const int64_t* table, float* out, int64_t n) {
+    bool one_chunk = true;
+    for (int64_t i = 0; i < n; ++i) one_chunk = one_chunk && table[2 * i + 1] <= (int64_t{1} << 16);
+    #pragma omp parallel for schedule(dynamic, 1) if (one_chunk && n > 1)
     for (int64_t i = 0; i < n; ++i) out[i] = sum_of_squares(reinterpret_cast<const X*>(table[2 * i]), table[2 * i + 1]);
 }
 #else
