@@ -327,8 +327,7 @@ MUTANTS = (
     Mutant("in-backward-held-squares-dropped", "not clipping, the step in backward never sums the squares it held",
            S + "step/step_in_backward.py", "        if self.squares:  #", "        if False:  #", IN_BACKWARD_TESTS),
     Mutant("square-norms-misplaced", "the held gradients' norms of one dtype are put back in reverse order",
-           S + "step/grad_norms.py", '        at = torch.frombuffer(array.array("q", places)',
-           '        at = torch.frombuffer(array.array("q", places[::-1])', IN_BACKWARD_TESTS),
+           S + "step/grad_norms.py", "        order += places\n", "        order += places[::-1]\n", IN_BACKWARD_TESTS),
     Mutant("square-norms-last-row-skipped", "the held gradients' norms made in one call leave the last one unwritten",
            S + "optim/kernels/square_norm.cpp", "    for (int64_t i = 0; i < n; ++i) out[i]",
            "    for (int64_t i = 0; i + 1 < n; ++i) out[i]", IN_BACKWARD_TESTS),
@@ -853,6 +852,12 @@ MUTANTS = (
     Mutant("in-backward-bucket-small-squares-first", "the bucket's small parameters' squares are summed among the "
            "others'", S + "step/step_in_backward.py", "            self.small_squares.append(self._norms(small))",
            "            self.squares.append(self._norms(small))", IN_BACKWARD_TESTS),
+    Mutant("in-backward-bucket-norms-split-wrong", "the bucket's one norm call gives a large weight's square to the "
+           "small ones' sum", S + "step/step_in_backward.py",
+           "            self.squares.append(norms[: len(large)])\n            self.small_squares.append(norms[len(",
+           "            self.squares.append(norms[: len(large) - 1])\n"
+           "            self.small_squares.append(norms[-1 + len(",
+           IN_BACKWARD_TESTS),
     Mutant("in-backward-bucket-while-clipping", "clipping's gradients wait in the bucket (scaled by the norm of all)",
            S + "step/step_in_backward.py", "        self.bucket = BUCKET if max_norm is None and group is None else 0",
            "        self.bucket = BUCKET if group is None else 0", IN_BACKWARD_TESTS),

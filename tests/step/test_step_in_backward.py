@@ -164,7 +164,7 @@ def test_the_norm_is_the_same_whether_gradients_wait_in_the_bucket(level: str, m
     """``mixprec.grad_norm`` bit for bit whether the gradients wait in the bucket or step one by one: their squares
     summed in the order they came, the small parameters' after the others'."""
     norms = []
-    for bucket in (step_in_backward.BUCKET, 1, 0):
+    for bucket in (step_in_backward.BUCKET, 20_000, 1, 0):  # one bucket, several, one a gradient, none
         monkeypatch.setattr(step_in_backward, "BUCKET", bucket)
         _, opt, _ = _run(level, steps=2, step_in_backward=True)
         norms.append(mixprec.grad_norm(opt))

@@ -29,7 +29,7 @@ def eligible(t: Any, device_type: str | None) -> bool:
         isinstance(t, _Tensor)
         and t.is_floating_point()
         and t.dtype is not _float64
-        and (device_type is None or t.device.type == device_type)
+        and (device_type is None or (t.is_cpu if device_type == "cpu" else t.device.type == device_type))
     )
 
 

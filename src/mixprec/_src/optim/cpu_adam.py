@@ -298,7 +298,7 @@ def _norm_builds(dtype: torch.dtype, listed: bool) -> bool:
 def square_norm(x: torch.Tensor) -> torch.Tensor | None:
     """The fp32 sum of squares of a contiguous bf16 or fp16 CPU tensor, read where it lies (no fp32 copy); ``None``
     where this does not run here (another dtype or device, no toolchain)."""
-    if x.dtype not in _LOW or x.device.type != "cpu" or not x.is_contiguous() or not _norm_builds(x.dtype, False):
+    if x.dtype not in _LOW or not x.is_cpu or not x.is_contiguous() or not _norm_builds(x.dtype, False):
         return None
     out = torch.empty((), dtype=torch.float32)
     _norm_kernel(x.dtype)(x, out, x.numel())
@@ -310,7 +310,7 @@ def square_norms(xs: list[torch.Tensor]) -> torch.Tensor | None:
     bit: a 1-D fp32 tensor of their sums of squares in order; ``None`` where this does not run for all of them."""
     dtype = xs[0].dtype
     for x in xs:  # a loop, not all() over a generator: this runs at every step
-        if x.dtype is not dtype or x.device.type != "cpu" or not x.is_contiguous():
+        if x.dtype is not dtype or not x.is_cpu or not x.is_contiguous():
             return None
     if dtype not in _LOW or not _norm_builds(dtype, True):
         return None

@@ -42,18 +42,22 @@ def square_norm(g: torch.Tensor) -> torch.Tensor:
 def square_norms(grads: list[torch.Tensor]) -> torch.Tensor:
     """Each of ``grads``' :func:`square_norm`, as a 1-D fp32 tensor in their order, in ops that do not grow with
     their number: the gradients of one dtype together (low-precision CPU ones in one call, ``cpu_adam.square_norms``;
-    fp32 CPU ones by one multi-tensor norm, on the CPU ``vector_norm`` of each: the same values), each group's
-    norms put at their places by one indexed write."""
+    fp32 CPU ones by one multi-tensor norm, on the CPU ``vector_norm`` of each: the same values), the groups' norms
+    put in order by one indexed read."""
     kinds: dict[torch.dtype, list[int]] = {}
     for i, g in enumerate(grads):
         kinds.setdefault(g.dtype, []).append(i)
     if len(kinds) == 1:
         return _square_norms_alike(grads)
-    out = torch.empty(len(grads), dtype=torch.float32, device=grads[0].device)
+    parts, order = [], []
     for places in kinds.values():
-        at = torch.frombuffer(array.array("q", places), dtype=torch.int64)  # a third of torch.tensor's time
-        out[at.to(out.device)] = _square_norms_alike([grads[i] for i in places])
-    return out
+        parts.append(_square_norms_alike([grads[i] for i in places]))
+        order += places
+    inverse = [0] * len(order)  # where each gradient's norm lies in the dtypes' norms, one after the other
+    for at, i in enumerate(order):
+        inverse[i] = at
+    index = torch.frombuffer(array.array("q", inverse), dtype=torch.int64)  # a third of torch.tensor's time
+    return torch.cat(parts)[index.to(parts[0].device)]
 
 
 def _square_norms_alike(grads: list[torch.Tensor]) -> torch.Tensor:
@@ -64,7 +68,7 @@ def _square_norms_alike(grads: list[torch.Tensor]) -> torch.Tensor:
             return native
     else:
         for g in grads:  # a loop, not all() over a generator: this runs at every step
-            if g.device.type != "cpu":
+            if not g.is_cpu:
                 break
         else:
             return torch.stack(torch._foreach_norm(grads)).square()

@@ -119,12 +119,13 @@ class Stepper:
     def hold(self, p: torch.Tensor) -> None:
         """Hold ``p``'s whole gradient in the bucket (it counts as stepped: a second gradient raises); the bucket is
         stepped once it holds :attr:`bucket` bytes, and what it holds at ``optimizer.step()`` by that step."""
-        if p.grad is None or id(p) not in self._round():
+        grad = p.grad
+        if grad is None or id(p) not in self._round():
             return
         self.begin(p)
         self.stepped.add(id(p))
         self.held.append(p)
-        self.held_bytes += p.grad.nbytes
+        self.held_bytes += grad.nbytes
         if self.held_bytes >= self.bucket:
             self.flush()
 
@@ -141,9 +142,13 @@ class Stepper:
         self.held, self.held_bytes = [], 0
         large = [p.grad for p in held if p.numel() >= SMALL]
         small = [p.grad for p in held if p.numel() < SMALL]
-        if large:
+        if large and small:  # one call for both: the first ones' norms, then the others'
+            norms = self._norms(large + small)  # type: ignore[arg-type]
+            self.squares.append(norms[: len(large)])
+            self.small_squares.append(norms[len(large) :])
+        elif large:
             self.squares.append(self._norms(large))  # type: ignore[arg-type]
-        if small:
+        elif small:
             self.small_squares.append(self._norms(small))  # type: ignore[arg-type]
         return held
 
@@ -339,7 +344,8 @@ def _step_param(stepper: Stepper, param: torch.Tensor) -> None:
 
 
 def _hold_param(stepper: Stepper, param: torch.Tensor) -> None:
-    _refuse_unsharded_ranks(stepper)
+    if stepper.groups is None:  # a round's first gradient (ranks do not change within a backward)
+        _refuse_unsharded_ranks(stepper)
     stepper.hold(param)
 
 
