@@ -207,8 +207,9 @@ class Stepper:
             self.waiting.append(p)
 
     def step_waiting(self, *_: Any) -> None:
-        """At ``optimizer.step()``: step the held small parameters together, clipped by the whole step's norm (not
-        clipping: their gradients counted into the norm here, in one call)."""
+        """At ``optimizer.step()``: what the bucket holds is counted into the norm and left to the optimizer's own
+        step, which comes next; the small parameters held where clipping (or under FSDP2) step together, clipped by the
+        whole step's norm (not clipping: their gradients counted into the norm here, in one call)."""
         # what the bucket holds steps with the optimizer's own step, which comes next (one walk of the stages, not two)
         self.stepping = self._take_held()
         waiting = [p for p in self.waiting if p.grad is not None]
