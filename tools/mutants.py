@@ -850,8 +850,8 @@ MUTANTS = (
            S + "step/step_in_backward.py", "        if self.held_bytes >= self.bucket:", "        if False:",
            IN_BACKWARD_TESTS),
     Mutant("in-backward-bucket-small-squares-first", "the bucket's small parameters' squares are summed among the "
-           "others'", S + "step/step_in_backward.py", "            self.small_squares.append(self._norms(small))",
-           "            self.squares.append(self._norms(small))", IN_BACKWARD_TESTS),
+           "others'", S + "step/step_in_backward.py", "            self.small_squares.append(norms[len(large) :])",
+           "            self.squares.append(norms[len(large) :])", IN_BACKWARD_TESTS),
     Mutant("in-backward-bucket-norms-split-wrong", "the bucket's one norm call gives a large weight's square to the "
            "small ones' sum", S + "step/step_in_backward.py",
            "            self.squares.append(norms[: len(large)])\n            self.small_squares.append(norms[len(",
@@ -862,7 +862,8 @@ MUTANTS = (
            S + "step/step_in_backward.py", "        self.bucket = BUCKET if max_norm is None and group is None else 0",
            "        self.bucket = BUCKET if group is None else 0", IN_BACKWARD_TESTS),
     Mutant("plan-bucket-ignored", "memory_plan counts one gradient in flight where the bucket holds several",
-           S + "observe/memory_plan.py", "        if bucket:  # a bucket's bytes at most", "        if False:  #",
+           S + "observe/memory_plan.py", "step_in_backward.BUCKET)) if bucket else in_flight + waiting",
+           "step_in_backward.BUCKET)) if False else in_flight + waiting",
            ("tests/observe/test_memory_plan.py",)),
     Mutant("in-backward-accumulates", "a second backward before step() steps the parameters again",
            S + "step/step_in_backward.py", "        if id(p) in self.stepped:", "        if False:",

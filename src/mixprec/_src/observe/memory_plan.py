@@ -175,6 +175,7 @@ def memory_plan(
     small = largest_listed = 0  # of those: the small parameters' (stepped together in backward), the largest
     # stepping in backward on one process without clipping, whole gradients wait in a bucket (step_in_backward.BUCKET)
     bucket = config.step_in_backward and world == 1 and config.clip_grad_norm is None
+    alone = config.step_in_backward and not bucket  # a CPU list step of one parameter: a table of its own
     held = largest_held = 0  # the gradients that go in the bucket (not those made a slice at a time): all, largest
     sliced = _sliced(model, optimizer, config, world)
     groups = [] if optimizer is None else optimizer.param_groups
@@ -210,7 +211,6 @@ def memory_plan(
             )
             if form.startswith("cpu-list"):  # a row of its group's table (one step in backward: a table of its own)
                 table = (cast(int, where), form)  # each stage's table is made and freed before the next stage's
-                alone = config.step_in_backward and not bucket
                 cpu_rows[table] = temporary if alone else cpu_rows.get(table, 0) + temporary
                 temporary = LIST_SCALARS[form] + cpu_rows[table]
             elif form == "foreach":  # one temporary per tensor of its list, all alive at once: summed below
@@ -238,9 +238,10 @@ def memory_plan(
         # device is planned as on the CPU
         if in_flight < largest * 4 and largest_on not in ("cpu", "cuda", "meta"):
             in_flight += min(largest, step_in_backward.NORM_CHUNK) * 4
-        grads, in_flight = 0, in_flight + waiting
-        if bucket:  # a bucket's bytes at most wait beside the gradient being made; a slice steps the bucket first
-            in_flight = max(in_flight - waiting, min(held, largest_held + step_in_backward.BUCKET))
+        # with a bucket, its bytes at most wait beside the gradient being made (a slice steps the bucket first);
+        # without, the small parameters' wait for the step
+        in_flight = max(in_flight, min(held, largest_held + step_in_backward.BUCKET)) if bucket else in_flight + waiting
+        grads = 0
     activations = checkpointed = backward = None
     names: tuple[str, ...] = ()
     if batch is not None:

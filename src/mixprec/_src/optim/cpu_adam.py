@@ -315,7 +315,12 @@ def square_norms(xs: list[torch.Tensor]) -> torch.Tensor | None:
     if dtype not in _LOW or not _norm_builds(dtype, True):
         return None
     out = torch.empty(len(xs), dtype=torch.float32)
-    # the (address, size) rows through an array: about a third of torch.tensor's time for a list of lists
-    held = array.array("q", itertools.chain.from_iterable((x.data_ptr(), x.numel()) for x in xs))
-    _norm_kernel(dtype, True)(torch.frombuffer(held, dtype=torch.int64), out, len(xs))
+    _norm_kernel(dtype, True)(rows_table([[x.data_ptr(), x.numel()] for x in xs]), out, len(xs))
     return out
+
+
+def rows_table(rows: list[list[int]]) -> torch.Tensor:
+    """``rows`` (of one length) as an int64 tensor, through an array (about 0.7 of ``torch.tensor``'s time)."""
+    return torch.frombuffer(array.array("q", itertools.chain.from_iterable(rows)), dtype=torch.int64).view(
+        len(rows), -1
+    )

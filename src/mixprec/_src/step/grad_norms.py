@@ -7,8 +7,6 @@ here syncs with a device.
 
 from __future__ import annotations
 
-import array
-
 import torch
 
 from mixprec._src.optim import cpu_adam
@@ -56,8 +54,7 @@ def square_norms(grads: list[torch.Tensor]) -> torch.Tensor:
     inverse = [0] * len(order)  # where each gradient's norm lies in the dtypes' norms, one after the other
     for at, i in enumerate(order):
         inverse[i] = at
-    index = torch.frombuffer(array.array("q", inverse), dtype=torch.int64)  # a third of torch.tensor's time
-    return torch.cat(parts)[index.to(parts[0].device)]
+    return torch.cat(parts)[cpu_adam.rows_table([inverse])[0].to(parts[0].device)]
 
 
 def _square_norms_alike(grads: list[torch.Tensor]) -> torch.Tensor:

@@ -142,14 +142,10 @@ class Stepper:
         self.held, self.held_bytes = [], 0
         large = [p.grad for p in held if p.numel() >= SMALL]
         small = [p.grad for p in held if p.numel() < SMALL]
-        if large and small:  # one call for both: the first ones' norms, then the others'
-            norms = self._norms(large + small)  # type: ignore[arg-type]
+        if held:  # one call for both, the large ones' norms first (a 1-D tensor, whatever the bucket holds)
+            norms = square_norms([sharding.local(g) for g in large + small])  # type: ignore[arg-type]
             self.squares.append(norms[: len(large)])
             self.small_squares.append(norms[len(large) :])
-        elif large:
-            self.squares.append(self._norms(large))  # type: ignore[arg-type]
-        elif small:
-            self.small_squares.append(self._norms(small))  # type: ignore[arg-type]
         return held
 
     def add_norm(self, grads: list[torch.Tensor]) -> torch.Tensor | None:
