@@ -968,6 +968,19 @@ MUTANTS = (
     Mutant("tune-memory-budget-ignored", "tune chooses a recipe over its memory budget",
            S + "tune/rounds.py", "        if self.fit is not None and within_memory:", "        if False:",
            MEMORY_BUDGET_TESTS),
+    Mutant("o2-copy-not-written-by-state-kernel", "the state precisions' list kernels leave O2's copy of a master "
+           "unwritten in their vector pairs (the copies told they were written)",
+           S + "optim/kernels/vector_helpers.h", "        if (rounding == 3) store_pair(comp + k, next);", "",
+           STEP_TESTS),
+    Mutant("o2-copies-written-untold", "the copies the state precisions' lists wrote are not told so (the forward "
+           "copies them again)", S + "step/low_bit_state.py",
+           "    if copying is not None and copied:  # as their masters are now\n        copying.wrote(copied)\n",
+           "", STEP_TESTS),
+    Mutant("o2-copies-told-before-versions-move", "the copies the state precisions' lists wrote are told so before "
+           "the masters' versions move (the forward copies them again)", S + "step/low_bit_state.py",
+           "        torch.autograd.graph.increment_version(params)\n    if copying is not None and copied:  # as their "
+           "masters are now\n        copying.wrote(copied)\n", "        copying.wrote(copied) if copying and copied "
+           "else None\n        torch.autograd.graph.increment_version(params)\n", STEP_TESTS),
 )  # fmt: skip
 
 

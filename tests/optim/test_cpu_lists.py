@@ -18,7 +18,7 @@ import mixprec
 from helpers import OpNames, step_ops_at
 from mixprec._src.optim import cpu_lists
 from mixprec._src.prepare.levels import prepared_state
-from mixprec._src.step import kahan, sr_kernel, stochastic_rounding
+from mixprec._src.step import kahan, own_step, sr_kernel, stochastic_rounding
 from mixprec.bench import step_cost
 from mixprec.bench.workloads import TinyLM
 
@@ -298,6 +298,47 @@ def test_a_state_precisions_list_steps_bitwise_as_each_weight_alone(
                                   {"params": list(model[3:].parameters()), "lr": 3e-3}], fused=True)  # fmt: skip
 
     _listed_as_alone("lists_build", level, adamw, 1, monkeypatch, optimizer_state=state)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw-fused", "sgd"])
+@pytest.mark.parametrize("state", ["bf16", "8bit", "4bit", "fp8"])
+def test_o2s_copies_are_written_by_a_state_precisions_list_step(
+    state: str, optimizer: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """O2 with quantized or bf16 state (AdamW's for-loop and fused forms, SGD with momentum): the list kernels write
+    each large master's bf16 copy with it, and the copies know them as written at their masters' versions (the
+    forward after the step copies only the rest); every forward's output and the masters bit for bit as where no
+    step writes a copy (each forward after a step copies every master)."""
+    makers = {
+        "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+        "adamw-fused": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, fused=True),
+        "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
+    }
+    runs = []
+    for written in (True, False):
+        if not written:
+            monkeypatch.setattr(own_step, "writable_copy", lambda *_: None)
+        model = _state_model()
+        model, opt = mixprec.prepare(model, makers[optimizer](model.parameters()), level="O2", optimizer_state=state)
+        copies = prepared_state(model).copies  # type: ignore[union-attr]
+        # the fused form's own step writes the small weights' copies too
+        by_step = {id(p) for p in copies.params if p.numel() >= 4096 or optimizer == "adamw-fused"}
+        g = torch.Generator().manual_seed(3)
+        outputs = []
+        for _ in range(4):
+            opt.zero_grad(set_to_none=True)
+            out = model(torch.randn(8, 64, generator=g))
+            outputs.append(out.detach())
+            nn.functional.mse_loss(out.float(), torch.zeros(8, 8)).backward()
+            opt.step()
+            expected = {id(p): p._version for p in copies.params if id(p) in by_step} if written else {}
+            assert copies.current == expected  # written, at the versions the step left
+        monkeypatch.undo()
+        runs.append((model, outputs))
+    for a, b in zip(runs[0][0].parameters(), runs[1][0].parameters(), strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(runs[0][1], runs[1][1], strict=True):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize(("saved", "running"), [("fp32", "bf16"), ("bf16", "8bit"), ("8bit", "bf16"), ("4bit", "8bit")])

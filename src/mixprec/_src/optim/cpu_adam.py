@@ -49,13 +49,16 @@ def kernel_source(name: str) -> str:
     return text.split("\n", 1)[1]
 
 
-#: how the new weight is written: rounded to nearest, stochastically (bf16-sr), or with Kahan's compensation
-NEAREST, STOCHASTIC, KAHAN = 0, 1, 2
+#: how the new weight is written: rounded to nearest, stochastically (bf16-sr), with Kahan's compensation, or (an
+#: fp32 weight) as it is with a bf16 copy beside it (O2's compute copy, to nearest even as ``copy_``; the kernels'
+#: compensation column holds its address)
+NEAREST, STOCHASTIC, KAHAN, COPIED = 0, 1, 2, 3
 
 
-def rounding_mode(stochastic: bool, compensated: bool) -> int:
-    """How the kernel writes a weight: with bf16-kahan's compensation, bf16-sr's noise, or to nearest."""
-    return KAHAN if compensated else STOCHASTIC if stochastic else NEAREST
+def rounding_mode(stochastic: bool, compensated: bool, copied: bool = False) -> int:
+    """How the kernel writes a weight: with bf16-kahan's compensation, bf16-sr's noise, to nearest with a bf16 copy
+    (``copied``: an fp32 weight's O2 copy, passed where the compensation goes), or to nearest."""
+    return KAHAN if compensated else STOCHASTIC if stochastic else COPIED if copied else NEAREST
 
 
 _SOURCE = kernel_source("adam_quantized.cpp")

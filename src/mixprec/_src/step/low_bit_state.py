@@ -28,9 +28,9 @@ import torch
 
 from mixprec._src import sharding
 from mixprec._src.optim import adam, cpu_adam, cpu_lists, fused_adam, moments, sgd
-from mixprec._src.step import bf16_state, kahan, state_checks
+from mixprec._src.step import bf16_state, kahan, own_step, state_checks
 from mixprec._src.step.host_counts import HostCounts
-from mixprec._src.step.sr_noise import moved, seed_tensor, shard_seed, sr_bits, tensor_seed
+from mixprec._src.step.sr_noise import moved, seeds_from, shard_seed, sr_bits, stochastic_write, tensor_seed
 from mixprec._src.step.state_dicts import capacity, keep_codes_on_load, sharded_codes
 from mixprec._src.step.stochastic_rounding import SEED_KEY, STEP_KEY, Restore, positions, step_eagerly
 from mixprec._src.step.taken_before import TakenBefore
@@ -38,14 +38,21 @@ from mixprec._src.step.taken_before import TakenBefore
 __all__ = ["count_step", "install", "slice_block", "slice_stepper", "sliced"]
 
 
-def install(optimizer: torch.optim.Optimizer, precision: str, handles: list[Any], writeback: str = "nearest") -> None:
+def install(
+    optimizer: torch.optim.Optimizer,
+    precision: str,
+    handles: list[Any],
+    writeback: str = "nearest",
+    copies: own_step.ComputeCopies | None = None,
+) -> None:
     """Make ``optimizer`` (Adam, AdamW or SGD) keep the state of its large parameters at ``precision``.
 
     ``writeback``: how the large bf16 parameters' weights are written, ``"nearest"`` (rounded to nearest),
     ``"stochastic"`` (level bf16-sr, installed after bf16-sr's own step: with bf16-sr's stochastic
     rounding and the noise bf16-sr would give them, the seed from the param group's counters and the
     tensor's position) or ``"kahan"`` (level bf16-kahan: with the weight's compensation); the rest go on
-    through the level's own step.
+    through the level's own step. ``copies``: O2's compute copies, which the list kernels write with their fp32
+    masters (``own_step.writes_copies``: the forward after the step copies only the rest).
     """
     state_checks.check(optimizer, precision)
     step_eagerly(optimizer, handles)
@@ -88,7 +95,7 @@ def install(optimizer: torch.optim.Optimizer, precision: str, handles: list[Any]
                     0,
                 )
         if listed:
-            _step_lists(self, listed, group, decoupled, precision, writeback, where, counts)
+            _step_lists(self, listed, group, decoupled, precision, writeback, where, counts, copies)
         rest_group = {**group, "params": rest}
         result = take_rest(self, rest_group, *args, **kwargs)
         if STEP_KEY in rest_group:
@@ -166,9 +173,11 @@ def _step_lists(
     writeback: str,
     where: dict[int, int],
     counts: HostCounts,
+    copies: own_step.ComputeCopies | None = None,
 ) -> None:
-    """One Adam(W) step of every weight of ``listed`` (``_listed``): the step counts advanced together (counted on
-    the host: nothing read), then one call a list of one step count, dtypes and write rule."""
+    """One Adam(W) or SGD step of every weight of ``listed`` (``_listed``): the step counts advanced together
+    (counted on the host: nothing read), then one call a list of one step count, dtypes and write rule; an fp32
+    weight's O2 copy (``copies``) written with it where an eager forward reads them."""
     params = [p for p, _, _ in listed]
     states = [optimizer.state[p] for p in params]
     momentum = isinstance(optimizer, torch.optim.SGD)
@@ -182,11 +191,17 @@ def _step_lists(
     stochastic = writeback == "stochastic"
     base, next_count = _seed_counts(group) if stochastic else (0, 0)
     moments_base = int(group[SEED_KEY]) if precision == moments.BF16 else 0  # the bf16 moments' seeds'
+    copying = copies if own_step.writes_copies(copies) else None
+    copied: list[torch.Tensor] = []  # the masters whose copies the kernels write
     for i, ((p, local_p, local_g), state, count) in enumerate(zip(listed, states, steps, strict=True)):
         low = local_p.dtype is torch.bfloat16
         seed = _weight_seed(base, next_count, where[id(p)], p) if low and stochastic else None
         comp = sharding.local(kahan.compensation(state, p)) if low and writeback == "kahan" else None
-        mode = cpu_adam.rounding_mode(stochastic=seed is not None, compensated=comp is not None)
+        copy = None if copying is None or sharding.is_sharded(p) else own_step.writable_copy(copying, p)
+        if copy is not None:  # in the compensation's column
+            comp = copy
+            copied.append(p)
+        mode = cpu_adam.rounding_mode(seed is not None, comp is not None and copy is None, copy is not None)
         row: tuple[Any, ...]
         if momentum and precision != moments.BF16:
             row = (local_p, local_g, state, comp, 0 if seed is None else seed, started[i])
@@ -217,6 +232,8 @@ def _step_lists(
             cpu_lists.quantized_step(precision, rows, scalars, decoupled, mode)
     if not group.get("fused"):  # the weights' versions move as the user's form's in-place ops would move them
         torch.autograd.graph.increment_version(params)
+    if copying is not None and copied:  # as their masters are now
+        copying.wrote(copied)
 
 
 def _scalars(group: dict[str, Any], count: float, decoupled: bool) -> torch.Tensor:
@@ -297,7 +314,7 @@ def _writeback(
         return None, None, None
     if writeback == "stochastic":
         seed = _seed(group, where, p, offset)
-        return seed, None, _stochastic_write(seed)
+        return seed, None, stochastic_write(seed)
     if writeback == "kahan":
         comp = sharding.local(kahan.compensation(optimizer.state[p], p)).view(-1)[offset : offset + local_p.numel()]
         comp = comp.view(local_p.shape)
@@ -328,7 +345,7 @@ def _adam(
     on) with the moments in ``state``, its weight written as ``writeback`` says."""
     seed, comp, write = _writeback(optimizer, p, local_p, group, writeback, where, offset)
     if local_p.is_contiguous() and local_g.is_contiguous() and fused_adam.runs(precision, local_p, local_g):
-        rounding, seed_at = (None, None) if seed is None else (sr_bits, _seeds_from(seed, local_p.device))
+        rounding, seed_at = (None, None) if seed is None else (sr_bits, seeds_from(seed, local_p.device))
         fused_adam.adam_step(local_p, local_g, state, group, decoupled, precision, capacity, rounding, seed_at, comp)
     else:
         adam.adam_step(local_p, local_g, state, group, decoupled, precision, capacity, write)
@@ -423,16 +440,3 @@ def slice_stepper(optimizer: torch.optim.Optimizer, p: torch.Tensor, group: dict
 def count_step(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> None:
     """Count the step :func:`slice_stepper` took of ``p`` a slice at a time."""
     optimizer.state[p]["step"] += 1
-
-
-def _seeds_from(seed: int, device: torch.device) -> Any:
-    """Offset -> the seed tensor that rounds element ``i`` as element ``offset + i`` of the tensor."""
-    return lambda offset: seed_tensor(moved(seed, offset), device)
-
-
-def _stochastic_write(seed: int) -> Any:
-    def write(p: torch.Tensor, new: torch.Tensor) -> None:
-        bits = sr_bits(new.reshape(-1), seed_tensor(seed, p.device))  # fp32 bits, 16 low zeros: exact in bf16
-        p.copy_(bits.view(torch.float32).view(p.shape))
-
-    return write

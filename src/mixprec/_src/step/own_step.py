@@ -35,7 +35,7 @@ from mixprec._src.step import host_counts
 from mixprec._src.step.host_counts import HostCounts
 from mixprec._src.step.stochastic_rounding import Restore
 
-__all__ = ["install", "takes_group"]
+__all__ = ["install", "takes_group", "writable_copy", "writes_copies"]
 
 _ADAMS = (torch.optim.Adam, torch.optim.AdamW)
 
@@ -134,7 +134,7 @@ class _Taken:
             g = grads[i]
             if type(g) is not torch.Tensor or not g.is_contiguous():
                 return False
-        if self.wants != _wants(copies):
+        if self.wants != writes_copies(copies):
             return False
         if self.wrote and not all(map(operator.is_, [copies.copies.get(id(p)) for p in self.wrote], self.copies)):
             return False
@@ -142,9 +142,19 @@ class _Taken:
         return _addresses(lists, self.taken) == self.ptrs and [steps[i]._version for i in self.taken] == self.versions
 
 
-def _wants(copies: ComputeCopies | None) -> bool:
-    """Whether the fused kernel writes O2's copies: bf16 ones an eager forward read since the last step."""
+def writes_copies(copies: ComputeCopies | None) -> bool:
+    """Whether a step's kernels write O2's copies with their masters: bf16 ones an eager forward read since the last
+    step (a compiled forward casts the masters in its graph)."""
     return copies is not None and copies.dtype is torch.bfloat16 and copies.read
+
+
+def writable_copy(copies: ComputeCopies, p: torch.Tensor) -> torch.Tensor | None:
+    """``p``'s O2 compute copy where a kernel can write it with ``p`` (an fp32 weight; a contiguous copy of its
+    size), else ``None``."""
+    c = copies.copies.get(id(p))
+    if c is not None and p.dtype is torch.float32 and c.shape == p.shape and c.is_contiguous():
+        return c
+    return None
 
 
 def _addresses(lists: tuple[list[torch.Tensor], ...], taken: list[int]) -> list[int]:
@@ -203,7 +213,7 @@ class _AdamLists:
             by_kind.setdefault((params[i].dtype, count), []).append(place)
         plan = _Taken(held, taken, left) if len(set(counts)) == 1 and counts[0] < host_counts.EXACT - 1 else None
         if plan is not None:
-            plan.wants = _wants(self.copies)
+            plan.wants = writes_copies(self.copies)
         with torch.no_grad():
             for (dtype, count), places in by_kind.items():
                 rows = [(params[taken[k]], grads[taken[k]], exp_avgs[taken[k]], exp_avg_sqs[taken[k]]) for k in places]
@@ -255,15 +265,13 @@ class _AdamLists:
         (told to the copies: the forward after the step does not copy it again), else ``None``; none where no eager
         forward read the copies since the last step (a compiled model's: its graph casts the masters)."""
         copies = self.copies
-        if copies is None or not _wants(copies):
+        if copies is None or not writes_copies(copies):
             return [(*row, None) for row in rows]
-        held, out, wrote = copies.copies, [], []
+        out, wrote = [], []
         for row in rows:
-            c = held.get(id(row[0]))
-            if c is not None and row[0].dtype is torch.float32 and c.shape == row[0].shape and c.is_contiguous():
+            c = writable_copy(copies, row[0])
+            if c is not None:
                 wrote.append(row[0])
-            else:
-                c = None
             out.append((*row, c))
         copies.wrote(wrote)
         return out

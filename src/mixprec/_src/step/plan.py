@@ -130,9 +130,9 @@ def install(
 ) -> bool:
     """Put ``plan`` on ``optimizer`` (``lowp``: the low-precision weights; ``group``: the process group of a
     sharded model, whose ranks share one seed; ``slices``: the step in backward may take a large weight's gradient
-    a slice at a time; ``copies``: O2's compute copies, which the own step of fused Adam(W) writes with their
-    masters). Each stage's handles go to ``handles``. Returns whether Adam(W)'s fused kernel steps
-    the bf16 weights. A collective where the model is sharded and something rounds stochastically (one
+    a slice at a time; ``copies``: O2's compute copies, which the state precisions' list kernels and the own step of
+    fused Adam(W) write with their masters). Each stage's handles go to ``handles``. Returns whether Adam(W)'s fused
+    kernel steps the bf16 weights. A collective where the model is sharded and something rounds stochastically (one
     broadcast of the seed)."""
     if plan.clip is not None and not plan.in_backward:  # before bf16-sr's widening
         in_backward.clip_before_step(optimizer, plan.clip, handles)
@@ -147,7 +147,7 @@ def install(
     elif plan.bf16_weights and plan.write == "kahan":
         fused = kahan.install(optimizer, lowp, handles)
     if plan.state.own:  # wraps the write rule's step: it takes the large weights, hands it the rest
-        low_bit_state.install(optimizer, plan.state, handles, plan.write if plan.bf16_weights else "nearest")
+        low_bit_state.install(optimizer, plan.state, handles, plan.write if plan.bf16_weights else "nearest", copies)
     else:  # a checkpoint of quantized state loads as the level's moments
         state_dicts.dequantize_on_load(optimizer, handles)
     # outermost: the fp32 weights every stage above hands on to torch's own Adam(W) or SGD, in one call on the CPU

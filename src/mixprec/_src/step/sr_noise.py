@@ -8,6 +8,7 @@ device but :func:`draw_seed` (one broadcast under a process group).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -15,7 +16,16 @@ import torch.distributed as dist
 
 from mixprec._src import sharding
 
-__all__ = ["draw_seed", "seed_tensor", "shard_seed", "sr_bits", "stochastic_round", "tensor_seed"]
+__all__ = [
+    "draw_seed",
+    "seed_tensor",
+    "seeds_from",
+    "shard_seed",
+    "sr_bits",
+    "stochastic_round",
+    "stochastic_write",
+    "tensor_seed",
+]
 
 
 def stochastic_round(x: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tensor:
@@ -116,6 +126,21 @@ def sr_bits(x: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
         weyl = weyl + index.view([-1 if d == dim else 1 for d in range(x.dim())])
     noise = ((weyl + seed) >> 16) & 0xFFFF
     return (x.view(torch.int32) + noise) & -(1 << 16)
+
+
+def seeds_from(seed: int, device: torch.device) -> Callable[[int], torch.Tensor]:
+    """Offset -> the seed tensor that rounds element ``i`` as element ``offset + i`` of the tensor ``seed`` rounds."""
+    return lambda offset: seed_tensor(moved(seed, offset), device)
+
+
+def stochastic_write(seed: int) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    """``write(p, new)``: the bf16 tensor ``p`` set to ``new`` (fp32) rounded stochastically with ``seed``'s noise."""
+
+    def write(p: torch.Tensor, new: torch.Tensor) -> None:
+        bits = sr_bits(new.reshape(-1), seed_tensor(seed, p.device))  # fp32 bits, 16 low zeros: exact in bf16
+        p.copy_(bits.view(torch.float32).view(p.shape))
+
+    return write
 
 
 def draw_seed(group: Any = None) -> int:
