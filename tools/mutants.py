@@ -970,8 +970,8 @@ MUTANTS = (
            MEMORY_BUDGET_TESTS),
     Mutant("o2-copy-not-written-by-state-kernel", "the state precisions' list kernels leave O2's copy of a master "
            "unwritten in their vector pairs (the copies told they were written)",
-           S + "optim/kernels/vector_helpers.h", "        if (rounding == 3) store_pair(comp + k, next);", "",
-           STEP_TESTS),
+           S + "optim/kernels/vector_helpers.h",
+           "        if (rounding == 3 && comp != nullptr) store_pair(comp + k, next);", "", STEP_TESTS),
     Mutant("o2-copies-written-untold", "the copies the state precisions' lists wrote are not told so (the forward "
            "copies them again)", S + "step/low_bit_state.py",
            "    if copying is not None and copied:  # as their masters are now\n        copying.wrote(copied)\n",
@@ -981,6 +981,14 @@ MUTANTS = (
            "        torch.autograd.graph.increment_version(params)\n    if copying is not None and copied:  # as their "
            "masters are now\n        copying.wrote(copied)\n", "        copying.wrote(copied) if copying and copied "
            "else None\n        torch.autograd.graph.increment_version(params)\n", STEP_TESTS),
+    Mutant("own-sgd-copies-untold", "the O2 copies SGD's own step wrote are not told so (the forward copies them "
+           "again)", S + "step/own_step.py", "            if copied and copies is not None:  # the copies the step",
+           "            if False:  # the copies the step", ("tests/step/test_own_step.py",)),
+    Mutant("own-sgd-copies-told-before-versions-move", "the O2 copies SGD's own step wrote are told so before the "
+           "masters' versions move (the forward copies them again)", S + "step/own_step.py",
+           "            stepped, copied = take(self, group, *lists)\n",
+           "            stepped, copied = take(self, group, *lists)\n            if copied and copies is not None:\n"
+           "                copies.wrote(copied)\n                copied = []\n", ("tests/step/test_own_step.py",)),
 )  # fmt: skip
 
 

@@ -292,6 +292,44 @@ def test_o2s_copies_are_those_of_its_masters_whichever_step_wrote_them(form: str
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_o2s_copies_are_written_by_sgds_own_step(momentum: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    """O2 with SGD (with and without momentum, decay and nesterov in one group): its one call writes each master's
+    bf16 copy with it, told to the copies at the version the step leaves (the forward after the step copies none);
+    the masters and every forward's output bit for bit as where no step writes a copy, with a master written in place
+    between two steps and a weight without a gradient at one."""
+    runs = []
+    for written in (True, False):
+        if not written:
+            monkeypatch.setattr(own_step, "writable_copy", lambda *_: None)
+        model = _model()
+        options = {"nesterov": True, "weight_decay": 0.01} if momentum else {}
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=momentum, **options)
+        model, opt = mixprec.prepare(model, opt, level="O2")
+        copies = prepared_state(model).copies  # type: ignore[union-attr]
+        g = torch.Generator().manual_seed(2)
+        outputs = []
+        for step in range(4):
+            opt.zero_grad(set_to_none=True)
+            out = model(torch.randn(8, 67, generator=g))
+            outputs.append(out.detach())
+            out.float().square().mean().backward()
+            if step == 1:
+                model[2].weight.grad = None
+            opt.step()
+            stepped = [p for p in copies.params if p.grad is not None]
+            assert copies.current == ({id(p): p._version for p in stepped} if written else {})
+            if step == 2:
+                with torch.no_grad():
+                    model[0].weight.mul_(0.5)
+        monkeypatch.undo()
+        runs.append((model, outputs))
+    for a, b in zip(runs[0][0].parameters(), runs[1][0].parameters(), strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(runs[0][1], runs[1][1], strict=True):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("level", ["O1", "O2", "bf16-sr", "bf16-pure"])
 @pytest.mark.parametrize("optimizer", ["adamw", "adamw-foreach", "adamw-fused", "sgd"])
 def test_a_levels_step_is_one_call_whatever_the_model(level: str, optimizer: str) -> None:

@@ -284,11 +284,19 @@ def _probe_sgd_of(dtype: torch.dtype, forms: tuple[bool, ...], sizes: tuple[int,
                 raise RuntimeError(f"the {dtype} SGD kernel does not step as torch's SGD here")
 
 
-def sgd_step(rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, bool]], group: dict[str, Any]) -> None:
+def sgd_step(
+    rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, bool]],
+    group: dict[str, Any],
+    copies: list[torch.Tensor | None] | None = None,
+) -> None:
     """torch.optim.SGD's for-loop step of every ``(weight, gradient, momentum buffer or None, buffer started)`` of
     ``rows`` (fp32 CPU tensors, :func:`takes`) with ``group``'s options, in one call, bit for bit; a buffer not
-    started yet is written as torch makes it (the gradient, with decay). Call where :func:`sgd_available`."""
-    cpu_lists.sgd_step([(p, g, b, None, 0, s) for p, g, b, s in rows], group, cpu_lists.NEAREST, storage="float")
+    started yet is written as torch makes it (the gradient, with decay). ``copies``: a bf16 copy of each row's weight
+    or ``None`` (contiguous, of its size: O2's compute copies), written with it (to nearest even, as ``copy_``). Call
+    where :func:`sgd_available`."""
+    mode = cpu_lists.NEAREST if copies is None else cpu_adam.COPIED
+    held = [None] * len(rows) if copies is None else copies
+    cpu_lists.sgd_step([(p, g, b, c, 0, s) for (p, g, b, s), c in zip(rows, held, strict=True)], group, mode, "float")
 
 
 _SGD_BF16_SOURCE = cpu_lists._PRELUDE + cpu_adam.kernel_source("sgd_aten_bf16.cpp")

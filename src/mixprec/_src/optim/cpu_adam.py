@@ -50,8 +50,8 @@ def kernel_source(name: str) -> str:
 
 
 #: how the new weight is written: rounded to nearest, stochastically (bf16-sr), with Kahan's compensation, or (an
-#: fp32 weight) as it is with a bf16 copy beside it (O2's compute copy, to nearest even as ``copy_``; the kernels'
-#: compensation column holds its address)
+#: fp32 weight) as it is with a bf16 copy beside it where the row has one (O2's compute copy, to nearest even as
+#: ``copy_``; the kernels' compensation column holds its address, or 0)
 NEAREST, STOCHASTIC, KAHAN, COPIED = 0, 1, 2, 3
 
 

@@ -13,7 +13,8 @@ counts; SGD's new momentum buffers put in its state, as its step puts them), and
 Adam(W)'s fused form (``fused=True``) on fp32 and bf16 weights takes ``optim.fused_lists`` the same way: one call a
 param group (and dtype) for what torch runs one kernel a tensor for, bit for bit torch's fused kernel, and O2's bf16
 copies of fp32 weights written in the same pass (``prepare.o2_copies.ComputeCopies.wrote``: the forward after the
-step copies only the rest). SGD's fused form stays torch's. A param group whose lists hold the same tensors as at
+step copies only the rest), as SGD's one call writes its fp32 weights' copies (told after the versions move). SGD's
+fused form stays torch's. A param group whose lists hold the same tensors as at
 its last step (the usual step) is not checked tensor by tensor again: its tables are kept, the new gradients'
 addresses written in. The weights' version counters move as torch's for-loop and foreach in-place ops move them (a
 write between a forward and its backward is reported by autograd), not with the fused form (torch's fused kernel
@@ -23,6 +24,7 @@ on the host.
 
 from __future__ import annotations
 
+import functools
 import operator
 import types
 from collections.abc import Callable, Sequence
@@ -66,9 +68,9 @@ def install(optimizer: torch.optim.Optimizer, handles: list[Any], copies: Comput
     if not any(p.is_cpu for g in optimizer.param_groups for p in g["params"]):
         return
     if type(optimizer) in _ADAMS:
-        take: Callable[..., list[torch.Tensor]] = _AdamLists(copies)
+        take: Callable[..., tuple[list[torch.Tensor], list[torch.Tensor]]] = _AdamLists(copies)
     elif type(optimizer) is torch.optim.SGD:
-        take = _sgd_lists
+        take = functools.partial(_sgd_lists, copies=copies)
     else:
         return
     inner = optimizer.__dict__.get("_init_group")  # another stage's (a method of this optimizer), or the class's own
@@ -77,9 +79,11 @@ def install(optimizer: torch.optim.Optimizer, handles: list[Any], copies: Comput
     def _init_group(self: torch.optim.Optimizer, group: dict[str, Any], *lists: list[Any]) -> Any:
         found = collect(self, group, *lists)
         if lists[0] and takes_group(self, group) and not torch.compiler.is_compiling():
-            stepped = take(self, group, *lists)
+            stepped, copied = take(self, group, *lists)
             if stepped and not group.get("fused"):  # as torch's for-loop and foreach in-place ops do (its fused
                 torch.autograd.graph.increment_version(stepped)  # kernel does not): autograd sees the weights written
+            if copied and copies is not None:  # the copies the step wrote, as their masters are now
+                copies.wrote(copied)
         return found
 
     optimizer._init_group = types.MethodType(_init_group, optimizer)  # type: ignore[attr-defined]
@@ -174,8 +178,9 @@ class _AdamLists:
 
     def __call__(
         self, opt: torch.optim.Optimizer, group: dict[str, Any], *lists: list[torch.Tensor]
-    ) -> list[torch.Tensor]:
-        """Step what the kernels take of ``lists`` (taken out of them); the weights stepped."""
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Step what the kernels take of ``lists`` (taken out of them); the weights stepped, and none whose copies it
+        leaves to be told (the fused kernel's are told as it writes them: it moves no version)."""
         params, grads, exp_avgs, exp_avg_sqs, _, state_steps = lists
         decoupled = bool(group.get("decoupled_weight_decay", isinstance(opt, torch.optim.AdamW)))
         fused = bool(group.get("fused"))
@@ -187,7 +192,7 @@ class _AdamLists:
         if last is not None and last.holds(held, grads, self.copies) and self._again(last, group, grads, decoupled):
             self.last[id(group)] = last
             _keep((params, grads, exp_avgs, exp_avg_sqs, state_steps), last.left)
-            return last.stepped
+            return last.stepped, []
         taken: list[int] = []
         left: list[int] = []
         for i, (p, g, m, v, t) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, state_steps, strict=True)):
@@ -205,7 +210,7 @@ class _AdamLists:
             )
             (taken if mine else left).append(i)
         if not taken:
-            return []
+            return [], []
         chosen = [params[i] for i in taken]
         counts = self.counts.advance(chosen, [opt.state[p] for p in chosen])
         by_kind: dict[tuple[torch.dtype, float], list[int]] = {}
@@ -233,7 +238,7 @@ class _AdamLists:
             plan.counts, plan.versions = counts[0], [state_steps[i]._version for i in taken]
             self.last[id(group)] = plan
         _keep((params, grads, exp_avgs, exp_avg_sqs, state_steps), left)
-        return chosen
+        return chosen, []
 
     def _again(self, last: _Taken, group: dict[str, Any], grads: list[torch.Tensor], decoupled: bool) -> bool:
         """Step a param group's weights as at its last step (its tables, the new gradients' addresses written in),
@@ -277,10 +282,13 @@ class _AdamLists:
         return out
 
 
-def _sgd_lists(opt: torch.optim.Optimizer, group: dict[str, Any], *lists: list[Any]) -> list[torch.Tensor]:
+def _sgd_lists(
+    opt: torch.optim.Optimizer, group: dict[str, Any], *lists: list[Any], copies: ComputeCopies | None = None
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Takes SGD's fp32 and bf16 weights out of the lists ``_init_group`` filled and steps them, a dtype at a time; a
-    momentum buffer made at a weight's first step goes in its state, as SGD's step puts it there. The weights
-    stepped."""
+    momentum buffer made at a weight's first step goes in its state, as SGD's step puts it there; an fp32 weight's O2
+    copy (``copies``) written with it where an eager forward reads them. The weights stepped, and those whose copies
+    were written (to be told after their versions move)."""
     params, grads, buffers = lists
     momentum = float(group["momentum"]) != 0
     taken: dict[torch.dtype, list[int]] = {torch.float32: [], torch.bfloat16: []}
@@ -295,11 +303,12 @@ def _sgd_lists(opt: torch.optim.Optimizer, group: dict[str, Any], *lists: list[A
         )
         (taken[dtype] if mine else left).append(i)
     if not (taken[torch.float32] or taken[torch.bfloat16]):
-        return []
+        return [], []
     # torch's foreach form multiplies its bf16 buffers by a bf16 momentum where all of them were started
     all_started = not momentum or all(
         b is not None for p, b in zip(params, buffers, strict=True) if p.dtype is torch.bfloat16
     )
+    copied: list[torch.Tensor] = []
     with torch.no_grad():
         for dtype, places in taken.items():
             rows = []
@@ -311,9 +320,23 @@ def _sgd_lists(opt: torch.optim.Optimizer, group: dict[str, Any], *lists: list[A
                     buffer = opt.state[p]["momentum_buffer"] = made
                 rows.append((p, grads[i], buffer, started))
             if rows and dtype is torch.float32:
-                aten_lists.sgd_step(rows, group)
+                _sgd_fp32(rows, group, copies, copied)
             elif rows:
                 aten_lists.sgd_bf16_step(rows, group, all_started)
     stepped = [params[i] for places in taken.values() for i in places]
     _keep((params, grads, *([buffers] if momentum else [])), left)
-    return stepped
+    return stepped, copied
+
+
+def _sgd_fp32(
+    rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, bool]],
+    group: dict[str, Any],
+    copies: ComputeCopies | None,
+    copied: list[torch.Tensor],
+) -> None:
+    """SGD's step of fp32 ``rows`` in one call, each weight's O2 copy written with it where the kernel can write it
+    (those weights added to ``copied``)."""
+    found = [writable_copy(copies, row[0]) for row in rows] if copies is not None and writes_copies(copies) else []
+    written = [row[0] for row, c in zip(rows, found, strict=False) if c is not None]
+    aten_lists.sgd_step(rows, group, found if written else None)
+    copied += written

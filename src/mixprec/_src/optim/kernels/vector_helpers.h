@@ -64,7 +64,8 @@ inline void pair_sr(VecF* x, int64_t pos, int64_t seed) {
 }
 
 // the new weights at k, ..., written as rounding says: to nearest (0), bf16-sr's noise (1), kahan.write (2), or
-// to nearest with a bf16 copy at comp (3: an fp32 weight's O2 compute copy, to nearest even, as copy_ writes it)
+// to nearest with a bf16 copy at comp where it is not null (3: an fp32 weight's O2 compute copy, to nearest even, as
+// copy_ writes it)
 template <typename P>
 inline void write_vec(P* p, c10::BFloat16* comp, int64_t k, const VecF& next, int64_t rounding, int64_t seed) {
     if (rounding == 1) {
@@ -76,7 +77,7 @@ inline void write_vec(P* p, c10::BFloat16* comp, int64_t k, const VecF& next, in
         store_vec(comp + k, sum - load_float(p + k));
     } else {
         store_vec(p + k, next);
-        if (rounding == 3) store_vec(comp + k, next);
+        if (rounding == 3 && comp != nullptr) store_vec(comp + k, next);
     }
 }
 // write_vec of a pair at k, ..., k + 2 * VecF::size() - 1
@@ -96,7 +97,7 @@ inline void write_pair(P* p, c10::BFloat16* comp, int64_t k, VecF* next, int64_t
         store_pair(comp + k, sum);
     } else {
         store_pair(p + k, next);
-        if (rounding == 3) store_pair(comp + k, next);
+        if (rounding == 3 && comp != nullptr) store_pair(comp + k, next);
     }
 }
 template <typename P>
@@ -109,7 +110,7 @@ inline void write_one(P* p, c10::BFloat16* comp, int64_t k, float next, float w,
         comp[k] = c10::BFloat16(sum - to_float(p[k]));
     } else {
         store(p + k, next);
-        if (rounding == 3) comp[k] = c10::BFloat16(next);
+        if (rounding == 3 && comp != nullptr) comp[k] = c10::BFloat16(next);
     }
 }
 
