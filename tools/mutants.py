@@ -329,8 +329,8 @@ MUTANTS = (
     Mutant("square-norms-misplaced", "the held gradients' norms of one dtype are put back in reverse order",
            S + "step/grad_norms.py", "        order += places\n", "        order += places[::-1]\n", IN_BACKWARD_TESTS),
     Mutant("square-norms-last-row-skipped", "the held gradients' norms made in one call leave the last one unwritten",
-           S + "optim/kernels/square_norm.cpp", "    for (int64_t i = 0; i < n; ++i) out[i]",
-           "    for (int64_t i = 0; i + 1 < n; ++i) out[i]", IN_BACKWARD_TESTS),
+           S + "optim/kernels/square_norm.cpp", "    for (int64_t i = 0; i < n; ++i) {\n        float total",
+           "    for (int64_t i = 0; i + 1 < n; ++i) {\n        float total", IN_BACKWARD_TESTS),
     Mutant("pairs-kahan-dropped", "a pair's Kahan write forgets the compensation",
            S + "optim/kernels/vector_helpers.h", "        store_pair(comp + k, sum);\n", "", BF16_STATE_TESTS),
     Mutant("pairs-second-half-noise", "a pair's second vector rounds with the first's noise positions",
@@ -937,7 +937,7 @@ MUTANTS = (
            "write_one(p, comp, k, next, w[i], rounding, seed - first * WEYL);", CPU_ADAM_TESTS),
     Mutant("cpu-norm-ragged-end", "the CPU square norm leaves out the values past its last full vector",
            S + "optim/kernels/square_norm.cpp",
-           "        for (; i < last; ++i) { const float v = static_cast<float>(x[i]); sum += v * v; }", "",
+           "    for (; i < last; ++i) { const float v = static_cast<float>(x[i]); sum += v * v; }", "",
            CPU_ADAM_TESTS),
     Mutant("kahan-compensation-dropped", "the Kahan write forgets what rounding dropped",
            S + "step/kahan.py", "    comp.copy_(s - p.float())", "    comp.zero_()", KAHAN_TESTS),
@@ -981,6 +981,11 @@ MUTANTS = (
            "        torch.autograd.graph.increment_version(params)\n    if copying is not None and copied:  # as their "
            "masters are now\n        copying.wrote(copied)\n", "        copying.wrote(copied) if copying and copied "
            "else None\n        torch.autograd.graph.increment_version(params)\n", STEP_TESTS),
+    Mutant("square-norms-list-drops-a-chunk", "the norm list kernel adds a row's chunks but its first where it has "
+           "several", S + "optim/kernels/square_norm.cpp",
+           "        for (int64_t c = starts[i]; c < starts[i + 1]; ++c) total += partial[c];",
+           "        for (int64_t c = starts[i] + (starts[i + 1] - starts[i] > 1); c < starts[i + 1]; ++c) "
+           "total += partial[c];", IN_BACKWARD_TESTS),
     Mutant("own-sgd-copies-untold", "the O2 copies SGD's own step wrote are not told so (the forward copies them "
            "again)", S + "step/own_step.py", "            if copied and copies is not None:  # the copies the step",
            "            if False:  # the copies the step", ("tests/step/test_own_step.py",)),

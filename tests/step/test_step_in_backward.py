@@ -209,9 +209,10 @@ def test_the_step_after_a_backward_that_stepped_does_not_grow_with_the_parameter
 
 
 def test_square_norms_in_one_call_are_each_gradients_alone() -> None:
-    """The held gradients' squared norms made in one call are each one's own, bit for bit, in order."""
+    """The held gradients' squared norms made in one call are each one's own, bit for bit, in order (rows of one
+    chunk and of several, an empty one)."""
     g = torch.Generator().manual_seed(0)
-    grads = [(torch.randn(n, generator=g) * 10).to(dtype) for n in (1, 15, 64, 4097, 70000, 3) for dtype in
+    grads = [(torch.randn(n, generator=g) * 10).to(dtype) for n in (1, 15, 64, 4097, 70000, 3, 0, 200003) for dtype in
              (torch.bfloat16,)]  # fmt: skip
     together = step_in_backward.square_norms(grads)
     alone = torch.stack([step_in_backward.square_norm(x) for x in grads])
