@@ -184,21 +184,20 @@ MUTANTS = (
            "        if (copy != nullptr) store_vec(copy + k, pk);\n", "", ("tests/step/test_own_step.py",)),
     Mutant("own-step-versions-still", "the own step writes the weights without moving their versions (a step between a "
            "forward and its backward goes unreported, where torch's for-loop reports it)", S + "step/own_step.py",
-           "                torch.autograd.graph.increment_version(stepped)", "                pass",
+           "            versions.move_as_torch(group, stepped)", "            pass",
            ("tests/step/test_own_step.py",)),
-    Mutant("own-step-fused-versions-moved", "the own step of torch's fused form moves the weights' versions (torch's "
-           "fused kernel does not)", S + "step/own_step.py", 'if stepped and not group.get("fused"):',
-           "if stepped:", ("tests/step/test_own_step.py",)),
+    Mutant("own-step-fused-versions-moved", "a one-call step of torch's fused form moves the weights' versions "
+           "(torch's fused kernel does not)", S + "step/versions.py", 'if params and not group.get("fused"):',
+           "if params:", ("tests/step/test_own_step.py",)),
     Mutant("sr-list-versions-still", "bf16-sr's Adam(W) list writes the bf16 weights without moving their versions",
            S + "step/stochastic_rounding.py",
-           'torch.autograd.graph.increment_version([] if group.get("fused") else ours)',
-           "pass", ("tests/step/test_own_step.py",)),
+           "        versions.move_as_torch(group, ours)", "        pass", ("tests/step/test_own_step.py",)),
     Mutant("sr-sgd-list-versions-still", "bf16-sr's SGD list writes the bf16 weights without moving their versions",
            S + "step/stochastic_rounding.py",
            'torch.autograd.graph.increment_version([p for p in group["params"] if id(p) in listed])', "pass",
            ("tests/step/test_own_step.py",)),
     Mutant("state-list-versions-still", "the state precisions' list writes the weights without moving their versions",
-           S + "step/low_bit_state.py", "        torch.autograd.graph.increment_version(params)", "        pass",
+           S + "step/low_bit_state.py", "    versions.move_as_torch(group, params)", "    pass",
            ("tests/step/test_own_step.py",)),
     Mutant("o2-copies-written-version-now", "a copy the step wrote is taken as current whatever wrote its master "
            "since", S + "prepare/o2_copies.py", "                    versions[id(p)] = current[id(p)]\n", "",
@@ -978,9 +977,10 @@ MUTANTS = (
            "", STEP_TESTS),
     Mutant("o2-copies-told-before-versions-move", "the copies the state precisions' lists wrote are told so before "
            "the masters' versions move (the forward copies them again)", S + "step/low_bit_state.py",
-           "        torch.autograd.graph.increment_version(params)\n    if copying is not None and copied:  # as their "
-           "masters are now\n        copying.wrote(copied)\n", "        copying.wrote(copied) if copying and copied "
-           "else None\n        torch.autograd.graph.increment_version(params)\n", STEP_TESTS),
+           "    versions.move_as_torch(group, params)\n    if copying is not None and copied:  # as their masters are "
+           "now\n        copying.wrote(copied)\n",
+           "    if copying is not None and copied:\n        copying.wrote(copied)\n"
+           "    versions.move_as_torch(group, params)\n", STEP_TESTS),
     Mutant("square-norms-list-drops-a-chunk", "the norm list kernel adds a row's chunks but its first where it has "
            "several", S + "optim/kernels/square_norm.cpp",
            "        for (int64_t c = starts[i]; c < starts[i + 1]; ++c) total += partial[c];",

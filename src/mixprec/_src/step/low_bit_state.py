@@ -28,7 +28,7 @@ import torch
 
 from mixprec._src import sharding
 from mixprec._src.optim import adam, cpu_adam, cpu_lists, fused_adam, moments, sgd
-from mixprec._src.step import bf16_state, kahan, own_step, state_checks
+from mixprec._src.step import bf16_state, kahan, own_step, state_checks, versions
 from mixprec._src.step.host_counts import HostCounts
 from mixprec._src.step.sr_noise import moved, seeds_from, shard_seed, sr_bits, stochastic_write, tensor_seed
 from mixprec._src.step.state_dicts import capacity, keep_codes_on_load, sharded_codes
@@ -230,8 +230,7 @@ def _step_lists(
             cpu_lists.bf16_state_step(rows, scalars, decoupled, mode, keys, int(count))
         else:
             cpu_lists.quantized_step(precision, rows, scalars, decoupled, mode)
-    if not group.get("fused"):  # the weights' versions move as the user's form's in-place ops would move them
-        torch.autograd.graph.increment_version(params)
+    versions.move_as_torch(group, params)
     if copying is not None and copied:  # as their masters are now
         copying.wrote(copied)
 

@@ -33,7 +33,7 @@ from typing import Any, Protocol
 import torch
 
 from mixprec._src.optim import aten_lists, cpu_lists, fused_lists
-from mixprec._src.step import host_counts
+from mixprec._src.step import host_counts, versions
 from mixprec._src.step.host_counts import HostCounts
 from mixprec._src.step.stochastic_rounding import Restore
 
@@ -80,8 +80,7 @@ def install(optimizer: torch.optim.Optimizer, handles: list[Any], copies: Comput
         found = collect(self, group, *lists)
         if lists[0] and takes_group(self, group) and not torch.compiler.is_compiling():
             stepped, copied = take(self, group, *lists)
-            if stepped and not group.get("fused"):  # as torch's for-loop and foreach in-place ops do (its fused
-                torch.autograd.graph.increment_version(stepped)  # kernel does not): autograd sees the weights written
+            versions.move_as_torch(group, stepped)
             if copied and copies is not None:  # the copies the step wrote, as their masters are now
                 copies.wrote(copied)
         return found

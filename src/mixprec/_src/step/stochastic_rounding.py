@@ -22,6 +22,7 @@ import torch
 
 from mixprec._src import dispatch_modes, sharding
 from mixprec._src.optim import cpu_lists
+from mixprec._src.step import versions
 from mixprec._src.step.host_counts import HostCounts
 from mixprec._src.step.sr_kernel import adam_scalars, adam_sr_update, compiled_kernel, fused_supported
 from mixprec._src.step.sr_noise import seed_tensor, shard_seed, sr_bits, tensor_seed
@@ -159,12 +160,11 @@ def install_fused_adam(
             scalars = by_step.get((step, device))
             if scalars is None:
                 scalars = by_step[step, device] = adam_scalars(group, step, decoupled).to(device)
-            # 1-D views of the local shards: one compiled graph serves every parameter, whatever its shape.
-            flat = [t.view(-1) for t in local]
+            flat = [t.view(-1) for t in local]  # 1-D views of the shards: one compiled graph serves every shape
             run(*flat, comp.view(-1) if comp is not None else seed_tensor(int(extra), device), scalars)
         for step, rows in lists.items():
             cpu_lists.adam_step(rows, adam_scalars(group, step, decoupled), rounding)
-        torch.autograd.graph.increment_version([] if group.get("fused") else ours)  # as the for-loop's ops move them
+        versions.move_as_torch(group, ours)
         if not rest:  # Adam's own would collect nothing: no complex parameter among none
             return False
         return adams_own(self, {**group, "params": rest}, *args, **kwargs)
