@@ -408,3 +408,23 @@ def train_next_token(model: nn.Module, opt: torch.optim.Optimizer, steps: range,
         if after_step is not None:
             after_step()
     return losses
+
+
+def with_and_without_step_copies(
+    monkeypatch: pytest.MonkeyPatch, run: Callable[[bool], tuple[nn.Module, list[torch.Tensor]]]
+) -> None:
+    """``run(written)`` twice, returning the model it trained and its forwards' outputs: with O2's copies written by
+    the step's kernels, then with none written by any step (``own_step.writable_copy`` finds none: each forward after
+    a step copies every master); the masters and every output bit for bit alike."""
+    from mixprec._src.step import own_step
+
+    runs = []
+    for written in (True, False):
+        if not written:
+            monkeypatch.setattr(own_step, "writable_copy", lambda *_: None)
+        runs.append(run(written))
+        monkeypatch.undo()
+    for a, b in zip(runs[0][0].parameters(), runs[1][0].parameters(), strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(runs[0][1], runs[1][1], strict=True):
+        assert torch.equal(a, b)

@@ -15,10 +15,10 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import mixprec
-from helpers import OpNames, step_ops_at
+from helpers import OpNames, step_ops_at, with_and_without_step_copies
 from mixprec._src.optim import cpu_lists
 from mixprec._src.prepare.levels import prepared_state
-from mixprec._src.step import kahan, own_step, sr_kernel, stochastic_rounding
+from mixprec._src.step import kahan, sr_kernel, stochastic_rounding
 from mixprec.bench import step_cost
 from mixprec.bench.workloads import TinyLM
 
@@ -314,10 +314,8 @@ def test_o2s_copies_are_written_by_a_state_precisions_list_step(
         "adamw-fused": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, fused=True),
         "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
     }
-    runs = []
-    for written in (True, False):
-        if not written:
-            monkeypatch.setattr(own_step, "writable_copy", lambda *_: None)
+
+    def run(written: bool) -> tuple[nn.Module, list[torch.Tensor]]:
         model = _state_model()
         model, opt = mixprec.prepare(model, makers[optimizer](model.parameters()), level="O2", optimizer_state=state)
         copies = prepared_state(model).copies  # type: ignore[union-attr]
@@ -333,12 +331,9 @@ def test_o2s_copies_are_written_by_a_state_precisions_list_step(
             opt.step()
             expected = {id(p): p._version for p in copies.params if id(p) in by_step} if written else {}
             assert copies.current == expected  # written, at the versions the step left
-        monkeypatch.undo()
-        runs.append((model, outputs))
-    for a, b in zip(runs[0][0].parameters(), runs[1][0].parameters(), strict=True):
-        assert torch.equal(a, b)
-    for a, b in zip(runs[0][1], runs[1][1], strict=True):
-        assert torch.equal(a, b)
+        return model, outputs
+
+    with_and_without_step_copies(monkeypatch, run)
 
 
 @pytest.mark.parametrize(("saved", "running"), [("fp32", "bf16"), ("bf16", "8bit"), ("8bit", "bf16"), ("4bit", "8bit")])

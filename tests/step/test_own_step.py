@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import mixprec
-from helpers import OpNames, step_ops_at
+from helpers import OpNames, step_ops_at, with_and_without_step_copies
 from mixprec._src.optim import aten_lists, cpu_lists, fused_lists
 from mixprec._src.prepare.levels import prepared_state
 from mixprec._src.step import own_step
@@ -298,10 +298,8 @@ def test_o2s_copies_are_written_by_sgds_own_step(momentum: float, monkeypatch: p
     bf16 copy with it, told to the copies at the version the step leaves (the forward after the step copies none);
     the masters and every forward's output bit for bit as where no step writes a copy, with a master written in place
     between two steps and a weight without a gradient at one."""
-    runs = []
-    for written in (True, False):
-        if not written:
-            monkeypatch.setattr(own_step, "writable_copy", lambda *_: None)
+
+    def run(written: bool) -> tuple[nn.Module, list[torch.Tensor]]:
         model = _model()
         options = {"nesterov": True, "weight_decay": 0.01} if momentum else {}
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=momentum, **options)
@@ -322,12 +320,9 @@ def test_o2s_copies_are_written_by_sgds_own_step(momentum: float, monkeypatch: p
             if step == 2:
                 with torch.no_grad():
                     model[0].weight.mul_(0.5)
-        monkeypatch.undo()
-        runs.append((model, outputs))
-    for a, b in zip(runs[0][0].parameters(), runs[1][0].parameters(), strict=True):
-        assert torch.equal(a, b)
-    for a, b in zip(runs[0][1], runs[1][1], strict=True):
-        assert torch.equal(a, b)
+        return model, outputs
+
+    with_and_without_step_copies(monkeypatch, run)
 
 
 @pytest.mark.parametrize("level", ["O1", "O2", "bf16-sr", "bf16-pure"])

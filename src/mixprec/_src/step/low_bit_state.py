@@ -198,10 +198,10 @@ def _step_lists(
         seed = _weight_seed(base, next_count, where[id(p)], p) if low and stochastic else None
         comp = sharding.local(kahan.compensation(state, p)) if low and writeback == "kahan" else None
         copy = None if copying is None or sharding.is_sharded(p) else own_step.writable_copy(copying, p)
-        if copy is not None:  # in the compensation's column
+        mode = cpu_adam.rounding_mode(seed is not None, comp is not None, copy is not None)
+        if copy is not None:  # in the compensation's column (an fp32 weight has no compensation)
             comp = copy
             copied.append(p)
-        mode = cpu_adam.rounding_mode(seed is not None, comp is not None and copy is None, copy is not None)
         row: tuple[Any, ...]
         if momentum and precision != moments.BF16:
             row = (local_p, local_g, state, comp, 0 if seed is None else seed, started[i])

@@ -319,7 +319,7 @@ def _sgd_lists(
                     buffer = opt.state[p]["momentum_buffer"] = made
                 rows.append((p, grads[i], buffer, started))
             if rows and dtype is torch.float32:
-                _sgd_fp32(rows, group, copies, copied)
+                copied += _sgd_fp32(rows, group, copies)
             elif rows:
                 aten_lists.sgd_bf16_step(rows, group, all_started)
     stepped = [params[i] for places in taken.values() for i in places]
@@ -331,11 +331,13 @@ def _sgd_fp32(
     rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, bool]],
     group: dict[str, Any],
     copies: ComputeCopies | None,
-    copied: list[torch.Tensor],
-) -> None:
-    """SGD's step of fp32 ``rows`` in one call, each weight's O2 copy written with it where the kernel can write it
-    (those weights added to ``copied``)."""
-    found = [writable_copy(copies, row[0]) for row in rows] if copies is not None and writes_copies(copies) else []
-    written = [row[0] for row, c in zip(rows, found, strict=False) if c is not None]
+) -> list[torch.Tensor]:
+    """SGD's step of fp32 ``rows`` in one call, each weight's O2 copy written with it where the kernel can write it;
+    the weights whose copies it wrote."""
+    if copies is None or not writes_copies(copies):
+        aten_lists.sgd_step(rows, group)
+        return []
+    found = [writable_copy(copies, row[0]) for row in rows]
+    written = [row[0] for row, c in zip(rows, found, strict=True) if c is not None]
     aten_lists.sgd_step(rows, group, found if written else None)
-    copied += written
+    return written
