@@ -613,6 +613,26 @@ def test_the_step_cost_table_takes_the_recipes_asked_for(capsys: pytest.CaptureF
     assert set(rows) == {"recipe", "torch-amp", "O2"} and rows.count("O2") == 4  # one a form of the optimizer
 
 
+def test_the_step_cost_table_prints_each_optimizers_rows_as_they_finish(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Rows are printed per form of the optimizer as measured (one header): stopped in the second form (a GPU
+    machine's time limit, Ctrl-C), the first form's rows are out and the message says so."""
+    from mixprec.bench import step_cost
+
+    def measure(*args: Any, finished: Any, **kwargs: Any) -> None:
+        finished([step_cost.Row("torch-amp", "adamw", (4, 4), 0, 2.0, 1.0, 1.0)])
+        finished([step_cost.Row("torch-amp", "adamw-fused", (2, 2), 0, 2.0, 1.0, 1.0)])
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(step_cost, "measure", measure)
+    assert cli.main(["bench", "--step-cost", "--recipes", "O2", "--quiet"]) == 130
+    captured = capsys.readouterr()
+    lines = [line for line in captured.out.splitlines() if line.startswith("| ")]
+    assert [line.split("|")[2].strip() for line in lines] == ["optimizer", "adamw", "adamw-fused"]
+    assert "interrupted; the rows above were measured" in captured.err
+
+
 def test_the_compiled_step_cost_runs_every_recipe_compiled() -> None:
     """Each prepared model compiles graphs of its own on the same frames: past dynamo's default recompile limit (8)
     the later recipes would run eagerly and the compiled table would time them eager. Every recipe of the table

@@ -55,6 +55,7 @@ POLICY_TESTS = ("tests/policy/test_policy.py", "tests/policy/test_policy_grammar
 AUTOCAST_TESTS = ("tests/amp/test_autocast.py", "tests/amp/test_module_rules.py")
 LAYER_TESTS = ("tests/layers/test_guard.py", "tests/layers/test_layer_precision.py", "tests/layers/test_layer_plan.py")
 COMPILE_TESTS = ("tests/test_compiled_training.py",)
+FUSED_CAST_TESTS = ("tests/fp8/test_fused_cast.py",)
 FP8_TESTS = ("tests/fp8/test_fp8_gemm.py", "tests/fp8/test_fp8_linear.py", "tests/fp8/test_fp8_layers.py",
              "tests/observe/test_fp8_diagnostics.py")  # fmt: skip
 BLOCK_TESTS = ("tests/fp8/test_block_formats.py", "tests/fp8/test_block_linear.py", "tests/fp8/test_fp8_layers.py")
@@ -994,6 +995,20 @@ MUTANTS = (
            "            stepped, copied = take(self, group, *lists)\n",
            "            stepped, copied = take(self, group, *lists)\n            if copied and copies is not None:\n"
            "                copies.wrote(copied)\n                copied = []\n", ("tests/step/test_own_step.py",)),
+    Mutant("fused-fp8-cast-ties-away", "the fused fp8 cast rounds a normal value's ties up, not to even",
+           S + "fp8/cast_kernels.py", "- 1) + lsb) >>", "- 1) + 0) >>", FUSED_CAST_TESTS),
+    Mutant("fused-fp8-cast-subnormal-ties-away", "the fused fp8 cast rounds a subnormal value's ties up",
+           S + "fp8/cast_kernels.py", "half + ((significand >> shift) & 1)", "half + 1", FUSED_CAST_TESTS),
+    Mutant("fused-fp8-cast-nan-tile-dropped", "the fused fp8 cast's amax passes over a tile's NaN",
+           S + "fp8/cast_kernels.py", 'tl.where(nan > 0, float("nan"), top)', "top", FUSED_CAST_TESTS),
+    Mutant("fused-fp8-cast-no-saturation", "the fused fp8 cast does not clamp to the format's max",
+           S + "fp8/cast_kernels.py", "tl.where(y > FP8_MAX, FP8_MAX,", "tl.where(y > FP8_MAX + 1e4, FP8_MAX,",
+           FUSED_CAST_TESTS),
+    Mutant("fused-fp8-cast-sign-lost", "the fused fp8 cast drops the sign bit",
+           S + "fp8/cast_kernels.py", "tl.where(nan, NAN, code) | sign", "tl.where(nan, NAN, code)", FUSED_CAST_TESTS),
+    Mutant("fused-fp8-cast-given-scale-ignored", "the fused fp8 cast scales by the operand's own amax where delayed "
+           "scaling gave it a scale", S + "fp8/gemm.py", "fused_cast.cast(t, op.dtype, given,",
+           "fused_cast.cast(t, op.dtype, None,", FUSED_CAST_TESTS),
 )  # fmt: skip
 
 

@@ -223,8 +223,10 @@ def measure(
     steps: int = 20,
     progress: Callable[[str], None] | None = None,
     device: torch.device | str = "cpu",
+    finished: Callable[[list[Row]], None] | None = None,
 ) -> list[Row]:
-    """The step-cost rows: every recipe with every optimizer form (SGD only where its state precision applies)."""
+    """The step-cost rows: every recipe with every optimizer form (SGD only where its state precision applies);
+    ``finished`` is handed each optimizer form's rows as they are measured."""
     dim, batch_size, seq, blocks = _SIZES[size]
     batch = _batch(batch_size, seq, device)
     recipes = tuple(recipes)
@@ -259,9 +261,10 @@ def measure(
                     whole[recipe.name].append(time.perf_counter() - start)
                     inner[recipe.name].append(opt_s)
         base = statistics.median(whole["torch-amp"]) if "torch-amp" in whole else None
+        form: list[Row] = []
         for name, (ops_pair, reads) in counts.items():
             median = statistics.median(whole[name])
-            rows.append(
+            form.append(
                 Row(
                     name,
                     optimizer,
@@ -272,6 +275,9 @@ def measure(
                     None if base is None else base / median,
                 )
             )
+        rows += form
+        if finished is not None:
+            finished(form)
     return rows
 
 

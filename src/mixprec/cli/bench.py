@@ -194,18 +194,26 @@ def run_step_cost(args: argparse.Namespace, size: str) -> int:
     )
     console = Console(stderr=True)
     steps = args.steps or 20
+    printed: list[step_cost.Row] = []
+
+    def finished(rows: list[step_cost.Row]) -> None:  # each optimizer form's rows as they are measured
+        lines = markdown_table(step_cost.HEADER, step_cost.table_rows(rows))
+        print("\n".join(lines if not printed else lines[2:]), flush=True)
+        printed.extend(rows)
+
     try:
         if args.quiet or not sys.stderr.isatty():
-            rows = step_cost.measure(recipes, size=cost_size, steps=steps, device=device)
+            step_cost.measure(recipes, size=cost_size, steps=steps, device=device, finished=finished)
         else:
             with console.status("measuring") as status:
-                rows = step_cost.measure(
-                    recipes, size=cost_size, steps=steps, device=device, progress=lambda what: status.update(what)
-                )
+                step_cost.measure(
+                    recipes, size=cost_size, steps=steps, device=device, progress=lambda what: status.update(what),
+                    finished=finished,
+                )  # fmt: skip
     except KeyboardInterrupt:
-        print("mixprec bench: interrupted; nothing measured", file=sys.stderr)
+        said = "the rows above were measured" if printed else "nothing measured"
+        print(f"mixprec bench: interrupted; {said}", file=sys.stderr)
         return 130
-    print("\n".join(markdown_table(step_cost.HEADER, step_cost.table_rows(rows))), flush=True)
     if args.compile:
         try:
             if args.quiet or not sys.stderr.isatty():

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from mixprec._src.fp8 import block_gemm
+from mixprec._src.fp8 import block_gemm, fused_cast
 from mixprec._src.fp8.config import E5M2, Operand
 
 __all__ = [
@@ -134,25 +134,34 @@ def gemm(
     if a_op.dtype is None or b_op.dtype is None:  # a high-precision GEMM (rowwise_with_gw_hp's weight gradient)
         return torch.mm(a, b.to(a.dtype)).to(out_dtype)
     a, b = _padded(a, b)
-    casts = []
+    casts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
     for t, op, side, given in ((a, a_op, "a", scale_a), (b, b_op, "b", scale_b)):
+        if fused_cast.usable(t, op.dtype, op.rowwise, power_of_two and given is None):
+            # CUDA, eager: the same bits in three launches, written in the GEMM's layout, with the reciprocal
+            q, fused_amax, scale, inverse = fused_cast.cast(t, op.dtype, given, column_major=side == "b", eps=EPS)  # type: ignore[arg-type]
+            if record is not None:
+                amax = fused_amax if fused_amax is not None else amax_of(t, op, side)
+                record.append((t, amax, scale, op.dtype))
+            casts.append((q, scale, inverse))
+            continue
         amax = amax_of(t, op, side)
         scale = given if given is not None else scale_from_amax(amax, op.dtype, power_of_two)  # type: ignore[arg-type]
         if record is not None:
             record.append((t, amax, scale, op.dtype))  # type: ignore[arg-type]
-        casts.append((quantize(t, scale, op.dtype), scale))  # type: ignore[arg-type]
-    (a_q, sa), (b_q, sb) = casts
+        casts.append((quantize(t, scale, op.dtype), scale, None))  # type: ignore[arg-type]
+    (a_q, sa, inv_a), (b_q, sb, inv_b) = casts
     a_q = a_q.contiguous()
     b_q = b_q.t().contiguous().t()
     rows, cols = a_q.shape[0], b_q.shape[1]
     # One granularity per GEMM: the tensorwise scale, repeated (a real tensor: CUDA takes no stride-0 scales).
     if a_op.rowwise and not b_op.rowwise:
-        sb = sb.reshape(1, 1).repeat(1, cols)
+        sb, inv_b = sb.reshape(1, 1).repeat(1, cols), None
     elif b_op.rowwise and not a_op.rowwise:
-        sa = sa.reshape(1, 1).repeat(rows, 1)
+        sa, inv_a = sa.reshape(1, 1).repeat(rows, 1), None
     rowwise = a_op.rowwise or b_op.rowwise
     gemm_dtype = torch.bfloat16 if rowwise else out_dtype
-    inv_a, inv_b = sa.reciprocal(), sb.reciprocal()
+    inv_a = sa.reciprocal() if inv_a is None else inv_a
+    inv_b = sb.reciprocal() if inv_b is None else inv_b
     check_cuda_rules(a_q, b_q, inv_a, inv_b, gemm_dtype)
     out: torch.Tensor
     if a_q.device.type == "cpu":

@@ -1,0 +1,144 @@
+"""A tensorwise fp8 cast in three launches (two Triton kernels), for eager fp8 linears on CUDA.
+
+Eager, :func:`~mixprec._src.fp8.gemm.gemm` casts an operand with about ten ATen ops (``abs``, ``amax``, the scale's
+arithmetic, an fp32 copy, ``mul``, ``clamp``, ``to``, a transposing copy, the scale's reciprocal), each a pass over
+memory or a launch: on an H200 a 1.1B Llama's fp8 linears ran at half of bf16's speed. Here the same cast is
+
+1. ``amax_tiles`` (``fp8/cast_kernels.py``): each tile's largest magnitude (NaN where the tile holds one);
+2. ``amax`` over the tiles (one small ATen reduction; NaN propagates);
+3. ``cast_tiles``: each program makes the scale from the amax as :func:`~mixprec._src.fp8.gemm.scale_from_amax`
+   does (``(1 / amax) * max`` in fp64, as torch computes a number over a tensor, then to fp32), then writes
+   ``clamp(t * scale, -max, max)`` rounded to the fp8 format to nearest even, in the layout the GEMM takes
+   (row-major for its first operand, column-major for its second: no copy after); the first program stores the
+   scale and its reciprocal (the GEMM's), rounded as ATen's ``reciprocal``.
+
+The rounding is integer arithmetic on the fp32 bits (no conversion instruction), so the kernels compute the same
+bits on a GPU and in Triton's interpreter on a CPU, where the tests hold them to the ATen ops bit for bit. Taken only
+where the ops would be the same ones: tensorwise scales not rounded to powers of two, e4m3fn or e5m2, a CUDA tensor
+with int32 offsets, not while compiling (inductor fuses the ops itself) and not under a dispatch mode (which must see
+the ops). With ``scale`` given (delayed scaling), only the cast runs. Nothing syncs with the host.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import os
+from typing import Any
+
+import torch
+
+from mixprec._src import dispatch_modes
+
+__all__ = ["BLOCK", "ENV", "Kernels", "build", "cast", "eligible", "has_triton", "usable"]
+
+#: a tile's rows and columns (a program's share of a cast)
+BLOCK = 64
+#: the fp8 formats the kernels round to: (exponent bias, mantissa bits, NaN's bits)
+_FORMATS = {torch.float8_e4m3fn: (7, 3, 0x7F), torch.float8_e5m2: (15, 2, 0x7F)}
+#: off with ``MIXPREC_FUSED_FP8_CAST=0`` (the ATen ops then, as on the CPU): for comparisons
+ENV = "MIXPREC_FUSED_FP8_CAST"
+_MODULE = "mixprec._src.fp8.cast_kernels"
+
+
+class Kernels:
+    """The two Triton kernels (``fp8/cast_kernels.py``) and Triton's ``cdiv``."""
+
+    def __init__(self, module: Any, block: int = BLOCK) -> None:
+        self.amax_tiles, self.cast_tiles, self.cdiv = module.amax_tiles, module.cast_tiles, module.triton.cdiv
+        self.block = block
+
+
+def build(interpret: bool = False, block: int = BLOCK) -> Kernels:
+    """The kernels, on tiles of ``block`` x ``block``; with ``interpret``, a copy of their module that Triton's
+    interpreter runs (numpy, on CPU tensors: ``TRITON_INTERPRET=1`` must then be set while they run too)."""
+    if not interpret:
+        return Kernels(importlib.import_module(_MODULE), block)
+    spec = importlib.util.find_spec(_MODULE)
+    assert spec is not None and spec.loader is not None
+    copy = importlib.util.module_from_spec(spec)
+    previous = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"  # read as each function is decorated
+    try:
+        spec.loader.exec_module(copy)
+    finally:
+        if previous is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = previous
+    return Kernels(copy, block)
+
+
+@functools.cache
+def _kernels() -> Kernels:
+    return build()
+
+
+@functools.cache
+def has_triton() -> bool:
+    """Whether Triton can be imported (CUDA builds of torch bring it)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def usable(t: torch.Tensor, dtype: torch.dtype | None, rowwise: bool, power_of_two: bool) -> bool:
+    """Whether :func:`cast` computes this operand's cast (else the ATen ops do: the same bits)."""
+    if not (t.is_cuda and t.dim() == 2):
+        return False
+    extent = sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride(), strict=True))
+    return extent < 2**31 - 1 and t.numel() < 2**31 and eligible(dtype, rowwise, power_of_two)  # int32 offsets
+
+
+def eligible(dtype: torch.dtype | None, rowwise: bool, power_of_two: bool) -> bool:
+    """Whether a cast of this kind may run in the kernels here and now (the device and shape aside)."""
+    return (
+        dtype in _FORMATS
+        and not rowwise
+        and not power_of_two
+        and not torch.compiler.is_compiling()
+        and not dispatch_modes.active()
+        and os.environ.get(ENV, "1") != "0"
+        and has_triton()
+    )
+
+
+def cast(
+    t: torch.Tensor,
+    dtype: torch.dtype,
+    scale: torch.Tensor | None = None,
+    *,
+    column_major: bool = False,
+    eps: float,
+    kernels: Kernels | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """``(q, amax, scale, 1 / scale)`` of the 2-d ``t`` cast tensorwise to ``dtype``: ``q`` row-major, or
+    column-major where ``column_major``; ``amax`` is None where ``scale`` was given. ``kernels``: others than the
+    CUDA ones (tests)."""
+    k = kernels if kernels is not None else _kernels()
+    bias, mantissa, nan = _FORMATS[dtype]
+    fp8_max = float(torch.finfo(dtype).max)
+    rows, cols = t.shape
+    grid = (k.cdiv(rows, k.block), k.cdiv(cols, k.block))
+    amax = None
+    if scale is None:
+        tiles = torch.empty(grid, dtype=torch.float32, device=t.device)
+        k.amax_tiles[grid](t, tiles, rows, cols, t.stride(0), t.stride(1), BLOCK=k.block)
+        amax = tiles.amax()  # NaN where a tile holds one, as the amax of ``t``
+        scale = torch.empty((), dtype=torch.float32, device=t.device)
+    inverse = torch.empty((), dtype=torch.float32, device=t.device)
+    q = (
+        torch.empty((cols, rows), dtype=dtype, device=t.device).t()
+        if column_major
+        else t.new_empty(t.shape, dtype=dtype)
+    )
+    codes = q.view(torch.uint8)
+    strides = (t.stride(0), t.stride(1), codes.stride(0), codes.stride(1))
+    k.cast_tiles[grid](
+        t, amax if amax is not None else scale, scale, inverse, codes, rows, cols, *strides,
+        FROM_AMAX=amax is not None, EPS=eps, FP8_MAX=fp8_max, BIAS=bias, MANTISSA=mantissa, NAN=nan, BLOCK=k.block,
+    )  # fmt: skip
+    return q, amax, scale, inverse

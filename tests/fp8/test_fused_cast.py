@@ -1,0 +1,225 @@
+"""The fused tensorwise fp8 cast (``fp8/fused_cast.py``): its Triton kernels, run by Triton's interpreter on CPU
+tensors (the same integer rounding as on a GPU), bit for bit against the ATen ops they replace; an fp8 linear's
+forward, backward and cast statistics the same either way; the cases it leaves to the ATen ops."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+import mixprec
+from helpers import bitwise_equal, requires_cuda
+from mixprec._src.fp8 import conversion as fp8_conversion
+from mixprec._src.fp8 import fused_cast
+from mixprec._src.fp8 import gemm as fp8_gemm
+
+pytest.importorskip("triton")
+pytestmark = [  # numpy's warnings inside the interpreter: inf * 0, 1 / 0 (IEEE's NaN and inf, as on the GPU)
+    pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
+    pytest.mark.filterwarnings("ignore:divide by zero encountered:RuntimeWarning"),
+]
+
+FORMATS = [torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+@pytest.fixture(scope="module")
+def built() -> fused_cast.Kernels:
+    return fused_cast.build(interpret=True, block=16)  # small tiles: several a tensor, few programs to interpret
+
+
+@pytest.fixture
+def interpreted(built: fused_cast.Kernels, monkeypatch: pytest.MonkeyPatch) -> fused_cast.Kernels:
+    """The kernels as Triton's interpreter runs them (numpy, on CPU tensors): it needs its switch on as they run."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    return built
+
+
+def aten(t: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """What ``fp8/gemm.py`` computes for a tensorwise operand without the kernels."""
+    amax = t.abs().amax().float()
+    scale = scale if scale is not None else fp8_gemm.scale_from_amax(amax, dtype, power_of_two=False)
+    return fp8_gemm.quantize(t, scale, dtype), amax, scale
+
+
+def codes(q: torch.Tensor) -> torch.Tensor:
+    return q.view(torch.uint8)
+
+
+def same_number(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit, or both NaN (an amax's NaN payload is ATen's reduction's own: fp16's differs from fp32's)."""
+    return bitwise_equal(a, b) or bool(a.isnan().all() and b.isnan().all() and a.shape == b.shape)
+
+
+def every_code_and_tie(dtype: torch.dtype) -> torch.Tensor:
+    """Every finite value of ``dtype``, every midpoint between neighbours (a tie), the fp32 values either side of
+    each midpoint, values past the format's max, fp32 subnormals, signed zeros, infinities and NaN: as fp32."""
+    values = torch.arange(256, dtype=torch.uint8).view(dtype).float()
+    values = values[values.isfinite()].unique()  # sorted, -max .. max
+    ties = (values[:-1] + values[1:]) / 2  # exact in fp32
+    around = torch.cat([torch.nextafter(ties, ties - 1), torch.nextafter(ties, ties + 1)])
+    top = float(torch.finfo(dtype).max)
+    extra = torch.tensor([top * 1.01, -top * 1.5, 1e-45, -1e-40, 0.0, -0.0, float("inf"), -float("inf"), float("nan")])
+    every = torch.cat([values, ties, around, extra])
+    return torch.cat([every, every.new_zeros(-every.numel() % 32)]).reshape(-1, 32)
+
+
+def operands(source: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """Tensors spanning 16 decades (subnormal fp8 codes, flushes), odd shapes, a transposed view, specials."""
+    torch.manual_seed(0)
+    for shape in ((20, 40), (1, 5)):
+        t = (torch.randn(shape) * torch.logspace(-12, 4, shape[1])).to(source)
+        t.view(-1)[:3] = torch.tensor([0.0, -0.0, 1e-30]).to(source)
+        yield f"{shape}", t
+        yield f"{shape} transposed", t.t()
+    yield "zeros", torch.zeros(3, 7, dtype=source)
+    yield "inf", torch.tensor([[3.0, float("inf")], [-float("inf"), 1e-3]], dtype=source)
+    yield "nan", torch.tensor([[float("nan"), 1.0], [2.0, -4.0]], dtype=source)
+
+
+@pytest.mark.parametrize("source", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", FORMATS)
+def test_the_cast_is_atens_bit_for_bit(
+    interpreted: fused_cast.Kernels, dtype: torch.dtype, source: torch.dtype
+) -> None:
+    for name, t in operands(source):
+        want_q, want_amax, want_scale = aten(t, dtype)
+        for column_major in (False, True):
+            q, amax, scale, inverse = fused_cast.cast(
+                t, dtype, column_major=column_major, eps=fp8_gemm.EPS, kernels=interpreted
+            )
+            assert bitwise_equal(codes(q), codes(want_q)), (name, column_major)
+            assert same_number(amax, want_amax) and same_number(scale, want_scale), (name, amax, scale)
+            assert same_number(inverse, want_scale.reciprocal()), (name, inverse)
+            rows, cols = t.shape
+            assert q.stride() == ((1, rows) if column_major else (cols, 1)), name
+
+
+@pytest.mark.parametrize("dtype", FORMATS)
+def test_every_code_and_every_tie_rounds_as_aten(interpreted: fused_cast.Kernels, dtype: torch.dtype) -> None:
+    """With a scale of one, the kernel's integer rounding meets every fp8 value, tie and saturation as ATen's."""
+    t = every_code_and_tie(dtype)
+    one = torch.ones(())
+    q, amax, scale, inverse = fused_cast.cast(t, dtype, one, eps=fp8_gemm.EPS, kernels=interpreted)
+    assert amax is None and scale is one and inverse == 1
+    assert bitwise_equal(codes(q), codes(aten(t, dtype, one)[0]))
+
+
+def test_a_given_scale_is_used_as_it_is(interpreted: fused_cast.Kernels) -> None:
+    """Delayed scaling's scale: the cast multiplies by it (no amax is taken), and only by it."""
+    t = torch.randn(33, 17) * 300
+    for given in (torch.tensor(3.3), torch.tensor([0.0078125]), torch.tensor(0.0)):
+        q, amax, _, inverse = fused_cast.cast(
+            t, torch.float8_e4m3fn, given, column_major=True, eps=1e-12, kernels=interpreted
+        )
+        assert amax is None and bitwise_equal(inverse, given.reciprocal().reshape(()))
+        assert bitwise_equal(codes(q), codes(aten(t, torch.float8_e4m3fn, given)[0]))
+
+
+@pytest.fixture
+def fused_on_cpu(interpreted: fused_cast.Kernels, monkeypatch: pytest.MonkeyPatch) -> list[torch.Size]:
+    """``fp8/gemm.py`` sends CPU operands to the interpreted kernels as it sends CUDA ones; the shapes cast."""
+    seen: list[torch.Size] = []
+    cast = fused_cast.cast
+
+    def counted(t: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        seen.append(t.shape)
+        return cast(t, *args, **kwargs, kernels=interpreted)
+
+    monkeypatch.setattr(fused_cast, "usable", lambda t, *rest: t.dim() == 2 and fused_cast.eligible(*rest))
+    monkeypatch.setattr(fused_cast, "cast", counted)
+    return seen
+
+
+def _linear(recipe: str) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 16), nn.GELU(), nn.Linear(16, 16))
+    fp8_conversion.convert(model, mixprec.Fp8Config(recipe, convert_head=True), set())
+    return model
+
+
+def _steps(model: nn.Module, dtype: torch.dtype, device: str = "cpu") -> list[Any]:
+    """Two forward-backward passes (delayed scaling's history advanced between them), with the casts recorded."""
+    seen: list[Any] = []
+    for layer in model.modules():
+        if hasattr(layer, "fp8"):
+            layer.fp8.recording = True
+    for step in range(2):
+        x = torch.randn(2, 10, 32, generator=torch.Generator().manual_seed(step)) * 4
+        x = x.to(device=device, dtype=dtype).requires_grad_()
+        out = model(x)
+        out.float().square().sum().backward()
+        seen += [out, x.grad, *(p.grad.clone() for p in model.parameters())]  # type: ignore[union-attr]
+        seen += [t.clone() for layer in model.modules() if hasattr(layer, "fp8") for t in layer.fp8.buffers()]
+        for layer in model.modules():
+            if hasattr(layer, "fp8"):
+                layer.fp8.advance()
+    return seen
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_fp8_linear_trains_the_same_with_the_fused_cast(
+    fused_on_cpu: list[torch.Size], recipe: str, dtype: torch.dtype
+) -> None:
+    """Outputs, gradients, the amax history and the recorded cast statistics, bit for bit; every cast fused."""
+    model = _linear(recipe).to(dtype)
+    reference = copy.deepcopy(model)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(fused_cast.ENV, "0")
+        want = _steps(reference, dtype)
+    assert not fused_on_cpu
+    got = _steps(model, dtype)
+    assert len(fused_on_cpu) == 2 * 2 * 6  # two steps, two layers, six operands each
+    assert bitwise_equal(got, want)
+
+
+def test_rowwise_stays_with_the_aten_ops(fused_on_cpu: list[torch.Size]) -> None:
+    _steps(_linear("rowwise").to(torch.bfloat16), torch.bfloat16)
+    assert not fused_on_cpu
+
+
+def test_what_the_kernels_leave_to_aten() -> None:
+    assert fused_cast.eligible(torch.float8_e4m3fn, rowwise=False, power_of_two=False)
+    assert not fused_cast.eligible(torch.float8_e4m3fn, rowwise=True, power_of_two=False)
+    assert not fused_cast.eligible(torch.float8_e5m2, rowwise=False, power_of_two=True)
+    assert not fused_cast.eligible(torch.float8_e4m3fnuz, rowwise=False, power_of_two=False)
+    assert not fused_cast.eligible(None, rowwise=False, power_of_two=False)
+    with FlopCounterMode(display=False):  # a dispatch mode must see the ops
+        assert not fused_cast.eligible(torch.float8_e4m3fn, rowwise=False, power_of_two=False)
+    assert not fused_cast.usable(torch.ones(4, 4), torch.float8_e4m3fn, rowwise=False, power_of_two=False)  # CPU
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", FORMATS)
+def test_cuda_kernels_are_atens_bit_for_bit(dtype: torch.dtype) -> None:
+    """On the GPU: every code and tie, and spread operands in both layouts, as CUDA's ATen ops compute them."""
+    t = every_code_and_tie(dtype).cuda()
+    one = torch.ones((), device="cuda")
+    q, _, _, _ = fused_cast.cast(t, dtype, one, eps=fp8_gemm.EPS)
+    assert bitwise_equal(codes(q), codes(aten(t, dtype, one)[0]))
+    for source in (torch.bfloat16, torch.float32):
+        for name, cpu in operands(source):
+            t = cpu.cuda()
+            want = aten(t, dtype)
+            for column_major in (False, True):
+                q, amax, scale, inverse = fused_cast.cast(t, dtype, column_major=column_major, eps=fp8_gemm.EPS)
+                assert bitwise_equal(codes(q), codes(want[0])), (name, column_major)
+                assert same_number(amax, want[1]) and same_number(scale, want[2]), (name, column_major)
+                assert same_number(inverse, want[2].reciprocal()), (name, column_major)
+
+
+@requires_cuda
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_cuda_fp8_linear_is_the_same_with_and_without_the_fused_cast(recipe: str) -> None:
+    model = _linear(recipe).cuda().bfloat16()
+    reference = copy.deepcopy(model)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(fused_cast.ENV, "0")
+        want = _steps(reference, torch.bfloat16, "cuda")
+    assert bitwise_equal(_steps(model, torch.bfloat16, "cuda"), want)
