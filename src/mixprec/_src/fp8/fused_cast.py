@@ -21,6 +21,7 @@ the ops). With ``scale`` given (delayed scaling), only the cast runs. Nothing sy
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import importlib.util
@@ -87,10 +88,10 @@ def has_triton() -> bool:
 
 def usable(t: torch.Tensor, dtype: torch.dtype | None, rowwise: bool, power_of_two: bool) -> bool:
     """Whether :func:`cast` computes this operand's cast (else the ATen ops do: the same bits)."""
-    if not (t.is_cuda and t.dim() == 2):
+    if not (t.is_cuda and t.dim() == 2 and eligible(dtype, rowwise, power_of_two)):  # (compiling: no shape read)
         return False
     extent = sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride(), strict=True))
-    return extent < 2**31 - 1 and t.numel() < 2**31 and eligible(dtype, rowwise, power_of_two)  # int32 offsets
+    return extent < 2**31 - 1 and t.numel() < 2**31  # the kernels' offsets are int32
 
 
 def eligible(dtype: torch.dtype | None, rowwise: bool, power_of_two: bool) -> bool:
@@ -118,7 +119,13 @@ def cast(
     """``(q, amax, scale, 1 / scale)`` of the 2-d ``t`` cast tensorwise to ``dtype``: ``q`` row-major, or
     column-major where ``column_major``; ``amax`` is None where ``scale`` was given. ``kernels``: others than the
     CUDA ones (tests)."""
-    k = kernels if kernels is not None else _kernels()
+    with torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext():  # Triton launches on the current one
+        return _cast(t, dtype, scale, column_major, eps, kernels if kernels is not None else _kernels())
+
+
+def _cast(
+    t: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None, column_major: bool, eps: float, k: Kernels
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     bias, mantissa, nan = _FORMATS[dtype]
     fp8_max = float(torch.finfo(dtype).max)
     rows, cols = t.shape
