@@ -1006,6 +1006,9 @@ MUTANTS = (
            FUSED_CAST_TESTS),
     Mutant("fused-fp8-cast-sign-lost", "the fused fp8 cast drops the sign bit",
            S + "fp8/cast_kernels.py", "tl.where(nan, NAN, code) | sign", "tl.where(nan, NAN, code)", FUSED_CAST_TESTS),
+    Mutant("fused-fp8-amax-first-tile-row", "the fused fp8 cast's amax (and delayed scaling's record) reads the first "
+           "row of tiles only", S + "fp8/fused_cast.py", "    return tiles.amax()  # NaN where",
+           "    return tiles[0].amax()  # NaN where", FUSED_CAST_TESTS),
     Mutant("fused-fp8-cast-given-scale-ignored", "the fused fp8 cast scales by the operand's own amax where delayed "
            "scaling gave it a scale", S + "fp8/gemm.py", "fused_cast.cast(t, op.dtype, given,",
            "fused_cast.cast(t, op.dtype, None,", FUSED_CAST_TESTS),

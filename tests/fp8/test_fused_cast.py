@@ -119,6 +119,13 @@ def test_every_code_and_every_tie_rounds_as_aten(interpreted: fused_cast.Kernels
     assert bitwise_equal(codes(q), codes(aten(t, dtype, one)[0]))
 
 
+def test_the_amax_is_atens(interpreted: fused_cast.Kernels) -> None:
+    """Delayed scaling's record: the amax alone, as ``abs().amax().float()``, for every operand (NaN, inf, zeros)."""
+    for source in (torch.bfloat16, torch.float32):
+        for name, t in operands(source):
+            assert same_number(fused_cast.amax(t, kernels=interpreted), t.abs().amax().float()), name
+
+
 def test_a_given_scale_is_used_as_it_is(interpreted: fused_cast.Kernels) -> None:
     """Delayed scaling's scale: the cast multiplies by it (no amax is taken), and only by it."""
     t = torch.randn(33, 17) * 300
@@ -131,18 +138,25 @@ def test_a_given_scale_is_used_as_it_is(interpreted: fused_cast.Kernels) -> None
 
 
 @pytest.fixture
-def fused_on_cpu(interpreted: fused_cast.Kernels, monkeypatch: pytest.MonkeyPatch) -> list[torch.Size]:
-    """``fp8/gemm.py`` sends CPU operands to the interpreted kernels as it sends CUDA ones; the shapes cast."""
-    seen: list[torch.Size] = []
-    cast = fused_cast.cast
+def fused_on_cpu(interpreted: fused_cast.Kernels, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """``fp8/gemm.py`` and ``fp8/linear.py`` send CPU operands to the interpreted kernels as they send CUDA ones;
+    what they called, in order."""
+    called: list[str] = []
+    cast, amax = fused_cast.cast, fused_cast.amax
 
-    def counted(t: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        seen.append(t.shape)
-        return cast(t, *args, **kwargs, kernels=interpreted)
+    def counted_cast(*args: Any, **kwargs: Any) -> Any:
+        called.append("cast")
+        return cast(*args, **kwargs)
 
-    monkeypatch.setattr(fused_cast, "usable", lambda t, *rest: t.dim() == 2 and fused_cast.eligible(*rest))
-    monkeypatch.setattr(fused_cast, "cast", counted)
-    return seen
+    def counted_amax(*args: Any, **kwargs: Any) -> Any:
+        called.append("amax")
+        return amax(*args, **kwargs)
+
+    monkeypatch.setattr(fused_cast, "usable", lambda t, *rest, **kw: t.dim() == 2 and fused_cast.eligible(*rest, **kw))
+    monkeypatch.setattr(fused_cast, "_kernels", lambda: interpreted)
+    monkeypatch.setattr(fused_cast, "cast", counted_cast)
+    monkeypatch.setattr(fused_cast, "amax", counted_amax)
+    return called
 
 
 def _linear(recipe: str) -> nn.Module:
@@ -173,9 +187,10 @@ def _steps(model: nn.Module, dtype: torch.dtype, device: str = "cpu") -> list[An
 
 @pytest.mark.parametrize(("recipe", "dtype"), [("tensorwise", torch.float32), ("delayed", torch.bfloat16)])
 def test_an_fp8_linear_trains_the_same_with_the_fused_cast(
-    fused_on_cpu: list[torch.Size], recipe: str, dtype: torch.dtype
+    fused_on_cpu: list[str], recipe: str, dtype: torch.dtype
 ) -> None:
-    """Outputs, gradients, the amax history and the recorded cast statistics, bit for bit; every cast fused."""
+    """Outputs, gradients, the amax history and the recorded cast statistics, bit for bit; every cast fused (and
+    delayed scaling's three amaxes a layer and step recorded through the kernels)."""
     model = _linear(recipe).to(dtype)
     reference = copy.deepcopy(model)
     with pytest.MonkeyPatch.context() as mp:
@@ -183,11 +198,12 @@ def test_an_fp8_linear_trains_the_same_with_the_fused_cast(
         want = _steps(reference, dtype)
     assert not fused_on_cpu
     got = _steps(model, dtype)
-    assert len(fused_on_cpu) == 2 * 2 * 6  # two steps, two layers, six operands each
+    amaxes = 2 * 2 * 3 if recipe == "delayed" else 0  # two steps, two layers: input, weight, output gradient
+    assert fused_on_cpu.count("cast") == 2 * 2 * 6 and fused_on_cpu.count("amax") == amaxes  # six operands a layer
     assert bitwise_equal(got, want)
 
 
-def test_rowwise_stays_with_the_aten_ops(fused_on_cpu: list[torch.Size]) -> None:
+def test_rowwise_stays_with_the_aten_ops(fused_on_cpu: list[str]) -> None:
     _steps(_linear("rowwise").to(torch.bfloat16), torch.bfloat16)
     assert not fused_on_cpu
 
@@ -220,6 +236,7 @@ def test_cuda_kernels_are_atens_bit_for_bit(dtype: torch.dtype) -> None:
                 assert bitwise_equal(codes(q), codes(want[0])), (name, column_major)
                 assert same_number(amax, want[1]) and same_number(scale, want[2]), (name, column_major)
                 assert same_number(inverse, want[2].reciprocal()), (name, column_major)
+            assert same_number(fused_cast.amax(t), want[1]), name
 
 
 @requires_cuda

@@ -16,7 +16,8 @@ The rounding is integer arithmetic on the fp32 bits (no conversion instruction),
 bits on a GPU and in Triton's interpreter on a CPU, where the tests hold them to the ATen ops bit for bit. Taken only
 where the ops would be the same ones: tensorwise scales not rounded to powers of two, e4m3fn or e5m2, a CUDA tensor
 with int32 offsets, not while compiling (inductor fuses the ops itself) and not under a dispatch mode (which must see
-the ops). With ``scale`` given (delayed scaling), only the cast runs. Nothing syncs with the host.
+the ops). With ``scale`` given (delayed scaling), only the cast runs; delayed scaling's record of the amax takes
+:func:`amax` (the first kernel and the reduction). Nothing syncs with the host.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import torch
 
 from mixprec._src import dispatch_modes
 
-__all__ = ["BLOCK", "ENV", "Kernels", "build", "cast", "eligible", "has_triton", "usable"]
+__all__ = ["BLOCK", "ENV", "Kernels", "amax", "build", "cast", "eligible", "has_triton", "usable"]
 
 #: a tile's rows and columns (a program's share of a cast)
 BLOCK = 64
@@ -123,6 +124,20 @@ def cast(
         return _cast(t, dtype, scale, column_major, eps, kernels if kernels is not None else _kernels())
 
 
+def amax(t: torch.Tensor, *, kernels: Kernels | None = None) -> torch.Tensor:
+    """The fp32 amax of the 2-d ``t``, as ``t.abs().amax().float()`` (delayed scaling's record): one read, no
+    ``abs`` copy."""
+    with torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext():
+        return _amax(t, kernels if kernels is not None else _kernels())
+
+
+def _amax(t: torch.Tensor, k: Kernels) -> torch.Tensor:
+    grid = (k.cdiv(t.shape[0], k.block), k.cdiv(t.shape[1], k.block))
+    tiles = torch.empty(grid, dtype=torch.float32, device=t.device)
+    k.amax_tiles[grid](t, tiles, t.shape[0], t.shape[1], t.stride(0), t.stride(1), BLOCK=k.block)
+    return tiles.amax()  # NaN where a tile holds one, as the amax of ``t``
+
+
 def _cast(
     t: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None, column_major: bool, eps: float, k: Kernels
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
@@ -132,9 +147,7 @@ def _cast(
     grid = (k.cdiv(rows, k.block), k.cdiv(cols, k.block))
     amax = None
     if scale is None:
-        tiles = torch.empty(grid, dtype=torch.float32, device=t.device)
-        k.amax_tiles[grid](t, tiles, rows, cols, t.stride(0), t.stride(1), BLOCK=k.block)
-        amax = tiles.amax()  # NaN where a tile holds one, as the amax of ``t``
+        amax = _amax(t, k)
         scale = torch.empty((), dtype=torch.float32, device=t.device)
     inverse = torch.empty((), dtype=torch.float32, device=t.device)
     q = (

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from mixprec._src.amp.autocast import get_autocast_policy
-from mixprec._src.fp8 import block_gemm
+from mixprec._src.fp8 import block_gemm, fused_cast
 from mixprec._src.fp8 import gemm as fp8_gemm
 from mixprec._src.fp8.config import AmaxAlgo, Fp8Config
 from mixprec._src.gemms import kinds
@@ -178,7 +178,10 @@ def _delayed_scale(
     record: bool = True,
 ) -> torch.Tensor:
     """The scale of ``role`` from past steps (the current amax before any); ``record``: note the current amax."""
-    now = t.detach().abs().amax().float()
+    if fused_cast.usable(t, dtype, rowwise=False, power_of_two=False):
+        now = fused_cast.amax(t.detach())  # CUDA, eager: one read, no abs copy
+    else:
+        now = t.detach().abs().amax().float()
     if record:
         with torch.no_grad():  # a non-finite amax (an overflowed step GradScaler skips) is not recorded
             pending[role] = torch.maximum(pending[role], torch.where(now.isfinite(), now, 0.0))
