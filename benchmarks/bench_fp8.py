@@ -18,6 +18,7 @@ import argparse
 import copy
 import dataclasses
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -27,10 +28,12 @@ from torch import nn
 
 import mixprec
 from mixprec._src.fp8 import conversion as fp8_conversion
+from mixprec._src.fp8 import fused_cast
 from mixprec.bench.runner import make_optimizer
 from mixprec.bench.workloads import WORKLOADS, Task
 
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed")
+FUSED = ("tensorwise", "delayed")  # the recipes whose casts the fused fp8 cast makes on CUDA (tensorwise scales)
 Shape = tuple[int, int, int]
 SHAPES: dict[tuple[str, bool], tuple[Shape, ...]] = {  # (device type, quick) -> (M, K, N) of each linear
     ("cuda", False): ((4096, 4096, 4096), (8192, 8192, 8192), (4096, 4096, 14336), (2048, 1024, 1024),
@@ -39,6 +42,8 @@ SHAPES: dict[tuple[str, bool], tuple[Shape, ...]] = {  # (device type, quick) ->
     ("cpu", False): ((256, 256, 256), (512, 512, 512), (1024, 1024, 1024)),
     ("cpu", True): ((256, 256, 256), (512, 512, 512)),
 }  # fmt: skip
+#: a mode's suffix: the recipe with the ATen ops' casts (``--aten-casts``; on CUDA the fused cast's otherwise)
+ATEN = " (ATen casts)"
 CPU_NOTE = "fp8 GEMMs are emulated in fp32 on a CPU (torch._scaled_mm): these times say nothing about GPU speed"
 
 
@@ -133,6 +138,29 @@ def _train_step(task: Task, model: nn.Module, optimizer: torch.optim.Optimizer,
     return step
 
 
+def _recipe(mode: str) -> str:
+    return mode.removesuffix(ATEN)
+
+
+def _casts_as_asked(mode: str, fn: Callable[[], None]) -> Callable[[], None]:
+    """``fn``, with the fused fp8 cast off while it runs where ``mode`` asks for the ATen ops' casts."""
+    if not mode.endswith(ATEN):
+        return fn
+
+    def run() -> None:
+        previous = os.environ.get(fused_cast.ENV)
+        os.environ[fused_cast.ENV] = "0"
+        try:
+            fn()
+        finally:
+            if previous is None:
+                del os.environ[fused_cast.ENV]
+            else:
+                os.environ[fused_cast.ENV] = previous
+
+    return run
+
+
 def _error(exc: Exception) -> str:
     return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
 
@@ -151,10 +179,10 @@ def bench_gemm(shape: Shape, recipes: list[str], device: torch.device, compile: 
         try:
             layers = None
             if mode != "bf16":
-                config = mixprec.Fp8Config(mixprec.Fp8Recipe(mode), convert_head=True)
+                config = mixprec.Fp8Config(mixprec.Fp8Recipe(_recipe(mode)), convert_head=True)
                 layers = fp8_conversion.convert(layer, config, set())
             called: nn.Module = torch.compile(layer) if compile else layer  # type: ignore[assignment]
-            fn = _fwd_bwd(layer, called, x, grad)
+            fn = _casts_as_asked(mode, _fwd_bwd(layer, called, x, grad))
             for _ in range(3):  # warm-up (and compilation); delayed scaling: a history to scale from
                 fn()
                 if layers is not None:
@@ -181,11 +209,11 @@ def bench_steps(recipes: list[str], device: torch.device, size: str, steps: int,
         model = task.model.to(device)
         try:
             optimizer = make_optimizer(task, model.parameters())
-            model, optimizer = mixprec.prepare(model, optimizer, "O1", fp8=None if mode == "bf16" else mode)
+            model, optimizer = mixprec.prepare(model, optimizer, "O1", fp8=None if mode == "bf16" else _recipe(mode))
             if (layers := mixprec.fp8_layers(model)) is not None:
                 converted[mode], skipped[mode] = len(layers.converted), len(layers.skipped)
             called: nn.Module = torch.compile(model) if compile else model  # type: ignore[assignment]
-            step = _train_step(task, called, optimizer, losses.setdefault(mode, []))
+            step = _casts_as_asked(mode, _train_step(task, called, optimizer, losses.setdefault(mode, [])))
             for _ in range(2):  # warm-up (and compilation)
                 step()
             fns[mode] = step
@@ -234,6 +262,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, help="timed training steps per mode (default 20, --quick 3)")
     parser.add_argument("--json", help="also write the rows to this JSON file")
     parser.add_argument("--sqnr-only", action="store_true", help="only the SQNR of each recipe against bf16")
+    parser.add_argument(
+        "--aten-casts",
+        action="store_true",
+        help="also each tensorwise recipe with the ATen ops' casts (on CUDA: against the fused cast)",
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
     recipes = [r for r in args.recipes.split(",") if r]
@@ -251,23 +284,24 @@ def main() -> None:
         print(f"  {recipe:<20} " + "  ".join(f"{v:5.1f}" for v in row.values()))
     if args.sqnr_only:
         return
+    modes = [*recipes, *(r + ATEN for r in recipes if r in FUSED)] if args.aten_casts else recipes
     print(f"device: {device_name(device)}; torch {torch.__version__}, bf16{', compiled' if args.compile else ''}")
     if device.type == "cpu":
         print(CPU_NOTE)
-    width = max(len(r) for r in recipes) if recipes else 0
+    width = max(len(r) for r in modes) if modes else 0
     cell = max(width, 16)
     print(f"\nlinear forward+backward, median ms (speed-up over bf16), {windows} windows of {calls} call(s)")
-    print(f"  {'M x K x N':<20} {'bf16':>9} " + " ".join(f"{r:>{cell}}" for r in recipes))
+    print(f"  {'M x K x N':<20} {'bf16':>9} " + " ".join(f"{r:>{cell}}" for r in modes))
     gemm_rows = []
     for shape in shapes:
-        row = bench_gemm(shape, recipes, device, args.compile, windows, calls)
+        row = bench_gemm(shape, modes, device, args.compile, windows, calls)
         gemm_rows.append(row)
-        cells = [f"{row.ms[r]:.3f} ({row.speedup[r]:.2f}x)" if r in row.ms else "error" for r in recipes]
+        cells = [f"{row.ms[r]:.3f} ({row.speedup[r]:.2f}x)" if r in row.ms else "error" for r in modes]
         print(f"  {'x'.join(map(str, shape)):<20} {row.ms['bf16']:>9.3f} " + " ".join(f"{c:>{cell}}" for c in cells))
         for recipe, error in row.errors.items():
             print(f"    {recipe}: {error}")
 
-    step_row = bench_steps(recipes, device, size, steps, args.compile)
+    step_row = bench_steps(modes, device, size, steps, args.compile)
     print(f"\ntraining step, transformer ({size}), O1 bf16 vs O1 + fp8, median of {steps} steps per mode")
     print(f"  {'mode':<{cell}} {'ms/step':>9} {'vs bf16':>8} {'fp8 linears':>12} {'last loss':>10}")
     for mode, ms in step_row.ms.items():

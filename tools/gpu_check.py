@@ -12,8 +12,9 @@ one device session lends: run the pieces an issue needs first, e.g. ``--only lla
   eager and compiled (the compiled-vs-eager table) and the kernels inductor generates per fp8
   linear, mixprec against torchao. At its limit it is interrupted as Ctrl-C interrupts the bench,
   and the workloads that finished are reported;
-* ``fp8-gemm``: ``benchmarks/bench_fp8.py --quick``: fp8 GEMMs against bf16 per shape and recipe,
-  and training steps of the transformer with fp8 linears;
+* ``fp8-gemm``: ``benchmarks/bench_fp8.py --quick --aten-casts``: fp8 GEMMs against bf16 per shape and recipe
+  (the tensorwise recipes also with the ATen ops' casts: the fused cast's gain), and training steps of the
+  transformer with fp8 linears;
 * ``step-cost``: ``mixprec bench --step-cost --size tiny``: each level's and state precision's step against
   torch.amp's, ops per ``optimizer.step()``, host reads;
 * ``llama``: ``mixprec bench --llama``: a config-built 1.1B Llama at sequence 2048 and the batch that fits,
@@ -52,7 +53,7 @@ from mixprec.bench import runner
 ROOT = Path(__file__).resolve().parent.parent
 PIECES = ("tests", "bench", "bench-compile", "fp8-gemm", "step-cost", "llama", "llama-compile")
 #: seconds; 1080 in all
-LIMITS = {"tests": 180, "bench": 60, "bench-compile": 180, "fp8-gemm": 60, "step-cost": 90, "llama": 150,
+LIMITS = {"tests": 180, "bench": 60, "bench-compile": 150, "fp8-gemm": 90, "step-cost": 90, "llama": 150,
           "llama-compile": 360}  # fmt: skip
 GRACE = {"bench-compile": 30}  # seconds after the Ctrl-C, to write what finished (10 for the others): 1140 in all
 #: where the compiled benches stop at their limit, the rows they finished are the result
@@ -98,7 +99,7 @@ def commands(args: argparse.Namespace, out: Path) -> dict[str, list[str]]:
     bench += ["--workloads", args.workloads] if args.workloads else []
     compiled = [*bench, "--modes", args.compile_modes, "--compile-modes", args.compile_modes]
     compiled += [] if args.fp8_kernels else ["--no-fp8-kernels"]
-    fp8 = [python, str(ROOT / "benchmarks" / "bench_fp8.py"), "--quick", "--device", args.device]
+    fp8 = [python, str(ROOT / "benchmarks" / "bench_fp8.py"), "--quick", "--aten-casts", "--device", args.device]
     fp8 += ["--shapes", args.shapes] if args.shapes else []
     fp8 += ["--recipes", args.fp8_recipes] if args.fp8_recipes else []
     fp8 += ["--steps", str(args.steps)] if args.steps else []

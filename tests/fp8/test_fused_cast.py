@@ -5,6 +5,7 @@ forward, backward and cast statistics the same either way; the cases it leaves t
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -14,7 +15,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import mixprec
-from helpers import bitwise_equal, requires_cuda
+from helpers import bitwise_equal, load_script, requires_cuda
 from mixprec._src.fp8 import conversion as fp8_conversion
 from mixprec._src.fp8 import fused_cast
 from mixprec._src.fp8 import gemm as fp8_gemm
@@ -217,6 +218,23 @@ def test_what_the_kernels_leave_to_aten() -> None:
     with FlopCounterMode(display=False):  # a dispatch mode must see the ops
         assert not fused_cast.eligible(torch.float8_e4m3fn, rowwise=False, power_of_two=False)
     assert not fused_cast.usable(torch.ones(4, 4), torch.float8_e4m3fn, rowwise=False, power_of_two=False)  # CPU
+
+
+def test_the_fp8_bench_runs_its_aten_cast_rows_with_the_fused_cast_off(
+    fused_on_cpu: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``bench_fp8.py --aten-casts``: the recipe's row runs the fused cast, its "(ATen casts)" row does not, and the
+    switch is as it was after each call."""
+    bench = load_script("benchmarks/bench_fp8.py")
+    monkeypatch.setenv(fused_cast.ENV, "1")
+    layer = _linear("tensorwise")[0]
+    x = torch.randn(4, 32, requires_grad=True)
+    runs = {mode: bench._casts_as_asked(mode, bench._fwd_bwd(layer, layer, x, torch.ones(4, 16)))
+            for mode in ("tensorwise", "tensorwise" + bench.ATEN)}  # fmt: skip
+    runs["tensorwise" + bench.ATEN]()
+    assert not fused_on_cpu and os.environ[fused_cast.ENV] == "1"
+    runs["tensorwise"]()
+    assert fused_on_cpu.count("cast") == 6
 
 
 @requires_cuda
