@@ -166,7 +166,7 @@ def _error(exc: Exception) -> str:
 
 
 def bench_gemm(shape: Shape, recipes: list[str], device: torch.device, compile: bool, windows: int,
-               calls: int) -> GemmRow:  # fmt: skip
+               calls: int, profile: bool = False) -> GemmRow:  # fmt: skip
     m, k, n = shape
     torch.manual_seed(0)
     base = nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)
@@ -193,9 +193,39 @@ def bench_gemm(shape: Shape, recipes: list[str], device: torch.device, compile: 
                 raise
             errors[mode] = _error(exc)
     ms, ratios = lockstep(fns, windows, calls, device)
+    if profile:
+        for mode, fn in fns.items():
+            print(host_and_device(mode, fn, device))
     flops = 6.0 * m * k * n
     tflops = {mode: flops / (t * 1e-3) / 1e12 for mode, t in ms.items()}
     return GemmRow(m, k, n, ms, {r: ratios[r] for r in recipes if r in ratios}, tflops, errors)
+
+
+def host_and_device(mode: str, fn: Callable[[], None], device: torch.device) -> str:
+    """One call of ``fn`` taken apart: the host's time to issue it (no wait), the device's kernels (count, summed
+    time) and the five longest, from torch's profiler: whether a mode is bound by its launches or its kernels."""
+    from mixprec._src import profiling
+
+    _sync(device)
+    begin = time.perf_counter()
+    fn()
+    host_us = (time.perf_counter() - begin) * 1e6
+    _sync(device)
+
+    def call() -> None:
+        fn()
+        _sync(device)
+
+    prof = profiling.profiled(call, cuda=device.type == "cuda")
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    total = sum(e.device_time for e in kernels)
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        by_name.setdefault(e.name, []).append(e.device_time)
+    longest = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:5]
+    lines = [f"    {mode}: host {host_us:.0f} us to issue; device {total:.0f} us in {len(kernels)} kernels"]
+    lines += [f"      {sum(t):8.1f} us  x{len(t):<3} {name[:90]}" for name, t in longest]
+    return "\n".join(lines)
 
 
 def bench_steps(recipes: list[str], device: torch.device, size: str, steps: int, compile: bool) -> StepRow:
@@ -263,6 +293,11 @@ def main() -> None:
     parser.add_argument("--json", help="also write the rows to this JSON file")
     parser.add_argument("--sqnr-only", action="store_true", help="only the SQNR of each recipe against bf16")
     parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="per shape and mode, one call taken apart: the host's time to issue it, the device's kernels",
+    )
+    parser.add_argument(
         "--aten-casts",
         action="store_true",
         help="also each tensorwise recipe with the ATen ops' casts (on CUDA: against the fused cast)",
@@ -294,7 +329,7 @@ def main() -> None:
     print(f"  {'M x K x N':<20} {'bf16':>9} " + " ".join(f"{r:>{cell}}" for r in modes))
     gemm_rows = []
     for shape in shapes:
-        row = bench_gemm(shape, modes, device, args.compile, windows, calls)
+        row = bench_gemm(shape, modes, device, args.compile, windows, calls, args.profile)
         gemm_rows.append(row)
         cells = [f"{row.ms[r]:.3f} ({row.speedup[r]:.2f}x)" if r in row.ms else "error" for r in modes]
         print(f"  {'x'.join(map(str, shape)):<20} {row.ms['bf16']:>9.3f} " + " ".join(f"{c:>{cell}}" for c in cells))

@@ -77,6 +77,9 @@ def test_report_on_the_cpu_with_tiny_sizes(tmp_path: pathlib.Path) -> None:
     assert set(data["bench"]["workloads"]["mlp"]) == {"torch-amp", "mixprec"}
     assert [(row["m"], row["k"], row["n"]) for row in data["fp8_gemm"]["gemm"]] == [(64, 64, 64)]
     assert set(data["fp8_gemm"]["gemm"][0]["ms"]) == {"bf16", "tensorwise", "tensorwise (ATen casts)"}
+    taken_apart = [line.split(":")[0].strip() for line in (tmp_path / "fp8-gemm.log").read_text().splitlines()
+                   if "us to issue" in line]  # fmt: skip
+    assert taken_apart == ["bf16", "tensorwise", "tensorwise (ATen casts)"]  # one call of each mode, in the log
     text = (tmp_path / "report.md").read_text()
     assert "| bench | ok |" in text and "| tests | not run |" in text
     mixprec = data["bench"]["workloads"]["mlp"]["mixprec"]

@@ -13,8 +13,8 @@ one device session lends: run the pieces an issue needs first, e.g. ``--only lla
   linear, mixprec against torchao. At its limit it is interrupted as Ctrl-C interrupts the bench,
   and the workloads that finished are reported;
 * ``fp8-gemm``: ``benchmarks/bench_fp8.py --quick --aten-casts``: fp8 GEMMs against bf16 per shape and recipe
-  (the tensorwise recipes also with the ATen ops' casts: the fused cast's gain), and training steps of the
-  transformer with fp8 linears;
+  (the tensorwise recipes also with the ATen ops' casts: the fused cast's gain; each call taken apart in its log:
+  the host's time to issue it, the device's kernels), and training steps of the transformer with fp8 linears;
 * ``step-cost``: ``mixprec bench --step-cost --size tiny``: each level's and state precision's step against
   torch.amp's, ops per ``optimizer.step()``, host reads;
 * ``llama``: ``mixprec bench --llama``: a config-built 1.1B Llama at sequence 2048 and the batch that fits,
@@ -99,7 +99,8 @@ def commands(args: argparse.Namespace, out: Path) -> dict[str, list[str]]:
     bench += ["--workloads", args.workloads] if args.workloads else []
     compiled = [*bench, "--modes", args.compile_modes, "--compile-modes", args.compile_modes]
     compiled += [] if args.fp8_kernels else ["--no-fp8-kernels"]
-    fp8 = [python, str(ROOT / "benchmarks" / "bench_fp8.py"), "--quick", "--aten-casts", "--device", args.device]
+    fp8 = [python, str(ROOT / "benchmarks" / "bench_fp8.py"), "--quick", "--aten-casts", "--profile", "--device",
+           args.device]  # fmt: skip
     fp8 += ["--shapes", args.shapes] if args.shapes else []
     fp8 += ["--recipes", args.fp8_recipes] if args.fp8_recipes else []
     fp8 += ["--steps", str(args.steps)] if args.steps else []
