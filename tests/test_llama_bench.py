@@ -57,6 +57,9 @@ def test_the_cli_prints_the_recipes_asked_for_with_their_baselines(capsys: pytes
     rows = [line.split("|")[1].strip() for line in out.splitlines() if line.startswith("| ")]
     assert rows == ["recipe", "torch-amp", "O1", "O1+fp8"]  # torch-amp always, O1 as fp8's baseline
     assert "emulated in fp32 on a CPU" in out
+    assert cli.main([*args, "--recipes", "O1+fp8,bf16-pure,O2"]) == 0  # the baselines first, then as asked
+    rows = [line.split("|")[1].strip() for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert rows == ["recipe", "torch-amp", "O1", "O1+fp8", "bf16-pure", "O2"]
     assert cli.main([*args, "--recipes", "O3"]) == 2
     assert "unknown O3" in capsys.readouterr().err
     assert cli.main([*args, "--batch", "0"]) == 2

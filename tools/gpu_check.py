@@ -58,7 +58,7 @@ LIMITS = {"tests": 180, "bench": 60, "bench-compile": 150, "fp8-gemm": 90, "step
 GRACE = {"bench-compile": 30}  # seconds after the Ctrl-C, to write what finished (10 for the others): 1140 in all
 #: where the compiled benches stop at their limit, the rows they finished are the result
 INTERRUPTIBLE = ("bench-compile", "llama-compile")
-LLAMA_COMPILED = "O2,bf16-sr,O1+fp8"  # with torch-amp, and O1 (the fp8 row's baseline)
+LLAMA_COMPILED = "O1+fp8,O2,bf16-sr"  # after torch-amp and O1 (the baselines), in this order
 EAGER_MODES = "fp32,torch-amp,mixprec,mixprec-cl,O1,O2,bf16-sr,bf16-pure"
 COMPILE_MODES = ",".join(runner.COMPILE_MODES)
 

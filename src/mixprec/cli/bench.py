@@ -260,9 +260,12 @@ def run_llama(args: argparse.Namespace, size: str) -> int:
     chosen, problem = _chosen(args.recipes, known, ["torch-amp"])
     if problem:
         return common.refuse(problem)
-    if chosen is not None:  # a ratio needs its baseline
-        chosen |= {r.baseline for r in llama.RECIPES if r.name in chosen}
-    recipes = tuple(r for r in llama.RECIPES if chosen is None or r.name in chosen)
+    recipes = llama.RECIPES
+    if chosen is not None:  # the baselines a ratio needs first, then the recipes in the order asked (a time limit
+        by_name = {r.name: r for r in llama.RECIPES}  # cuts the last)
+        asked = [name for name in dict.fromkeys(n.strip() for n in args.recipes.split(",")) if name in by_name]
+        baselines = [r.name for r in llama.RECIPES if r.name in {by_name[n].baseline for n in chosen} | {"torch-amp"}]
+        recipes = tuple(by_name[n] for n in dict.fromkeys([*baselines, *asked]))
     if args.batch is not None and args.batch < 1:
         return common.refuse(f"--batch must be at least 1, not {args.batch}")
     try:
