@@ -243,7 +243,8 @@ MUTANTS = (
     Mutant("llama-recipes-in-table-order", "bench --llama --recipes measures the recipes in the table's order, not "
            "the order asked (a time limit cuts another row)", "src/mixprec/cli/bench.py",
            "recipes = tuple(by_name[n] for n in dict.fromkeys([*baselines, *asked]))",
-           "recipes = tuple(r for r in llama.RECIPES if r.name in {*baselines, *asked})", ("tests/test_llama_bench.py",)),
+           "recipes = tuple(r for r in llama.RECIPES if r.name in {*baselines, *asked})",
+           ("tests/test_llama_bench.py",)),
     Mutant("llama-recipe-unprepared", "bench --llama trains every recipe as torch.amp's fp32 model",
            "src/mixprec/bench/llama.py", "return mixprec.prepare(model, optimizer, level=self.level, **options)",
            "return model, optimizer", ("tests/test_llama_bench.py",)),
