@@ -22,6 +22,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
+from unittest import mock
 
 import torch
 from torch import nn
@@ -148,15 +149,8 @@ def _casts_as_asked(mode: str, fn: Callable[[], None]) -> Callable[[], None]:
         return fn
 
     def run() -> None:
-        previous = os.environ.get(fused_cast.ENV)
-        os.environ[fused_cast.ENV] = "0"
-        try:
+        with mock.patch.dict(os.environ, {fused_cast.ENV: "0"}):
             fn()
-        finally:
-            if previous is None:
-                del os.environ[fused_cast.ENV]
-            else:
-                os.environ[fused_cast.ENV] = previous
 
     return run
 

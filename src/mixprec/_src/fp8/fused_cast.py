@@ -28,6 +28,7 @@ import importlib
 import importlib.util
 import os
 from typing import Any
+from unittest import mock
 
 import torch
 
@@ -60,15 +61,8 @@ def build(interpret: bool = False, block: int = BLOCK) -> Kernels:
     spec = importlib.util.find_spec(_MODULE)
     assert spec is not None and spec.loader is not None
     copy = importlib.util.module_from_spec(spec)
-    previous = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"  # read as each function is decorated
-    try:
+    with mock.patch.dict(os.environ, {"TRITON_INTERPRET": "1"}):  # read as each function is decorated
         spec.loader.exec_module(copy)
-    finally:
-        if previous is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = previous
     return Kernels(copy, block)
 
 
@@ -120,15 +114,20 @@ def cast(
     """``(q, amax, scale, 1 / scale)`` of the 2-d ``t`` cast tensorwise to ``dtype``: ``q`` row-major, or
     column-major where ``column_major``; ``amax`` is None where ``scale`` was given. ``kernels``: others than the
     CUDA ones (tests)."""
-    with torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext():  # Triton launches on the current one
+    with _on_device_of(t):
         return _cast(t, dtype, scale, column_major, eps, kernels if kernels is not None else _kernels())
 
 
 def amax(t: torch.Tensor, *, kernels: Kernels | None = None) -> torch.Tensor:
     """The fp32 amax of the 2-d ``t``, as ``t.abs().amax().float()`` (delayed scaling's record): one read, no
     ``abs`` copy."""
-    with torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext():
+    with _on_device_of(t):
         return _amax(t, kernels if kernels is not None else _kernels())
+
+
+def _on_device_of(t: torch.Tensor) -> contextlib.AbstractContextManager[Any]:
+    """``t``'s GPU made the current one (Triton launches on the current device); nothing for a CPU tensor."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 def _amax(t: torch.Tensor, k: Kernels) -> torch.Tensor:
