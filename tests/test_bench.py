@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import warnings
 from typing import Any
 
 import matplotlib.image
@@ -631,6 +632,29 @@ def test_the_step_cost_table_prints_each_optimizers_rows_as_they_finish(
     lines = [line for line in captured.out.splitlines() if line.startswith("| ")]
     assert [line.split("|")[2].strip() for line in lines] == ["optimizer", "adamw", "adamw-fused"]
     assert "interrupted; the rows above were measured" in captured.err
+
+
+def test_inductors_tf32_hint_is_not_printed(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """On CUDA inductor warns at each compile of an fp32 matmul that TF32 is off: not a line of the bench's output
+    (seen on an H200 in ``bench --llama --compile``); other warnings still are."""
+    from mixprec.bench import step_cost
+
+    def measure(*args: Any, **kwargs: Any) -> None:
+        warnings.warn(
+            "TensorFloat32 tensor cores for float32 matrix multiplication available but not enabled. Consider "
+            "setting `torch.set_float32_matmul_precision('high')` for better performance.",
+            UserWarning,
+            stacklevel=1,
+        )
+
+    monkeypatch.setattr(step_cost, "measure", measure)
+    assert cli.main(["bench", "--step-cost", "--recipes", "O2", "--quiet"]) == 0
+    assert "TensorFloat32" not in capsys.readouterr().err
+    monkeypatch.setattr(step_cost, "measure", lambda *a, **k: warnings.warn("another", UserWarning, stacklevel=1))
+    with pytest.raises(UserWarning, match="another"):  # the suite turns warnings into errors: this one is not hidden
+        cli.main(["bench", "--step-cost", "--recipes", "O2", "--quiet"])
 
 
 def test_the_compiled_step_cost_runs_every_recipe_compiled() -> None:
