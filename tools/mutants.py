@@ -1017,6 +1017,15 @@ MUTANTS = (
     Mutant("fused-fp8-cast-given-scale-ignored", "the fused fp8 cast scales by the operand's own amax where delayed "
            "scaling gave it a scale", S + "fp8/gemm.py", "fused_cast.cast(t, op.dtype, given,",
            "fused_cast.cast(t, op.dtype, None,", FUSED_CAST_TESTS),
+    Mutant("fp8-backward-weight-scale-for-input", "an fp8 linear's weight gradient casts the forward's input with "
+           "the weight's scale", S + "fp8/linear.py", "scale_x = scales[0] if same_scale",
+           "scale_x = scales[1] if same_scale", FP8_TESTS),
+    Mutant("fp8-output-gradient-read-twice", "the weight gradient's cast of the output gradient reads it for its "
+           "amax again", S + "fp8/linear.py", "                scale_go = scales[0]  # the output",
+           "                pass  # the output", FP8_TESTS),
+    Mutant("fp8-given-scale-still-read", "a cast given its scale still reads the operand for its amax",
+           S + "fp8/gemm.py", "amax_of(t, op, side) if given is None or record is not None else None",
+           "amax_of(t, op, side)", FP8_TESTS),
 )  # fmt: skip
 
 

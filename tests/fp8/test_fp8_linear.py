@@ -75,6 +75,27 @@ def test_bitwise_equal_to_torchao_float8_linear(recipe: str, dtype: torch.dtype,
     assert bitwise_equal(forward_backward(ours, x), forward_backward(theirs, x))
 
 
+@pytest.mark.usefixtures("aten_fp8_gemm")
+@pytest.mark.parametrize(("recipe", "reads"), [("tensorwise", 3), ("delayed", 0), ("rowwise", 6)])
+def test_each_tensor_is_read_for_its_amax_once_a_step(recipe: str, reads: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dynamic tensorwise scaling reads the input, the weight and the output gradient for their amax once each (the
+    backward's second casts take the scales already made: bit for bit torchao's, above); delayed scaling reads them
+    for its record, not in the GEMMs; rowwise scales each cast along another axis, so every cast reads."""
+    from mixprec._src.fp8 import gemm as fp8_gemm
+
+    read: list[torch.Tensor] = []
+    amax_of = fp8_gemm.amax_of
+
+    def counted(t: torch.Tensor, *args: Any) -> torch.Tensor:
+        read.append(t)
+        return amax_of(t, *args)
+
+    monkeypatch.setattr(fp8_gemm, "amax_of", counted)
+    model = fp8_model(recipe, 64, 32, dtype=torch.bfloat16)
+    forward_backward(model, torch.randn(48, 64, dtype=torch.bfloat16))
+    assert len(read) == reads
+
+
 class DelayedReference:
     """Transformer Engine's delayed scaling written plainly: a Python list of amaxes per tensor."""
 

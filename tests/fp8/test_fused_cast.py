@@ -150,7 +150,8 @@ def fused_on_cpu(interpreted: fused_cast.Kernels, monkeypatch: pytest.MonkeyPatc
     cast, amax = fused_cast.cast, fused_cast.amax
 
     def counted_cast(*args: Any, **kwargs: Any) -> Any:
-        called.append("cast")
+        given = args[2] if len(args) > 2 else kwargs.get("scale")
+        called.append("cast" if given is None else "cast with a scale")
         return cast(*args, **kwargs)
 
     def counted_amax(*args: Any, **kwargs: Any) -> Any:
@@ -195,7 +196,8 @@ def test_an_fp8_linear_trains_the_same_with_the_fused_cast(
     fused_on_cpu: list[str], recipe: str, dtype: torch.dtype
 ) -> None:
     """Outputs, gradients, the amax history and the recorded cast statistics, bit for bit; every cast fused (and
-    delayed scaling's three amaxes a layer and step recorded through the kernels)."""
+    delayed scaling's three amaxes a layer and step recorded through the kernels); the backward's second casts of
+    the input, weight and output gradient take the scales made for their first (one read of each for its amax)."""
     model = _linear(recipe).to(dtype)
     reference = copy.deepcopy(model)
     with pytest.MonkeyPatch.context() as mp:
@@ -204,7 +206,9 @@ def test_an_fp8_linear_trains_the_same_with_the_fused_cast(
     assert not fused_on_cpu
     got = _steps(model, dtype)
     amaxes = 2 * 2 * 3 if recipe == "delayed" else 0  # two steps, two layers: input, weight, output gradient
-    assert fused_on_cpu.count("cast") == 2 * 2 * 6 and fused_on_cpu.count("amax") == amaxes  # six operands a layer
+    own_scale = 0 if recipe == "delayed" else 2 * 2 * 3  # six operands a layer: three tensors, each cast twice
+    assert fused_on_cpu.count("cast") == own_scale and fused_on_cpu.count("cast with a scale") == 2 * 2 * 6 - own_scale
+    assert fused_on_cpu.count("amax") == amaxes
     assert bitwise_equal(got, want)
 
 
@@ -238,7 +242,7 @@ def test_the_fp8_bench_runs_its_aten_cast_rows_with_the_fused_cast_off(
     runs["tensorwise" + bench.ATEN]()
     assert not fused_on_cpu and os.environ[fused_cast.ENV] == "1"
     runs["tensorwise"]()
-    assert fused_on_cpu.count("cast") == 6
+    assert fused_on_cpu.count("cast") == 3 and fused_on_cpu.count("cast with a scale") == 3
 
 
 @requires_cuda

@@ -119,13 +119,16 @@ def gemm(
     record: list[Any] | None = None,
     rotate: bool = False,
     seed: torch.Tensor | None = None,
+    scales: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``a @ b`` with each operand cast as its :class:`Operand` says (or kept in high precision).
 
     ``scale_a`` / ``scale_b`` override the scales made from the operands' own amax (delayed
-    scaling). ``record`` collects ``(operand, amax, scale, dtype)`` of each cast, for statistics
-    (a :class:`~mixprec._src.fp8.block_gemm.BlockRecord` for a block-scaled one). Block-scaled operands
-    go to :func:`~mixprec._src.fp8.block_gemm.block_gemm` (emulated), ``rotate`` and ``seed`` with them.
+    scaling, or a scale made for the same tensor in another GEMM). ``record`` collects ``(operand, amax, scale,
+    dtype)`` of each cast, for statistics (a :class:`~mixprec._src.fp8.block_gemm.BlockRecord` for a block-scaled
+    one). ``scales`` collects the two scales the operands were cast with (per-tensor or per-row; nothing for a
+    block-scaled or high-precision GEMM). Block-scaled operands go to
+    :func:`~mixprec._src.fp8.block_gemm.block_gemm` (emulated), ``rotate`` and ``seed`` with them.
     """
     if a_op.block is not None or b_op.block is not None:
         if record is not None:
@@ -144,12 +147,14 @@ def gemm(
                 record.append((t, amax, scale, op.dtype))
             casts.append((q, scale, inverse))
             continue
-        amax = amax_of(t, op, side)
-        scale = given if given is not None else scale_from_amax(amax, op.dtype, power_of_two)  # type: ignore[arg-type]
+        read = amax_of(t, op, side) if given is None or record is not None else None  # a given scale: no read
+        scale = given if given is not None else scale_from_amax(read, op.dtype, power_of_two)  # type: ignore[arg-type]
         if record is not None:
-            record.append((t, amax, scale, op.dtype))  # type: ignore[arg-type]
+            record.append((t, read, scale, op.dtype))  # type: ignore[arg-type]
         casts.append((quantize(t, scale, op.dtype), scale, None))  # type: ignore[arg-type]
     (a_q, sa, inv_a), (b_q, sb, inv_b) = casts
+    if scales is not None:
+        scales += (sa, sb)
     a_q = a_q.contiguous()
     b_q = b_q.t().contiguous().t()
     rows, cols = a_q.shape[0], b_q.shape[1]

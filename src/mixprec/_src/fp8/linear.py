@@ -14,6 +14,11 @@ Delayed scaling (Transformer Engine's algorithm)::
 Recording is a max, so a recompute (activation checkpointing) or a second micro-batch
 neither advances the history nor changes the scale used within a step; the history advances
 once per optimizer step (a hook prepare installs), after the amax is all-reduced across ranks.
+
+Each of the three tensors is read for its amax once a step: dynamic scaling's backward casts the input and the
+weight with the scales the forward made of them, and the output gradient's second cast with its first one's
+(:func:`same_scale`: where the recipe casts a tensor to one format with one scale both times), the same bits as
+reading each again. Nothing here syncs with the device.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from torch import nn
 from mixprec._src.amp.autocast import get_autocast_policy
 from mixprec._src.fp8 import block_gemm, fused_cast
 from mixprec._src.fp8 import gemm as fp8_gemm
-from mixprec._src.fp8.config import AmaxAlgo, Fp8Config
+from mixprec._src.fp8.config import AmaxAlgo, Fp8Config, Operand
 from mixprec._src.gemms import kinds
 from mixprec._src.policy.rules import OpCategory
 
@@ -228,6 +233,7 @@ class _Fp8Matmul(torch.autograd.Function):
                 delayed.record,
             )
         record: list[Any] | None = [] if cast_fwd is not None else None
+        scales: list[torch.Tensor] = []
         out = fp8_gemm.gemm(
             x2,
             ops.input,
@@ -239,19 +245,22 @@ class _Fp8Matmul(torch.autograd.Function):
             scale_a=scale_x,
             scale_b=scale_w,
             record=record,
+            scales=scales,
         )
         if record and cast_fwd is not None:
             _keep_stats(cast_fwd, record)
-        # Delayed scaling: the backward casts the input and weight with the forward's scales.
-        ctx.save_for_backward(x, weight, *((scale_x, scale_w) if delayed is not None else ()))
+        if delayed is None and scales:  # dynamic scaling: a scale the backward's cast of the same tensor would make
+            scale_x = scales[0] if same_scale(ops.input, ops.input_for_grad_weight) else None
+            scale_w = scales[1] if same_scale(ops.weight, ops.weight_for_grad_input) else None
+        # The backward casts the input and weight with the forward's scales (delayed scaling's, or the same ones).
+        ctx.save_for_backward(x, weight, scale_x, scale_w)
         ctx.config, ctx.delayed, ctx.state, ctx.cast_bwd = config, delayed, (history, pending), cast_bwd
         ctx.noise = noise
         return out.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, weight, *forward_scales = ctx.saved_tensors
-        scale_x, scale_w = forward_scales or (None, None)
+        x, weight, scale_x, scale_w = ctx.saved_tensors
         ops, delayed = ctx.config.operands, ctx.delayed
         power = ops.power_of_two_scales
         seed = None
@@ -266,6 +275,7 @@ class _Fp8Matmul(torch.autograd.Function):
                 history, pending = ctx.state
                 scale_go = _delayed_scale(history, pending, GRAD_OUTPUT, go, ops.grad_output.dtype, delayed)
             record: list[Any] | None = [] if ctx.cast_bwd is not None else None
+            scales: list[torch.Tensor] = []
             grad_x = fp8_gemm.gemm(
                 go,
                 ops.grad_output,
@@ -277,9 +287,12 @@ class _Fp8Matmul(torch.autograd.Function):
                 scale_b=scale_w,
                 record=record,
                 seed=seed,
+                scales=scales,
             )
             if record:
                 _keep_stats(ctx.cast_bwd, record[:1])
+            if scale_go is None and scales and same_scale(ops.grad_output, ops.grad_output_for_grad_weight):
+                scale_go = scales[0]  # the output gradient's amax is its transpose's: read once
             grad_w = fp8_gemm.gemm(
                 go.t(),
                 ops.grad_output_for_grad_weight,
@@ -293,6 +306,21 @@ class _Fp8Matmul(torch.autograd.Function):
                 seed=None if seed is None else seed + 2,
             )
         return grad_x.reshape(x.shape), grad_w, None, None, None, None, None, None, None
+
+
+def same_scale(first: Operand, again: Operand) -> bool:
+    """Whether a tensor cast for ``first`` and then for ``again`` (the forward's input in the weight gradient's GEMM,
+    its weight in the input gradient's, the output gradient in both of the backward's) is cast with one scale: the
+    same format, one scale for the whole tensor. Dynamic scaling's scale of a tensor is a function of its amax, which
+    its transpose and its zero-padded copy share, so the second cast takes the first's scale, bit for bit, instead of
+    reading the tensor for its amax again (autograd keeps a saved tensor as it was: a write in between raises)."""
+    return (
+        first.dtype is not None
+        and first.dtype == again.dtype
+        and not (first.rowwise or again.rowwise)
+        and first.block is None
+        and again.block is None
+    )
 
 
 def _autocast_off(device_type: str) -> contextlib.AbstractContextManager[Any]:
