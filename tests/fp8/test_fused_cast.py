@@ -147,7 +147,7 @@ def fused_on_cpu(interpreted: fused_cast.Kernels, monkeypatch: pytest.MonkeyPatc
     """``fp8/gemm.py`` and ``fp8/linear.py`` send CPU operands to the interpreted kernels as they send CUDA ones;
     what they called, in order."""
     called: list[str] = []
-    cast, amax = fused_cast.cast, fused_cast.amax
+    cast, amax, delayed_scale = fused_cast.cast, fused_cast.amax, fused_cast.delayed_scale
 
     def counted_cast(*args: Any, **kwargs: Any) -> Any:
         given = args[2] if len(args) > 2 else kwargs.get("scale")
@@ -158,10 +158,15 @@ def fused_on_cpu(interpreted: fused_cast.Kernels, monkeypatch: pytest.MonkeyPatc
         called.append("amax")
         return amax(*args, **kwargs)
 
+    def counted_delayed_scale(*args: Any, **kwargs: Any) -> Any:
+        called.append("delayed scale")
+        return delayed_scale(*args, **kwargs)
+
     monkeypatch.setattr(fused_cast, "usable", lambda t, *rest, **kw: t.dim() == 2 and fused_cast.eligible(*rest, **kw))
     monkeypatch.setattr(fused_cast, "_kernels", lambda: interpreted)
     monkeypatch.setattr(fused_cast, "cast", counted_cast)
     monkeypatch.setattr(fused_cast, "amax", counted_amax)
+    monkeypatch.setattr(fused_cast, "delayed_scale", counted_delayed_scale)
     return called
 
 
@@ -196,8 +201,9 @@ def test_an_fp8_linear_trains_the_same_with_the_fused_cast(
     fused_on_cpu: list[str], recipe: str, dtype: torch.dtype
 ) -> None:
     """Outputs, gradients, the amax history and the recorded cast statistics, bit for bit; every cast fused (and
-    delayed scaling's three amaxes a layer and step recorded through the kernels); the backward's second casts of
-    the input, weight and output gradient take the scales made for their first (one read of each for its amax)."""
+    delayed scaling's three scales a layer and step made, and amaxes recorded, by the kernels); the backward's second
+    casts of the input, weight and output gradient take the scales made for their first (one read of each for its
+    amax)."""
     model = _linear(recipe).to(dtype)
     reference = copy.deepcopy(model)
     with pytest.MonkeyPatch.context() as mp:
@@ -205,11 +211,63 @@ def test_an_fp8_linear_trains_the_same_with_the_fused_cast(
         want = _steps(reference, dtype)
     assert not fused_on_cpu
     got = _steps(model, dtype)
-    amaxes = 2 * 2 * 3 if recipe == "delayed" else 0  # two steps, two layers: input, weight, output gradient
+    delayed = 2 * 2 * 3 if recipe == "delayed" else 0  # two steps, two layers: input, weight, output gradient
     own_scale = 0 if recipe == "delayed" else 2 * 2 * 3  # six operands a layer: three tensors, each cast twice
     assert fused_on_cpu.count("cast") == own_scale and fused_on_cpu.count("cast with a scale") == 2 * 2 * 6 - own_scale
-    assert fused_on_cpu.count("amax") == amaxes
+    assert fused_on_cpu.count("delayed scale") == delayed and "amax" not in fused_on_cpu
     assert bitwise_equal(got, want)
+
+
+def _history(kind: str) -> torch.Tensor:
+    """A delayed-scaling history (input, weight, output gradient rows of four steps, newest first)."""
+    rows = {
+        "empty": torch.zeros(3, 4),  # the first step: each tensor scaled by its own amax
+        "filled": torch.tensor([[3.0, 5.0, 0.25, 1.0], [1e-3, 2e-3, 0.0, 4e-3], [7.0e5, 1.0, 2.0, 3.0]]),
+        "newest zero": torch.tensor([[0.0, 5.0, 9.0, 1.0], [0.0, 0.0, 0.0, 1e-14], [0.0, 1e-30, 2.0, 3.0]]),
+    }
+    return rows[kind]
+
+
+_DELAYED_TENSORS = {
+    "normal": lambda: torch.randn(20, 16, generator=torch.Generator().manual_seed(3)) * 7,
+    "nan": lambda: torch.randn(20, 16).index_put_((torch.tensor([5]), torch.tensor([9])), torch.tensor(float("nan"))),
+    "inf": lambda: torch.randn(20, 16).index_put_((torch.tensor([19]), torch.tensor([0])), torch.tensor(float("inf"))),
+    "zeros": lambda: torch.zeros(20, 16),
+    "tiny": lambda: torch.randn(20, 16, generator=torch.Generator().manual_seed(4)) * 1e-20,
+}
+
+# (tensor, history, algo, margin, format, record, source dtype, role): each value of each, and the cases between them
+# that choose the scale (a history with a positive amax or not; the amax now NaN, inf, zero or below the clamp)
+_DELAYED_CASES = [
+    ("normal", "empty", "max", 0, e4m3, True, torch.float32, 0),
+    ("normal", "filled", "most_recent", 2, e5m2, True, torch.bfloat16, 2),
+    ("nan", "filled", "max", 0, e4m3, True, torch.float32, 1),
+    ("nan", "empty", "max", 3, e5m2, False, torch.bfloat16, 0),
+    ("inf", "filled", "max", 3, e5m2, True, torch.float32, 2),
+    ("inf", "newest zero", "most_recent", 0, e4m3, True, torch.bfloat16, 0),
+    ("zeros", "empty", "most_recent", 2, e4m3, True, torch.float32, 1),
+    ("tiny", "newest zero", "max", 0, e5m2, True, torch.float32, 1),
+    ("tiny", "empty", "max", 0, e4m3, False, torch.bfloat16, 2),
+    ("normal", "newest zero", "most_recent", 3, e5m2, False, torch.float32, 1),
+]
+
+
+def test_delayed_scaling_scale_and_record_are_atens_bit_for_bit(fused_on_cpu: list[str]) -> None:
+    """Delayed scaling's scale of a tensor (its history's largest or newest amax, its own where that is not
+    positive; the margin; the scale's clamp) and its record into the pending amaxes (a max; not where non-finite),
+    by the kernels as by the ATen ops: each history, algorithm, margin, format, role and source dtype."""
+    from mixprec._src.fp8 import linear as fp8_linear
+
+    for tensor, history, algo, margin, dtype, record, source, role in _DELAYED_CASES:
+        delayed = fp8_linear._Delayed(margin, mixprec.AmaxAlgo(algo), record)
+        t = _DELAYED_TENSORS[tensor]().to(source)
+        got_pending, want_pending = torch.tensor([0.5, 0.0, 1e6]), torch.tensor([0.5, 0.0, 1e6])
+        got = fp8_linear._delayed_scale(_history(history), got_pending, role, t, dtype, delayed, record)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv(fused_cast.ENV, "0")
+            want = fp8_linear._delayed_scale(_history(history), want_pending, role, t, dtype, delayed, record)
+        assert same_number(got, want) and bitwise_equal(got_pending, want_pending), (tensor, history, got, want)
+    assert fused_on_cpu == ["delayed scale"] * len(_DELAYED_CASES)
 
 
 def test_rowwise_stays_with_the_aten_ops(fused_on_cpu: list[str]) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["amax_tiles", "cast_tiles"]
+__all__ = ["amax_tiles", "cast_tiles", "delayed_scale"]
 
 
 @triton.jit
@@ -76,3 +76,47 @@ def cast_tiles(  # type: ignore[no-untyped-def]
     code = tl.where(mag >= ((128 - BIAS) << 23), normal, small)
     code = tl.where(nan, NAN, code) | sign
     tl.store(out + r[:, None] * o0 + c[None, :] * o1, code.to(tl.uint8), mask=inside)
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def delayed_scale(  # type: ignore[no-untyped-def]
+    tiles, n, row, length, pending, scale,
+    RECORD: tl.constexpr, MOST_RECENT: tl.constexpr, EPS: tl.constexpr, FP8_MAX: tl.constexpr,
+    MARGIN: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """One program: delayed scaling's scale of a tensor (its amax from its tiles' ``amax_tiles``) from the tensor's
+    amax history ``row`` (its largest or its newest; the amax now where that is not positive), ``MARGIN`` being
+    ``2 ** margin``; with ``RECORD``, the amax now (where finite) into its ``pending`` slot, as a max."""
+    # each fold: the largest value, NaN where one is NaN (ATen's amax); written out twice, with tl.full for zeros
+    # and while loops (Triton's interpreter calls no jit function, tl.zeros is one, but a reduction's combine, and
+    # takes no runtime bound in a range under numpy 2)
+    offs = tl.arange(0, BLOCK)
+    top = tl.full((BLOCK,), 0.0, tl.float32)
+    nan = tl.full((BLOCK,), 0, tl.int32)
+    start = 0
+    while start < n:
+        v = tl.load(tiles + start + offs, mask=start + offs < n, other=0.0)
+        nan = tl.maximum(nan, (v != v).to(tl.int32))
+        top = tl.maximum(top, tl.where(v != v, 0.0, v))
+        start += BLOCK
+    now = tl.where(tl.reduce(nan, 0, _larger) > 0, float("nan"), tl.reduce(top, 0, _larger))
+    if MOST_RECENT:
+        past = tl.load(row)
+    else:
+        top = tl.full((BLOCK,), 0.0, tl.float32)
+        nan = tl.full((BLOCK,), 0, tl.int32)
+        start = 0
+        while start < length:
+            v = tl.load(row + start + offs, mask=start + offs < length, other=0.0)
+            nan = tl.maximum(nan, (v != v).to(tl.int32))
+            top = tl.maximum(top, tl.where(v != v, 0.0, v))
+            start += BLOCK
+        past = tl.where(tl.reduce(nan, 0, _larger) > 0, float("nan"), tl.reduce(top, 0, _larger))
+    wide = tl.where(past > 0, past, now).to(tl.float64)
+    eps = tl.full((), EPS, tl.float64)  # a float constant alone would be fp32
+    clamped = tl.where(wide != wide, wide, tl.where(wide < eps, eps, wide))
+    tl.store(scale, (((1.0 / clamped) * FP8_MAX) / MARGIN).to(tl.float32))
+    if RECORD:
+        held = tl.load(pending)
+        seen = tl.where((now == now) & (tl.abs(now) != float("inf")), now, 0.0)
+        tl.store(pending, tl.where(held != held, held, tl.maximum(held, seen)))

@@ -16,8 +16,10 @@ The rounding is integer arithmetic on the fp32 bits (no conversion instruction),
 bits on a GPU and in Triton's interpreter on a CPU, where the tests hold them to the ATen ops bit for bit. Taken only
 where the ops would be the same ones: tensorwise scales not rounded to powers of two, e4m3fn or e5m2, a CUDA tensor
 with int32 offsets, not while compiling (inductor fuses the ops itself) and not under a dispatch mode (which must see
-the ops). With ``scale`` given (delayed scaling), only the cast runs; delayed scaling's record of the amax takes
-:func:`amax` (the first kernel and the reduction). Nothing syncs with the host.
+the ops). With ``scale`` given (delayed scaling), only the cast runs. Delayed scaling's scale (from the tensor's
+amax history, the amax now recorded) takes :func:`delayed_scale`: the first kernel, then one program that folds the
+tiles and the history, makes the scale and keeps the amax (``delayed_scale`` in the kernels' module). Nothing syncs
+with the host.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import torch
 
 from mixprec._src import dispatch_modes
 
-__all__ = ["BLOCK", "ENV", "Kernels", "amax", "build", "cast", "eligible", "has_triton", "usable"]
+__all__ = ["BLOCK", "ENV", "Kernels", "amax", "build", "cast", "delayed_scale", "eligible", "has_triton", "usable"]
 
 #: a tile's rows and columns (a program's share of a cast)
 BLOCK = 64
@@ -50,6 +52,7 @@ class Kernels:
 
     def __init__(self, module: Any, block: int = BLOCK) -> None:
         self.amax_tiles, self.cast_tiles, self.cdiv = module.amax_tiles, module.cast_tiles, module.triton.cdiv
+        self.delayed_scale = module.delayed_scale
         self.block = block
 
 
@@ -119,8 +122,7 @@ def cast(
 
 
 def amax(t: torch.Tensor, *, kernels: Kernels | None = None) -> torch.Tensor:
-    """The fp32 amax of the 2-d ``t``, as ``t.abs().amax().float()`` (delayed scaling's record): one read, no
-    ``abs`` copy."""
+    """The fp32 amax of the 2-d ``t``, as ``t.abs().amax().float()``: one read, no ``abs`` copy."""
     with _on_device_of(t):
         return _amax(t, kernels if kernels is not None else _kernels())
 
@@ -130,10 +132,49 @@ def _on_device_of(t: torch.Tensor) -> contextlib.AbstractContextManager[Any]:
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
-def _amax(t: torch.Tensor, k: Kernels) -> torch.Tensor:
+def delayed_scale(
+    t: torch.Tensor,
+    row: torch.Tensor,
+    pending: torch.Tensor,
+    dtype: torch.dtype,
+    *,
+    most_recent: bool,
+    margin: int,
+    record: bool,
+    eps: float,
+    kernels: Kernels | None = None,
+) -> torch.Tensor:
+    """Delayed scaling's fp32 scale of the 2-d ``t`` in ``dtype`` from its amax history ``row`` (contiguous fp32:
+    its largest amax, or ``most_recent`` its first; ``t``'s own amax where that is not positive), ``margin`` powers
+    of two below; with ``record``, ``t``'s amax (where finite) kept in the 0-d ``pending`` as a max, in place. Two
+    launches (each tile's amax, then one program for the rest) where ``fp8/linear.py``'s ATen ops take about
+    fifteen; the same bits."""
+    with _on_device_of(t):
+        k = kernels if kernels is not None else _kernels()
+        tiles = _tiles(t, k)
+        scale = torch.empty((), dtype=torch.float32, device=t.device)
+        k.delayed_scale[(1,)](
+            tiles, tiles.numel(), row, row.numel(), pending, scale, RECORD=record, MOST_RECENT=most_recent, EPS=eps,
+            FP8_MAX=float(torch.finfo(dtype).max), MARGIN=float(2.0**margin), BLOCK=_FOLD,
+        )  # fmt: skip
+    if record:
+        torch.autograd.graph.increment_version(pending)  # as the in-place write it replaces
+    return scale
+
+
+#: the values one program of ``delayed_scale`` folds at a time
+_FOLD = 1024
+
+
+def _tiles(t: torch.Tensor, k: Kernels) -> torch.Tensor:
     grid = (k.cdiv(t.shape[0], k.block), k.cdiv(t.shape[1], k.block))
     tiles = torch.empty(grid, dtype=torch.float32, device=t.device)
     k.amax_tiles[grid](t, tiles, t.shape[0], t.shape[1], t.stride(0), t.stride(1), BLOCK=k.block)
+    return tiles
+
+
+def _amax(t: torch.Tensor, k: Kernels) -> torch.Tensor:
+    tiles = _tiles(t, k)
     return tiles.amax()  # NaN where a tile holds one, as the amax of ``t``
 
 

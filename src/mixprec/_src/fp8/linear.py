@@ -183,10 +183,18 @@ def _delayed_scale(
     record: bool = True,
 ) -> torch.Tensor:
     """The scale of ``role`` from past steps (the current amax before any); ``record``: note the current amax."""
-    if fused_cast.usable(t, dtype, rowwise=False, power_of_two=False):
-        now = fused_cast.amax(t.detach())  # CUDA, eager: one read, no abs copy
-    else:
-        now = t.detach().abs().amax().float()
+    if fused_cast.usable(t, dtype, rowwise=False, power_of_two=False):  # CUDA, eager: two launches, the same bits
+        return fused_cast.delayed_scale(
+            t.detach(),
+            history[role],
+            pending[role],
+            dtype,
+            most_recent=delayed.algo is AmaxAlgo.MOST_RECENT,
+            margin=delayed.margin,
+            record=record,
+            eps=fp8_gemm.EPS,
+        )
+    now = t.detach().abs().amax().float()
     if record:
         with torch.no_grad():  # a non-finite amax (an overflowed step GradScaler skips) is not recorded
             pending[role] = torch.maximum(pending[role], torch.where(now.isfinite(), now, 0.0))
