@@ -1017,6 +1017,12 @@ MUTANTS = (
     Mutant("fused-fp8-cast-given-scale-ignored", "the fused fp8 cast scales by the operand's own amax where delayed "
            "scaling gave it a scale", S + "fp8/gemm.py", "fused_cast.cast(t, op.dtype, given,",
            "fused_cast.cast(t, op.dtype, None,", FUSED_CAST_TESTS),
+    Mutant("sr-step-captured", "a bf16-sr step inside a CUDA graph capture goes on (its host noise baked in)",
+           S + "step/sr_noise.py", "    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():",
+           "    if False:", ("tests/step/test_stochastic_rounding.py",)),
+    Mutant("sr-capture-refused-after-the-counts", "a bf16-sr step with quantized state counts its steps before it "
+           "refuses a capture", S + "step/low_bit_state.py", "            refuse_capture()  # before anything",
+           "            pass  # before anything", ("tests/step/test_stochastic_rounding.py",)),
     Mutant("fused-delayed-newest-is-second", "the fused delayed scale's most recent amax is the history's second",
            S + "fp8/cast_kernels.py", "        past = tl.load(row)\n", "        past = tl.load(row + 1)\n",
            FUSED_CAST_TESTS),

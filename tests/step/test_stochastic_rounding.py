@@ -366,3 +366,35 @@ def test_bf16_sr_pre_hook_clipping_model_parameters_clips_the_update() -> None:
         return [p.detach().clone() for p in model.parameters()]
 
     assert bitwise_equal(run(clip_in_hook=True), run(clip_in_hook=False))
+
+
+@pytest.mark.parametrize(
+    ("make", "state"),
+    [
+        (lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True), "fp32"),
+        (lambda ps: torch.optim.SGD(ps, lr=0.1), "fp32"),  # the generic path: fp32 copies, then the rounding
+        (lambda ps: torch.optim.AdamW(ps, lr=1e-3), "8bit"),  # quantized state's own list step
+    ],
+)
+def test_a_bf16_sr_step_refuses_cuda_graph_capture(make: Any, state: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The noise comes from host integers a graph would replay: a step captured into a CUDA graph raises, and says
+    what to do, before it writes anything (simulated on the CPU: torch's own check, which passes for capturable
+    groups, left out)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+    model, opt = mixprec.prepare(model, make(model.parameters()), level="bf16-sr", optimizer_state=state)
+    F.mse_loss(model(torch.randn(8, 64)).float(), torch.randn(8, 4)).backward()
+    opt.step()  # the state made (a quantized state's codes, step counts)
+    F.mse_loss(model(torch.randn(8, 64)).float(), torch.randn(8, 4)).backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    held = copy.deepcopy(opt.state_dict())
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(torch.optim.Optimizer, "_cuda_graph_capture_health_check", lambda self: None)
+    with pytest.raises(RuntimeError, match=r"cannot be captured in a CUDA graph.*outside the graph"):
+        opt.step()
+    assert bitwise_equal(before, [p.detach() for p in model.parameters()])
+    assert bitwise_equal(held, opt.state_dict())  # nothing counted or written
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    opt.step()  # not capturing: steps
+    assert not bitwise_equal(before, [p.detach() for p in model.parameters()])

@@ -2,8 +2,9 @@
 
 The noise is a pure function of a seed, a step counter, the tensor's position in the optimizer
 and each element's index in the *whole* tensor (a Weyl sequence), so a checkpoint carries it
-and a weight sharded by FSDP2 rounds as it would in one process. Nothing here syncs with the
-device but :func:`draw_seed` (one broadcast under a process group).
+and a weight sharded by FSDP2 rounds as it would in one process. The seed and the counter are host integers, so a
+CUDA graph would replay one step's noise at every step: :func:`refuse_capture` says so where a step is captured.
+Nothing here syncs with the device but :func:`draw_seed` (one broadcast under a process group).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from mixprec._src import sharding
 
 __all__ = [
     "draw_seed",
+    "refuse_capture",
     "seed_tensor",
     "seeds_from",
     "shard_seed",
@@ -26,6 +28,19 @@ __all__ = [
     "stochastic_write",
     "tensor_seed",
 ]
+
+
+def refuse_capture() -> None:
+    """Raise where a CUDA graph is being captured: the step's noise comes from host integers (a seed and a step
+    count), which every replay of the graph would reuse, so the rounding would repeat one pattern, biased, step after
+    step. A host-side check, no sync."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "bf16-sr's stochastic rounding cannot be captured in a CUDA graph: its noise comes from a seed and a step "
+            "count kept on the host, so every replay would round with the captured step's noise. Capture the forward "
+            "and backward only and call optimizer.step() outside the graph (torch.compile already runs it eagerly), "
+            "or train with level 'bf16-kahan', whose rounding has no noise"
+        )
 
 
 def stochastic_round(x: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tensor:

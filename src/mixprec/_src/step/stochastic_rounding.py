@@ -25,7 +25,7 @@ from mixprec._src.optim import cpu_lists
 from mixprec._src.step import versions
 from mixprec._src.step.host_counts import HostCounts
 from mixprec._src.step.sr_kernel import adam_scalars, adam_sr_update, compiled_kernel, fused_supported
-from mixprec._src.step.sr_noise import seed_tensor, shard_seed, sr_bits, tensor_seed
+from mixprec._src.step.sr_noise import refuse_capture, seed_tensor, shard_seed, sr_bits, tensor_seed
 
 __all__ = [
     "SEED_KEY",
@@ -60,7 +60,8 @@ class Restore:
 
 
 def _advance(group: dict[str, Any]) -> tuple[int, int]:
-    """Count one more step for ``group``; its seed and the new count."""
+    """Count one more step for ``group``; its seed and the new count (never inside a CUDA graph capture)."""
+    refuse_capture()
     group[STEP_KEY] = int(group[STEP_KEY]) + 1
     return int(group[SEED_KEY]), int(group[STEP_KEY])
 
