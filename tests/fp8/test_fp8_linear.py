@@ -76,11 +76,14 @@ def test_bitwise_equal_to_torchao_float8_linear(recipe: str, dtype: torch.dtype,
 
 
 @pytest.mark.usefixtures("aten_fp8_gemm")
-@pytest.mark.parametrize(("recipe", "reads"), [("tensorwise", 3), ("delayed", 0), ("rowwise", 6)])
-def test_each_tensor_is_read_for_its_amax_once_a_step(recipe: str, reads: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Dynamic tensorwise scaling reads the input, the weight and the output gradient for their amax once each (the
-    backward's second casts take the scales already made: bit for bit torchao's, above); delayed scaling reads them
-    for its record, not in the GEMMs; rowwise scales each cast along another axis, so every cast reads."""
+@pytest.mark.parametrize(("recipe", "reads"), [("tensorwise", 5), ("delayed", 0), ("rowwise", 6)])
+def test_the_output_gradient_is_read_for_its_amax_once_a_backward(
+    recipe: str, reads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Dynamic tensorwise scaling reads the output gradient for its amax once (the weight gradient's cast takes the
+    scale the input gradient's made: bit for bit torchao's, above), the input and the weight in each pass; delayed
+    scaling reads them for its record, not in the GEMMs; rowwise scales each cast along another axis, so every cast
+    reads."""
     from mixprec._src.fp8 import gemm as fp8_gemm
 
     read: list[torch.Tensor] = []

@@ -201,9 +201,8 @@ def test_an_fp8_linear_trains_the_same_with_the_fused_cast(
     fused_on_cpu: list[str], recipe: str, dtype: torch.dtype
 ) -> None:
     """Outputs, gradients, the amax history and the recorded cast statistics, bit for bit; every cast fused (and
-    delayed scaling's three scales a layer and step made, and amaxes recorded, by the kernels); the backward's second
-    casts of the input, weight and output gradient take the scales made for their first (one read of each for its
-    amax)."""
+    delayed scaling's three scales a layer and step made, and amaxes recorded, by the kernels); the weight gradient's
+    cast of the output gradient takes the scale made for its first cast (one read of it for its amax)."""
     model = _linear(recipe).to(dtype)
     reference = copy.deepcopy(model)
     with pytest.MonkeyPatch.context() as mp:
@@ -212,7 +211,7 @@ def test_an_fp8_linear_trains_the_same_with_the_fused_cast(
     assert not fused_on_cpu
     got = _steps(model, dtype)
     delayed = 2 * 2 * 3 if recipe == "delayed" else 0  # two steps, two layers: input, weight, output gradient
-    own_scale = 0 if recipe == "delayed" else 2 * 2 * 3  # six operands a layer: three tensors, each cast twice
+    own_scale = 0 if recipe == "delayed" else 2 * 2 * 5  # six operands a layer: the output gradient's second cast
     assert fused_on_cpu.count("cast") == own_scale and fused_on_cpu.count("cast with a scale") == 2 * 2 * 6 - own_scale
     assert fused_on_cpu.count("delayed scale") == delayed and "amax" not in fused_on_cpu
     assert bitwise_equal(got, want)
@@ -300,7 +299,7 @@ def test_the_fp8_bench_runs_its_aten_cast_rows_with_the_fused_cast_off(
     runs["tensorwise" + bench.ATEN]()
     assert not fused_on_cpu and os.environ[fused_cast.ENV] == "1"
     runs["tensorwise"]()
-    assert fused_on_cpu.count("cast") == 3 and fused_on_cpu.count("cast with a scale") == 3
+    assert fused_on_cpu.count("cast") == 5 and fused_on_cpu.count("cast with a scale") == 1
 
 
 @requires_cuda
@@ -332,3 +331,20 @@ def test_cuda_fp8_linear_is_the_same_with_and_without_the_fused_cast(recipe: str
         mp.setenv(fused_cast.ENV, "0")
         want = _steps(reference, torch.bfloat16, "cuda")
     assert bitwise_equal(_steps(model, torch.bfloat16, "cuda"), want)
+
+
+@requires_cuda
+def test_cuda_delayed_scaling_scale_and_record_are_atens_bit_for_bit() -> None:
+    """On the GPU: delayed scaling's scale and record by the kernels as by CUDA's ATen ops, over the same cases."""
+    from mixprec._src.fp8 import linear as fp8_linear
+
+    for tensor, history, algo, margin, dtype, record, source, role in _DELAYED_CASES:
+        delayed = fp8_linear._Delayed(margin, mixprec.AmaxAlgo(algo), record)
+        t = _DELAYED_TENSORS[tensor]().to(device="cuda", dtype=source)
+        pending = torch.tensor([0.5, 0.0, 1e6], device="cuda")
+        got_pending, want_pending = pending.clone(), pending.clone()
+        got = fp8_linear._delayed_scale(_history(history).cuda(), got_pending, role, t, dtype, delayed, record)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv(fused_cast.ENV, "0")
+            want = fp8_linear._delayed_scale(_history(history).cuda(), want_pending, role, t, dtype, delayed, record)
+        assert same_number(got, want) and bitwise_equal(got_pending, want_pending), (tensor, history, got, want)

@@ -15,10 +15,9 @@ Recording is a max, so a recompute (activation checkpointing) or a second micro-
 neither advances the history nor changes the scale used within a step; the history advances
 once per optimizer step (a hook prepare installs), after the amax is all-reduced across ranks.
 
-Each of the three tensors is read for its amax once a step: dynamic scaling's backward casts the input and the
-weight with the scales the forward made of them, and the output gradient's second cast with its first one's
-(:func:`same_scale`: where the recipe casts a tensor to one format with one scale both times), the same bits as
-reading each again. Nothing here syncs with the device.
+The output gradient is read for its amax once a backward: its second cast takes its first one's scale
+(:func:`same_scale`: where the recipe casts it to one format with one scale both times), the same bits as reading it
+again. Nothing here syncs with the device.
 """
 
 from __future__ import annotations
@@ -241,7 +240,6 @@ class _Fp8Matmul(torch.autograd.Function):
                 delayed.record,
             )
         record: list[Any] | None = [] if cast_fwd is not None else None
-        scales: list[torch.Tensor] = []
         out = fp8_gemm.gemm(
             x2,
             ops.input,
@@ -253,22 +251,21 @@ class _Fp8Matmul(torch.autograd.Function):
             scale_a=scale_x,
             scale_b=scale_w,
             record=record,
-            scales=scales,
         )
         if record and cast_fwd is not None:
             _keep_stats(cast_fwd, record)
-        if delayed is None and scales:  # dynamic scaling: a scale the backward's cast of the same tensor would make
-            scale_x = scales[0] if same_scale(ops.input, ops.input_for_grad_weight) else None
-            scale_w = scales[1] if same_scale(ops.weight, ops.weight_for_grad_input) else None
-        # The backward casts the input and weight with the forward's scales (delayed scaling's, or the same ones).
-        ctx.save_for_backward(x, weight, scale_x, scale_w)
+        # Delayed scaling: the backward casts the input and weight with the forward's scales. (Dynamic scaling reads
+        # them again there: saving their scales too would keep two more tensors a call for the backward, which
+        # memory_plan counts exactly.)
+        ctx.save_for_backward(x, weight, *((scale_x, scale_w) if delayed is not None else ()))
         ctx.config, ctx.delayed, ctx.state, ctx.cast_bwd = config, delayed, (history, pending), cast_bwd
         ctx.noise = noise
         return out.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, weight, scale_x, scale_w = ctx.saved_tensors
+        x, weight, *forward_scales = ctx.saved_tensors
+        scale_x, scale_w = forward_scales or (None, None)
         ops, delayed = ctx.config.operands, ctx.delayed
         power = ops.power_of_two_scales
         seed = None
@@ -317,11 +314,10 @@ class _Fp8Matmul(torch.autograd.Function):
 
 
 def same_scale(first: Operand, again: Operand) -> bool:
-    """Whether a tensor cast for ``first`` and then for ``again`` (the forward's input in the weight gradient's GEMM,
-    its weight in the input gradient's, the output gradient in both of the backward's) is cast with one scale: the
-    same format, one scale for the whole tensor. Dynamic scaling's scale of a tensor is a function of its amax, which
-    its transpose and its zero-padded copy share, so the second cast takes the first's scale, bit for bit, instead of
-    reading the tensor for its amax again (autograd keeps a saved tensor as it was: a write in between raises)."""
+    """Whether a tensor cast for ``first`` and then for ``again`` (the output gradient in the backward's two GEMMs)
+    is cast with one scale: the same format, one scale for the whole tensor. Dynamic scaling's scale of a tensor is
+    a function of its amax, which its transpose and its zero-padded copy share, so the second cast takes the first's
+    scale, bit for bit, instead of reading the tensor for its amax again."""
     return (
         first.dtype is not None
         and first.dtype == again.dtype

@@ -28,17 +28,9 @@ import torch
 
 from mixprec._src import sharding
 from mixprec._src.optim import adam, cpu_adam, cpu_lists, fused_adam, moments, sgd
-from mixprec._src.step import bf16_state, kahan, own_step, state_checks, versions
+from mixprec._src.step import bf16_state, kahan, own_step, sr_noise, state_checks, versions
 from mixprec._src.step.host_counts import HostCounts
-from mixprec._src.step.sr_noise import (
-    moved,
-    refuse_capture,
-    seeds_from,
-    shard_seed,
-    sr_bits,
-    stochastic_write,
-    tensor_seed,
-)
+from mixprec._src.step.sr_noise import moved, seeds_from, shard_seed, sr_bits, stochastic_write, tensor_seed
 from mixprec._src.step.state_dicts import capacity, keep_codes_on_load, sharded_codes
 from mixprec._src.step.stochastic_rounding import SEED_KEY, STEP_KEY, Restore, positions, step_eagerly
 from mixprec._src.step.taken_before import TakenBefore
@@ -71,7 +63,7 @@ def install(
 
     def _init_group(self: torch.optim.Optimizer, group: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
         if writeback == "stochastic":
-            refuse_capture()  # before anything is counted or written
+            sr_noise.refuse_capture()  # before anything is counted or written
         decoupled = _decoupled(self, group)
         momentum = isinstance(self, torch.optim.SGD)
         where = positions(self) if writeback == "stochastic" or precision == moments.BF16 else {}
@@ -299,7 +291,7 @@ def _seed(group: dict[str, Any], where: dict[int, int], p: torch.Tensor, offset:
 def _seed_counts(group: dict[str, Any]) -> tuple[int, int]:
     """The group's seed and the count bf16-sr's weights are rounded with (its next: its step advances it after the
     weights are written; never inside a CUDA graph capture)."""
-    refuse_capture()
+    sr_noise.refuse_capture()
     return int(group[SEED_KEY]), int(group[STEP_KEY]) + 1
 
 
