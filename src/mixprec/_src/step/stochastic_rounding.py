@@ -69,9 +69,8 @@ def _advance(group: dict[str, Any]) -> tuple[int, int]:
 def positions(optimizer: torch.optim.Optimizer) -> dict[int, int]:
     """id(tensor) -> its position in the optimizer (group after group): part of its seed.
 
-    While :func:`fixed_positions` holds (one parameter stepped at a time, in a param group of its own),
-    the positions of the optimizer's real groups.
-    """
+    While :func:`fixed_positions` holds (one parameter stepped at a time, in a param group of its own), the positions
+    of the optimizer's real groups."""
     fixed: dict[int, int] | None = optimizer.__dict__.get(_POSITIONS)
     if fixed is not None:
         return fixed
