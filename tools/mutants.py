@@ -1023,6 +1023,8 @@ MUTANTS = (
     Mutant("sr-capture-refused-after-the-counts", "a bf16-sr step with quantized state counts its steps before it "
            "refuses a capture", S + "step/low_bit_state.py", "            sr_noise.refuse_capture()  # before anything",
            "            pass  # before anything", ("tests/step/test_stochastic_rounding.py",)),
+    Mutant("fused-delayed-any-history-dtype", "the fused delayed scale folds an fp16 history", S + "fp8/linear.py",
+           "        history.dtype in (torch.float32, torch.bfloat16)\n", "        True\n", FUSED_CAST_TESTS),
     Mutant("fused-delayed-newest-is-second", "the fused delayed scale's most recent amax is the history's second",
            S + "fp8/cast_kernels.py", "        past = tl.load(row)\n", "        past = tl.load(row + 1)\n",
            FUSED_CAST_TESTS),

@@ -269,6 +269,17 @@ def test_delayed_scaling_scale_and_record_are_atens_bit_for_bit(fused_on_cpu: li
     assert fused_on_cpu == ["delayed scale"] * len(_DELAYED_CASES)
 
 
+def test_a_history_in_another_dtype_stays_with_the_aten_ops(fused_on_cpu: list[str]) -> None:
+    """A model's ``.half()`` narrows delayed scaling's history to fp16, which the kernel does not fold: the ATen ops
+    make that scale (fp32 and bf16 histories take the kernels, above and in training)."""
+    from mixprec._src.fp8 import linear as fp8_linear
+
+    delayed = fp8_linear._Delayed(0, mixprec.AmaxAlgo.MAX, True)
+    pending = torch.zeros(3, dtype=torch.float16)
+    fp8_linear._delayed_scale(_history("filled").half(), pending, 0, torch.randn(20, 16), e4m3, delayed)
+    assert not fused_on_cpu and pending[0] > 0
+
+
 def test_rowwise_stays_with_the_aten_ops(fused_on_cpu: list[str]) -> None:
     _steps(_linear("rowwise").to(torch.bfloat16), torch.bfloat16)
     assert not fused_on_cpu

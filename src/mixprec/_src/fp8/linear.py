@@ -182,10 +182,14 @@ def _delayed_scale(
     record: bool = True,
 ) -> torch.Tensor:
     """The scale of ``role`` from past steps (the current amax before any); ``record``: note the current amax."""
-    if fused_cast.usable(t, dtype, rowwise=False, power_of_two=False):  # CUDA, eager: two launches, the same bits
+    if (  # CUDA, eager: two launches, the same bits (an fp32 or bf16 history: a model's .to() may narrow it)
+        history.dtype in (torch.float32, torch.bfloat16)
+        and pending.dtype is history.dtype
+        and fused_cast.usable(t, dtype, rowwise=False, power_of_two=False)
+    ):
         return fused_cast.delayed_scale(
             t.detach(),
-            history[role],
+            history[role].contiguous(),
             pending[role],
             dtype,
             most_recent=delayed.algo is AmaxAlgo.MOST_RECENT,
