@@ -1025,6 +1025,12 @@ MUTANTS = (
            "            pass  # before anything", ("tests/step/test_stochastic_rounding.py",)),
     Mutant("fused-delayed-any-history-dtype", "the fused delayed scale folds an fp16 history", S + "fp8/linear.py",
            "        history.dtype in (torch.float32, torch.bfloat16)\n", "        True\n", FUSED_CAST_TESTS),
+    Mutant("fused-delayed-scale-in-fp32", "the fused delayed scale divides in fp32 (on a GPU, Triton's approximate "
+           "division)", S + "fp8/cast_kernels.py", "(((1.0 / clamped) * FP8_MAX) / MARGIN)",
+           "(((1.0 / clamped.to(tl.float32)) * FP8_MAX) / MARGIN)", FUSED_CAST_TESTS),
+    Mutant("fused-cast-scalar-stores", "the fused cast's codes are stored a byte at a time (the layout's stride of 1 "
+           "hidden from Triton)", S + "fp8/cast_kernels.py", "tl.store(out + r[:, None] * o0 + c[None, :] * o1,",
+           "tl.store(out + r[:, None] * (o0 * (rows // rows)) + c[None, :] * (o1 * (rows // rows)),", FUSED_CAST_TESTS),
     Mutant("fused-delayed-newest-is-second", "the fused delayed scale's most recent amax is the history's second",
            S + "fp8/cast_kernels.py", "        past = tl.load(row)\n", "        past = tl.load(row + 1)\n",
            FUSED_CAST_TESTS),

@@ -20,7 +20,7 @@ from mixprec._src.fp8 import conversion as fp8_conversion
 from mixprec._src.fp8 import fused_cast
 from mixprec._src.fp8 import gemm as fp8_gemm
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
 pytestmark = [  # numpy's warnings inside the interpreter: inf * 0, 1 / 0 (IEEE's NaN and inf, as on the GPU)
     pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
     pytest.mark.filterwarnings("ignore:divide by zero encountered:RuntimeWarning"),
@@ -359,3 +359,53 @@ def test_cuda_delayed_scaling_scale_and_record_are_atens_bit_for_bit() -> None:
             mp.setenv(fused_cast.ENV, "0")
             want = fp8_linear._delayed_scale(_history(history).cuda(), want_pending, role, t, dtype, delayed, record)
         assert same_number(got, want) and bitwise_equal(got_pending, want_pending), (tensor, history, got, want)
+
+
+def _compiled_for_sm90(kernel: Any, signature: dict[str, str], constexprs: dict[str, Any]) -> Any:
+    """``kernel`` compiled by Triton's own CUDA compiler for an H100-class GPU (sm_90), offline: no GPU needed. The
+    pointers and the other integers are specialized as Triton specializes them at a launch (16-byte aligned and
+    multiples of 16; a stride of 1 a constant), so the code is what a launch on those shapes runs."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    aligned = {(i,): [["tt.divisibility", 16]] for i, kind in enumerate(signature.values()) if kind != "constexpr"}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=aligned)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32))
+
+
+_CAST = {"x": "*bf16", "amax": "*fp32", "scale": "*fp32", "inverse": "*fp32", "out": "*u8", "rows": "i32",
+         "cols": "i32", "s0": "i32", "s1": "constexpr", "o0": "i32", "o1": "i32"}  # fmt: skip
+_CAST_CONSTANTS = {"FROM_AMAX": True, "EPS": fp8_gemm.EPS, "FP8_MAX": 448.0, "BIAS": 7, "MANTISSA": 3, "NAN": 0x7F,
+                   "BLOCK": fused_cast.BLOCK}  # fmt: skip
+
+
+@pytest.mark.parametrize("column_major", [False, True])
+def test_the_cast_compiles_for_a_gpu_to_wide_loads_and_stores(
+    column_major: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A row-major bf16 operand is read, and its codes written in either layout, 16 bytes an access (no strided
+    access a value: coalesced), through shared memory once where the layout turns; the scale is divided in fp64 to
+    nearest (``div.rn.f64``), as the bits need."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    kernels = fused_cast.build()
+    unit = "o0" if column_major else "o1"  # the output's stride of 1
+    signature = {**_CAST, unit: "constexpr", **dict.fromkeys(_CAST_CONSTANTS, "constexpr")}
+    compiled = _compiled_for_sm90(kernels.cast_tiles, signature, {"s1": 1, unit: 1, **_CAST_CONSTANTS})
+    ptx, ttgir = compiled.asm["ptx"], compiled.asm["ttgir"]
+    assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx, "not 16-byte accesses"
+    assert ttgir.count("ttg.convert_layout") == int(column_major)
+    assert "div.rn.f64" in ptx
+
+
+@pytest.mark.parametrize("record", [True, False])
+@pytest.mark.parametrize("most_recent", [True, False])
+def test_the_delayed_scale_compiles_for_a_gpu_in_fp64_to_nearest(
+    record: bool, most_recent: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    signature = {"tiles": "*fp32", "n": "i32", "row": "*fp32", "length": "i32", "pending": "*fp32", "scale": "*fp32"}
+    constants = {"RECORD": record, "MOST_RECENT": most_recent, "EPS": fp8_gemm.EPS, "FP8_MAX": 448.0, "MARGIN": 2.0,
+                 "BLOCK": 1024}  # fmt: skip
+    signature.update(dict.fromkeys(constants, "constexpr"))
+    ptx = _compiled_for_sm90(fused_cast.build().delayed_scale, signature, constants).asm["ptx"]
+    assert ptx.count("div.rn.f64") == 2 and "cvt.rn.f32.f64" in ptx  # 1 / amax, / 2**margin; rounded to fp32 once
