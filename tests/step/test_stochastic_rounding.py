@@ -372,7 +372,7 @@ def test_bf16_sr_pre_hook_clipping_model_parameters_clips_the_update() -> None:
     ("make", "state"),
     [
         (lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True), "fp32"),
-        (lambda ps: torch.optim.SGD(ps, lr=0.1), "fp32"),  # the generic path: fp32 copies, then the rounding
+        (lambda ps: torch.optim.SGD(ps, lr=0.1), "fp32"),  # install_generic's step (on the CPU, SGD's list kernel)
         (lambda ps: torch.optim.AdamW(ps, lr=1e-3), "8bit"),  # quantized state's own list step
     ],
 )
