@@ -1032,7 +1032,7 @@ MUTANTS = (
            "hidden from Triton)", S + "fp8/cast_kernels.py", "tl.store(out + r[:, None] * o0 + c[None, :] * o1,",
            "tl.store(out + r[:, None] * (o0 * (rows // rows)) + c[None, :] * (o1 * (rows // rows)),", FUSED_CAST_TESTS),
     Mutant("fused-delayed-newest-is-second", "the fused delayed scale's most recent amax is the history's second",
-           S + "fp8/cast_kernels.py", "        past = tl.load(row)\n", "        past = tl.load(row + 1)\n",
+           S + "fp8/cast_kernels.py", "past = tl.load(row) if MOST_RECENT", "past = tl.load(row + 1) if MOST_RECENT",
            FUSED_CAST_TESTS),
     Mutant("fused-delayed-margin-ignored", "the fused delayed scale leaves out the margin", S + "fp8/cast_kernels.py",
            "(((1.0 / clamped) * FP8_MAX) / MARGIN)", "((1.0 / clamped) * FP8_MAX)", FUSED_CAST_TESTS),

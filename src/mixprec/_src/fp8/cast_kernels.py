@@ -79,6 +79,23 @@ def cast_tiles(  # type: ignore[no-untyped-def]
 
 
 @triton.jit  # type: ignore[untyped-decorator]
+def _largest(x, n, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+    """The largest of the ``n`` fp32 values at ``x``, NaN where one is NaN (ATen's ``amax``), by one program, ``BLOCK``
+    at a time (tl.full for zeros and a while loop: Triton's interpreter can call no jit function of Triton's own, which
+    tl.zeros is, and takes no runtime bound in a range under numpy 2)."""
+    offs = tl.arange(0, BLOCK)
+    top = tl.full((BLOCK,), 0.0, tl.float32)
+    nan = tl.full((BLOCK,), 0, tl.int32)
+    start = 0
+    while start < n:
+        v = tl.load(x + start + offs, mask=start + offs < n, other=0.0)
+        nan = tl.maximum(nan, (v != v).to(tl.int32))
+        top = tl.maximum(top, tl.where(v != v, 0.0, v))
+        start += BLOCK
+    return tl.where(tl.reduce(nan, 0, _larger) > 0, float("nan"), tl.reduce(top, 0, _larger))
+
+
+@triton.jit  # type: ignore[untyped-decorator]
 def delayed_scale(  # type: ignore[no-untyped-def]
     tiles, n, row, length, pending, scale,
     RECORD: tl.constexpr, MOST_RECENT: tl.constexpr, EPS: tl.constexpr, FP8_MAX: tl.constexpr,
@@ -87,31 +104,8 @@ def delayed_scale(  # type: ignore[no-untyped-def]
     """One program: delayed scaling's scale of a tensor (its amax from its tiles' ``amax_tiles``) from the tensor's
     amax history ``row`` (its largest or its newest; the amax now where that is not positive), ``MARGIN`` being
     ``2 ** margin``; with ``RECORD``, the amax now (where finite) into its ``pending`` slot, as a max."""
-    # each fold: the largest value, NaN where one is NaN (ATen's amax); written out twice, with tl.full for zeros
-    # and while loops (Triton's interpreter calls no jit function, tl.zeros is one, but a reduction's combine, and
-    # takes no runtime bound in a range under numpy 2)
-    offs = tl.arange(0, BLOCK)
-    top = tl.full((BLOCK,), 0.0, tl.float32)
-    nan = tl.full((BLOCK,), 0, tl.int32)
-    start = 0
-    while start < n:
-        v = tl.load(tiles + start + offs, mask=start + offs < n, other=0.0)
-        nan = tl.maximum(nan, (v != v).to(tl.int32))
-        top = tl.maximum(top, tl.where(v != v, 0.0, v))
-        start += BLOCK
-    now = tl.where(tl.reduce(nan, 0, _larger) > 0, float("nan"), tl.reduce(top, 0, _larger))
-    if MOST_RECENT:
-        past = tl.load(row)
-    else:
-        top = tl.full((BLOCK,), 0.0, tl.float32)
-        nan = tl.full((BLOCK,), 0, tl.int32)
-        start = 0
-        while start < length:
-            v = tl.load(row + start + offs, mask=start + offs < length, other=0.0)
-            nan = tl.maximum(nan, (v != v).to(tl.int32))
-            top = tl.maximum(top, tl.where(v != v, 0.0, v))
-            start += BLOCK
-        past = tl.where(tl.reduce(nan, 0, _larger) > 0, float("nan"), tl.reduce(top, 0, _larger))
+    now = _largest(tiles, n, BLOCK)
+    past = tl.load(row) if MOST_RECENT else _largest(row, length, BLOCK)
     wide = tl.where(past > 0, past, now).to(tl.float64)
     eps = tl.full((), EPS, tl.float64)  # a float constant alone would be fp32
     clamped = tl.where(wide != wide, wide, tl.where(wide < eps, eps, wide))
