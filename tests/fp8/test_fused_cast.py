@@ -251,21 +251,29 @@ _DELAYED_CASES = [
 ]
 
 
-def test_delayed_scaling_scale_and_record_are_atens_bit_for_bit(fused_on_cpu: list[str]) -> None:
-    """Delayed scaling's scale of a tensor (its history's largest or newest amax, its own where that is not
-    positive; the margin; the scale's clamp) and its record into the pending amaxes (a max; not where non-finite),
-    by the kernels as by the ATen ops: each history, algorithm, margin, format, role and source dtype."""
+def _delayed_cases_are_atens(device: str) -> None:
+    """Each of ``_DELAYED_CASES`` on ``device``: the scale and the pending record as the kernels make them (where
+    they run) and as the ATen ops do, bit for bit."""
     from mixprec._src.fp8 import linear as fp8_linear
 
     for tensor, history, algo, margin, dtype, record, source, role in _DELAYED_CASES:
         delayed = fp8_linear._Delayed(margin, mixprec.AmaxAlgo(algo), record)
-        t = _DELAYED_TENSORS[tensor]().to(source)
-        got_pending, want_pending = torch.tensor([0.5, 0.0, 1e6]), torch.tensor([0.5, 0.0, 1e6])
-        got = fp8_linear._delayed_scale(_history(history), got_pending, role, t, dtype, delayed, record)
+        t = _DELAYED_TENSORS[tensor]().to(device=device, dtype=source)
+        pending = torch.tensor([0.5, 0.0, 1e6], device=device)
+        got_pending, want_pending = pending.clone(), pending.clone()
+        got = fp8_linear._delayed_scale(_history(history).to(device), got_pending, role, t, dtype, delayed, record)
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv(fused_cast.ENV, "0")
-            want = fp8_linear._delayed_scale(_history(history), want_pending, role, t, dtype, delayed, record)
+            held = _history(history).to(device)
+            want = fp8_linear._delayed_scale(held, want_pending, role, t, dtype, delayed, record)
         assert same_number(got, want) and bitwise_equal(got_pending, want_pending), (tensor, history, got, want)
+
+
+def test_delayed_scaling_scale_and_record_are_atens_bit_for_bit(fused_on_cpu: list[str]) -> None:
+    """Delayed scaling's scale of a tensor (its history's largest or newest amax, its own where that is not
+    positive; the margin; the scale's clamp) and its record into the pending amaxes (a max; not where non-finite),
+    by the kernels as by the ATen ops: each history, algorithm, margin, format, role and source dtype."""
+    _delayed_cases_are_atens("cpu")
     assert fused_on_cpu == ["delayed scale"] * len(_DELAYED_CASES)
 
 
@@ -347,18 +355,7 @@ def test_cuda_fp8_linear_is_the_same_with_and_without_the_fused_cast(recipe: str
 @requires_cuda
 def test_cuda_delayed_scaling_scale_and_record_are_atens_bit_for_bit() -> None:
     """On the GPU: delayed scaling's scale and record by the kernels as by CUDA's ATen ops, over the same cases."""
-    from mixprec._src.fp8 import linear as fp8_linear
-
-    for tensor, history, algo, margin, dtype, record, source, role in _DELAYED_CASES:
-        delayed = fp8_linear._Delayed(margin, mixprec.AmaxAlgo(algo), record)
-        t = _DELAYED_TENSORS[tensor]().to(device="cuda", dtype=source)
-        pending = torch.tensor([0.5, 0.0, 1e6], device="cuda")
-        got_pending, want_pending = pending.clone(), pending.clone()
-        got = fp8_linear._delayed_scale(_history(history).cuda(), got_pending, role, t, dtype, delayed, record)
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv(fused_cast.ENV, "0")
-            want = fp8_linear._delayed_scale(_history(history).cuda(), want_pending, role, t, dtype, delayed, record)
-        assert same_number(got, want) and bitwise_equal(got_pending, want_pending), (tensor, history, got, want)
+    _delayed_cases_are_atens("cuda")
 
 
 def _compiled_for_sm90(kernel: Any, signature: dict[str, str], constexprs: dict[str, Any]) -> Any:
